@@ -1,0 +1,78 @@
+# kvtier: `make demo` and `make test` do all the set-up they need.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+SYS_PACKAGES := liburing-dev libgtest-dev redis-server redis-tools fio pkg-config clang-format cmake ninja-build g++
+TORCH_SPEC := torch==2.13.0
+JOBS ?= 2
+
+.PHONY: all sysdeps venv install demo test test-py test-cpp bench lint format clean
+
+all: install
+
+# System packages, when missing and we are root (CI and fresh machines).
+sysdeps:
+	@missing=""; for p in $(SYS_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing system packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else echo "warning: missing system packages:$$missing (not root: install them by hand)"; fi; \
+	fi
+
+$(VENV)/.deps: pyproject.toml | sysdeps
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# Pinned: a plain `torch` would pull a multi-GB CUDA build.
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q "scikit-build-core>=0.10" "pybind11>=3" cmake ninja numpy tqdm matplotlib \
+	  pytest hypothesis ruff mypy
+	touch $@
+
+venv: $(VENV)/.deps
+
+install: venv
+	$(PIP) install -q --no-build-isolation -e ".[test]"
+
+demo: install
+	$(VENV)/bin/kvtier replay --host-blocks 4096 --block-bytes 65536 --disk build/demo-disk:1GiB --max-requests 3000 \
+	  --json build/demo-replay.json --plot build/demo-replay.png
+
+test: install test-cpp test-py
+
+test-py:
+	$(PY) -m pytest -q tests
+
+# The C++ unit tests, plain and under ASan+UBSan and TSan.
+test-cpp: sysdeps
+	@set -e; for cfg in "plain:RelWithDebInfo:" "asan:Debug:address,undefined" "tsan:Debug:thread"; do \
+	  IFS=: read name btype san <<< "$$cfg"; dir=build/cpp-$$name; \
+	  cmake -S . -B $$dir -G Ninja -DKVTIER_BUILD_PYTHON=OFF -DKVTIER_BUILD_TESTS=ON \
+	    -DCMAKE_BUILD_TYPE=$$btype -DKVTIER_SANITIZE=$$san >/dev/null; \
+	  cmake --build $$dir -j $(JOBS) >/dev/null; \
+	  echo "== C++ tests ($$name)"; \
+	  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	  TSAN_OPTIONS=halt_on_error=1 $$dir/kvtier_tests --gtest_brief=1; \
+	done
+
+bench: install
+	$(VENV)/bin/kvtier bench copy --json
+	$(VENV)/bin/kvtier bench manager --json
+
+lint: install
+	$(VENV)/bin/ruff check python tests bench
+	$(VENV)/bin/ruff format --check python tests bench
+	$(VENV)/bin/mypy
+	clang-format --dry-run --Werror csrc/core/*.h csrc/core/*.cc csrc/core/*/*.h csrc/core/*/*.cc csrc/bindings/*.cc csrc/tests/*.cc
+
+format: venv
+	$(VENV)/bin/ruff format python tests bench
+	$(VENV)/bin/ruff check --fix python tests bench
+	clang-format -i csrc/core/*.h csrc/core/*.cc csrc/core/*/*.h csrc/core/*/*.cc csrc/bindings/*.cc csrc/tests/*.cc
+
+clean:
+	rm -rf build $(VENV)

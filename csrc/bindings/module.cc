@@ -1,0 +1,251 @@
+// The only pybind11 code of kvtier. Core errors (kvtier::Error) are turned
+// into the kvtier.errors hierarchy here, once, for every entry point.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../core/copy/host_copy.h"
+#include "../core/crc32c.h"
+#include "../core/engine.h"
+#include "../core/pool.h"
+#include "../core/status.h"
+
+namespace py = pybind11;
+using kvtier::Code;
+using kvtier::Error;
+
+namespace {
+
+const char* class_for(Code code) {
+  switch (code) {
+    case Code::kInvalidArgument:
+      return "InvalidArgument";
+    case Code::kIoError:
+      return "IoError";
+    case Code::kBusy:
+      return "Busy";
+    case Code::kCuda:
+      return "CudaError";
+    case Code::kClosed:
+      return "ClosedError";
+    case Code::kTimeout:
+      return "Timeout";
+    default:
+      return "KvtierError";
+  }
+}
+
+void translate(const Error& e) {
+  py::object cls = py::module_::import("kvtier.errors").attr(class_for(e.code()));
+  py::object exc = e.code() == Code::kIoError ? cls(e.sys_errno(), e.what()) : cls(e.what());
+  PyErr_SetObject(cls.ptr(), exc.ptr());
+}
+
+// Wait in slices with the GIL released, so Ctrl-C (PyErr_CheckSignals) and
+// the timeout are honoured without a callback from worker threads.
+void wait_jobs(kvtier::Engine& eng, const std::vector<std::uint64_t>& ids, double timeout_s) {
+  using clock = std::chrono::steady_clock;
+  const bool forever = timeout_s < 0;
+  const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
+                                           std::chrono::duration<double>(forever ? 0 : timeout_s));
+  for (;;) {
+    bool done;
+    {
+      py::gil_scoped_release nogil;
+      done = eng.wait_for(ids, std::chrono::milliseconds(20));
+    }
+    if (done) return;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    if (!forever && clock::now() >= deadline)
+      throw Error(Code::kTimeout, "wait: " + std::to_string(ids.size()) +
+                                      " job(s) not finished within " + std::to_string(timeout_s) +
+                                      " s");
+  }
+}
+
+std::vector<kvtier::CopyDesc> descs_from_array(const py::array& arr) {
+  if (arr.ndim() != 2 || arr.shape(1) != 3)
+    throw Error(Code::kInvalidArgument, "descriptors must be an int64 array of shape (N, 3)");
+  if (!py::isinstance<py::array_t<std::int64_t>>(arr) || arr.dtype().kind() != 'i' ||
+      arr.itemsize() != 8)
+    throw Error(Code::kInvalidArgument, "descriptors must have dtype int64");
+  auto a = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
+  auto r = a.unchecked<2>();
+  std::vector<kvtier::CopyDesc> out(static_cast<std::size_t>(r.shape(0)));
+  for (py::ssize_t i = 0; i < r.shape(0); ++i) {
+    if (r(i, 2) <= 0)
+      throw Error(Code::kInvalidArgument, "descriptor " + std::to_string(i) +
+                                              ": size must be > 0, got " + std::to_string(r(i, 2)));
+    out[static_cast<std::size_t>(i)] = {static_cast<std::uintptr_t>(r(i, 0)),
+                                        static_cast<std::uintptr_t>(r(i, 1)),
+                                        static_cast<std::uint64_t>(r(i, 2))};
+  }
+  return out;
+}
+
+const kvtier::HostPool& open_pool(const std::shared_ptr<kvtier::HostPool>& p) {
+  if (p->closed()) throw Error(Code::kClosed, "host pool is closed");
+  return *p;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "kvtier native core (no torch, no CUDA runtime linked)";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      translate(e);
+    }
+  });
+
+  using kvtier::HostPool;
+  py::class_<HostPool, std::shared_ptr<HostPool>>(m, "HostPool")
+      .def_static(
+          "create",
+          [](std::size_t num_slots, std::size_t slot_bytes, const std::string& name, bool mlock,
+             bool prefault) {
+            kvtier::PoolOptions o;
+            o.mlock = mlock;
+            o.prefault = prefault;
+            py::gil_scoped_release nogil;  // pre-faulting a large pool takes a while
+            return std::make_shared<HostPool>(HostPool::create(num_slots, slot_bytes, name, o));
+          },
+          py::arg("num_slots"), py::arg("slot_bytes"), py::arg("name") = "",
+          py::arg("mlock") = false, py::arg("prefault") = true)
+      .def_static(
+          "attach",
+          [](const std::string& name) {
+            py::gil_scoped_release nogil;
+            return std::make_shared<HostPool>(HostPool::attach(name));
+          },
+          py::arg("name"))
+      .def_property_readonly("name", &HostPool::name)
+      .def_property_readonly("num_slots", &HostPool::num_slots)
+      .def_property_readonly("slot_bytes", &HostPool::slot_bytes)
+      .def_property_readonly("owner", &HostPool::owner)
+      .def_property_readonly("locked", &HostPool::locked)
+      .def_property_readonly("closed", &HostPool::closed)
+      .def_property_readonly("address",
+                             [](const std::shared_ptr<HostPool>& p) {
+                               return reinterpret_cast<std::uintptr_t>(open_pool(p).data());
+                             })
+      .def("slot_address",
+           [](const std::shared_ptr<HostPool>& p, std::size_t i) {
+             return reinterpret_cast<std::uintptr_t>(open_pool(p).slot(i));
+           })
+      // A zero-copy uint8 array over slots [first, first+count); it keeps the
+      // mapping alive even after close().
+      .def(
+          "array",
+          [](const std::shared_ptr<HostPool>& p, std::size_t first, std::size_t count) {
+            const HostPool& pool = open_pool(p);
+            if (count == 0 || first >= pool.num_slots() || count > pool.num_slots() - first)
+              throw Error(Code::kInvalidArgument,
+                          "slots [" + std::to_string(first) + ", " + std::to_string(first + count) +
+                              ") out of range [0, " + std::to_string(pool.num_slots()) + ")");
+            return py::array_t<std::uint8_t>(
+                {static_cast<py::ssize_t>(count), static_cast<py::ssize_t>(pool.slot_bytes())},
+                pool.slot(first), py::cast(p));
+          },
+          py::arg("first"), py::arg("count"))
+      .def("close", &HostPool::close);
+
+  py::class_<kvtier::JobResult>(m, "JobResult")
+      .def_readonly("job_id", &kvtier::JobResult::job_id)
+      .def_readonly("ok", &kvtier::JobResult::ok)
+      .def_readonly("error", &kvtier::JobResult::error)
+      .def_readonly("nbytes", &kvtier::JobResult::nbytes)
+      .def_readonly("seconds", &kvtier::JobResult::seconds)
+      .def("__iter__",
+           [](const kvtier::JobResult& r) {
+             return py::iter(py::make_tuple(r.job_id, r.ok, r.error, r.nbytes, r.seconds));
+           })
+      .def("__repr__", [](const kvtier::JobResult& r) {
+        return "JobResult(job_id=" + std::to_string(r.job_id) +
+               ", ok=" + (r.ok ? "True" : "False") + ", error='" + r.error +
+               "', nbytes=" + std::to_string(r.nbytes) + ", seconds=" + std::to_string(r.seconds) +
+               ")";
+      });
+
+  using kvtier::Engine;
+  py::class_<Engine>(m, "Engine")
+      .def(py::init(
+               [](std::size_t num_threads, const std::vector<std::pair<std::uint64_t, bool>>& qs) {
+                 std::vector<kvtier::QueueOptions> opts;
+                 for (const auto& [budget, serial] : qs) opts.push_back({budget, serial});
+                 return std::make_unique<Engine>(num_threads, std::move(opts));
+               }),
+           py::arg("num_threads"), py::arg("queues"))
+      .def(
+          "submit_copy",
+          [](Engine& e, const py::array& descs, std::size_t queue) {
+            auto job = kvtier::make_host_copy_job(descs_from_array(descs));
+            std::uint64_t id = e.submit(std::move(job), queue);
+            if (id == 0)
+              throw Error(Code::kBusy,
+                          "queue " + std::to_string(queue) + " is at its in-flight byte budget");
+            return id;
+          },
+          py::arg("descs"), py::arg("queue") = 0)
+      .def(
+          "submit_sleep",
+          [](Engine& e, double seconds, std::uint64_t nbytes, const std::string& fail,
+             std::size_t queue) {
+            if (seconds < 0) throw Error(Code::kInvalidArgument, "seconds must be >= 0");
+            auto ms = std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000));
+            std::uint64_t id = e.submit(kvtier::make_sleep_job(ms, nbytes, fail), queue);
+            if (id == 0)
+              throw Error(Code::kBusy,
+                          "queue " + std::to_string(queue) + " is at its in-flight byte budget");
+            return id;
+          },
+          py::arg("seconds"), py::arg("nbytes") = 0, py::arg("fail") = "", py::arg("queue") = 0)
+      .def("poll", &Engine::poll)
+      .def(
+          "wait",
+          [](Engine& e, const std::vector<std::uint64_t>& ids, double timeout) {
+            wait_jobs(e, ids, timeout);
+          },
+          py::arg("job_ids"), py::arg("timeout") = -1.0)
+      .def(
+          "close",
+          [](Engine& e, bool cancel) {
+            py::gil_scoped_release nogil;
+            e.close(cancel);
+          },
+          py::arg("cancel") = false)
+      .def_property_readonly("closed", &Engine::closed)
+      .def_property_readonly("num_threads", &Engine::num_threads)
+      .def("in_flight_bytes", &Engine::in_flight_bytes, py::arg("queue") = 0)
+      .def("register_region", &Engine::register_region, py::arg("address"), py::arg("nbytes"))
+      .def(
+          "unregister_region",
+          [](Engine& e, std::uintptr_t addr) {
+            py::gil_scoped_release nogil;
+            e.unregister_region(addr);
+          },
+          py::arg("address"));
+
+  m.def(
+      "crc32c",
+      [](const py::object& obj, std::uint32_t crc) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) {
+          PyErr_Clear();
+          throw Error(Code::kInvalidArgument, "crc32c needs a C-contiguous buffer");
+        }
+        std::unique_ptr<Py_buffer, void (*)(Py_buffer*)> guard(&view, PyBuffer_Release);
+        const auto n = static_cast<std::size_t>(view.len);
+        py::gil_scoped_release nogil;
+        return kvtier::crc32c(view.buf, n, crc);
+      },
+      py::arg("data"), py::arg("crc") = 0);
+  m.def("crc32c_backend", &kvtier::crc32c_backend);
+}

@@ -1,0 +1,209 @@
+#include "engine.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "status.h"
+
+namespace kvtier {
+
+Engine::Engine(std::size_t num_threads, std::vector<QueueOptions> queues) {
+  if (num_threads == 0 || num_threads > 256) throw_invalid("num_threads must be in 1..256");
+  if (queues.empty()) throw_invalid("an engine needs at least one queue");
+  for (const auto& q : queues)
+    if (q.budget_bytes == 0) throw_invalid("queue budget_bytes must be > 0");
+  queues_ = std::vector<Queue>(queues.size());
+  for (std::size_t i = 0; i < queues.size(); ++i) queues_[i].opts = queues[i];
+  threads_.reserve(num_threads);
+  for (std::size_t i = 0; i < num_threads; ++i) threads_.emplace_back([this] { worker_loop(); });
+}
+
+Engine::~Engine() { close(true); }
+
+std::uint64_t Engine::submit(std::unique_ptr<Job> job, std::size_t queue) {
+  if (!job) throw_invalid("null job");
+  if (queue >= queues_.size())
+    throw_invalid("queue " + std::to_string(queue) + " out of range [0, " +
+                  std::to_string(queues_.size()) + ")");
+  std::uint64_t epoch;
+  {
+    std::lock_guard<std::mutex> g(regions_mu_);
+    std::string err = job->check(regions_);
+    if (!err.empty()) throw_invalid(err);
+    epoch = regions_epoch_;
+  }
+  const std::uint64_t nbytes = job->bytes();
+  std::lock_guard<std::mutex> g(mu_);
+  if (stopping_) throw Error(Code::kClosed, "engine is closed");
+  Queue& q = queues_[queue];
+  // A job larger than the whole budget still runs when the queue is idle,
+  // otherwise it could never be submitted at all.
+  if (q.in_flight > 0 && q.in_flight + nbytes > q.opts.budget_bytes) return 0;
+  const std::uint64_t id = next_id_++;
+  q.in_flight += nbytes;
+  q.pending.push_back(Pending{id, std::move(job), epoch});
+  outstanding_.insert(id);
+  work_cv_.notify_one();
+  return id;
+}
+
+bool Engine::take(Pending* out, std::size_t* queue_index) {
+  const std::size_t n = queues_.size();
+  for (std::size_t k = 0; k < n; ++k) {
+    const std::size_t i = (rr_ + k) % n;
+    Queue& q = queues_[i];
+    if (q.pending.empty() || (q.opts.serial && q.running > 0)) continue;
+    *out = std::move(q.pending.front());
+    q.pending.pop_front();
+    ++q.running;
+    *queue_index = i;
+    rr_ = (i + 1) % n;
+    return true;
+  }
+  return false;
+}
+
+void Engine::worker_loop() {
+  std::unique_lock<std::mutex> lk(mu_);
+  for (;;) {
+    Pending p;
+    std::size_t qi = 0;
+    work_cv_.wait(lk, [&] {
+      if (take(&p, &qi)) return true;
+      return stopping_;
+    });
+    if (!p.job) return;  // stopping and nothing runnable
+    lk.unlock();
+
+    JobResult r;
+    r.job_id = p.id;
+    r.nbytes = p.job->bytes();
+    std::string err;
+    {
+      std::lock_guard<std::mutex> g(regions_mu_);
+      // A region removed after submit: the job must not touch freed memory.
+      if (p.epoch != regions_epoch_) err = p.job->check(regions_);
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    if (err.empty()) err = p.job->run();
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    r.ok = err.empty();
+    r.error = std::move(err);
+    p.job.reset();
+
+    lk.lock();
+    Queue& q = queues_[qi];
+    q.in_flight -= r.nbytes;
+    --q.running;
+    outstanding_.erase(r.job_id);
+    finished_.push_back(std::move(r));
+    done_cv_.notify_all();
+    if (q.opts.serial && !q.pending.empty()) work_cv_.notify_one();
+  }
+}
+
+std::vector<JobResult> Engine::poll() {
+  std::vector<JobResult> out;
+  std::lock_guard<std::mutex> g(mu_);
+  out.swap(finished_);
+  return out;
+}
+
+bool Engine::done_locked(const std::vector<std::uint64_t>& ids) const {
+  return std::none_of(ids.begin(), ids.end(),
+                      [&](std::uint64_t id) { return outstanding_.count(id) != 0; });
+}
+
+bool Engine::wait_for(const std::vector<std::uint64_t>& ids, std::chrono::milliseconds slice) {
+  std::unique_lock<std::mutex> lk(mu_);
+  for (std::uint64_t id : ids)
+    if (id == 0 || id >= next_id_) throw_invalid("unknown job id " + std::to_string(id));
+  return done_cv_.wait_for(lk, slice, [&] { return done_locked(ids); });
+}
+
+void Engine::close(bool cancel) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (closed_) return;
+    stopping_ = true;
+    if (cancel) {
+      for (Queue& q : queues_) {
+        for (Pending& p : q.pending) {
+          const std::uint64_t nb = p.job->bytes();
+          q.in_flight -= nb;
+          outstanding_.erase(p.id);
+          finished_.push_back(JobResult{p.id, false, "cancelled: engine closed", nb, 0.0});
+        }
+        q.pending.clear();
+      }
+      done_cv_.notify_all();
+    }
+    work_cv_.notify_all();
+  }
+  // Workers exit once nothing runnable is left (after draining when !cancel).
+  for (auto& t : threads_)
+    if (t.joinable()) t.join();
+  std::lock_guard<std::mutex> g(mu_);
+  closed_ = true;
+}
+
+bool Engine::closed() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return stopping_;
+}
+
+void Engine::register_region(std::uintptr_t addr, std::size_t nbytes) {
+  std::lock_guard<std::mutex> g(regions_mu_);
+  regions_.add(addr, nbytes);
+}
+
+void Engine::unregister_region(std::uintptr_t addr) {
+  std::uint64_t last_id;
+  {
+    std::lock_guard<std::mutex> g(regions_mu_);
+    if (!regions_.remove(addr)) throw_invalid("no region registered at that address");
+    ++regions_epoch_;
+  }
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    last_id = next_id_;
+  }
+  // Jobs submitted before the removal may be running on the region right now.
+  std::unique_lock<std::mutex> lk(mu_);
+  done_cv_.wait(lk, [&] {
+    return std::none_of(outstanding_.begin(), outstanding_.end(),
+                        [&](std::uint64_t id) { return id < last_id; });
+  });
+}
+
+namespace {
+class SleepJob final : public Job {
+ public:
+  SleepJob(std::chrono::milliseconds d, std::uint64_t n, std::string fail)
+      : d_(d), n_(n), fail_(std::move(fail)) {}
+  std::uint64_t bytes() const override { return n_; }
+  std::string check(const RegionSet&) const override { return {}; }
+  std::string run() override {
+    std::this_thread::sleep_for(d_);
+    return fail_;
+  }
+
+ private:
+  std::chrono::milliseconds d_;
+  std::uint64_t n_;
+  std::string fail_;
+};
+}  // namespace
+
+std::unique_ptr<Job> make_sleep_job(std::chrono::milliseconds duration, std::uint64_t bytes,
+                                    std::string fail) {
+  return std::make_unique<SleepJob>(duration, bytes, std::move(fail));
+}
+
+std::uint64_t Engine::in_flight_bytes(std::size_t queue) const {
+  std::lock_guard<std::mutex> g(mu_);
+  if (queue >= queues_.size()) throw_invalid("queue out of range");
+  return queues_[queue].in_flight;
+}
+
+}  // namespace kvtier

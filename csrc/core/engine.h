@@ -1,0 +1,119 @@
+// Native engine: bounded job queues served by worker threads. Python submits
+// (never blocking), and drains completions with poll() once per step or
+// blocks in wait(); there is never a callback into Python.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "regions.h"
+
+namespace kvtier {
+
+struct JobResult {
+  std::uint64_t job_id = 0;
+  bool ok = false;
+  std::string error;
+  std::uint64_t nbytes = 0;
+  double seconds = 0.0;  // execution time on the worker
+};
+
+// A unit of work run on one worker thread. Implementations must not touch
+// Python objects and must not throw for data-path failures: they return an
+// error message instead (empty = success).
+class Job {
+ public:
+  virtual ~Job() = default;
+  virtual std::uint64_t bytes() const = 0;
+  // Checks every address range against the live regions. Empty = fine.
+  virtual std::string check(const RegionSet& regions) const = 0;
+  virtual std::string run() = 0;
+};
+
+struct QueueOptions {
+  std::uint64_t budget_bytes = 1ULL << 30;  // in-flight bytes before submit says BUSY
+  bool serial = false;                      // at most one job of this queue runs at a time
+};
+
+class Engine {
+ public:
+  Engine(std::size_t num_threads, std::vector<QueueOptions> queues);
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+  ~Engine();
+
+  // Validates the job (InvalidArgument on bad ranges), then queues it.
+  // Returns the job id, or 0 when the queue's byte budget is full (BUSY).
+  // Never blocks on running jobs.
+  std::uint64_t submit(std::unique_ptr<Job> job, std::size_t queue = 0);
+
+  // Every job finished since the last poll, in completion order.
+  std::vector<JobResult> poll();
+
+  // Blocks up to `slice` for all of `ids` to finish (finished = completed,
+  // whether or not already polled). Returns true when they all have.
+  bool wait_for(const std::vector<std::uint64_t>& ids, std::chrono::milliseconds slice);
+
+  // cancel=false: run every queued job first. cancel=true: queued jobs
+  // complete with ok=false ("cancelled"); running ones finish. Then joins.
+  void close(bool cancel);
+  bool closed() const;
+
+  void register_region(std::uintptr_t addr, std::size_t nbytes);
+  // Jobs not yet started that touch the region fail; returns once every job
+  // that might be using it has finished, so the caller may unmap it.
+  void unregister_region(std::uintptr_t addr);
+
+  std::size_t num_threads() const noexcept { return threads_.size(); }
+  std::size_t num_queues() const noexcept { return queues_.size(); }
+  std::uint64_t in_flight_bytes(std::size_t queue) const;
+
+ private:
+  struct Pending {
+    std::uint64_t id;
+    std::unique_ptr<Job> job;
+    std::uint64_t epoch;
+  };
+  struct Queue {
+    QueueOptions opts;
+    std::deque<Pending> pending;
+    std::uint64_t in_flight = 0;
+    std::size_t running = 0;
+  };
+
+  void worker_loop();
+  bool take(Pending* out, std::size_t* queue_index);  // under mu_
+  bool done_locked(const std::vector<std::uint64_t>& ids) const;
+
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  std::vector<Queue> queues_;
+  std::vector<JobResult> finished_;
+  std::unordered_set<std::uint64_t> outstanding_;
+  std::uint64_t next_id_ = 1;
+  std::size_t rr_ = 0;
+  bool stopping_ = false;
+  bool closed_ = false;
+  std::vector<std::thread> threads_;
+
+  mutable std::mutex regions_mu_;
+  RegionSet regions_;
+  std::uint64_t regions_epoch_ = 0;
+};
+
+// A job that sleeps, then succeeds or fails with `fail`: for tests of
+// budgets, timeouts, interrupts and failure reporting from any language.
+std::unique_ptr<Job> make_sleep_job(std::chrono::milliseconds duration, std::uint64_t bytes,
+                                    std::string fail);
+
+}  // namespace kvtier

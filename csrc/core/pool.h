@@ -1,0 +1,70 @@
+// Shared-memory host pool: num_slots x slot_bytes in one POSIX shared-memory
+// mapping, so the scheduler process (tiers) and the GPU worker processes
+// (device copies) see the same bytes without copying.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace kvtier {
+
+struct PoolOptions {
+  bool mlock = false;     // page-lock (fails with IoError when RLIMIT_MEMLOCK is too low)
+  bool prefault = true;   // MADV_POPULATE_WRITE, else touch a byte per page
+  bool hugepages = true;  // MADV_HUGEPAGE (advisory)
+};
+
+class HostPool {
+ public:
+  // Creates a new named region; name may be empty (a unique one is chosen).
+  // The creator unlinks the name on close.
+  static HostPool create(std::size_t num_slots, std::size_t slot_bytes, std::string name,
+                         PoolOptions opts = {});
+  // Maps an existing region by name, validating its header.
+  static HostPool attach(const std::string& name);
+
+  HostPool(HostPool&& other) noexcept;
+  HostPool& operator=(HostPool&& other) noexcept;
+  HostPool(const HostPool&) = delete;
+  HostPool& operator=(const HostPool&) = delete;
+  ~HostPool();
+
+  // Removes the name (creator) and refuses further use; the mapping itself
+  // stays until destruction so that views handed out earlier stay valid.
+  void close() noexcept;
+  bool closed() const noexcept { return closed_; }
+
+  const std::string& name() const noexcept { return name_; }
+  std::size_t num_slots() const noexcept { return num_slots_; }
+  std::size_t slot_bytes() const noexcept { return slot_bytes_; }
+  std::size_t data_bytes() const noexcept { return num_slots_ * slot_bytes_; }
+  bool owner() const noexcept { return owner_; }
+  bool locked() const noexcept { return locked_; }
+
+  // Throws InvalidArgument for a slot out of range or a closed pool.
+  std::uint8_t* slot(std::size_t index) const;
+  std::uint8_t* data() const;
+  // True when [addr, addr+n) lies inside the data area.
+  bool contains(std::uintptr_t addr, std::size_t n) const noexcept;
+
+  // Alignment of the data area and of each slot when slot_bytes is a multiple
+  // of it; O_DIRECT needs 4 KiB.
+  static constexpr std::size_t kDataOffset = 4096;
+
+ private:
+  HostPool() = default;
+  void map(int fd, std::size_t total);
+  void unmap() noexcept;
+
+  std::string name_;
+  std::uint8_t* base_ = nullptr;
+  std::size_t map_bytes_ = 0;
+  std::size_t num_slots_ = 0;
+  std::size_t slot_bytes_ = 0;
+  bool owner_ = false;
+  bool locked_ = false;
+  bool closed_ = false;
+};
+
+}  // namespace kvtier

@@ -1,0 +1,206 @@
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "core/copy/host_copy.h"
+#include "core/engine.h"
+#include "core/status.h"
+
+using kvtier::CopyDesc;
+using kvtier::Engine;
+using kvtier::Job;
+using kvtier::QueueOptions;
+
+namespace {
+
+// A job that blocks until released, to hold budget and workers in tests.
+class GateJob final : public Job {
+ public:
+  GateJob(std::atomic<bool>* gate, std::uint64_t n, std::string fail = {})
+      : gate_(gate), n_(n), fail_(std::move(fail)) {}
+  std::uint64_t bytes() const override { return n_; }
+  std::string check(const kvtier::RegionSet&) const override { return {}; }
+  std::string run() override {
+    while (!gate_->load()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    return fail_;
+  }
+
+ private:
+  std::atomic<bool>* gate_;
+  std::uint64_t n_;
+  std::string fail_;
+};
+
+std::uintptr_t addr(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+
+void wait_all(Engine& e, const std::vector<std::uint64_t>& ids) {
+  while (!e.wait_for(ids, std::chrono::milliseconds(50))) {
+  }
+}
+
+TEST(Engine, RandomCopiesVerified) {
+  constexpr std::size_t kSlots = 256, kSlot = 4096;
+  std::vector<std::uint8_t> src(kSlots * kSlot), dst(kSlots * kSlot, 0);
+  std::mt19937 rng(1);
+  for (auto& b : src) b = static_cast<std::uint8_t>(rng());
+  Engine e(2, {QueueOptions{}});
+  e.register_region(addr(src.data()), src.size());
+  e.register_region(addr(dst.data()), dst.size());
+  std::vector<std::uint64_t> ids;
+  for (int round = 0; round < 2000; ++round) {
+    // Each job copies a few random slots of src to distinct dst slots; slots
+    // are written once per round pair so results are comparable.
+    std::size_t s = rng() % kSlots, d = round % kSlots;
+    std::size_t off = rng() % 64, n = 1 + rng() % (kSlot - off);
+    ids.push_back(e.submit(kvtier::make_host_copy_job(
+        {CopyDesc{addr(src.data() + s * kSlot + off), addr(dst.data() + d * kSlot + off), n}})));
+    wait_all(e, {ids.back()});
+    ASSERT_EQ(std::memcmp(src.data() + s * kSlot + off, dst.data() + d * kSlot + off, n), 0);
+  }
+  auto res = e.poll();
+  EXPECT_EQ(res.size(), 2000u);
+  for (auto& r : res) EXPECT_TRUE(r.ok) << r.error;
+}
+
+TEST(Engine, BusyWhenBudgetFullThenFreed) {
+  std::atomic<bool> gate{false};
+  Engine e(1, {QueueOptions{100, false}});
+  auto a = e.submit(std::make_unique<GateJob>(&gate, 60));
+  EXPECT_GT(a, 0u);
+  EXPECT_EQ(e.submit(std::make_unique<GateJob>(&gate, 60)), 0u);  // BUSY
+  auto b = e.submit(std::make_unique<GateJob>(&gate, 40));
+  EXPECT_GT(b, 0u);
+  EXPECT_EQ(e.in_flight_bytes(0), 100u);
+  gate = true;
+  wait_all(e, {a, b});
+  EXPECT_EQ(e.in_flight_bytes(0), 0u);
+  EXPECT_GT(e.submit(std::make_unique<GateJob>(&gate, 60)), 0u);
+}
+
+TEST(Engine, OversizedJobRunsWhenIdle) {
+  std::atomic<bool> gate{true};
+  Engine e(1, {QueueOptions{10, false}});
+  auto a = e.submit(std::make_unique<GateJob>(&gate, 1000));
+  EXPECT_GT(a, 0u);
+  wait_all(e, {a});
+}
+
+TEST(Engine, FailingJobReportsError) {
+  std::atomic<bool> gate{true};
+  Engine e(2, {QueueOptions{}});
+  auto a = e.submit(std::make_unique<GateJob>(&gate, 1, "disk on fire"));
+  wait_all(e, {a});
+  auto r = e.poll();
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_FALSE(r[0].ok);
+  EXPECT_EQ(r[0].error, "disk on fire");
+}
+
+TEST(Engine, SerialQueueKeepsOrder) {
+  Engine e(2, {QueueOptions{1ULL << 30, true}});
+  std::vector<std::uint8_t> buf(64 * 1024, 0);
+  std::vector<std::uint8_t> src(64 * 1024);
+  for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::uint8_t>(i / 1024);
+  e.register_region(addr(buf.data()), buf.size());
+  e.register_region(addr(src.data()), src.size());
+  std::vector<std::uint64_t> ids;
+  // 64 jobs write the same destination; the last one must win.
+  for (std::size_t i = 0; i < 64; ++i)
+    ids.push_back(e.submit(kvtier::make_host_copy_job(
+        {CopyDesc{addr(src.data() + i * 1024), addr(buf.data()), 1024}})));
+  wait_all(e, ids);
+  EXPECT_EQ(buf[0], 63);
+  auto r = e.poll();
+  for (std::size_t i = 0; i < r.size(); ++i) EXPECT_EQ(r[i].job_id, ids[i]);
+}
+
+TEST(Engine, BadDescriptorsRejectedAtSubmit) {
+  std::vector<std::uint8_t> a(8192), b(8192);
+  Engine e(1, {QueueOptions{}});
+  e.register_region(addr(a.data()), a.size());
+  e.register_region(addr(b.data()), b.size());
+  auto code = [&](std::vector<CopyDesc> d) {
+    try {
+      e.submit(kvtier::make_host_copy_job(std::move(d)));
+    } catch (const kvtier::Error& err) {
+      return err.code();
+    }
+    return kvtier::Code::kOk;
+  };
+  using kvtier::Code;
+  EXPECT_EQ(code({}), Code::kInvalidArgument);
+  EXPECT_EQ(code({{addr(a.data()), addr(b.data()), 0}}), Code::kInvalidArgument);
+  EXPECT_EQ(code({{addr(a.data()), addr(b.data()) + 8000, 200}}), Code::kInvalidArgument);
+  EXPECT_EQ(code({{addr(a.data()), addr(a.data()) + 100, 200}}), Code::kInvalidArgument);
+  EXPECT_EQ(
+      code({{addr(a.data()), addr(b.data()), 100}, {addr(a.data()), addr(b.data()) + 50, 100}}),
+      Code::kInvalidArgument);
+  EXPECT_EQ(code({{addr(a.data()), addr(b.data()), 100}}), Code::kOk);
+}
+
+TEST(Engine, CloseCancelsQueuedJobs) {
+  std::atomic<bool> gate{false};
+  Engine e(1, {QueueOptions{}});
+  auto running = e.submit(std::make_unique<GateJob>(&gate, 1));
+  std::vector<std::uint64_t> queued;
+  for (int i = 0; i < 5; ++i) queued.push_back(e.submit(std::make_unique<GateJob>(&gate, 1)));
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    gate = true;
+  });
+  e.close(true);
+  opener.join();
+  auto r = e.poll();
+  std::set<std::uint64_t> cancelled;
+  for (auto& x : r)
+    if (!x.ok) cancelled.insert(x.job_id);
+  EXPECT_EQ(r.size(), 6u);
+  EXPECT_EQ(cancelled.size(), 5u);
+  EXPECT_EQ(cancelled.count(running), 0u);
+  EXPECT_THROW(e.submit(std::make_unique<GateJob>(&gate, 1)), kvtier::Error);
+}
+
+TEST(Engine, CloseDrainsWithoutCancel) {
+  std::atomic<bool> gate{true};
+  Engine e(2, {QueueOptions{}});
+  for (int i = 0; i < 50; ++i) e.submit(std::make_unique<GateJob>(&gate, 1));
+  e.close(false);
+  auto r = e.poll();
+  EXPECT_EQ(r.size(), 50u);
+  for (auto& x : r) EXPECT_TRUE(x.ok);
+}
+
+TEST(Engine, UnregisteredRegionFailsQueuedJob) {
+  std::atomic<bool> gate{false};
+  std::vector<std::uint8_t> a(4096), b(4096);
+  Engine e(1, {QueueOptions{}});
+  e.register_region(addr(a.data()), a.size());
+  e.register_region(addr(b.data()), b.size());
+  auto blocker = e.submit(std::make_unique<GateJob>(&gate, 1));
+  auto copy = e.submit(kvtier::make_host_copy_job({{addr(a.data()), addr(b.data()), 4096}}));
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    gate = true;
+  });
+  e.unregister_region(addr(b.data()));  // returns once nothing can touch b
+  opener.join();
+  wait_all(e, {blocker, copy});
+  for (auto& r : e.poll())
+    if (r.job_id == copy) {
+      EXPECT_FALSE(r.ok);
+      EXPECT_NE(r.error.find("outside every registered region"), std::string::npos);
+    }
+}
+
+TEST(Engine, WaitRejectsUnknownIds) {
+  Engine e(1, {QueueOptions{}});
+  EXPECT_THROW(e.wait_for({42}, std::chrono::milliseconds(1)), kvtier::Error);
+}
+
+}  // namespace

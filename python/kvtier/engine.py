@@ -1,0 +1,101 @@
+"""The native engine: job queues served by C++ worker threads.
+
+Who calls: tiers and device transfers submit jobs; the manager drains
+completions with :meth:`Engine.poll` once per scheduler step. ``submit_*``
+never blocks (it raises :class:`kvtier.Busy` when the queue's byte budget is
+full); :meth:`Engine.wait` blocks with the GIL released and honours Ctrl-C.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtier import _native
+from kvtier.errors import InvalidArgument
+from kvtier.pool import HostPool
+
+JobResult = _native.JobResult
+"""``(job_id, ok, error, nbytes, seconds)`` of one finished job (iterable)."""
+
+
+def crc32c(data: Any, crc: int = 0) -> int:
+    """crc32c (Castagnoli) of a C-contiguous buffer, extending ``crc``. Releases the GIL."""
+    return int(_native.crc32c(data, crc))
+
+
+class Engine:
+    """Worker threads plus one or more bounded queues.
+
+    ``queues`` is a list of ``(budget_bytes, serial)``: ``budget_bytes`` of
+    jobs may be in flight per queue before submit says Busy; a serial queue runs
+    its jobs one at a time, in submission order.
+    """
+
+    def __init__(
+        self,
+        num_threads: int = 2,
+        queues: Sequence[tuple[int, bool]] = ((1 << 30, False),),
+    ) -> None:
+        self._engine = _native.Engine(num_threads, list(queues))
+        self._regions: dict[int, Any] = {}
+
+    def register_pool(self, pool: HostPool) -> None:
+        """Allow jobs to touch ``pool``'s slots (keeps the mapping alive until unregistered)."""
+        self.register_memory(pool.address, pool.nbytes, owner=pool.native)
+
+    def register_memory(self, address: int, nbytes: int, owner: Any = None) -> None:
+        """Allow jobs to touch ``[address, address + nbytes)``; ``owner`` is kept alive meanwhile."""
+        self._engine.register_region(address, nbytes)
+        self._regions[address] = owner
+
+    def unregister_memory(self, address: int) -> None:
+        """Forbid the region again; blocks until no job can still be using it."""
+        self._engine.unregister_region(address)
+        self._regions.pop(address, None)
+
+    def submit_copy(self, descs: np.ndarray, queue: int = 0) -> int:
+        """Queue host copies from an ``(N, 3)`` int64 array of ``(src, dst, nbytes)``.
+
+        Returns the job id. Raises InvalidArgument for bad descriptors (outside
+        registered memory, size <= 0, overlapping) and Busy when full.
+        """
+        if not isinstance(descs, np.ndarray):
+            raise InvalidArgument("descriptors must be a numpy int64 array of shape (N, 3)")
+        return int(self._engine.submit_copy(descs, queue))
+
+    def submit_sleep(self, seconds: float, nbytes: int = 0, fail: str = "", queue: int = 0) -> int:
+        """Queue a job that sleeps then succeeds (or fails with ``fail``): for tests and drills."""
+        return int(self._engine.submit_sleep(seconds, nbytes, fail, queue))
+
+    def poll(self) -> list[Any]:
+        """Every job finished since the last poll, in completion order (non-blocking)."""
+        return list(self._engine.poll())
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
+        """Block until all ``job_ids`` finished (results stay for :meth:`poll`).
+
+        Raises :class:`kvtier.Timeout` after ``timeout`` seconds and
+        KeyboardInterrupt on Ctrl-C.
+        """
+        self._engine.wait(list(job_ids), -1.0 if timeout is None else float(timeout))
+
+    def in_flight_bytes(self, queue: int = 0) -> int:
+        return int(self._engine.in_flight_bytes(queue))
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._engine.closed)
+
+    def close(self, cancel: bool = False) -> None:
+        """Drain (or cancel) queued jobs and join the threads. Blocks; idempotent."""
+        self._engine.close(cancel)
+        self._regions.clear()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

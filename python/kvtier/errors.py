@@ -1,0 +1,48 @@
+"""The one error hierarchy of kvtier.
+
+Every public entry point raises these (the native core's errors are translated
+into them once, in ``csrc/bindings/``). Catch :class:`KvtierError` for all of
+them; the standard-library bases let callers that know nothing of kvtier catch
+``ValueError``, ``OSError`` or ``TimeoutError`` as usual.
+"""
+
+from __future__ import annotations
+
+
+class KvtierError(Exception):
+    """Base class of every error raised by kvtier."""
+
+
+class InvalidArgument(KvtierError, ValueError):
+    """Bad input at an API boundary: sizes, alignment, ranges, unknown names."""
+
+
+class IoError(KvtierError, OSError):
+    """A system call failed; ``errno`` holds the error number."""
+
+
+class CudaError(KvtierError):
+    """The CUDA runtime reported an error (or could not be loaded)."""
+
+
+class Busy(KvtierError):
+    """A queue is at its in-flight byte budget: back off and resubmit later."""
+
+
+class ClosedError(KvtierError):
+    """The object (pool, engine, tier, manager) was closed."""
+
+
+class Timeout(KvtierError, TimeoutError):
+    """A blocking wait ran past its timeout."""
+
+
+__all__ = [
+    "Busy",
+    "ClosedError",
+    "CudaError",
+    "InvalidArgument",
+    "IoError",
+    "KvtierError",
+    "Timeout",
+]

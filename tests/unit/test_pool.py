@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier.pool import HostPool
+
+
+def _child_rw(name: str, q: mp.Queue) -> None:
+    p = HostPool.attach(name)
+    got = bytes(p.view(7)[:4096])
+    p.view(9)[:] = 0xC3  # written by the child, read by the parent
+    q.put((p.num_slots, p.slot_bytes, got))
+
+
+def test_two_processes_share_slots_byte_for_byte() -> None:
+    with HostPool(16, 64 * 1024) as p:
+        pattern = np.random.default_rng(0).integers(0, 256, p.slot_bytes, dtype=np.uint8)
+        p.view(7)[:] = pattern
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        proc = ctx.Process(target=_child_rw, args=(p.name, q))
+        proc.start()
+        slots, slot_bytes, got = q.get(timeout=60)
+        proc.join(60)
+        assert proc.exitcode == 0
+        assert (slots, slot_bytes) == (16, 64 * 1024)
+        assert got == pattern[:4096].tobytes()
+        assert (p.view(9) == 0xC3).all()
+
+
+def test_views_are_zero_copy(pool: HostPool) -> None:
+    t = pool.tensor(3)
+    t.fill_(5)
+    assert pool.view(3)[100] == 5
+    assert pool.view(0, 4).shape == (4, pool.slot_bytes)
+    assert pool.view(2).ctypes.data == pool.slot_address(2)
+    assert pool.slot_address(1) - pool.slot_address(0) == pool.slot_bytes
+
+
+def test_bad_sizes_raise_invalid_argument() -> None:
+    for args in [(0, 4096), (4, 0), (4, 100), (-1, 4096)]:
+        with pytest.raises(kvtier.InvalidArgument):
+            HostPool(*args)
+    with pytest.raises(ValueError):  # InvalidArgument is also a ValueError
+        HostPool(1, 4096, name="no/slashes")
+
+
+def test_slot_out_of_range(pool: HostPool) -> None:
+    with pytest.raises(kvtier.InvalidArgument, match="out of range"):
+        pool.view(pool.num_slots)
+    with pytest.raises(kvtier.InvalidArgument):
+        pool.slot_address(10**6)
+
+
+def test_attach_missing_is_ioerror_with_errno() -> None:
+    with pytest.raises(kvtier.IoError) as ei:
+        HostPool.attach("kvtier-does-not-exist")
+    assert ei.value.errno == 2
+    assert isinstance(ei.value, OSError)
+
+
+def test_attach_validates_layout(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # A foreign shared-memory object of the right kind but not a kvtier pool.
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(create=True, size=8192)
+    try:
+        with pytest.raises(kvtier.InvalidArgument, match="not a kvtier pool"):
+            HostPool.attach(shm.name.lstrip("/"))
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+def test_close_removes_name_and_refuses_use() -> None:
+    p = HostPool(2, 4096)
+    v = p.view(1)
+    v[:] = 1
+    p.close()
+    assert p.closed
+    with pytest.raises(kvtier.ClosedError):
+        p.view(0)
+    with pytest.raises(kvtier.IoError):
+        HostPool.attach(p.name)
+    assert int(v.sum()) == 4096  # earlier views stay valid
+    p.close()  # idempotent
+
+
+def test_name_collision_is_refused(pool: HostPool) -> None:
+    with pytest.raises(kvtier.IoError):
+        HostPool(2, 4096, name=pool.name)
