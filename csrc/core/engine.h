@@ -3,6 +3,7 @@
 // blocks in wait(); there is never a callback into Python.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -18,6 +19,8 @@
 #include "regions.h"
 
 namespace kvtier {
+
+struct CopyDesc;
 
 struct JobResult {
   std::uint64_t job_id = 0;
@@ -73,6 +76,9 @@ class Engine {
   // that might be using it has finished, so the caller may unmap it.
   void unregister_region(std::uintptr_t addr);
 
+  // Throws InvalidArgument unless every descriptor is valid for a copy job.
+  void check_ranges(const std::vector<CopyDesc>& descs) const;
+
   std::size_t num_threads() const noexcept { return threads_.size(); }
   std::size_t num_queues() const noexcept { return queues_.size(); }
   std::uint64_t in_flight_bytes(std::size_t queue) const;
@@ -102,6 +108,9 @@ class Engine {
   std::unordered_set<std::uint64_t> outstanding_;
   std::uint64_t next_id_ = 1;
   std::size_t rr_ = 0;
+  std::size_t idle_ = 0;                // workers blocked on work_cv_
+  std::atomic<std::size_t> queued_{0};  // jobs waiting in any queue
+  std::atomic<bool> spinning_{false};   // one worker polls queued_ before sleeping
   bool stopping_ = false;
   bool closed_ = false;
   std::vector<std::thread> threads_;

@@ -62,9 +62,7 @@ class Engine:
         Returns the job id. Raises InvalidArgument for bad descriptors (outside
         registered memory, size <= 0, overlapping) and Busy when full.
         """
-        if not isinstance(descs, np.ndarray):
-            raise InvalidArgument("descriptors must be a numpy int64 array of shape (N, 3)")
-        return int(self._engine.submit_copy(descs, queue))
+        return self._engine.submit_copy(descs, queue)  # type: ignore[no-any-return]
 
     def submit_sleep(self, seconds: float, nbytes: int = 0, fail: str = "", queue: int = 0) -> int:
         """Queue a job that sleeps then succeeds (or fails with ``fail``): for tests and drills."""

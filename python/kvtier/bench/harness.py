@@ -1,0 +1,101 @@
+"""Shared benchmark machinery: repetition and medians, machine facts, result files.
+
+Who calls: the ``kvtier bench`` subcommands. Everything here blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def median_rate(fn: Callable[[], int], repeats: int = 5, warmup: int = 1) -> tuple[float, list[float]]:
+    """Run ``fn`` (returns bytes moved) ``warmup + repeats`` times; GB/s median and all runs."""
+    for _ in range(warmup):
+        fn()
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        n = fn()
+        dt = time.perf_counter() - t0
+        rates.append(n / dt / 1e9)
+    return statistics.median(rates), rates
+
+
+def machine_facts() -> dict[str, Any]:
+    """CPU, cores, memory, kernel and Python: what a reader needs to compare runs."""
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = 0
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        pass
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = ""
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_bytes": mem,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "git": rev,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def save_result(result: dict[str, Any], results_dir: str | None) -> Path | None:
+    """Write ``result`` plus machine facts as JSON under ``results_dir`` (None: skip)."""
+    if not results_dir:
+        return None
+    d = Path(results_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = d / f"{result['component']}-{result.get('block_bytes', 'all')}-{stamp}.json"
+    path.write_text(json.dumps({**result, "machine": machine_facts()}, indent=2) + "\n")
+    return path
+
+
+def parse_size(text: str) -> int:
+    """``"256KiB"``, ``"2MiB"``, ``"1GB"``, ``"65536"`` -> bytes. Raises InvalidArgument."""
+    from kvtier.errors import InvalidArgument
+
+    units = {
+        "": 1, "b": 1,
+        "k": 1024, "kb": 1000, "kib": 1024,
+        "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+        "g": 1 << 30, "gb": 10**9, "gib": 1 << 30,
+        "t": 1 << 40, "tb": 10**12, "tib": 1 << 40,
+    }  # fmt: skip
+    s = text.strip().lower()
+    i = len(s)
+    while i > 0 and not (s[i - 1].isdigit() or s[i - 1] == "."):
+        i -= 1
+    num, unit = s[:i], s[i:].strip()
+    if not num or unit not in units:
+        raise InvalidArgument(f"cannot parse size {text!r} (examples: 65536, 256KiB, 2MiB, 1GiB)")
+    try:
+        value = float(num)
+    except ValueError:
+        raise InvalidArgument(f"cannot parse size {text!r}") from None
+    n = int(value * units[unit])
+    if n <= 0:
+        raise InvalidArgument(f"size must be > 0, got {text!r}")
+    return n
