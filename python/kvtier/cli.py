@@ -1,0 +1,142 @@
+"""``kvtier replay | bench | plan | doctor`` — the command-line front end.
+
+Each subcommand imports what it needs lazily, so ``kvtier --help`` and
+``kvtier plan`` start without loading the native core or torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.errors import KvtierError
+
+
+def _print_json_last(obj: dict[str, Any]) -> None:
+    """The JSON object is always the last line of output (scripts parse it)."""
+    print(json.dumps(obj, sort_keys=False))
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from kvtier.bench.harness import parse_size, save_result
+
+    if args.component == "copy":
+        sizes = [parse_size(args.block_bytes)] if args.block_bytes else None
+        if args.device == "cpu":
+            from kvtier.bench.device import run_device_copy
+
+            results = [run_device_copy(s) for s in (sizes or [262144])]
+        else:
+            from kvtier.bench.copy import DEFAULT_SIZES, run_copy
+
+            results = [run_copy(s, repeats=args.repeats) for s in (sizes or DEFAULT_SIZES)]
+    elif args.component == "manager":
+        from kvtier.bench.manager import run_manager
+
+        results = [run_manager(num_keys=args.keys, policy=args.policy)]
+    else:  # pragma: no cover - argparse restricts choices
+        raise KvtierError(f"unknown component {args.component}")
+    for r in results:
+        path = save_result(r, args.results_dir)
+        if not args.json:
+            _print_human(r)
+            if path:
+                print(f"  saved {path}")
+    if args.json:
+        for r in results[:-1]:
+            print(json.dumps(r))
+        _print_json_last(results[-1])
+    return 0
+
+
+def _print_human(r: dict[str, Any]) -> None:
+    keys = [k for k, v in r.items() if not isinstance(v, (dict, list))]
+    print(f"[{r['component']}]")
+    for k in keys:
+        if k != "component":
+            print(f"  {k:>22}: {r[k]}")
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from kvtier.replay import main_replay
+
+    return main_replay(args)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from kvtier.planner import main_plan
+
+    return main_plan(args)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from kvtier.doctor import main_doctor
+
+    return main_doctor(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache offloading tools")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("replay", help="replay a request trace through the tiers")
+    r.add_argument("trace", nargs="?", help="Mooncake-format JSONL trace (default: synthetic)")
+    r.add_argument("--block-bytes", default="65536", help="bytes per block (default 64KiB)")
+    g = r.add_mutually_exclusive_group()
+    g.add_argument("--host", help="host tier size, e.g. 2GiB (or 'inf' with --no-data)")
+    g.add_argument("--host-blocks", type=int, help="host tier capacity in blocks")
+    r.add_argument("--policy", default="lru", help="lru | arc | dotted.path.Class")
+    r.add_argument("--admit-after", type=int, default=1, help="store a key after N offers")
+    r.add_argument("--disk", help="disk tier DIR:SIZE, e.g. /mnt/nvme/kv:100GiB")
+    r.add_argument("--no-data", action="store_true", help="policy only: no pool, no bytes")
+    r.add_argument("--max-requests", type=int, help="stop after this many requests")
+    r.add_argument("--synthetic-requests", type=int, default=4000)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--json", dest="json_path", help="write the summary JSON here")
+    r.add_argument("--plot", help="write a PNG of hit rate over time per tier")
+    r.add_argument("--no-progress", action="store_true")
+    r.set_defaults(func=_cmd_replay)
+
+    b = sub.add_parser("bench", help="measure a component against its baseline")
+    b.add_argument("component", choices=["copy", "manager"])
+    b.add_argument("--block-bytes", help="one size (default: 64KiB, 256KiB and 2MiB)")
+    b.add_argument("--device", choices=["host", "cpu"], default="host",
+                   help="host: pool<->buffer copies; cpu: DeviceTransfer with a CPU KV cache")
+    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--keys", type=int, default=1_000_000, help="manager: distinct keys")
+    b.add_argument("--policy", default="lru")
+    b.add_argument("--json", action="store_true", help="print JSON (last line)")
+    b.add_argument("--results-dir", default="bench/results",
+                   help="also save results with machine facts here ('' to skip)")
+    b.set_defaults(func=_cmd_bench)
+
+    pl = sub.add_parser("plan", help="pipeline-parallel KV memory planner")
+    from kvtier.planner import add_plan_arguments
+
+    add_plan_arguments(pl)
+    pl.set_defaults(func=_cmd_plan)
+
+    d = sub.add_parser("doctor", help="check this machine: native core, io_uring, CUDA, limits")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=_cmd_doctor)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KvtierError as e:
+        print(f"kvtier: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvtier: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Eviction policies and admission filters (plain Python, pluggable by dotted path)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvtier.errors import InvalidArgument
+from kvtier.policy.admission import AdmissionFilter
+from kvtier.policy.arc import ARCPolicy
+from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.lru import LRUPolicy
+
+_BUILTIN: dict[str, type[Any]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+
+
+def make_policy(spec: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
+    """``"lru"``, ``"arc"``, ``"pkg.module.Class"`` (constructed with ``capacity``) or an instance."""
+    if not isinstance(spec, str):
+        return spec
+    cls = _BUILTIN.get(spec.lower())
+    if cls is None:
+        module, _, name = spec.rpartition(".")
+        if not module:
+            raise InvalidArgument(f"unknown policy {spec!r}: use lru, arc or a dotted class path")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise InvalidArgument(f"cannot load policy {spec!r}: {e}") from None
+    policy = cls(capacity)
+    for method in ("insert", "touch", "remove", "victims"):
+        if not callable(getattr(policy, method, None)):
+            raise InvalidArgument(f"policy {spec!r} lacks method {method}()")
+    return policy  # type: ignore[no-any-return]
+
+
+__all__ = ["ARCPolicy", "AdmissionFilter", "EvictionPolicy", "LRUPolicy", "make_policy"]

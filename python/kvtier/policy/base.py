@@ -1,0 +1,31 @@
+"""The interface every eviction policy implements.
+
+Who calls: a tier, always under the manager's lock, never concurrently. The
+tier decides *whether* a key may be evicted (pinned, being written, part of
+the current offer); the policy only orders the candidates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    def insert(self, key: Hashable) -> None:
+        """A key became resident (readable)."""
+
+    def touch(self, key: Hashable) -> None:
+        """A resident key was used (hit, load, re-offered)."""
+
+    def remove(self, key: Hashable, evicted: bool = False) -> None:
+        """A resident key left; ``evicted`` says the policy's victim was taken."""
+
+    def victims(self) -> Iterator[Hashable]:
+        """Resident keys, best victim first. The caller must not change the
+        policy while iterating: it collects the keys it takes, then calls
+        :meth:`remove` (``evicted=True``) for each."""
+        ...
+
+    def __len__(self) -> int: ...

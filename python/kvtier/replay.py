@@ -1,0 +1,433 @@
+"""``kvtier replay``: drive the manager with a request trace, as an engine does.
+
+Per request: look keys up in prefix order until the first MISS (stepping the
+manager while promotions are pending), load the hits, "compute" the rest and
+offer them for storing. With data (the default) real bytes move between a CPU
+tensor standing in for the GPU KV cache and the host pool, and every loaded
+block is verified byte-for-byte against bytes derived from its hash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import struct
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import InvalidArgument
+from kvtier.manager import TieredOffloadingManager
+from kvtier.tiers.base import LookupResult, LowerTier
+from kvtier.tiers.host import HostTier
+
+MAX_PENDING_STEPS = 1000
+
+
+# -- traces ---------------------------------------------------------------
+def read_trace(path: str | Path, max_requests: int | None = None) -> list[list[int]]:
+    """Mooncake-format JSONL: one object per line with ``hash_ids`` (prefix block hashes)."""
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidArgument(f"trace file not found: {p}")
+    out: list[list[int]] = []
+    with p.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                ids = obj["hash_ids"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise InvalidArgument(f"{p}:{lineno}: not a trace record ({e})") from None
+            if not isinstance(ids, list) or not all(isinstance(h, int) for h in ids):
+                raise InvalidArgument(f"{p}:{lineno}: hash_ids must be a list of ints")
+            out.append(ids)
+            if max_requests is not None and len(out) >= max_requests:
+                break
+    return out
+
+
+def synthetic_trace(num_requests: int = 4000, seed: int = 0, system_prompts: int = 24,
+                    zipf_a: float = 1.3) -> list[list[int]]:
+    """Multi-turn chat sessions sharing system prompts chosen with Zipf popularity.
+
+    Each turn's prompt is the session's previous prompt plus a new user message
+    and the previous answer, so consecutive turns share a growing prefix.
+    """
+    rng = np.random.default_rng(seed)
+    next_id = 0
+
+    def fresh(n: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + n))
+        next_id += n
+        return ids
+
+    prompts = [fresh(int(rng.integers(2, 9))) for _ in range(system_prompts)]
+    active: list[list[int]] = []
+    out: list[list[int]] = []
+    while len(out) < num_requests:
+        if not active or (len(active) < 64 and rng.random() < 0.35):
+            k = min(int(rng.zipf(zipf_a)) - 1, system_prompts - 1)
+            active.append(list(prompts[k]))
+        i = int(rng.integers(0, len(active)))
+        session = active[i]
+        session.extend(fresh(int(rng.integers(1, 5))))
+        out.append(list(session))
+        if len(session) > 120 or rng.random() < 0.15:
+            active.pop(i)
+    return out
+
+
+def key_of(hash_id: int) -> bytes:
+    """A 12-byte key shaped like vLLM's (block hash + 4-byte group index)."""
+    return struct.pack(">qI", hash_id, 0)
+
+
+# -- results --------------------------------------------------------------
+@dataclass
+class ReplayResult:
+    requests: int = 0
+    block_refs: int = 0
+    hit_blocks: dict[str, int] = field(default_factory=dict)
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    verify_failures: int = 0
+    store_rejections: int = 0
+    load_latency_ms: list[float] = field(default_factory=list)
+    transfer_seconds: float = 0.0
+    wall_s: float = 0.0
+    series: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def hits(self) -> int:
+        return sum(self.hit_blocks.values())
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.block_refs if self.block_refs else 0.0
+
+    def to_json(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        lat = np.asarray(self.load_latency_ms) if self.load_latency_ms else np.zeros(1)
+        moved = self.bytes_stored + self.bytes_loaded
+        return {
+            "requests": self.requests,
+            "block_refs": self.block_refs,
+            "hit_blocks": dict(self.hit_blocks),
+            "hit_rate": round(self.hit_rate, 6),
+            "bytes_stored": self.bytes_stored,
+            "bytes_loaded": self.bytes_loaded,
+            "transfer_gbps": round(moved / self.transfer_seconds / 1e9, 3)
+            if self.transfer_seconds else 0.0,
+            "load_latency_ms": {
+                "p50": round(float(np.percentile(lat, 50)), 4),
+                "p99": round(float(np.percentile(lat, 99)), 4),
+            },
+            "verify_failures": self.verify_failures,
+            "store_rejections": self.store_rejections,
+            "wall_s": round(self.wall_s, 3),
+            **(extra or {}),
+        }
+
+
+# -- the fake GPU KV cache -----------------------------------------------
+class FakeKV:
+    """A CPU tensor standing in for the GPU KV cache: two "layers" sharing one
+    tensor, each block's bytes derived from its hash so loads can be verified."""
+
+    def __init__(self, num_blocks: int, block_bytes: int, seed: int = 0) -> None:
+        import torch
+
+        if block_bytes % 16:
+            raise InvalidArgument("--block-bytes must be a multiple of 16")
+        self.block_bytes = block_bytes
+        self.tensor = torch.zeros((num_blocks, 2, block_bytes // 2), dtype=torch.uint8)
+        self.layers = [self.tensor[:, 0, :], self.tensor[:, 1, :]]
+        self.words = self.tensor.numpy().reshape(num_blocks, block_bytes).view(np.uint64)
+        self.base = np.random.default_rng(seed).integers(
+            0, 2**63, block_bytes // 8, dtype=np.uint64)
+
+    @staticmethod
+    def _mix(hash_ids: Sequence[int]) -> np.ndarray:
+        x = np.asarray(hash_ids, np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+    def fill(self, block_ids: np.ndarray, hash_ids: Sequence[int]) -> None:
+        self.words[block_ids] = self.base[None, :] ^ self._mix(hash_ids)[:, None]
+
+    def clear(self, block_ids: np.ndarray) -> None:
+        self.words[block_ids] = 0
+
+    def verify(self, block_ids: np.ndarray, hash_ids: Sequence[int]) -> int:
+        """Number of blocks whose bytes differ from what their hash says."""
+        want = self.base[None, :] ^ self._mix(hash_ids)[:, None]
+        return int((self.words[block_ids] != want).any(axis=1).sum())
+
+
+# -- the driver -------------------------------------------------------------
+class Replayer:
+    """Drives a manager (and, with data, a DeviceTransfer) through a trace."""
+
+    def __init__(self, manager: TieredOffloadingManager, transfer: Any = None,
+                 kv: FakeKV | None = None, block_bytes: int = 0, series_every: int = 200) -> None:
+        self.m = manager
+        self.transfer = transfer
+        self.kv = kv
+        self.block_bytes = block_bytes
+        self.series_every = series_every
+        self.result = ReplayResult(hit_blocks={t: 0 for t in self.tier_names})
+        self._job = 0
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [self.m.host.name] + [t.name for t in self.m.lower]
+
+    def _lookup_prefix(self, keys: list[bytes]) -> int:
+        for _ in range(MAX_PENDING_STEPS):
+            hits, pending = 0, False
+            with self.m.lock:
+                for k in keys:
+                    r = self.m.lookup(k)
+                    if r is LookupResult.MISS:
+                        break
+                    if r is LookupResult.HIT and not pending:
+                        hits += 1
+                    else:
+                        pending = True
+                if not pending:
+                    return hits
+                self.m.on_schedule_end()  # a step passes; promotions progress
+        return hits
+
+    def _next_job(self) -> int:
+        self._job += 1
+        return self._job
+
+    def run_request(self, hash_ids: Sequence[int]) -> None:
+        res = self.result
+        keys = [key_of(h) for h in hash_ids]
+        hits = self._lookup_prefix(keys)
+        gpu = np.arange(len(keys), dtype=np.int64)
+        with self.m.lock:
+            self.m.on_new_request()
+            for k in keys[:hits]:
+                res.hit_blocks[self.m.get_load_source(k)] += 1
+            if hits:
+                spec = self.m.prepare_load(keys[:hits])
+                if self.transfer is not None and self.kv is not None:
+                    self.kv.clear(gpu[:hits])
+                    t0 = time.perf_counter()
+                    jid = self._next_job()
+                    self._submit(lambda: self.transfer.submit_load(jid, spec.slots, gpu[:hits]))
+                    self.transfer.wait([jid])
+                    dt = time.perf_counter() - t0
+                    self._drain()
+                    res.load_latency_ms.append(dt * 1e3)
+                    res.transfer_seconds += dt
+                    res.verify_failures += self.kv.verify(gpu[:hits], hash_ids[:hits])
+                    res.bytes_loaded += hits * self.block_bytes
+                self.m.complete_load(keys[:hits])
+            miss_keys = keys[hits:]
+            if miss_keys:
+                if self.kv is not None:
+                    self.kv.fill(gpu[hits:], hash_ids[hits:])
+                out = self.m.prepare_store(miss_keys)
+                if out is None:
+                    res.store_rejections += 1
+                elif out.keys_to_store:
+                    stored = out.keys_to_store
+                    if self.transfer is not None:
+                        index = {k: i for i, k in enumerate(keys)}
+                        blocks = gpu[[index[k] for k in stored]]
+                        t0 = time.perf_counter()
+                        jid = self._next_job()
+                        self._submit(lambda: self.transfer.submit_store(
+                            jid, blocks, out.store_spec.slots))
+                        self.transfer.wait([jid])
+                        res.transfer_seconds += time.perf_counter() - t0
+                        ok = self._drain()
+                        res.bytes_stored += len(stored) * self.block_bytes
+                    else:
+                        ok = True
+                    self.m.complete_store(stored, success=ok)
+            self.m.on_request_finished()
+            self.m.on_schedule_end()
+        res.requests += 1
+        res.block_refs += len(keys)
+        if res.requests % self.series_every == 0:
+            self._sample()
+
+    def _submit(self, fn: Any) -> None:
+        for _ in range(10000):
+            if fn():
+                return
+            time.sleep(0.0005)
+        raise RuntimeError("transfer queue stayed full")
+
+    def _drain(self) -> bool:
+        return all(r.success for r in self.transfer.get_finished())
+
+    def _sample(self) -> None:
+        res = self.result
+        point = {"requests": float(res.requests), "hit_rate": res.hit_rate}
+        for t, n in res.hit_blocks.items():
+            point[t] = n / res.block_refs if res.block_refs else 0.0
+        res.series.append(point)
+
+    def run(self, trace: Sequence[Sequence[int]], progress: bool = True) -> ReplayResult:
+        t0 = time.perf_counter()
+        it: Any = trace
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(trace, unit="req", desc="replay", mininterval=0.5)
+        for ids in it:
+            self.run_request(ids)
+            if progress and self.result.requests % 200 == 0:
+                it.set_postfix(hit=f"{self.result.hit_rate:.1%}", refresh=False)
+        # Let cascades finish so the tiers' final state is complete.
+        for _ in range(MAX_PENDING_STEPS):
+            with self.m.lock:
+                if not self.m.has_pending_work():
+                    break
+                self.m.on_schedule_end()
+        self._sample()
+        self.result.wall_s = time.perf_counter() - t0
+        return self.result
+
+
+# -- CLI ----------------------------------------------------------------------
+def _format_table(res: ReplayResult, js: dict[str, Any]) -> str:
+    rows = [
+        ("requests", f"{res.requests:,}"),
+        ("block references", f"{res.block_refs:,}"),
+    ]
+    for t, n in res.hit_blocks.items():
+        rows.append((f"hits from {t}", f"{n:,} ({n / max(res.block_refs, 1):.2%})"))
+    rows += [
+        ("hit rate", f"{res.hit_rate:.2%}"),
+        ("bytes stored", f"{res.bytes_stored / 1e9:.3f} GB"),
+        ("bytes loaded", f"{res.bytes_loaded / 1e9:.3f} GB"),
+        ("transfer GB/s", f"{js['transfer_gbps']}"),
+        ("load latency p50/p99", f"{js['load_latency_ms']['p50']} / {js['load_latency_ms']['p99']} ms"),
+        ("verify failures", f"{res.verify_failures}"),
+        ("wall time", f"{res.wall_s:.1f} s"),
+    ]
+    w = max(len(a) for a, _ in rows)
+    return "\n".join(f"  {a:<{w}}  {b}" for a, b in rows)
+
+
+def plot_series(res: ReplayResult, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    xs = [p["requests"] for p in res.series]
+    ax.plot(xs, [100 * p["hit_rate"] for p in res.series], label="total", color="black", lw=2)
+    for t in res.hit_blocks:
+        ax.plot(xs, [100 * p.get(t, 0.0) for p in res.series], label=t)
+    ax.set_xlabel("requests replayed")
+    ax.set_ylabel("cumulative block hit rate (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def build_lower_tiers(args: argparse.Namespace, block_bytes: int) -> list[LowerTier]:
+    tiers: list[LowerTier] = []
+    if getattr(args, "disk", None):
+        from kvtier.tiers.disk import DiskTier
+
+        tiers.append(DiskTier.from_spec(args.disk, block_bytes=block_bytes, policy=args.policy,
+                                        no_data=args.no_data))
+    return tiers
+
+
+def main_replay(args: argparse.Namespace) -> int:
+    from kvtier.bench.harness import parse_size
+
+    block_bytes = parse_size(args.block_bytes)
+    if args.trace:
+        trace = read_trace(args.trace, args.max_requests)
+        source = args.trace
+    else:
+        n = args.max_requests or args.synthetic_requests
+        trace = synthetic_trace(n, seed=args.seed)
+        source = f"synthetic({n} requests, seed {args.seed})"
+    if not trace:
+        raise InvalidArgument("the trace has no requests")
+
+    capacity: int | None
+    if args.host_blocks is not None:
+        capacity = args.host_blocks
+    elif args.host and args.host.lower() in ("inf", "unbounded"):
+        if not args.no_data:
+            raise InvalidArgument("--host inf needs --no-data (an unbounded pool cannot be allocated)")
+        capacity = None
+    elif args.host:
+        capacity = parse_size(args.host) // block_bytes
+    else:
+        capacity = None if args.no_data else (1 << 30) // block_bytes
+    if capacity is not None and capacity <= 0:
+        raise InvalidArgument("host capacity must hold at least one block")
+
+    pool = transfer = kv = None
+    if not args.no_data:
+        from kvtier.pool import HostPool
+        from kvtier.transfer import DeviceTransfer
+
+        assert capacity is not None
+        pool = HostPool(capacity, block_bytes)
+        kv = FakeKV(max(len(t) for t in trace), block_bytes, seed=args.seed)
+        transfer = DeviceTransfer(kv.layers, pool)
+    host = HostTier(pool, capacity, policy=args.policy, admit_after=args.admit_after)
+    lower = build_lower_tiers(args, block_bytes)
+    manager = TieredOffloadingManager(host, lower)
+    cap_txt = "unbounded" if capacity is None else f"{capacity:,} blocks"
+    print(f"kvtier replay: {source}; host {cap_txt}, policy {args.policy}, "
+          f"{'no data' if args.no_data else f'{block_bytes:,} B blocks, data verified'}"
+          + "".join(f"; {t.name} tier" for t in lower))
+    try:
+        rep = Replayer(manager, transfer, kv, block_bytes)
+        res = rep.run(trace, progress=not args.no_progress)
+    finally:
+        manager.shutdown()
+        if transfer is not None:
+            transfer.shutdown()
+        if pool is not None:
+            pool.close()
+    js = res.to_json({
+        "trace": source,
+        "policy": args.policy,
+        "host_blocks": capacity,
+        "block_bytes": block_bytes,
+        "data": not args.no_data,
+        "tiers": {t.name: t.stats() for t in lower},
+        "manager": vars(manager.stats),
+    })
+    print(_format_table(res, js))
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(js, indent=2) + "\n")
+        print(f"  wrote {args.json_path}")
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot_series(res, args.plot, f"kvtier replay: {Path(source).name}, {cap_txt}, {args.policy}")
+        print(f"  wrote {args.plot}")
+    if res.verify_failures:
+        print(f"kvtier: {res.verify_failures} block(s) failed verification")
+        return 1
+    return 0 if math.isfinite(res.hit_rate) else 1

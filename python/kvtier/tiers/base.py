@@ -1,0 +1,95 @@
+"""The interface between the manager and a lower tier (disk, remote, memory).
+
+Who calls: :class:`kvtier.manager.TieredOffloadingManager`, under its lock,
+from the scheduler thread. No method blocks: stores and loads are submitted
+and their completions drained by :meth:`LowerTier.poll` once per step.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtier.pool import HostPool
+
+
+class LookupResult(enum.Enum):
+    """vLLM 0.33 semantics: MISS, HIT (readable), HIT_PENDING (present, not
+    readable yet), RETRY (not known yet: an asynchronous lookup is in flight)."""
+
+    MISS = 0
+    HIT = 1
+    HIT_PENDING = 2
+    RETRY = 3
+
+
+@dataclass
+class TierCompletion:
+    """One finished store or load batch of a lower tier."""
+
+    token: int
+    ok: bool
+    kind: str  # "store" or "load"
+    keys: list[bytes]
+    error: str = ""
+    # Per-key outcome when a batch partly failed (None: every key as ``ok``).
+    key_ok: list[bool] | None = None
+
+
+@dataclass
+class TierEvent:
+    keys: list[bytes]
+    tier: str
+    removed: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class LowerTier(ABC):
+    """A tier below the host: bytes move only between its medium and host slots."""
+
+    name: str = "lower"
+
+    def attach(self, pool: HostPool | None) -> None:
+        """Called once by the manager with the host pool (None: no-data mode)."""
+        self.pool = pool
+
+    @abstractmethod
+    def lookup(self, key: bytes) -> LookupResult:
+        """HIT when readable now, RETRY while an asynchronous check is in flight, else MISS."""
+
+    @abstractmethod
+    def admit(self, key: bytes) -> bool:
+        """Called once per cascade offer: the tier's admission filter and write budget."""
+
+    @abstractmethod
+    def submit_store(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
+        """Copy host ``slots`` to the medium as ``keys``; a token, or None when
+        backpressured (the cascade is dropped; nothing was queued)."""
+
+    @abstractmethod
+    def submit_load(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
+        """Copy ``keys`` from the medium into host ``slots``; a token, or None when busy."""
+
+    @abstractmethod
+    def poll(self) -> list[TierCompletion]:
+        """Finished batches since the last poll, in completion order."""
+
+    def take_events(self) -> list[TierEvent]:
+        """Stored/removed events of this tier since the last call."""
+        return []
+
+    def has_pending_work(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        """Forget everything (the manager's reset_cache does not call this)."""
+
+    def close(self) -> None:
+        """Release files, connections and threads. Idempotent."""
+
+    def stats(self) -> dict[str, Any]:
+        return {}

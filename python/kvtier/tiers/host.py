@@ -1,0 +1,130 @@
+"""The host tier: the slots of the shared host pool, indexed by key.
+
+Who calls: the manager, under its lock. A slot's reference count is -1 while
+bytes are being written into it (a GPU store or a promotion from a lower
+tier), 0 when ready and evictable, > 0 while pinned by loads; a block is also
+held while lower tiers copy it (``cascading``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvtier.errors import InvalidArgument
+from kvtier.policy import AdmissionFilter, EvictionPolicy, make_policy
+from kvtier.pool import HostPool
+
+
+@dataclass
+class HostEntry:
+    slot: int
+    ref: int = -1  # -1 being written, 0 ready, >0 pinned by loads
+    cascading: int = 0  # lower-tier copies in flight from this slot
+    source: str = "host"  # tier the bytes came from (promotion), until first load
+
+    @property
+    def evictable(self) -> bool:
+        return self.ref == 0 and self.cascading == 0
+
+
+class HostTier:
+    """Slot allocation, eviction and admission over a :class:`HostPool`.
+
+    ``pool=None`` is the no-data mode used by policy studies: ``capacity``
+    counts blocks (``None``: unbounded) and slots are just numbers.
+    """
+
+    name = "host"
+
+    def __init__(
+        self,
+        pool: HostPool | None = None,
+        capacity: int | None = None,
+        policy: str | EvictionPolicy = "lru",
+        admit_after: int = 1,
+        max_tracked: int = 1 << 20,
+    ) -> None:
+        if pool is not None:
+            capacity = pool.num_slots if capacity is None else capacity
+            if capacity > pool.num_slots:
+                raise InvalidArgument(
+                    f"capacity {capacity} exceeds the pool's {pool.num_slots} slots"
+                )
+        if capacity is not None and capacity <= 0:
+            raise InvalidArgument(f"host capacity must be > 0 blocks, got {capacity}")
+        self.pool = pool
+        self.capacity = capacity
+        self.policy = make_policy(policy, capacity or (1 << 62))
+        self.admission = AdmissionFilter(admit_after, max_tracked)
+        self.entries: dict[bytes, HostEntry] = {}
+        self._free: list[int] = list(range(capacity - 1, -1, -1)) if capacity else []
+        self._next_virtual = 0  # unbounded mode
+
+    # -- queries ---------------------------------------------------------
+    def get(self, key: bytes) -> HostEntry | None:
+        return self.entries.get(key)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free) if self.capacity is not None else 1 << 62
+
+    # -- allocation --------------------------------------------------------
+    def allocate(self, n: int, protected: Iterable[bytes] = ()) -> tuple[list[int], list[bytes]] | None:
+        """``n`` free slots, evicting ready unprotected keys as needed.
+
+        Returns ``(slots, evicted_keys)`` or None (and changes nothing) when
+        not enough keys can be evicted.
+        """
+        if self.capacity is None:
+            slots = list(range(self._next_virtual, self._next_virtual + n))
+            self._next_virtual += n
+            return slots, []
+        need = n - len(self._free)
+        victims: list[bytes] = []
+        if need > 0:
+            prot = protected if isinstance(protected, (set, frozenset, dict)) else set(protected)
+            for key in self.policy.victims():
+                e = self.entries.get(key)
+                if e is not None and e.evictable and key not in prot:
+                    victims.append(key)
+                    if len(victims) == need:
+                        break
+            if len(victims) < need:
+                return None
+            for key in victims:
+                self.policy.remove(key, evicted=True)
+                self._free.append(self.entries.pop(key).slot)
+        return [self._free.pop() for _ in range(n)], victims
+
+    def add_writing(self, key: bytes, slot: int, source: str = "host") -> HostEntry:
+        e = HostEntry(slot=slot, ref=-1, source=source)
+        self.entries[key] = e
+        return e
+
+    def mark_ready(self, key: bytes) -> None:
+        e = self.entries[key]
+        e.ref = 0
+        self.policy.insert(key)
+
+    def drop(self, key: bytes) -> HostEntry | None:
+        """Remove ``key`` and free its slot now (caller made sure nobody uses it)."""
+        e = self.entries.pop(key, None)
+        if e is not None:
+            self.policy.remove(key)
+            self.release_slot(e.slot)
+        return e
+
+    def release_slot(self, slot: int) -> None:
+        if self.capacity is not None:
+            self._free.append(slot)
+
+    def detach(self, key: bytes) -> HostEntry | None:
+        """Remove ``key`` from the index but keep its slot allocated (still in use)."""
+        e = self.entries.pop(key, None)
+        if e is not None:
+            self.policy.remove(key)
+        return e
