@@ -1,0 +1,281 @@
+"""One conformance suite for the manager, parametrized over eviction policies."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier.manager import TieredOffloadingManager
+from kvtier.pool import HostPool
+from kvtier.tiers import HostTier, LookupResult, MemoryTier
+
+HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+
+
+def K(i: int) -> bytes:
+    return i.to_bytes(32, "big") + b"\0\0\0\0"
+
+
+@pytest.fixture(params=["lru", "arc"])
+def policy(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def pool() -> Iterator[HostPool]:
+    p = HostPool(8, 4096)
+    yield p
+    p.close()
+
+
+def make(pool: HostPool | None, policy: str, lower=(), capacity: int | None = None,
+         admit_after: int = 1) -> TieredOffloadingManager:
+    return TieredOffloadingManager(
+        HostTier(pool, capacity, policy=policy, admit_after=admit_after), list(lower)
+    )
+
+
+def store(m: TieredOffloadingManager, keys: list[bytes], success: bool = True) -> list[bytes]:
+    out = m.prepare_store(keys)
+    assert out is not None
+    m.complete_store(out.keys_to_store, success=success)
+    return out.keys_to_store
+
+
+def test_lookup_states(pool: HostPool, policy: str) -> None:
+    m = make(pool, policy)
+    assert m.lookup(K(1)) is MISS
+    out = m.prepare_store([K(1)])
+    assert out is not None and out.keys_to_store == [K(1)]
+    assert m.lookup(K(1)) is PENDING  # being written
+    m.complete_store([K(1)])
+    assert m.lookup(K(1)) is HIT
+
+
+def test_prepare_store_order_and_spec(pool: HostPool, policy: str) -> None:
+    m = make(pool, policy)
+    store(m, [K(3)])
+    keys = [K(5), K(3), K(1), K(4)]
+    out = m.prepare_store(keys)
+    assert out is not None
+    assert out.keys_to_store == [K(5), K(1), K(4)]  # K(3) present: skipped, order kept
+    assert len(out.store_spec.slots) == 3
+    assert len(set(out.store_spec.slots.tolist())) == 3
+    assert out.evicted_keys == []
+
+
+def test_prepare_load_preserves_key_order(pool: HostPool, policy: str) -> None:
+    m = make(pool, policy)
+    out = m.prepare_store([K(i) for i in range(5)])
+    assert out is not None
+    m.complete_store(out.keys_to_store)
+    slot_of = dict(zip(out.keys_to_store, out.store_spec.slots.tolist()))
+    order = [K(4), K(0), K(2)]
+    spec = m.prepare_load(order)
+    assert spec.slots.tolist() == [slot_of[k] for k in order]
+    m.complete_load(order)
+
+
+def test_pinned_keys_are_never_evicted(pool: HostPool, policy: str) -> None:
+    m = make(pool, policy)
+    store(m, [K(i) for i in range(8)])
+    m.prepare_load([K(0), K(1)])
+    out = m.prepare_store([K(100 + i) for i in range(6)])
+    assert out is not None
+    assert K(0) not in out.evicted_keys and K(1) not in out.evicted_keys
+    assert len(out.evicted_keys) == 6
+    # everything else is now pinned or being written: no room
+    assert m.prepare_store([K(200)]) is None
+    m.complete_load([K(0), K(1)])
+    assert m.prepare_store([K(200)]) is not None
+
+
+def test_never_evicts_the_offer(pool: HostPool, policy: str) -> None:
+    m = make(pool, policy)
+    store(m, [K(i) for i in range(8)])
+    # The offer holds 4 resident keys and 5 new ones: only the other 4 can go.
+    offer = [K(0), K(1), K(2), K(3)] + [K(50 + i) for i in range(5)]
+    assert m.prepare_store(offer) is None
+    offer = [K(0), K(1), K(2), K(3)] + [K(50 + i) for i in range(4)]
+    out = m.prepare_store(offer)
+    assert out is not None
+    assert sorted(out.evicted_keys) == [K(4), K(5), K(6), K(7)]
+
+
+def test_none_when_full_changes_nothing(pool: HostPool, policy: str) -> None:
+    m = make(pool, policy)
+    out = m.prepare_store([K(i) for i in range(8)])  # all being written
+    assert out is not None
+    assert m.prepare_store([K(99)]) is None
+    assert all(m.lookup(K(i)) is PENDING for i in range(8))
+    assert m.lookup(K(99)) is MISS
+
+
+def test_failed_store_drops_keys_and_frees_slots(pool: HostPool, policy: str) -> None:
+    m = make(pool, policy)
+    store(m, [K(i) for i in range(8)], success=False)
+    assert all(m.lookup(K(i)) is MISS for i in range(8))
+    assert len(store(m, [K(10 + i) for i in range(8)])) == 8  # slots are free again
+    assert m.stats.store_failures == 8
+
+
+def test_events(pool: HostPool, policy: str) -> None:
+    m = make(pool, policy, capacity=2)
+    store(m, [K(1), K(2)])
+    store(m, [K(3)])
+    ev = m.take_events()
+    assert [(e.tier, e.removed, e.keys) for e in ev] == [
+        ("host", False, [K(1), K(2)]),
+        ("host", True, [K(1)]),
+        ("host", False, [K(3)]),
+    ]
+    assert m.take_events() == []
+
+
+def test_admission_threshold(pool: HostPool, policy: str) -> None:
+    m = make(pool, policy, admit_after=2)
+    out = m.prepare_store([K(1), K(2)])
+    assert out is not None and out.keys_to_store == []
+    out = m.prepare_store([K(1)])
+    assert out is not None and out.keys_to_store == [K(1)]
+    assert m.stats.not_admitted == 2
+
+
+def test_reset_cache(pool: HostPool, policy: str) -> None:
+    m = make(pool, policy)
+    store(m, [K(i) for i in range(4)])
+    pending = m.prepare_store([K(10), K(11)])
+    assert pending is not None
+    m.prepare_load([K(0)])
+    m.reset_cache()
+    assert all(m.lookup(K(i)) is MISS for i in (0, 1, 2, 3, 10, 11))
+    # complete_* of pre-reset jobs never comes; the 3 slots under GPU jobs
+    # (2 stores, 1 load) are freed once the engine says they were flushed.
+    assert m.host.free_slots == 5
+    m.on_reset_flushed()
+    assert m.host.free_slots == 8
+    removed = [e for e in m.take_events() if e.removed]
+    assert sorted(removed[-1].keys) == sorted([K(i) for i in range(4)] + [K(10), K(11)])
+
+
+def test_lock_is_real(pool: HostPool, policy: str) -> None:
+    m = make(pool, policy)
+    assert m.lock.acquire(blocking=False)
+    assert not m.lock.acquire(blocking=False)
+    m.lock.release()
+
+
+def test_bad_input(pool: HostPool, policy: str) -> None:
+    m = make(pool, policy)
+    with pytest.raises(kvtier.InvalidArgument):
+        m.prepare_store(["not bytes"])  # type: ignore[list-item]
+    with pytest.raises(kvtier.InvalidArgument, match="not a HIT"):
+        m.prepare_load([K(1)])
+    m.shutdown()
+    with pytest.raises(kvtier.ClosedError):
+        m.lookup(K(1))
+
+
+def test_cascade_and_promotion_with_data(pool: HostPool, policy: str) -> None:
+    tier = MemoryTier()
+    m = make(pool, policy, [tier])
+    keys = [K(i) for i in range(3)]
+    out = m.prepare_store(keys)
+    assert out is not None
+    for k, s in zip(keys, out.store_spec.slots):
+        pool.view(int(s))[:] = k[31]
+    m.complete_store(keys)
+    e = m.host.get(keys[0])
+    assert e is not None and e.cascading == 1  # held until the lower tier copied it
+    assert m.has_pending_work()
+    m.on_schedule_end()
+    assert e.cascading == 0 and tier.lookup(keys[0]) is HIT
+    assert not m.has_pending_work()
+    m.reset_cache()
+    assert [m.lookup(k) for k in keys] == [PENDING] * 3  # promotion staged
+    assert m.lookup(keys[0]) is PENDING
+    m.on_schedule_end()
+    assert [m.lookup(k) for k in keys] == [HIT] * 3
+    assert m.get_load_source(keys[1]) == "memory"
+    spec = m.prepare_load(keys)
+    for k, s in zip(keys, spec.slots):
+        assert (pool.view(int(s)) == k[31]).all()
+    m.complete_load(keys)
+    assert m.get_load_source(keys[1]) == "host"
+    assert m.stats.promotions == 3
+
+
+def test_failed_promotion_is_a_miss(pool: HostPool, policy: str) -> None:
+    tier = MemoryTier()
+    m = make(pool, policy, [tier])
+    store(m, [K(1), K(2)])
+    m.on_schedule_end()
+    m.reset_cache()
+    tier.fail_loads.add(K(2))
+    assert m.lookup(K(1)) is PENDING and m.lookup(K(2)) is PENDING
+    m.on_schedule_end()
+    assert m.lookup(K(1)) is HIT
+    assert m.lookup(K(2)) is MISS  # the bad record was dropped by the tier
+    assert m.stats.promotion_failures == 1
+    assert m.host.free_slots == 7
+
+
+def test_cascade_dropped_under_backpressure(pool: HostPool, policy: str) -> None:
+    tier = MemoryTier()
+    tier.busy = True
+    m = make(pool, policy, [tier])
+    store(m, [K(1)])
+    m.on_schedule_end()
+    assert m.stats.cascades_dropped == 1
+    e = m.host.get(K(1))
+    assert e is not None and e.cascading == 0 and e.evictable
+    assert tier.lookup(K(1)) is MISS
+
+
+def test_promotion_waits_when_tier_busy(pool: HostPool, policy: str) -> None:
+    tier = MemoryTier()
+    m = make(pool, policy, [tier])
+    store(m, [K(1)])
+    m.on_schedule_end()
+    m.reset_cache()
+    tier.busy = True
+    assert m.lookup(K(1)) is PENDING
+    m.on_schedule_end()
+    assert m.lookup(K(1)) is PENDING
+    tier.busy = False
+    m.on_schedule_end()
+    assert m.lookup(K(1)) is HIT
+
+
+def test_promotion_needs_a_free_slot(pool: HostPool, policy: str) -> None:
+    tier = MemoryTier()
+    m = make(pool, policy, [tier])
+    store(m, [K(i) for i in range(8)])
+    m.on_schedule_end()
+    m.prepare_load([K(i) for i in range(8)])  # host full and pinned
+    tier.data[K(50)] = np.zeros(4096, np.uint8)
+    assert m.lookup(K(50)) is MISS
+    assert m.stats.allocation_failures == 1
+
+
+def test_reset_during_cascade_frees_slot_on_completion(pool: HostPool, policy: str) -> None:
+    tier = MemoryTier(delay_polls=3)
+    m = make(pool, policy, [tier])
+    store(m, [K(1)])
+    m.on_schedule_end()  # cascade submitted, completes after 3 polls
+    m.reset_cache()
+    assert m.host.free_slots == 7
+    m.on_schedule_end()
+    m.on_schedule_end()
+    assert m.host.free_slots == 8
+    assert not m.has_pending_work()
+
+
+def test_no_data_unbounded(policy: str) -> None:
+    m = make(None, policy)
+    for i in range(1000):
+        store(m, [K(i)])
+    assert all(m.lookup(K(i)) is HIT for i in range(1000))
