@@ -12,6 +12,7 @@
 
 #include "../core/copy/host_copy.h"
 #include "../core/crc32c.h"
+#include "../core/disk/store.h"
 #include "../core/engine.h"
 #include "../core/pool.h"
 #include "../core/status.h"
@@ -19,6 +20,7 @@
 namespace py = pybind11;
 using kvtier::Code;
 using kvtier::Error;
+namespace disk = kvtier::disk;
 
 namespace {
 
@@ -167,6 +169,7 @@ PYBIND11_MODULE(_native, m) {
       .def_readonly("error", &kvtier::JobResult::error)
       .def_readonly("nbytes", &kvtier::JobResult::nbytes)
       .def_readonly("seconds", &kvtier::JobResult::seconds)
+      .def_readonly("items", &kvtier::JobResult::items)
       .def("__iter__",
            [](const kvtier::JobResult& r) {
              return py::iter(py::make_tuple(r.job_id, r.ok, r.error, r.nbytes, r.seconds));
@@ -224,6 +227,44 @@ PYBIND11_MODULE(_native, m) {
                           x.nbytes);
           },
           py::arg("descs"))
+      // records: int64 (N, 4) of (slot address, file, offset, payload length);
+      // keys: uint8 (N, 16) key digests.
+      .def(
+          "submit_disk",
+          [](Engine& e, const std::shared_ptr<disk::Store>& store, bool write,
+             const py::object& recs, const py::object& keys, std::size_t queue) {
+            if (!py::isinstance<py::array>(recs) || !py::isinstance<py::array>(keys))
+              throw Error(Code::kInvalidArgument, "records and keys must be numpy arrays");
+            auto r =
+                py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(recs);
+            auto k =
+                py::array_t<std::uint8_t, py::array::c_style | py::array::forcecast>::ensure(keys);
+            if (!r || r.ndim() != 2 || r.shape(1) != 4)
+              throw Error(Code::kInvalidArgument, "records must be int64 of shape (N, 4)");
+            if (!k || k.ndim() != 2 || k.shape(1) != 16 || k.shape(0) != r.shape(0))
+              throw Error(Code::kInvalidArgument, "keys must be uint8 of shape (N, 16)");
+            auto rv = r.unchecked<2>();
+            auto kv = k.unchecked<2>();
+            std::vector<disk::RecordRef> v(static_cast<std::size_t>(r.shape(0)));
+            for (py::ssize_t i = 0; i < r.shape(0); ++i) {
+              if (rv(i, 1) < 0 || rv(i, 2) < 0 || rv(i, 3) <= 0)
+                throw Error(Code::kInvalidArgument, "record " + std::to_string(i) +
+                                                        ": negative file/offset or length <= 0");
+              auto& x = v[static_cast<std::size_t>(i)];
+              x.slot = static_cast<std::uintptr_t>(rv(i, 0));
+              x.file = static_cast<std::uint32_t>(rv(i, 1));
+              x.offset = static_cast<std::uint64_t>(rv(i, 2));
+              x.payload_len = static_cast<std::uint64_t>(rv(i, 3));
+              std::memcpy(x.key.b, kv.data(i, 0), 16);
+            }
+            std::uint64_t id = e.submit(store->make_job(write, std::move(v)), queue);
+            if (id == 0)
+              throw Error(Code::kBusy,
+                          "queue " + std::to_string(queue) + " is at its in-flight byte budget");
+            return id;
+          },
+          py::arg("store"), py::arg("write"), py::arg("records"), py::arg("keys"),
+          py::arg("queue") = 0)
       .def("poll", &Engine::poll)
       .def(
           "wait",
@@ -249,6 +290,40 @@ PYBIND11_MODULE(_native, m) {
             e.unregister_region(addr);
           },
           py::arg("address"));
+
+
+  py::class_<disk::Store, std::shared_ptr<disk::Store>>(m, "DiskStore")
+      .def(py::init([](std::vector<std::string> paths, std::uint64_t file_bytes,
+                       const std::string& backend, unsigned queue_depth, std::uint32_t max_io_bytes,
+                       bool direct, bool sync, const py::bytes& ns,
+                       const std::vector<std::pair<std::uintptr_t, std::size_t>>& buffers) {
+             disk::StoreOptions o;
+             o.paths = std::move(paths);
+             o.file_bytes = file_bytes;
+             o.backend = backend;
+             o.queue_depth = queue_depth;
+             o.max_io_bytes = max_io_bytes;
+             o.direct = direct;
+             o.sync = sync;
+             std::string nsb = ns;
+             if (nsb.size() != 16)
+               throw Error(Code::kInvalidArgument, "namespace digest must be 16 bytes");
+             std::memcpy(o.ns.b, nsb.data(), 16);
+             for (const auto& [a, n] : buffers)
+               o.buffers.emplace_back(reinterpret_cast<std::uint8_t*>(a), n);
+             py::gil_scoped_release nogil;  // preallocation and ring setup take time
+             return disk::Store::open(std::move(o));
+           }),
+           py::arg("paths"), py::arg("file_bytes"), py::arg("backend") = "auto",
+           py::arg("queue_depth") = 32, py::arg("max_io_bytes") = 1 << 20, py::arg("direct") = true,
+           py::arg("sync") = false, py::arg("ns"), py::arg("buffers"))
+      .def_property_readonly("backend", &disk::Store::backend_name)
+      .def_property_readonly("direct", &disk::Store::direct)
+      .def_property_readonly("note", &disk::Store::backend_note);
+  m.def("disk_item_error", [](std::int32_t code) { return std::string(disk::item_error(code)); });
+  m.attr("DISK_TRAILER_BYTES") = disk::kTrailerBytes;
+  m.def("disk_record_bytes", &disk::record_bytes);
+  m.def("uring_compiled_in", &disk::uring_compiled_in);
 
   m.def(
       "crc32c",

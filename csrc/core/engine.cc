@@ -113,6 +113,7 @@ void Engine::worker_loop() {
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     r.ok = err.empty();
     r.error = std::move(err);
+    r.items = p.job->take_items();
     p.job.reset();
 
     lk.lock();
@@ -156,7 +157,7 @@ void Engine::close(bool cancel) {
           const std::uint64_t nb = p.job->bytes();
           q.in_flight -= nb;
           outstanding_.erase(p.id);
-          finished_.push_back(JobResult{p.id, false, "cancelled: engine closed", nb, 0.0});
+          finished_.push_back(JobResult{p.id, false, "cancelled: engine closed", nb, 0.0, {}});
           queued_.fetch_sub(1, std::memory_order_relaxed);
         }
         q.pending.clear();

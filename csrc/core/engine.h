@@ -28,6 +28,9 @@ struct JobResult {
   std::string error;
   std::uint64_t nbytes = 0;
   double seconds = 0.0;  // execution time on the worker
+  // Per-item outcome for jobs made of several items (disk records): 0 ok,
+  // > 0 an errno, < 0 an integrity failure (see disk/record.h).
+  std::vector<std::int32_t> items;
 };
 
 // A unit of work run on one worker thread. Implementations must not touch
@@ -40,6 +43,8 @@ class Job {
   // Checks every address range against the live regions. Empty = fine.
   virtual std::string check(const RegionSet& regions) const = 0;
   virtual std::string run() = 0;
+  // Called once after run(): per-item outcomes, if the job has items.
+  virtual std::vector<std::int32_t> take_items() { return {}; }
 };
 
 struct QueueOptions {

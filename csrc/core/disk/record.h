@@ -1,0 +1,52 @@
+// On-disk record format of the disk tier: the payload, then a trailer of
+// kTrailerBytes whose first 64 bytes describe it. Payload and trailer are
+// written and read as one I/O from a host slot with room for both, so a record
+// is a single aligned O_DIRECT request and adjacent slots coalesce.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvtier::disk {
+
+constexpr std::size_t kTrailerBytes = 4096;   // keeps every O_DIRECT I/O 4 KiB aligned
+constexpr std::uint32_t kMagic = 0x5254564b;  // "KVTR"
+constexpr std::uint16_t kVersion = 1;
+
+// Item outcomes reported per record (JobResult::items); > 0 are errnos.
+constexpr std::int32_t kBadTrailer = -1;   // magic, version or trailer crc wrong
+constexpr std::int32_t kWrongKey = -2;     // namespace, key or length differ
+constexpr std::int32_t kBadChecksum = -3;  // payload crc32c differs
+constexpr std::int32_t kShortRead = -4;    // end of file inside the record
+
+struct Digest {
+  std::uint8_t b[16];
+};
+
+#pragma pack(push, 1)
+struct Trailer {
+  std::uint32_t magic;
+  std::uint16_t version;
+  std::uint16_t flags;
+  std::uint64_t payload_len;
+  std::uint8_t ns[16];
+  std::uint8_t key[16];
+  std::uint32_t payload_crc;
+  std::uint32_t trailer_crc;  // crc32c of the bytes above
+  std::uint8_t reserved[8];
+};
+#pragma pack(pop)
+static_assert(sizeof(Trailer) == 64);
+
+// Record size on disk for a payload: payload + trailer, rounded to 4 KiB.
+std::size_t record_bytes(std::size_t payload_len);
+// Byte offset of the trailer inside a record (payload rounded up to 4 KiB).
+std::size_t trailer_offset(std::size_t payload_len);
+
+void write_trailer(std::uint8_t* record, std::size_t payload_len, const Digest& ns,
+                   const Digest& key);
+// 0 when the record is the one asked for with intact bytes, else kBad*/kWrong*.
+std::int32_t verify_record(const std::uint8_t* record, std::size_t payload_len, const Digest& ns,
+                           const Digest& key);
+
+}  // namespace kvtier::disk

@@ -1,0 +1,198 @@
+#include "store.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "../status.h"
+
+namespace kvtier::disk {
+
+namespace {
+
+int open_extent(const std::string& path, bool direct, bool* got_direct) {
+  const int flags = O_RDWR | O_CREAT | O_CLOEXEC;
+  if (direct) {
+    int fd = ::open(path.c_str(), flags | O_DIRECT, 0600);
+    if (fd >= 0) {
+      *got_direct = true;
+      return fd;
+    }
+    if (errno != EINVAL) throw_errno("open " + path, errno);
+    // tmpfs and some FUSE file systems refuse O_DIRECT: buffered I/O still works.
+  }
+  *got_direct = false;
+  int fd = ::open(path.c_str(), flags, 0600);
+  if (fd < 0) throw_errno("open " + path, errno);
+  return fd;
+}
+
+class DiskJob final : public Job {
+ public:
+  DiskJob(std::shared_ptr<const Store> store, bool write, std::vector<RecordRef> recs)
+      : store_(std::move(store)), write_(write), recs_(std::move(recs)) {
+    for (const auto& r : recs_) bytes_ += record_bytes(r.payload_len);
+  }
+  std::uint64_t bytes() const override { return bytes_; }
+  std::string check(const RegionSet& regions) const override {
+    for (std::size_t i = 0; i < recs_.size(); ++i) {
+      const RecordRef& r = recs_[i];
+      const std::size_t n = record_bytes(r.payload_len);
+      if (r.payload_len == 0) return "record " + std::to_string(i) + ": payload length is 0";
+      if (r.file >= store_->num_files())
+        return "record " + std::to_string(i) + ": file index out of range";
+      if (r.offset % 4096 != 0 || r.offset + n > store_->file_bytes())
+        return "record " + std::to_string(i) + ": offset " + std::to_string(r.offset) +
+               " not 4 KiB aligned or past the extent";
+      if (store_->direct() && r.slot % 4096 != 0)
+        return "record " + std::to_string(i) + ": host slot is not 4 KiB aligned";
+      if (!regions.covers(r.slot, n))
+        return "record " + std::to_string(i) +
+               ": host slot (payload + trailer) is outside every registered region";
+    }
+    return {};
+  }
+  std::string run() override {
+    store_->run(write_, recs_, items_);
+    std::size_t bad = 0;
+    std::int32_t first = 0;
+    for (std::int32_t x : items_)
+      if (x != 0 && bad++ == 0) first = x;
+    if (bad == 0) return {};
+    return std::to_string(bad) + " of " + std::to_string(items_.size()) +
+           " record(s) failed; first: " + item_error(first);
+  }
+  std::vector<std::int32_t> take_items() override { return std::move(items_); }
+
+ private:
+  std::shared_ptr<const Store> store_;
+  bool write_;
+  std::vector<RecordRef> recs_;
+  std::vector<std::int32_t> items_;
+  std::uint64_t bytes_ = 0;
+};
+
+}  // namespace
+
+const char* item_error(std::int32_t code) {
+  switch (code) {
+    case 0:
+      return "ok";
+    case kBadTrailer:
+      return "bad record trailer (torn or foreign record)";
+    case kWrongKey:
+      return "record belongs to another key, namespace or length";
+    case kBadChecksum:
+      return "payload checksum mismatch";
+    case kShortRead:
+      return "short read at end of file";
+    default:
+      return code > 0 ? std::strerror(code) : "unknown error";
+  }
+}
+
+std::shared_ptr<Store> Store::open(StoreOptions opts) {
+  if (opts.paths.empty()) throw_invalid("a disk store needs at least one extent file");
+  if (opts.file_bytes == 0 || opts.file_bytes % 4096 != 0)
+    throw_invalid("extent size must be a positive multiple of 4 KiB");
+  if (opts.queue_depth == 0 || opts.queue_depth > 4096)
+    throw_invalid("queue_depth must be 1..4096");
+  if (opts.max_io_bytes < 4096 || opts.max_io_bytes % 4096 != 0)
+    throw_invalid("max_io_bytes must be a multiple of 4 KiB");
+  std::shared_ptr<Store> s(new Store(std::move(opts)));
+  bool all_direct = true;
+  for (const auto& p : s->opts_.paths) {
+    bool d = false;
+    int fd = open_extent(p, s->opts_.direct, &d);
+    s->fds_.push_back(fd);
+    all_direct = all_direct && d;
+    struct stat st {};
+    if (::fstat(fd, &st) == 0 && static_cast<std::uint64_t>(st.st_size) < s->opts_.file_bytes) {
+      int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(s->opts_.file_bytes));
+      if (rc != 0) throw_errno("preallocate " + p, rc);
+    }
+  }
+  s->direct_ = all_direct;
+  if (s->opts_.direct && !all_direct) s->note_ = "O_DIRECT unsupported here: buffered I/O";
+  BackendOptions b{s->fds_, s->opts_.buffers, s->opts_.queue_depth};
+  const std::string& want = s->opts_.backend;
+  if (want != "auto" && want != "io_uring" && want != "pread")
+    throw_invalid("backend must be auto, io_uring or pread, not '" + want + "'");
+  if (want != "pread") {
+    try {
+      s->backend_ = make_uring_backend(b);
+    } catch (const Error& e) {
+      if (want == "io_uring") throw;
+      s->note_ += std::string(s->note_.empty() ? "" : "; ") + "io_uring unavailable (" + e.what() +
+                  "): pread/pwrite";
+    }
+  }
+  if (!s->backend_) s->backend_ = make_pread_backend(b);
+  return s;
+}
+
+Store::~Store() {
+  for (int fd : fds_) ::close(fd);
+}
+
+std::unique_ptr<Job> Store::make_job(bool write, std::vector<RecordRef> recs) {
+  if (recs.empty()) throw_invalid("a disk job needs at least one record");
+  return std::make_unique<DiskJob>(shared_from_this(), write, std::move(recs));
+}
+
+void Store::run(bool write, std::vector<RecordRef>& recs, std::vector<std::int32_t>& items) const {
+  items.assign(recs.size(), 0);
+  if (write)
+    for (const RecordRef& r : recs)
+      write_trailer(reinterpret_cast<std::uint8_t*>(r.slot), r.payload_len, opts_.ns, r.key);
+  // Coalesce records adjacent both in the file and in host memory into one
+  // request (up to max_io_bytes); split records larger than that.
+  std::vector<IoOp> ops;
+  std::vector<std::pair<std::size_t, std::size_t>> op_recs;  // [first, last] record of each op
+  for (std::size_t i = 0; i < recs.size(); ++i) {
+    const RecordRef& r = recs[i];
+    const std::size_t n = record_bytes(r.payload_len);
+    auto* buf = reinterpret_cast<std::uint8_t*>(r.slot);
+    if (!ops.empty()) {
+      IoOp& last = ops.back();
+      if (last.file == static_cast<int>(r.file) && last.offset + last.len == r.offset &&
+          last.buf + last.len == buf && last.len + n <= opts_.max_io_bytes &&
+          op_recs.back().second == i - 1) {
+        last.len += static_cast<std::uint32_t>(n);
+        op_recs.back().second = i;
+        continue;
+      }
+    }
+    for (std::size_t off = 0; off < n; off += opts_.max_io_bytes) {
+      IoOp op;
+      op.file = static_cast<int>(r.file);
+      op.offset = r.offset + off;
+      op.buf = buf + off;
+      op.len = static_cast<std::uint32_t>(std::min<std::size_t>(opts_.max_io_bytes, n - off));
+      op.write = write;
+      ops.push_back(op);
+      op_recs.emplace_back(i, i);
+    }
+  }
+  backend_->run(ops);
+  for (std::size_t k = 0; k < ops.size(); ++k)
+    if (ops[k].result != 0)
+      for (std::size_t i = op_recs[k].first; i <= op_recs[k].second; ++i)
+        if (items[i] == 0) items[i] = ops[k].result;
+  if (write && opts_.sync) {
+    for (int fd : fds_)
+      if (::fdatasync(fd) != 0)
+        for (auto& x : items)
+          if (x == 0) x = errno;
+  }
+  if (!write)
+    for (std::size_t i = 0; i < recs.size(); ++i)
+      if (items[i] == 0)
+        items[i] = verify_record(reinterpret_cast<const std::uint8_t*>(recs[i].slot),
+                                 recs[i].payload_len, opts_.ns, recs[i].key);
+}
+
+}  // namespace kvtier::disk

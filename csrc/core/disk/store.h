@@ -1,0 +1,68 @@
+// Slab store: preallocated extent files of fixed-size records (payload +
+// trailer, see record.h), read and written from host pool slots by engine jobs.
+// The index (which key is in which record) lives in Python with its journal.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../engine.h"
+#include "io.h"
+#include "record.h"
+
+namespace kvtier::disk {
+
+struct StoreOptions {
+  std::vector<std::string> paths;  // extent files, created 0600 when missing
+  std::uint64_t file_bytes = 0;    // each file is preallocated to this size
+  std::string backend = "auto";    // "auto" | "io_uring" | "pread"
+  unsigned queue_depth = 32;
+  std::uint32_t max_io_bytes = 1 << 20;  // coalesced requests are capped here
+  bool direct = true;                    // O_DIRECT, falling back to buffered
+  bool sync = false;                     // fdatasync after every store job
+  Digest ns{};
+  std::vector<std::pair<std::uint8_t*, std::size_t>> buffers;  // host memory to register
+};
+
+struct RecordRef {
+  std::uintptr_t slot;  // host memory: payload, then room for the trailer
+  std::uint32_t file;
+  std::uint64_t offset;  // 4 KiB aligned
+  std::uint64_t payload_len;
+  Digest key;
+};
+
+class Store : public std::enable_shared_from_this<Store> {
+ public:
+  static std::shared_ptr<Store> open(StoreOptions opts);
+  ~Store();
+  Store(const Store&) = delete;
+  Store& operator=(const Store&) = delete;
+
+  // A store (write=true) or load job over `recs`; range checks happen when
+  // the engine validates the job at submit.
+  std::unique_ptr<Job> make_job(bool write, std::vector<RecordRef> recs);
+
+  const char* backend_name() const { return backend_->name(); }
+  bool direct() const { return direct_; }
+  std::uint64_t file_bytes() const { return opts_.file_bytes; }
+  std::size_t num_files() const { return fds_.size(); }
+  std::string backend_note() const { return note_; }
+
+  // Used by jobs on worker threads.
+  void run(bool write, std::vector<RecordRef>& recs, std::vector<std::int32_t>& items) const;
+
+ private:
+  explicit Store(StoreOptions opts) : opts_(std::move(opts)) {}
+  StoreOptions opts_;
+  std::vector<int> fds_;
+  std::unique_ptr<IoBackend> backend_;
+  bool direct_ = true;
+  std::string note_;
+};
+
+const char* item_error(std::int32_t code);
+
+}  // namespace kvtier::disk
