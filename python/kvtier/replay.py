@@ -384,17 +384,20 @@ def main_replay(args: argparse.Namespace) -> int:
     if capacity is not None and capacity <= 0:
         raise InvalidArgument("host capacity must hold at least one block")
 
+    lower = build_lower_tiers(args, block_bytes)
     pool = transfer = kv = None
     if not args.no_data:
         from kvtier.pool import HostPool
         from kvtier.transfer import DeviceTransfer
 
         assert capacity is not None
-        pool = HostPool(capacity, block_bytes)
+        # Lower tiers may need room beside each block (the disk record trailer).
+        slot_bytes = max([block_bytes] + [t.slot_bytes_for(block_bytes) for t in lower
+                                          if hasattr(t, "slot_bytes_for")])
+        pool = HostPool(capacity, slot_bytes)
         kv = FakeKV(max(len(t) for t in trace), block_bytes, seed=args.seed)
         transfer = DeviceTransfer(kv.layers, pool)
     host = HostTier(pool, capacity, policy=args.policy, admit_after=args.admit_after)
-    lower = build_lower_tiers(args, block_bytes)
     manager = TieredOffloadingManager(host, lower)
     cap_txt = "unbounded" if capacity is None else f"{capacity:,} blocks"
     print(f"kvtier replay: {source}; host {cap_txt}, policy {args.policy}, "
