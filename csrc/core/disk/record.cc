@@ -24,7 +24,9 @@ void write_trailer(std::uint8_t* record, std::size_t payload_len, const Digest& 
   t.trailer_crc = crc32c(&t, offsetof(Trailer, trailer_crc));
   std::uint8_t* dst = record + trailer_offset(payload_len);
   std::memcpy(dst, &t, sizeof t);
-  // Padding between payload and trailer is zeroed so the record is deterministic.
+  // Every byte of the record is defined (padding is zero) and checked on
+  // load, so damage anywhere in a record is detected, not just in payload.
+  std::memset(dst + sizeof t, 0, kTrailerBytes - sizeof t);
   std::memset(record + payload_len, 0, trailer_offset(payload_len) - payload_len);
 }
 
@@ -39,6 +41,15 @@ std::int32_t verify_record(const std::uint8_t* record, std::size_t payload_len, 
       std::memcmp(t.key, key.b, 16) != 0)
     return kWrongKey;
   if (crc32c(record, payload_len) != t.payload_crc) return kBadChecksum;
+  const std::uint8_t* pad = record + payload_len;
+  const std::size_t pad_n = trailer_offset(payload_len) - payload_len;
+  const std::uint8_t* rest = record + trailer_offset(payload_len) + sizeof t;
+  auto zero = [](const std::uint8_t* p, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i)
+      if (p[i] != 0) return false;
+    return true;
+  };
+  if (!zero(pad, pad_n) || !zero(rest, kTrailerBytes - sizeof t)) return kBadTrailer;
   return 0;
 }
 

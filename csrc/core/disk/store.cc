@@ -178,10 +178,32 @@ void Store::run(bool write, std::vector<RecordRef>& recs, std::vector<std::int32
     }
   }
   backend_->run(ops);
-  for (std::size_t k = 0; k < ops.size(); ++k)
-    if (ops[k].result != 0)
-      for (std::size_t i = op_recs[k].first; i <= op_recs[k].second; ++i)
-        if (items[i] == 0) items[i] = ops[k].result;
+  // A failed coalesced request says nothing about which record is bad: redo
+  // its records one by one so a fault fails only the records it touches.
+  std::vector<IoOp> retry;
+  std::vector<std::size_t> retry_rec;
+  for (std::size_t k = 0; k < ops.size(); ++k) {
+    if (ops[k].result == 0) continue;
+    if (op_recs[k].first == op_recs[k].second) {
+      if (items[op_recs[k].first] == 0) items[op_recs[k].first] = ops[k].result;
+      continue;
+    }
+    for (std::size_t i = op_recs[k].first; i <= op_recs[k].second; ++i) {
+      IoOp op;
+      op.file = static_cast<int>(recs[i].file);
+      op.offset = recs[i].offset;
+      op.buf = reinterpret_cast<std::uint8_t*>(recs[i].slot);
+      op.len = static_cast<std::uint32_t>(record_bytes(recs[i].payload_len));
+      op.write = write;
+      retry.push_back(op);
+      retry_rec.push_back(i);
+    }
+  }
+  if (!retry.empty()) {
+    backend_->run(retry);
+    for (std::size_t k = 0; k < retry.size(); ++k)
+      if (retry[k].result != 0 && items[retry_rec[k]] == 0) items[retry_rec[k]] = retry[k].result;
+  }
   if (write && opts_.sync) {
     for (int fd : fds_)
       if (::fdatasync(fd) != 0)

@@ -1,0 +1,266 @@
+"""Disk tier: bad input, permissions, namespaces, warm restart, crashes, damage."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier.pool import HostPool
+from kvtier.tiers import LookupResult
+from kvtier.tiers.disk import DiskTier, key_digest, record_bytes
+
+BLOCK = 16384
+SLOT = record_bytes(BLOCK)
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+
+
+def K(i: int) -> bytes:
+    return b"blk-%010d" % i
+
+
+def content(i: int) -> np.ndarray:
+    return ((np.arange(BLOCK, dtype=np.uint32) * 2654435761 + i * 97) >> 7).astype(np.uint8)
+
+
+def run_until_done(t: DiskTier, token: int | None) -> list[bool]:
+    assert token is not None
+    for _ in range(20000):
+        for c in t.poll():
+            if c.token == token:
+                return list(c.key_ok or [])
+        time.sleep(0.0005)
+    raise AssertionError("disk job did not finish")
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(kvtier.IoError, match="does not exist") as e:
+        DiskTier(tmp_path / "nope", 1 << 20, BLOCK)
+    assert e.value.errno == 2
+
+
+def test_directory_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown")
+    d = tmp_path / "theirs"
+    d.mkdir()
+    os.chown(d, 65534, 65534)
+    with pytest.raises(kvtier.IoError, match="owned by uid 65534"):
+        DiskTier(d, 1 << 20, BLOCK)
+
+
+def test_capacity_and_size_errors(tmp_path: Path) -> None:
+    with pytest.raises(kvtier.InvalidArgument, match="holds no record"):
+        DiskTier(tmp_path, 100, BLOCK)
+    with pytest.raises(kvtier.InvalidArgument):
+        DiskTier(tmp_path, 1 << 20, BLOCK, backend="magic")
+    t = DiskTier(tmp_path, 1 << 20, BLOCK)
+    with pytest.raises(kvtier.InvalidArgument, match="slot_bytes_for"):
+        t.attach(HostPool(4, BLOCK))
+    t.close()
+
+
+def test_files_are_private(tmp_path: Path) -> None:
+    t = DiskTier(tmp_path, 8 * SLOT, BLOCK)
+    with HostPool(4, SLOT) as p:
+        t.attach(p)
+        assert (os.stat(t.dir).st_mode & 0o777) == 0o700
+        for f in [*t.paths, t.dir / "index.journal"]:
+            assert (os.stat(f).st_mode & 0o777) == 0o600
+        t.close()
+
+
+def test_enospc_at_construction_is_clear(tmp_path: Path) -> None:
+    d = tmp_path / "small"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        t = DiskTier(d, 64 * SLOT, BLOCK)
+        with HostPool(2, SLOT) as p, pytest.raises(kvtier.IoError) as e:
+            t.attach(p)
+        assert e.value.errno == 28
+        assert "preallocate" in str(e.value)
+        t.close()
+    finally:
+        subprocess.run(["umount", str(d)], check=False)
+
+
+def test_namespaces_never_mix(tmp_path: Path) -> None:
+    with HostPool(8, SLOT) as p:
+        a = DiskTier(tmp_path, 8 * SLOT, BLOCK, namespace="model-a/bf16/tp0")
+        b = DiskTier(tmp_path, 8 * SLOT, BLOCK, namespace="model-b/bf16/tp0")
+        a.attach(p)
+        b.attach(p)
+        p.view(0)[:BLOCK] = content(1)
+        assert run_until_done(a, a.submit_store([K(1)], [0])) == [True]
+        assert a.lookup(K(1)) is HIT and b.lookup(K(1)) is MISS
+        assert a.dir != b.dir
+        # Even pointed at a's records, b's namespace digest rejects them.
+        b.index[key_digest(K(1))] = a.index[key_digest(K(1))]
+        b.rec_state[b.index[key_digest(K(1))]] = 1
+        b.store = a.store.__class__(a.paths, a.file_bytes, "pread", 4, 1 << 20, True, False, b.ns,
+                                    [(p.address, p.nbytes)])
+        assert run_until_done(b, b.submit_load([K(1)], [1])) == [False]
+        assert b.stats()["corrupt"] == 1
+        a.close()
+        b.close()
+
+
+def test_warm_restart_finds_every_block(tmp_path: Path) -> None:
+    with HostPool(16, SLOT) as p:
+        t = DiskTier(tmp_path, 64 * SLOT, BLOCK)
+        t.attach(p)
+        for i in range(8):
+            p.view(i)[:BLOCK] = content(i)
+        assert all(run_until_done(t, t.submit_store([K(i) for i in range(8)], list(range(8)))))
+        t.checkpoint()
+        p.view(0)[:BLOCK] = content(8)
+        assert all(run_until_done(t, t.submit_store([K(8)], [0])))
+        t.close()
+        with open(t.dir / "index.journal", "ab") as f:
+            f.write(b"torn-entry")  # a crash mid-append
+        t2 = DiskTier(tmp_path, 64 * SLOT, BLOCK)
+        t2.attach(p)
+        assert t2.stats()["recovered"] == 9
+        assert all(t2.lookup(K(i)) is HIT for i in range(9))
+        assert all(run_until_done(t2, t2.submit_load([K(i) for i in range(9)], list(range(9)))))
+        for i in range(9):
+            assert np.array_equal(p.view(i)[:BLOCK], content(i))
+        t2.close()
+
+
+def test_random_ops_byte_for_byte(tmp_path: Path) -> None:
+    """100k random store/load operations against a small tier (evicting all the time)."""
+    rng = random.Random(7)
+    with HostPool(64, SLOT) as p:
+        t = DiskTier(tmp_path, 200 * SLOT, BLOCK, queue_depth=16)
+        t.attach(p)
+        versions: dict[int, int] = {}
+        ops = 0
+        bad = 0
+        while ops < 100_000:
+            batch = rng.sample(range(600), 32)
+            if rng.random() < 0.5:
+                for j, k in enumerate(batch):
+                    p.view(j)[:BLOCK] = content(k)
+                oks = run_until_done(t, t.submit_store([K(k) for k in batch], list(range(32))))
+                for k, ok in zip(batch, oks):
+                    if ok:
+                        versions[k] = k
+            else:
+                oks = run_until_done(t, t.submit_load([K(k) for k in batch], list(range(32, 64))))
+                for j, (k, ok) in enumerate(zip(batch, oks)):
+                    if ok:
+                        bad += not np.array_equal(p.view(32 + j)[:BLOCK], content(k))
+                    else:
+                        assert t.lookup(K(k)) is MISS
+            ops += 32
+        assert bad == 0
+        s = t.stats()
+        assert s["evictions"] > 1000 and s["loads"] > 1000 and s["corrupt"] == 0
+        t.close()
+
+
+CHILD = textwrap.dedent("""
+    import sys, time, numpy as np
+    from kvtier.pool import HostPool
+    from kvtier.tiers.disk import DiskTier, record_bytes
+    BLOCK = 16384
+    d, start = sys.argv[1], int(sys.argv[2])
+    def content(i):
+        return ((np.arange(BLOCK, dtype=np.uint32) * 2654435761 + i * 97) >> 7).astype(np.uint8)
+    p = HostPool(8, record_bytes(BLOCK))
+    t = DiskTier(d, 4000 * record_bytes(BLOCK), BLOCK, queue_depth=8)
+    t.attach(p)
+    i = start
+    while True:
+        keys = []
+        for j in range(8):
+            p.view(j)[:BLOCK] = content(i + j)
+            keys.append(b"blk-%010d" % (i + j))
+        t.submit_store(keys, list(range(8)))
+        done = False
+        while not done:
+            for c in t.poll():
+                done = True
+                print(" ".join(str(i + j) for j, ok in enumerate(c.key_ok) if ok), flush=True)
+            time.sleep(0.0002)
+        i += 8
+""")
+
+
+def test_crash_safety_sigkill_and_damage(tmp_path: Path) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    d = tmp_path / "disk"
+    d.mkdir()
+    rng = random.Random(11)
+    committed: list[int] = []
+    for rnd in range(10):
+        proc = subprocess.Popen([sys.executable, str(script), str(d), str(rnd * 1000)],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        want_lines = rng.randint(1, 40)
+        for _ in range(want_lines):
+            line = proc.stdout.readline()
+            committed.extend(int(x) for x in line.split())
+        time.sleep(rng.random() * 0.02)  # die at a random point, mid-write or not
+        proc.send_signal(signal.SIGKILL)
+        rest = proc.stdout.read()  # lines printed before the kill also count
+        committed.extend(int(x) for line in rest.splitlines() for x in line.split())
+        proc.wait()
+        # Restart: every committed block is found and verifies.
+        with HostPool(8, SLOT) as p:
+            t = DiskTier(d, 4000 * SLOT, BLOCK)
+            t.attach(p)
+            for i in range(0, len(committed), 8):
+                ks = committed[i : i + 8]
+                assert all(t.lookup(K(k)) is HIT for k in ks), f"round {rnd}: lost a block"
+                oks = run_until_done(t, t.submit_load([K(k) for k in ks], list(range(len(ks)))))
+                assert all(oks)
+                for j, k in enumerate(ks):
+                    assert np.array_equal(p.view(j)[:BLOCK], content(k))
+            t.close()
+    # Damage: flip bytes in 20 records and truncate the extent's tail.
+    with HostPool(8, SLOT) as p:
+        t = DiskTier(d, 4000 * SLOT, BLOCK)
+        t.attach(p)
+        victims = rng.sample(committed, 20)
+        for k in victims:
+            f, off = t._locate(t.index[key_digest(K(k))])
+            with open(t.paths[f], "r+b") as fh:
+                pos = off + rng.randrange(0, SLOT)
+                fh.seek(pos)
+                b = fh.read(1)
+                fh.seek(pos)
+                fh.write(bytes([b[0] ^ (1 << rng.randrange(8))]))
+        last = max(committed, key=lambda k: t.index[key_digest(K(k))])
+        f, off = t._locate(t.index[key_digest(K(last))])
+        os.truncate(t.paths[f], off + SLOT // 2)
+        damaged = set(victims) | {last}
+        recs = {k: t.index[key_digest(K(k))] for k in committed}
+        failures = served_wrong = 0
+        for i in range(0, len(committed), 8):
+            ks = committed[i : i + 8]
+            oks = run_until_done(t, t.submit_load([K(k) for k in ks], list(range(len(ks)))))
+            for j, (k, ok) in enumerate(zip(ks, oks)):
+                if ok:
+                    served_wrong += not np.array_equal(p.view(j)[:BLOCK], content(k))
+                else:
+                    failures += 1
+                    assert k in damaged, (k, recs[k], recs[last], committed.count(k),
+                                          sorted(recs[v] for v in victims), t.stats())
+        assert served_wrong == 0
+        assert failures == len(damaged)  # 100% of damaged records detected
+        t.close()
