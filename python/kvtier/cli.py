@@ -33,6 +33,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             from kvtier.bench.copy import DEFAULT_SIZES, run_copy
 
             results = [run_copy(s, repeats=args.repeats) for s in (sizes or DEFAULT_SIZES)]
+    elif args.component == "disk":
+        from kvtier.bench.disk import run_disk
+
+        sizes = [parse_size(args.block_bytes)] if args.block_bytes else [262144, 2 << 20]
+        results = [run_disk(args.dir, s, args.queue_depth, parse_size(args.total),
+                            args.repeats, args.backend) for s in sizes]
     elif args.component == "manager":
         from kvtier.bench.manager import run_manager
 
@@ -101,11 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_cmd_replay)
 
     b = sub.add_parser("bench", help="measure a component against its baseline")
-    b.add_argument("component", choices=["copy", "manager"])
+    b.add_argument("component", choices=["copy", "manager", "disk"])
     b.add_argument("--block-bytes", help="one size (default: 64KiB, 256KiB and 2MiB)")
     b.add_argument("--device", choices=["host", "cpu"], default="host",
                    help="host: pool<->buffer copies; cpu: DeviceTransfer with a CPU KV cache")
     b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--dir", default=".", help="disk: directory on the device to measure")
+    b.add_argument("--queue-depth", type=int, default=32)
+    b.add_argument("--total", default="1GiB", help="disk: bytes per run")
+    b.add_argument("--backend", default="auto", choices=["auto", "io_uring", "pread"])
     b.add_argument("--keys", type=int, default=1_000_000, help="manager: distinct keys")
     b.add_argument("--policy", default="lru")
     b.add_argument("--json", action="store_true", help="print JSON (last line)")

@@ -364,7 +364,21 @@ class DiskTier(LowerTier):
         self._batches[token]["jobs"] = len(submitted)
         return True
 
+    def _check(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        if len(keys) != len(slots):
+            raise InvalidArgument(f"{len(keys)} keys but {len(slots)} slots")
+        if self._closed:
+            from kvtier.errors import ClosedError
+
+            raise ClosedError(f"{self.name} tier is closed")
+        if self.pool is not None and not self.no_data:
+            n = self.pool.num_slots
+            bad = [s for s in slots if not 0 <= s < n]
+            if bad:
+                raise InvalidArgument(f"host slot {bad[0]} out of range [0, {n})")
+
     def submit_store(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
+        self._check(keys, slots)
         token = next(self._tokens)
         digs = [key_digest(k) for k in keys]
         batch: dict[str, Any] = {"kind": "store", "keys": list(keys), "digs": digs,
@@ -403,6 +417,7 @@ class DiskTier(LowerTier):
         return token
 
     def submit_load(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
+        self._check(keys, slots)
         token = next(self._tokens)
         digs = [key_digest(k) for k in keys]
         batch: dict[str, Any] = {"kind": "load", "keys": list(keys), "digs": digs,

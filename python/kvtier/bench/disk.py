@@ -1,0 +1,181 @@
+"""``kvtier bench disk``: the disk tier's store and load throughput against fio
+(io_uring, direct=1, same block size, queue depth and directory) measured in
+the same run, beside a Python thread pool writing one file per block with
+O_DIRECT (what a file-per-block tier does), and a GIL probe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import InvalidArgument
+from kvtier.pool import HostPool
+from kvtier.tiers.disk import DiskTier, record_bytes
+
+
+def _keys(n: int, salt: int) -> list[bytes]:
+    return [b"bench-%d-%d" % (salt, i) for i in range(n)]
+
+
+def _drive(t: DiskTier, write: bool, keys: list[bytes], batch: int, poll_s: float = 0.0002) -> float:
+    """Keep the tier's queue full until every key moved; seconds taken."""
+    n = len(keys)
+    t0 = time.perf_counter()
+    i = done = 0
+    inflight = 0
+    while done < n:
+        while i < n and inflight < 4:
+            ks = keys[i : i + batch]
+            slots = [(i + j) % t.pool.num_slots for j in range(len(ks))]
+            tok = t.submit_store(ks, slots) if write else t.submit_load(ks, slots)
+            if tok is None:
+                break
+            i += len(ks)
+            inflight += 1
+        for c in t.poll():
+            inflight -= 1
+            done += len(c.keys)
+            if not c.ok:
+                raise RuntimeError(f"bench {'store' if write else 'load'} failed: {c.key_ok}")
+        time.sleep(poll_s)
+    return time.perf_counter() - t0
+
+
+def _fio(directory: Path, rw: str, bs: int, qd: int, size: int) -> float:
+    path = directory / "fio-bench.dat"
+    out = subprocess.run(
+        ["fio", "--name=kvtier", f"--filename={path}", f"--size={size}", f"--rw={rw}",
+         f"--bs={bs}", "--ioengine=io_uring", "--direct=1", f"--iodepth={qd}",
+         "--output-format=json"],
+        capture_output=True, text=True, timeout=600,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"fio failed: {out.stderr.strip()[:300]}")
+    job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
+    return float(job["write" if rw == "write" else "read"]["bw_bytes"]) / 1e9
+
+
+def _threadpool(directory: Path, pool: HostPool, bs: int, n: int, threads: int) -> tuple[float, float]:
+    """One O_DIRECT file per block from a Python thread pool; (store, load) GB/s."""
+    d = directory / "pyfiles"
+    d.mkdir(exist_ok=True)
+    flags = getattr(os, "O_DIRECT", 0)
+
+    def store(i: int) -> None:
+        fd = os.open(d / f"b{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o600)
+        try:
+            os.write(fd, memoryview(pool.view(i % pool.num_slots))[:bs])
+        finally:
+            os.close(fd)
+
+    def load(i: int) -> None:
+        fd = os.open(d / f"b{i}", os.O_RDONLY | flags)
+        try:
+            os.preadv(fd, [memoryview(pool.view(i % pool.num_slots))[:bs]], 0)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as ex:
+        t0 = time.perf_counter()
+        list(ex.map(store, range(n)))
+        ts = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        list(ex.map(load, range(n)))
+        tl = time.perf_counter() - t0
+    shutil.rmtree(d, ignore_errors=True)
+    return n * bs / ts / 1e9, n * bs / tl / 1e9
+
+
+def _loop_rate(seconds: float) -> float:
+    n = 0
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(1000):
+            n += 1
+    return n / seconds
+
+
+def run_disk(directory: str, block_bytes: int, queue_depth: int = 32, total_bytes: int = 1 << 30,
+             repeats: int = 3, backend: str = "auto", threads: int = 2) -> dict[str, Any]:
+    base = Path(directory)
+    if not base.is_dir():
+        raise InvalidArgument(f"--dir {directory} is not a directory")
+    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=base))
+    os.chmod(work, 0o700)
+    n = max(64, total_bytes // block_bytes)
+    slots = min(n, max(64, (512 << 20) // record_bytes(block_bytes)))
+    pool = HostPool(slots, record_bytes(block_bytes))
+    pool.view(0, slots)[:] = 0x5A
+    tier = DiskTier(work, n * record_bytes(block_bytes), block_bytes, backend=backend,
+                    queue_depth=max(1, queue_depth // threads), num_threads=threads,
+                    inflight_bytes=1 << 40)
+    tier.attach(pool)
+    batch = max(1, min(256, (16 << 20) // block_bytes))
+    have_fio = shutil.which("fio") is not None
+    ks, kl, fs, fl = [], [], [], []
+    try:
+        for r in range(repeats):
+            keys = _keys(n, r)
+            ks.append(n * block_bytes / _drive(tier, True, keys, batch) / 1e9)
+            kl.append(n * block_bytes / _drive(tier, False, keys, batch) / 1e9)
+            if have_fio:
+                fs.append(_fio(work, "write", block_bytes, queue_depth, n * block_bytes))
+                fl.append(_fio(work, "read", block_bytes, queue_depth, n * block_bytes))
+        py_s, py_l = _threadpool(work, pool, block_bytes, min(n, 2048), 8)
+        # GIL probe: a pure-Python loop's speed alone, then while a Python
+        # thread keeps the disk tier busy.
+        idle = _loop_rate(0.5)
+        stop = threading.Event()
+
+        def busy() -> None:
+            k = 0
+            while not stop.is_set():
+                keys = _keys(n, 1000 + k)
+                # Polled once a millisecond, like a scheduler step would.
+                _drive(tier, True, keys, batch, 0.001)
+                _drive(tier, False, keys, batch, 0.001)
+                k += 1
+
+        th = threading.Thread(target=busy, daemon=True)
+        th.start()
+        time.sleep(0.1)
+        loaded = _loop_rate(1.0)
+        stop.set()
+        th.join()
+    finally:
+        tier.close()
+        pool.close()
+        shutil.rmtree(work, ignore_errors=True)
+    med = statistics.median
+    out: dict[str, Any] = {
+        "component": "disk",
+        "block_bytes": block_bytes,
+        "queue_depth": queue_depth,
+        "store_gbps": round(med(ks), 3),
+        "load_gbps": round(med(kl), 3),
+        "backend": tier.backend,
+        "direct": tier.stats()["direct"],
+        "runs": {"store": ks, "load": kl},
+        "bytes_per_run": n * block_bytes,
+        "python_threadpool": {"name": "Python thread pool (8), one O_DIRECT file per block",
+                              "store_gbps": round(py_s, 3), "load_gbps": round(py_l, 3)},
+        "vs_python_threadpool": {"store": round(med(ks) / py_s, 3), "load": round(med(kl) / py_l, 3)},
+        "gil": {"python_loop_speed_while_busy": round(loaded / idle, 3)},
+    }
+    if have_fio:
+        out["baseline"] = {"name": "fio", "store_gbps": round(med(fs), 3),
+                           "load_gbps": round(med(fl), 3), "runs": {"store": fs, "load": fl}}
+        out["ratio"] = {"store": round(med(ks) / med(fs), 3), "load": round(med(kl) / med(fl), 3)}
+    else:
+        out["baseline"] = {"name": "fio", "error": "fio not installed"}
+    return out
