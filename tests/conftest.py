@@ -22,3 +22,29 @@ def engine() -> Iterator[Engine]:
     e = Engine(2)
     yield e
     e.close(cancel=True)
+
+
+@pytest.fixture(scope="session")
+def fake_cudart(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """Build the fake CUDA runtime and point kvtier's dlopen at it."""
+    import ctypes
+    import os
+    import subprocess
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "csrc" / "tests" / "fake_cudart.cc"
+    out = tmp_path_factory.mktemp("fakecuda") / "libfakecudart.so"
+    subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-pthread", str(src),
+                    "-o", str(out)], check=True)
+    os.environ["KVTIER_CUDART"] = str(out)
+    lib = ctypes.CDLL(str(out))
+    lib.fake_cuda_registered_bytes.restype = ctypes.c_size_t
+    lib.fake_cuda_memcpy_calls.restype = ctypes.c_uint64
+    lib.fake_cuda_batch_calls.restype = ctypes.c_uint64
+    lib.fake_cuda_stream_fill.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    lib.fake_cuda_stream_sleep_us.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+    lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
+    lib.fake_path = str(out)
+    yield lib
+    lib.fake_cuda_set_delay_us(0)

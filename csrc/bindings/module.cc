@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "../core/copy/cuda.h"
 #include "../core/copy/host_copy.h"
 #include "../core/crc32c.h"
 #include "../core/disk/store.h"
@@ -291,7 +292,6 @@ PYBIND11_MODULE(_native, m) {
           },
           py::arg("address"));
 
-
   py::class_<disk::Store, std::shared_ptr<disk::Store>>(m, "DiskStore")
       .def(py::init([](std::vector<std::string> paths, std::uint64_t file_bytes,
                        const std::string& backend, unsigned queue_depth, std::uint32_t max_io_bytes,
@@ -324,6 +324,50 @@ PYBIND11_MODULE(_native, m) {
   m.attr("DISK_TRAILER_BYTES") = disk::kTrailerBytes;
   m.def("disk_record_bytes", &disk::record_bytes);
   m.def("uring_compiled_in", &disk::uring_compiled_in);
+
+  namespace cu = kvtier::cuda;
+  m.def("cuda_runtime", [] {
+    const cu::Api& a = cu::load_api();
+    return py::make_tuple(a.path, a.version, a.MemcpyBatchAsync != nullptr);
+  });
+  py::class_<cu::Copier>(m, "CudaCopier")
+      .def(py::init([](int device,
+                       const std::vector<std::pair<std::uintptr_t, std::size_t>>& regions,
+                       bool use_batch) {
+             py::gil_scoped_release nogil;  // host registration pins memory: slow
+             return std::make_unique<cu::Copier>(device, regions, use_batch);
+           }),
+           py::arg("device"), py::arg("host_regions"), py::arg("use_batch") = true)
+      .def(
+          "submit",
+          [](cu::Copier& c, int queue, const py::object& descs, std::uintptr_t wait_stream,
+             const std::vector<std::uint64_t>& deps) {
+            auto d = descs_from_array(descs);
+            py::gil_scoped_release nogil;
+            return c.submit(queue, d, wait_stream, deps);
+          },
+          py::arg("queue"), py::arg("descs"), py::arg("wait_stream") = 0,
+          py::arg("deps") = std::vector<std::uint64_t>{})
+      .def("poll", &cu::Copier::poll)
+      .def(
+          "wait",
+          [](cu::Copier& c, const std::vector<std::uint64_t>& ids) {
+            py::gil_scoped_release nogil;
+            c.wait(ids);
+          },
+          py::arg("job_ids"))
+      .def("pending", &cu::Copier::pending)
+      .def("stats",
+           [](const cu::Copier& c) {
+             auto s = c.stats();
+             py::dict d;
+             d["batch_calls"] = s.batch_calls;
+             d["memcpy_calls"] = s.memcpy_calls;
+             d["registered_bytes"] = s.registered_bytes;
+             return d;
+           })
+      .def_property_readonly("runtime_path", &cu::Copier::runtime_path)
+      .def_property_readonly("runtime_version", &cu::Copier::runtime_version);
 
   m.def(
       "crc32c",

@@ -34,6 +34,7 @@ class TransferResult:
     success: bool
     transfer_size: int | None = None
     transfer_time: float | None = None
+    error: str = ""  # the runtime's message when success is False
 
 
 @dataclass
@@ -80,13 +81,80 @@ def layout_from_tensors(tensors: Sequence[Any], page_bytes: Sequence[int] | None
                     nblocks[0], offsets)
 
 
+class _CpuBackend:
+    """Copies on engine worker threads: one serial queue per direction."""
+
+    name = "cpu"
+
+    def __init__(self, tensors: Sequence[Any], pool: HostPool, num_threads: int,
+                 budget_bytes: int) -> None:
+        self.engine = Engine(num_threads, [(budget_bytes, True)] * 3)
+        self.engine.register_pool(pool)
+        seen: set[int] = set()
+        for t in tensors:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                self.engine.register_memory(ptr, storage.nbytes(), owner=t)
+
+    def submit(self, queue: int, descs: np.ndarray, wait_stream: int,
+               conflicts: dict[int, int]) -> tuple[int, int] | None:
+        queues = set(conflicts.values())
+        if len(queues) == 1:
+            queue = queues.pop()  # a serial queue runs it after the job it depends on
+        elif queues:
+            self.engine.wait(list(conflicts))  # rare: depends on both other directions
+        try:
+            return self.engine.submit_copy(descs, queue), queue
+        except Busy:
+            return None
+
+    def poll(self) -> list[Any]:
+        return self.engine.poll()
+
+    def wait(self, ids: list[int], timeout: float | None) -> None:
+        self.engine.wait(ids, timeout)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class _CudaBackend:
+    """Copies on CUDA streams (libcudart loaded with dlopen at first use)."""
+
+    name = "cuda"
+
+    def __init__(self, pool: HostPool, device: int, use_batch: bool) -> None:
+        from kvtier import _native
+
+        self.copier = _native.CudaCopier(device, [(pool.address, pool.nbytes)], use_batch)
+
+    def submit(self, queue: int, descs: np.ndarray, wait_stream: int,
+               conflicts: dict[int, int]) -> tuple[int, int] | None:
+        return self.copier.submit(queue, descs, wait_stream, list(conflicts)), queue
+
+    def poll(self) -> list[Any]:
+        return self.copier.poll()
+
+    def wait(self, ids: list[int], timeout: float | None) -> None:
+        self.copier.wait(ids)
+
+    def close(self) -> None:
+        self.copier = None
+
+
 class DeviceTransfer:
     """Copies between KV tensors and host pool slots.
 
-    ``tensors`` are the engine's KV cache tensors (CPU tensors run on the CPU
-    backend, engine worker threads; CUDA tensors on the CUDA backend).
-    ``is_writer=False`` (replicated MLA layout, a non-writing TP rank) acks
-    stores without copying.
+    ``backend``: "auto" (CUDA tensors -> "cuda", CPU tensors -> "cpu"),
+    "cpu" (engine worker threads) or "cuda" (streams; also usable with CPU
+    tensors against a fake runtime in tests). ``is_writer=False`` (replicated
+    MLA layout, a non-writing TP rank) acks stores without copying.
+
+    A job that reads or writes host slots still used by a pending job of the
+    other direction runs after it (a load after a store of the same slot sees
+    the stored bytes).
     """
 
     def __init__(
@@ -97,6 +165,9 @@ class DeviceTransfer:
         blocks_per_chunk: int = 1,
         page_bytes: Sequence[int] | None = None,
         is_writer: bool = True,
+        backend: str = "auto",
+        device: int | None = None,
+        use_batch: bool = True,
         num_threads: int = 2,
         budget_bytes: int = 1 << 30,
     ) -> None:
@@ -105,11 +176,13 @@ class DeviceTransfer:
         devices = {str(t.device) for t in tensors}
         if len(devices) > 1:
             raise InvalidArgument(f"KV tensors are on several devices: {sorted(devices)}")
-        self.device = devices.pop() if devices else "cpu"
-        if self.device != "cpu":
-            raise InvalidArgument(
-                f"KV tensors on {self.device}: use kvtier.transfer_cuda.CudaDeviceTransfer"
-            )
+        dev = devices.pop() if devices else "cpu"
+        if backend == "auto":
+            backend = "cuda" if dev.startswith("cuda") else "cpu"
+        if backend not in ("cpu", "cuda"):
+            raise InvalidArgument(f"backend must be auto, cpu or cuda, not {backend!r}")
+        if backend == "cpu" and dev != "cpu":
+            raise InvalidArgument(f"the cpu backend needs CPU tensors, got {dev}")
         self.layout = layout_from_tensors(tensors, page_bytes, blocks_per_chunk)
         self.blocks_per_chunk = blocks_per_chunk
         need = self.layout.chunk_page_bytes * blocks_per_chunk
@@ -120,19 +193,19 @@ class DeviceTransfer:
         self.pool = pool
         self.is_writer = is_writer
         self._tensors = list(tensors)  # keep the memory alive
-        self._engine = Engine(num_threads, [(budget_bytes, True)] * 3)
-        self._engine.register_pool(pool)
-        seen: set[int] = set()
-        for t in self._tensors:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in seen:
-                seen.add(ptr)
-                self._engine.register_memory(ptr, storage.nbytes(), owner=t)
+        self._b: _CpuBackend | _CudaBackend
+        if backend == "cpu":
+            self._b = _CpuBackend(self._tensors, pool, num_threads, budget_bytes)
+        else:
+            if device is None:
+                device = int(dev.split(":")[1]) if ":" in dev else 0
+            self._b = _CudaBackend(pool, device, use_batch)
+        self.backend = self._b.name
         self._to_user: dict[int, int] = {}
         self._user: dict[int, int] = {}
+        self._job_slots: dict[int, np.ndarray] = {}
+        self._slot_job: dict[int, tuple[int, int]] = {}  # slot -> (internal id, queue)
         self._acks: list[TransferResult] = []
-
     # -- descriptors -------------------------------------------------------
     def descriptors(self, block_ids: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray,
                     first_block_index: int = 0, to_host: bool = True) -> np.ndarray:
@@ -169,49 +242,81 @@ class DeviceTransfer:
 
     # -- OffloadingWorker-like API ------------------------------------------
     def submit_store(self, job_id: int, gpu_block_ids: Sequence[int] | np.ndarray,
-                     host_slots: Sequence[int] | np.ndarray, first_block_index: int = 0) -> bool:
-        """KV blocks -> host slots. False when the store queue is full (retry later)."""
+                     host_slots: Sequence[int] | np.ndarray, first_block_index: int = 0,
+                     stream: int | None = None) -> bool:
+        """KV blocks -> host slots, after the compute ``stream``'s work so far
+        (default: torch's current stream for CUDA tensors). False when full."""
         if not self.is_writer:
             self._acks.append(TransferResult(job_id, True, 0, 0.0))
             return True
         d = self.descriptors(gpu_block_ids, host_slots, first_block_index, to_host=True)
-        return self._submit(job_id, d, STORE_QUEUE)
+        return self._submit(job_id, d, STORE_QUEUE, host_slots, self._stream(stream))
 
     def submit_load(self, job_id: int, host_slots: Sequence[int] | np.ndarray,
                     gpu_block_ids: Sequence[int] | np.ndarray, expedited: bool = False,
-                    first_block_index: int = 0) -> bool:
-        """Host slots -> KV blocks. Expedited loads have their own queue."""
+                    first_block_index: int = 0, stream: int | None = None) -> bool:
+        """Host slots -> KV blocks. Expedited loads have their own queue/stream."""
         d = self.descriptors(gpu_block_ids, host_slots, first_block_index, to_host=False)
-        return self._submit(job_id, d, EXPEDITED_QUEUE if expedited else LOAD_QUEUE)
+        return self._submit(job_id, d, EXPEDITED_QUEUE if expedited else LOAD_QUEUE, host_slots,
+                            self._stream(stream))
 
-    def _submit(self, job_id: int, descs: np.ndarray, queue: int) -> bool:
+    def _stream(self, stream: int | None) -> int:
+        if stream is not None or self.backend != "cuda":
+            return int(stream or 0)
+        t = self._tensors[0]
+        if str(t.device).startswith("cuda"):
+            import torch
+
+            return int(torch.cuda.current_stream(t.device).cuda_stream)
+        return 0
+
+    def _submit(self, job_id: int, descs: np.ndarray, queue: int,
+                slots: Sequence[int] | np.ndarray, stream: int) -> bool:
         if job_id in self._user:
             raise InvalidArgument(f"job id {job_id} is already in flight")
         if len(descs) == 0:
             self._acks.append(TransferResult(job_id, True, 0, 0.0))
             return True
-        try:
-            eid = self._engine.submit_copy(descs, queue)
-        except Busy:
+        s = np.unique(np.asarray(slots, np.int64))
+        conflicts: dict[int, int] = {}
+        for slot in s.tolist():
+            hit = self._slot_job.get(slot)
+            if hit is not None and hit[1] != queue:
+                conflicts[hit[0]] = hit[1]
+        got = self._b.submit(queue, descs, stream, conflicts)
+        if got is None:
             return False
-        self._to_user[eid] = job_id
-        self._user[job_id] = eid
+        iid, q = got
+        self._to_user[iid] = job_id
+        self._user[job_id] = iid
+        self._job_slots[iid] = s
+        for slot in s.tolist():
+            self._slot_job[slot] = (iid, q)
         return True
 
     def get_finished(self) -> list[TransferResult]:
         """Finished jobs since the last call (acks first, then completion order)."""
         out, self._acks = self._acks, []
-        for r in self._engine.poll():
+        for r in self._b.poll():
             job = self._to_user.pop(r.job_id)
             self._user.pop(job, None)
-            out.append(TransferResult(job, r.ok, int(r.nbytes), float(r.seconds)))
+            for slot in self._job_slots.pop(r.job_id).tolist():
+                if self._slot_job.get(slot, (0,))[0] == r.job_id:
+                    del self._slot_job[slot]
+            out.append(TransferResult(job, r.ok, int(r.nbytes), float(r.seconds), r.error))
         return out
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
         """Block until ``job_ids`` finished; their destination bytes are final."""
-        eids = [self._user[j] for j in job_ids if j in self._user]
-        if eids:
-            self._engine.wait(eids, timeout)
+        ids = [self._user[j] for j in job_ids if j in self._user]
+        if ids:
+            self._b.wait(ids, timeout)
+
+    def stats(self) -> dict[str, Any]:
+        if isinstance(self._b, _CudaBackend) and self._b.copier is not None:
+            return {"backend": "cuda", "runtime": self._b.copier.runtime_path,
+                    "runtime_version": self._b.copier.runtime_version, **self._b.copier.stats()}
+        return {"backend": self.backend}
 
     def shutdown(self) -> None:
-        self._engine.close()
+        self._b.close()

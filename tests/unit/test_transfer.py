@@ -1,0 +1,256 @@
+"""DeviceTransfer: every KV layout, both backends (CPU threads; CUDA on the fake runtime)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier
+from kvtier.pool import HostPool
+from kvtier.transfer import DeviceTransfer
+
+NB = 64  # KV blocks
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def backend(request: pytest.FixtureRequest, fake_cudart) -> str:  # type: ignore[no-untyped-def]
+    fake_cudart.fake_cuda_set_delay_us(0)
+    fake_cudart.fake_cuda_fail_copies(0, 0)
+    fake_cudart.fake_cuda_fail_queries(0, 0)
+    return str(request.param)
+
+
+def finish(t: DeviceTransfer, ids: list[int]) -> dict[int, object]:
+    t.wait(ids)
+    got: dict[int, object] = {}
+    deadline = time.monotonic() + 10
+    while len(got) < len(ids) and time.monotonic() < deadline:
+        for r in t.get_finished():
+            got[r.job_id] = r
+        time.sleep(0.001)
+    assert set(got) == set(ids)
+    return got
+
+
+def layouts() -> dict[str, tuple[list[torch.Tensor], list[int] | None]]:
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+
+    shared = rnd(NB, 3, 2048)
+    mla_pages = [1152 * 4, 1152 * 4, 512]
+    return {
+        "per_layer": ([rnd(NB, 4096) for _ in range(4)], None),
+        "layers_share_one_tensor": ([shared[:, i, :] for i in range(3)], None),
+        "packed_cross_layer": ([rnd(NB, 8 * 1024)], None),
+        "mla_and_mixed_pages": ([rnd(NB, p) for p in mla_pages], None),
+        "padded_pages": ([rnd(NB, 4096)], [4000]),
+    }
+
+
+@pytest.mark.parametrize("layout", list(layouts()))
+@pytest.mark.parametrize("bpc", [1, 4])
+def test_round_trip_every_layout(backend: str, layout: str, bpc: int) -> None:
+    tensors, pages = layouts()[layout]
+    page_total = sum(pages or [t[0].numel() for t in tensors])
+    with HostPool(64, -(-page_total * bpc // 64) * 64) as pool:
+        t = DeviceTransfer(tensors, pool, blocks_per_chunk=bpc, page_bytes=pages, backend=backend)
+        rng = np.random.default_rng(1)
+        blocks = rng.permutation(NB)[:10]
+        first = 2 if bpc > 1 else 0  # first chunk partly covered
+        nchunks = -(-(first % bpc + len(blocks)) // bpc)
+        slots = rng.permutation(64)[:nchunks]
+        before = [x[blocks].clone() for x in tensors]
+        assert t.submit_store(1, blocks, slots, first_block_index=first)
+        finish(t, [1])
+        for x in tensors:
+            x.zero_()
+        dst = rng.permutation(NB)[:10]
+        assert t.submit_load(2, slots, dst, first_block_index=first)
+        res = finish(t, [2])
+        assert res[2].success  # type: ignore[attr-defined]
+        for x, b, p in zip(tensors, before, pages or [None] * len(tensors)):
+            n = p or x[0].numel()
+            assert torch.equal(x[dst].reshape(len(dst), -1)[:, :n], b.reshape(len(dst), -1)[:, :n])
+        t.shutdown()
+
+
+def test_descriptor_shapes_and_errors() -> None:
+    kv = [torch.zeros(NB, 4096, dtype=torch.uint8)]
+    with HostPool(8, 8192) as pool:
+        t = DeviceTransfer(kv, pool, blocks_per_chunk=2)
+        d = t.descriptors([0, 1, 2], [0, 1], first_block_index=1)
+        assert d.shape == (3, 3)
+        # block 0 goes to the 2nd position of chunk 0, blocks 1-2 fill chunk 1
+        assert d[0, 1] == pool.slot_address(0) + 4096
+        assert d[1, 1] == pool.slot_address(1) and d[2, 1] == pool.slot_address(1) + 4096
+        with pytest.raises(kvtier.InvalidArgument, match="span 2 chunk"):
+            t.descriptors([0, 1, 2], [0], first_block_index=1)
+        with pytest.raises(kvtier.InvalidArgument, match="block id out of range"):
+            t.descriptors([NB], [0])
+        with pytest.raises(kvtier.InvalidArgument, match="slot out of range"):
+            t.descriptors([0], [8])
+        t.shutdown()
+        with pytest.raises(kvtier.InvalidArgument, match="a chunk needs"):
+            DeviceTransfer(kv, pool, blocks_per_chunk=4)
+
+
+def test_descriptor_building_is_vectorised() -> None:
+    kv = [torch.zeros(4096, 256, dtype=torch.uint8) for _ in range(8)]
+    with HostPool(4096, 2048) as pool:
+        t = DeviceTransfer(kv, pool)
+        blocks = np.arange(4096)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            t.descriptors(blocks, blocks)
+        per = (time.perf_counter() - t0) / 5 / (4096 * 8)
+        assert per < 5e-6  # generous bound; the bench reports the real figure
+        t.shutdown()
+
+
+def test_replicated_layout_non_writer_acks_without_copying() -> None:
+    kv = [torch.ones(NB, 1024, dtype=torch.uint8)]
+    with HostPool(4, 1024) as pool:
+        t = DeviceTransfer(kv, pool, is_writer=False)
+        assert t.submit_store(7, [0], [0])
+        (r,) = t.get_finished()
+        assert (r.job_id, r.success, r.transfer_size) == (7, True, 0)
+        assert int(pool.view(0).sum()) == 0
+        t.shutdown()
+
+
+def test_load_after_store_of_same_slot_sees_stored_bytes(backend: str, fake_cudart) -> None:  # type: ignore[no-untyped-def]
+    kv = [torch.randint(0, 256, (NB, 65536), dtype=torch.uint8)]
+    with HostPool(4, 65536) as pool:
+        t = DeviceTransfer(kv, pool, backend=backend)
+        fake_cudart.fake_cuda_set_store_delay_us(50_000)  # stores crawl on the fake GPU
+        want = kv[0][3].clone()
+        assert t.submit_store(1, [3], [2])
+        assert t.submit_load(2, [2], [9])
+        if backend == "cpu":  # the load was queued behind the store (serial queue)
+            assert t._slot_job[2][1] == 0
+        t.wait([2])
+        assert torch.equal(kv[0][9], want)  # final right after wait, before get_finished
+        fake_cudart.fake_cuda_set_store_delay_us(0)
+        finish(t, [1, 2])
+        t.shutdown()
+
+
+def test_transfers_in_one_direction_complete_in_order(backend: str, fake_cudart) -> None:  # type: ignore[no-untyped-def]
+    kv = [torch.randint(0, 256, (NB, 4096), dtype=torch.uint8)]
+    with HostPool(64, 4096) as pool:
+        t = DeviceTransfer(kv, pool, backend=backend)
+        fake_cudart.fake_cuda_set_delay_us(2000)
+        for j in range(20):
+            assert t.submit_store(j, [j], [j])
+        order: list[int] = []
+        while len(order) < 20:
+            order += [r.job_id for r in t.get_finished()]
+            time.sleep(0.001)
+        assert order == list(range(20))
+        fake_cudart.fake_cuda_set_delay_us(0)
+        t.shutdown()
+
+
+def test_store_waits_for_the_compute_stream(fake_cudart) -> None:  # type: ignore[no-untyped-def]
+    fake_cudart.fake_cuda_set_delay_us(0)
+    kv = [torch.zeros(NB, 4096, dtype=torch.uint8)]
+    stream = ctypes.c_void_p()
+    assert fake_cudart.cudaStreamCreateWithFlags(ctypes.byref(stream), 1) == 0
+    with HostPool(4, 4096) as pool:
+        t = DeviceTransfer(kv, pool, backend="cuda")
+        # "compute" still running: 50 ms, then it writes block 5
+        fake_cudart.fake_cuda_stream_sleep_us(stream, 50_000)
+        fake_cudart.fake_cuda_stream_fill(stream, kv[0][5].data_ptr(), 0x77, 4096)
+        assert t.submit_store(1, [5], [0], stream=stream.value)
+        res = finish(t, [1])
+        assert res[1].success  # type: ignore[attr-defined]
+        assert (pool.view(0) == 0x77).all()
+        t.shutdown()
+    fake_cudart.cudaStreamDestroy(stream)
+
+
+def test_cuda_errors_fail_the_job_with_the_runtime_message(fake_cudart) -> None:  # type: ignore[no-untyped-def]
+    kv = [torch.zeros(NB, 4096, dtype=torch.uint8)]
+    with HostPool(4, 4096) as pool:
+        t = DeviceTransfer(kv, pool, backend="cuda")
+        fake_cudart.fake_cuda_fail_copies(1, 1)
+        assert t.submit_store(1, [0, 1], [0, 1])
+        res = finish(t, [1])[1]
+        assert not res.success and "invalid argument" in res.error  # type: ignore[attr-defined]
+        fake_cudart.fake_cuda_fail_queries(1, 700)
+        assert t.submit_load(2, [0], [3])
+        res = finish(t, [2])[2]
+        assert not res.success and "illegal memory access" in res.error  # type: ignore[attr-defined]
+        assert t.submit_load(3, [0], [3])  # later jobs work again
+        assert finish(t, [3])[3].success  # type: ignore[attr-defined]
+        t.shutdown()
+
+
+def test_pool_is_registered_with_cuda_and_released(fake_cudart) -> None:  # type: ignore[no-untyped-def]
+    kv = [torch.zeros(NB, 4096, dtype=torch.uint8)]
+    base = fake_cudart.fake_cuda_registered_bytes()
+    with HostPool(16, 4096) as pool:
+        t = DeviceTransfer(kv, pool, backend="cuda")
+        assert fake_cudart.fake_cuda_registered_bytes() - base == pool.nbytes
+        s = t.stats()
+        assert s["runtime"] == fake_cudart.fake_path and s["runtime_version"] == 13000
+        batches = fake_cudart.fake_cuda_batch_calls()
+        t.submit_store(1, [0, 1, 2], [0, 1, 2])
+        finish(t, [1])
+        assert fake_cudart.fake_cuda_batch_calls() == batches + 1  # CUDA >= 12.8: one batch call
+        t.shutdown()
+        del t
+    import gc
+
+    gc.collect()
+    assert fake_cudart.fake_cuda_registered_bytes() == base
+
+
+def test_per_copy_path_and_cuda_12_8_batch_signature(fake_cudart) -> None:  # type: ignore[no-untyped-def]
+    kv = [torch.randint(0, 256, (NB, 4096), dtype=torch.uint8)]
+    with HostPool(8, 4096) as pool:
+        t = DeviceTransfer(kv, pool, backend="cuda", use_batch=False)
+        calls = fake_cudart.fake_cuda_memcpy_calls()
+        t.submit_store(1, [0, 1, 2], [0, 1, 2])
+        finish(t, [1])
+        assert fake_cudart.fake_cuda_memcpy_calls() == calls + 3
+        assert torch.equal(torch.from_numpy(pool.view(0, 3)), kv[0][:3])
+        t.shutdown()
+    # The 12.8 signature (with failIdx) runs in a process that sees version 12080.
+    code = (
+        "import torch, numpy as np\n"
+        "from kvtier.pool import HostPool\nfrom kvtier.transfer import DeviceTransfer\n"
+        "kv=[torch.randint(0,256,(8,4096),dtype=torch.uint8)]\n"
+        "p=HostPool(8,4096); t=DeviceTransfer(kv,p,backend='cuda')\n"
+        "t.submit_store(1,[0,1,2],[0,1,2]); t.wait([1])\n"
+        "assert t.stats()['runtime_version']==12080 and t.stats()['batch_calls']==1\n"
+        "assert np.array_equal(p.view(0,3), kv[0][:3].numpy()); print('ok')\n"
+    )
+    env = {**os.environ, "FAKE_CUDA_VERSION": "12080", "KVTIER_CUDART": fake_cudart.fake_path}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_imports_and_cpu_backend_work_without_libcudart() -> None:
+    code = (
+        "import kvtier, torch\nfrom kvtier import _native\n"
+        "from kvtier.pool import HostPool\nfrom kvtier.transfer import DeviceTransfer\n"
+        "try:\n    _native.cuda_runtime(); print('loaded')\n"
+        "except kvtier.CudaError as e:\n    print('no cuda:', 'KVTIER_CUDART' in str(e))\n"
+        "kv=[torch.ones(4,4096,dtype=torch.uint8)]\np=HostPool(4,4096)\n"
+        "t=DeviceTransfer(kv,p); t.submit_store(1,[2],[3]); t.wait([1])\n"
+        "print(int(p.view(3).sum()))\n"
+    )
+    env = {**os.environ, "KVTIER_CUDART": "/nonexistent/libcudart.so"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split("\n")[:2] == ["no cuda: True", "4096"], out.stderr
