@@ -38,11 +38,14 @@ venv: $(VENV)/.deps
 install: venv
 	$(PIP) install -q --no-build-isolation -e ".[test]"
 
+# The main job: a replay of the embedded synthetic chat workload through the
+# host tier (512 blocks of 64 KiB) and a 1 GiB disk tier, every load verified.
 demo: install
-	$(VENV)/bin/kvtier replay --host-blocks 4096 --block-bytes 65536 --disk build/demo-disk:1GiB --max-requests 3000 \
-	  --json build/demo-replay.json --plot build/demo-replay.png
+	rm -rf build/demo-disk
+	$(VENV)/bin/kvtier replay --host-blocks 512 --block-bytes 64KiB --disk build/demo-disk:1GiB \
+	  --max-requests 3000 --json build/demo-replay.json --plot build/demo-replay.png
 
-test: install test-cpp test-py
+test: install lint test-cpp test-py
 
 test-py:
 	$(PY) -m pytest -q tests
@@ -61,9 +64,11 @@ test-cpp: sysdeps
 
 bench: install
 	$(VENV)/bin/kvtier bench copy --json
+	$(VENV)/bin/kvtier bench copy --device cpu --block-bytes 256KiB --json
 	$(VENV)/bin/kvtier bench manager --json
+	mkdir -p build/bench-disk && $(VENV)/bin/kvtier bench disk --dir build/bench-disk --json
 
-lint: install
+lint: venv
 	$(VENV)/bin/ruff check python tests bench
 	$(VENV)/bin/ruff format --check python tests bench
 	$(VENV)/bin/mypy

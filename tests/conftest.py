@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
 from kvtier.engine import Engine
 from kvtier.pool import HostPool
 
@@ -34,14 +33,21 @@ def fake_cudart(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-un
 
     src = Path(__file__).resolve().parents[1] / "csrc" / "tests" / "fake_cudart.cc"
     out = tmp_path_factory.mktemp("fakecuda") / "libfakecudart.so"
-    subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-pthread", str(src),
-                    "-o", str(out)], check=True)
+    subprocess.run(
+        ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-pthread", str(src), "-o", str(out)],
+        check=True,
+    )
     os.environ["KVTIER_CUDART"] = str(out)
     lib = ctypes.CDLL(str(out))
     lib.fake_cuda_registered_bytes.restype = ctypes.c_size_t
     lib.fake_cuda_memcpy_calls.restype = ctypes.c_uint64
     lib.fake_cuda_batch_calls.restype = ctypes.c_uint64
-    lib.fake_cuda_stream_fill.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    lib.fake_cuda_stream_fill.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_size_t,
+    ]
     lib.fake_cuda_stream_sleep_us.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
     lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]

@@ -37,8 +37,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kvtier.bench.disk import run_disk
 
         sizes = [parse_size(args.block_bytes)] if args.block_bytes else [262144, 2 << 20]
-        results = [run_disk(args.dir, s, args.queue_depth, parse_size(args.total),
-                            args.repeats, args.backend) for s in sizes]
+        results = [
+            run_disk(
+                args.dir, s, args.queue_depth, parse_size(args.total), args.repeats, args.backend
+            )
+            for s in sizes
+        ]
     elif args.component == "manager":
         from kvtier.bench.manager import run_manager
 
@@ -109,8 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="measure a component against its baseline")
     b.add_argument("component", choices=["copy", "manager", "disk"])
     b.add_argument("--block-bytes", help="one size (default: 64KiB, 256KiB and 2MiB)")
-    b.add_argument("--device", choices=["host", "cpu"], default="host",
-                   help="host: pool<->buffer copies; cpu: DeviceTransfer with a CPU KV cache")
+    b.add_argument(
+        "--device",
+        choices=["host", "cpu"],
+        default="host",
+        help="host: pool<->buffer copies; cpu: DeviceTransfer with a CPU KV cache",
+    )
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--dir", default=".", help="disk: directory on the device to measure")
     b.add_argument("--queue-depth", type=int, default=32)
@@ -119,8 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--keys", type=int, default=1_000_000, help="manager: distinct keys")
     b.add_argument("--policy", default="lru")
     b.add_argument("--json", action="store_true", help="print JSON (last line)")
-    b.add_argument("--results-dir", default="bench/results",
-                   help="also save results with machine facts here ('' to skip)")
+    b.add_argument(
+        "--results-dir",
+        default="bench/results",
+        help="also save results with machine facts here ('' to skip)",
+    )
     b.set_defaults(func=_cmd_bench)
 
     pl = sub.add_parser("plan", help="pipeline-parallel KV memory planner")
@@ -131,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", help="check this machine: native core, io_uring, CUDA, limits")
     d.add_argument("--json", action="store_true")
+    d.add_argument("--dir", help="directory to test for io_uring and O_DIRECT (default: temp)")
     d.set_defaults(func=_cmd_doctor)
     return p
 

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 from kvtier import _native
-from kvtier.errors import InvalidArgument
 from kvtier.pool import HostPool
 
 JobResult = _native.JobResult
@@ -62,7 +61,7 @@ class Engine:
         Returns the job id. Raises InvalidArgument for bad descriptors (outside
         registered memory, size <= 0, overlapping) and Busy when full.
         """
-        return self._engine.submit_copy(descs, queue)  # type: ignore[no-any-return]
+        return int(self._engine.submit_copy(descs, queue))
 
     def submit_sleep(self, seconds: float, nbytes: int = 0, fail: str = "", queue: int = 0) -> int:
         """Queue a job that sleeps then succeeds (or fails with ``fail``): for tests and drills."""

@@ -14,7 +14,7 @@ held while lower tiers copy it (write-through cascade).
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,13 @@ from kvtier.errors import ClosedError, InvalidArgument
 from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent
 from kvtier.tiers.host import HostTier
 
-__all__ = ["HostSpec", "LookupResult", "OffloadEvent", "PrepareStoreResult", "TieredOffloadingManager"]
+__all__ = [
+    "HostSpec",
+    "LookupResult",
+    "OffloadEvent",
+    "PrepareStoreResult",
+    "TieredOffloadingManager",
+]
 
 
 @dataclass
@@ -43,7 +49,7 @@ class PrepareStoreResult:
     store_spec: HostSpec
     evicted_keys: list[bytes]
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Any]:
         return iter((self.keys_to_store, self.store_spec, self.evicted_keys))
 
 

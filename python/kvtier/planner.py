@@ -143,7 +143,9 @@ def parse_partition(text: str | list[int], layers: int) -> list[int]:
     if not parts or any(p <= 0 for p in parts):
         raise InvalidArgument(f"partition: every stage needs > 0 layers, got {parts}")
     if sum(parts) != layers:
-        raise InvalidArgument(f"partition: {parts} sums to {sum(parts)}, the model has {layers} layers")
+        raise InvalidArgument(
+            f"partition: {parts} sums to {sum(parts)}, the model has {layers} layers"
+        )
     return parts
 
 
@@ -151,8 +153,9 @@ def _block_bytes(model: ModelKV, partition: list[int], block_tokens: int) -> lis
     return [max(1, round(b * block_tokens)) for b in model.stage_bytes_per_token(partition)]
 
 
-def plan_per_device(model: ModelKV, partition: list[int], block_tokens: int,
-                    kv_memory: int | list[int]) -> Plan:
+def plan_per_device(
+    model: ModelKV, partition: list[int], block_tokens: int, kv_memory: int | list[int]
+) -> Plan:
     """Each device can give ``kv_memory`` bytes (one figure or one per stage).
 
     Uniform: every stage takes its whole budget but only the tightest stage's
@@ -173,15 +176,29 @@ def plan_per_device(model: ModelKV, partition: list[int], block_tokens: int,
             f"kv_memory: stage {s} has {budgets[s]} bytes, less than one block ({bb[s]} bytes)"
         )
     blocks = min(own)
-    stages = [StagePlan(n, blocks * b, blocks, blocks * block_tokens, b) for n, b in zip(partition, bb)]
-    uniform = [StagePlan(n, m, o, o * block_tokens, b)
-               for n, m, o, b in zip(partition, budgets, own, bb)]
+    stages = [
+        StagePlan(n, blocks * b, blocks, blocks * block_tokens, b) for n, b in zip(partition, bb)
+    ]
+    uniform = [
+        StagePlan(n, m, o, o * block_tokens, b) for n, m, o, b in zip(partition, budgets, own, bb)
+    ]
     saved = sum(budgets) - sum(s.kv_bytes for s in stages)
-    return Plan(block_tokens, partition, stages,
-                {"stages": [asdict(s) for s in uniform], "usable_blocks": blocks,
-                 "usable_tokens": blocks * block_tokens, "kv_bytes": sum(budgets),
-                 "wasted_bytes": saved},
-                saved, 1.0, "per-device", _settings(stages))
+    return Plan(
+        block_tokens,
+        partition,
+        stages,
+        {
+            "stages": [asdict(s) for s in uniform],
+            "usable_blocks": blocks,
+            "usable_tokens": blocks * block_tokens,
+            "kv_bytes": sum(budgets),
+            "wasted_bytes": saved,
+        },
+        saved,
+        1.0,
+        "per-device",
+        _settings(stages),
+    )
 
 
 def plan_total(model: ModelKV, partition: list[int], block_tokens: int, total: int) -> Plan:
@@ -198,24 +215,43 @@ def plan_total(model: ModelKV, partition: list[int], block_tokens: int, total: i
     even = total // len(partition)
     own = [even // b for b in bb]
     u_blocks = min(own)
-    stages = [StagePlan(n, blocks * b, blocks, blocks * block_tokens, b) for n, b in zip(partition, bb)]
+    stages = [
+        StagePlan(n, blocks * b, blocks, blocks * block_tokens, b) for n, b in zip(partition, bb)
+    ]
     uniform = [StagePlan(n, even, o, o * block_tokens, b) for n, o, b in zip(partition, own, bb)]
     wasted = sum(even - u_blocks * b for b in bb)
-    return Plan(block_tokens, partition, stages,
-                {"stages": [asdict(s) for s in uniform], "usable_blocks": u_blocks,
-                 "usable_tokens": u_blocks * block_tokens, "kv_bytes": even * len(partition),
-                 "wasted_bytes": wasted},
-                total - sum(s.kv_bytes for s in stages),
-                blocks / u_blocks if u_blocks else float("inf"), "total", _settings(stages))
+    return Plan(
+        block_tokens,
+        partition,
+        stages,
+        {
+            "stages": [asdict(s) for s in uniform],
+            "usable_blocks": u_blocks,
+            "usable_tokens": u_blocks * block_tokens,
+            "kv_bytes": even * len(partition),
+            "wasted_bytes": wasted,
+        },
+        total - sum(s.kv_bytes for s in stages),
+        blocks / u_blocks if u_blocks else float("inf"),
+        "total",
+        _settings(stages),
+    )
 
 
 def _settings(stages: list[StagePlan]) -> list[dict[str, Any]]:
-    return [{"pp_rank": i, "kv_cache_memory_bytes": s.kv_bytes, "num_gpu_blocks": s.blocks}
-            for i, s in enumerate(stages)]
+    return [
+        {"pp_rank": i, "kv_cache_memory_bytes": s.kv_bytes, "num_gpu_blocks": s.blocks}
+        for i, s in enumerate(stages)
+    ]
 
 
-def host_pool_per_rank(model: ModelKV, partition: list[int], block_tokens: int,
-                       total_host_bytes: int, blocks_per_chunk: int = 1) -> list[dict[str, int]]:
+def host_pool_per_rank(
+    model: ModelKV,
+    partition: list[int],
+    block_tokens: int,
+    total_host_bytes: int,
+    blocks_per_chunk: int = 1,
+) -> list[dict[str, int]]:
     """Size kvtier's host pool per pipeline rank: equal slot counts, slot bytes
     proportional to each rank's layers (so no rank's pool holds dead slots)."""
     _positive("total_host_bytes", total_host_bytes)
@@ -225,13 +261,21 @@ def host_pool_per_rank(model: ModelKV, partition: list[int], block_tokens: int,
     n = total_host_bytes // sum(slot)
     if n < 1:
         raise InvalidArgument(f"total_host_bytes: {total_host_bytes} holds no chunk on every rank")
-    return [{"pp_rank": i, "slot_bytes": s, "num_slots": n, "pool_bytes": n * s}
-            for i, s in enumerate(slot)]
+    return [
+        {"pp_rank": i, "slot_bytes": s, "num_slots": n, "pool_bytes": n * s}
+        for i, s in enumerate(slot)
+    ]
 
 
-def recommend_partition(model: ModelKV, stages: int, block_tokens: int,
-                        device_memory: int | list[int], weight_bytes_per_layer: int,
-                        embedding_bytes: int = 0, lm_head_bytes: int = 0) -> tuple[list[int], int]:
+def recommend_partition(
+    model: ModelKV,
+    stages: int,
+    block_tokens: int,
+    device_memory: int | list[int],
+    weight_bytes_per_layer: int,
+    embedding_bytes: int = 0,
+    lm_head_bytes: int = 0,
+) -> tuple[list[int], int]:
     """The layer partition that maximises the common block count.
 
     Stage s holds ``l_s`` layers of weights plus KV for B blocks; embeddings
@@ -258,7 +302,9 @@ def recommend_partition(model: ModelKV, stages: int, block_tokens: int,
         return min(m) >= 1 and sum(m) >= model.layers
 
     if not ok(1):
-        raise InvalidArgument("device_memory: too small for the weights plus one KV block per stage")
+        raise InvalidArgument(
+            "device_memory: too small for the weights plus one KV block per stage"
+        )
     lo, hi = 1, 2
     while ok(hi):
         lo, hi = hi, hi * 2
@@ -274,8 +320,9 @@ def recommend_partition(model: ModelKV, stages: int, block_tokens: int,
     return parts, lo
 
 
-def model_from_hf_config(path: str | Path, context_tokens: int = 0,
-                         dtype: str | None = None) -> ModelKV:
+def model_from_hf_config(
+    path: str | Path, context_tokens: int = 0, dtype: str | None = None
+) -> ModelKV:
     """Read a Hugging Face ``config.json``: standard, MLA (kv_lora_rank) and
     sliding-window (layer_types / sliding_window_pattern) models."""
     p = Path(path)
@@ -308,8 +355,15 @@ def model_from_hf_config(path: str | Path, context_tokens: int = 0,
     ctx = context_tokens or int(cfg.get("max_position_embeddings") or 0)
     if sliding and not ctx:
         raise InvalidArgument("context_tokens: needed for a sliding-window model")
-    return ModelKV(layers, kv_heads, head_dim, dt, sliding=sliding, window=window if sliding else 0,
-                   context_tokens=ctx if sliding else 0)
+    return ModelKV(
+        layers,
+        kv_heads,
+        head_dim,
+        dt,
+        sliding=sliding,
+        window=window if sliding else 0,
+        context_tokens=ctx if sliding else 0,
+    )
 
 
 # -- CLI ------------------------------------------------------------------------
@@ -320,8 +374,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int)
     p.add_argument("--dtype", default=None, help="KV dtype (default bfloat16 or the config's)")
     p.add_argument("--mla-latent", type=int, default=0, help="MLA latent size per token")
-    p.add_argument("--context-tokens", type=int, default=0,
-                   help="sequence length for amortizing sliding-window layers")
+    p.add_argument(
+        "--context-tokens",
+        type=int,
+        default=0,
+        help="sequence length for amortizing sliding-window layers",
+    )
     p.add_argument("--block-tokens", type=int, default=16)
     p.add_argument("--partition", help="layers per stage, e.g. 48,16")
     p.add_argument("--stages", type=int, help="even split over this many stages (vLLM's rule)")
@@ -343,9 +401,16 @@ def main_plan(args: argparse.Namespace) -> int:
         model = model_from_hf_config(args.model_config, args.context_tokens, args.dtype)
     else:
         if args.layers is None:
-            raise InvalidArgument("layers: give --layers (with --kv-heads/--head-dim) or --model-config")
-        model = ModelKV(args.layers, args.kv_heads or 0, args.head_dim or 0,
-                        args.dtype or "bfloat16", args.mla_latent)
+            raise InvalidArgument(
+                "layers: give --layers (with --kv-heads/--head-dim) or --model-config"
+            )
+        model = ModelKV(
+            args.layers,
+            args.kv_heads or 0,
+            args.head_dim or 0,
+            args.dtype or "bfloat16",
+            args.mla_latent,
+        )
     if args.partition:
         partition = parse_partition(args.partition, model.layers)
     elif args.stages:
@@ -358,20 +423,27 @@ def main_plan(args: argparse.Namespace) -> int:
         plan = plan_total(model, partition, args.block_tokens, parse_size(args.total_kv_memory))
     js = plan.to_json()
     if args.host_memory:
-        js["host_pool"] = host_pool_per_rank(model, partition, args.block_tokens,
-                                             parse_size(args.host_memory))
+        js["host_pool"] = host_pool_per_rank(
+            model, partition, args.block_tokens, parse_size(args.host_memory)
+        )
     if args.json:
         print(json.dumps(js))
         return 0
-    print(f"KV bytes/token/layer: {model.full_layer_bytes_per_token} "
-          f"({'MLA' if model.mla_latent else 'K+V'}, {model.dtype}); block = {args.block_tokens} tokens")
+    print(
+        f"KV bytes/token/layer: {model.full_layer_bytes_per_token} "
+        f"({'MLA' if model.mla_latent else 'K+V'}, {model.dtype}); block = {args.block_tokens} tokens"
+    )
     hdr = f"  {'stage':>5} {'layers':>6} {'KV memory':>12} {'blocks':>10} {'max tokens':>12}"
     print("uniform allocation (what engines do):")
     print(hdr)
     for i, s in enumerate(plan.uniform["stages"]):
-        print(f"  {i:>5} {s['layers']:>6} {_gib(s['kv_bytes']):>12} {s['blocks']:>10,} {s['max_tokens']:>12,}")
-    print(f"  usable: {plan.uniform['usable_blocks']:,} blocks = {plan.uniform['usable_tokens']:,} tokens; "
-          f"dead memory {_gib(plan.uniform['wasted_bytes'])}")
+        print(
+            f"  {i:>5} {s['layers']:>6} {_gib(s['kv_bytes']):>12} {s['blocks']:>10,} {s['max_tokens']:>12,}"
+        )
+    print(
+        f"  usable: {plan.uniform['usable_blocks']:,} blocks = {plan.uniform['usable_tokens']:,} tokens; "
+        f"dead memory {_gib(plan.uniform['wasted_bytes'])}"
+    )
     print("proportional allocation (kvtier plan):")
     print(hdr)
     for i, s in enumerate(plan.stages):
@@ -382,8 +454,10 @@ def main_plan(args: argparse.Namespace) -> int:
         print(f"capacity gain over an even split: {plan.capacity_gain:.3f}x")
     print("per-rank settings:")
     for s in plan.settings:
-        print(f"  pp_rank {s['pp_rank']}: kv_cache_memory_bytes={s['kv_cache_memory_bytes']} "
-              f"(num_gpu_blocks {s['num_gpu_blocks']})")
+        print(
+            f"  pp_rank {s['pp_rank']}: kv_cache_memory_bytes={s['kv_cache_memory_bytes']} "
+            f"(num_gpu_blocks {s['num_gpu_blocks']})"
+        )
     for h in js.get("host_pool", []):
         print(f"  pp_rank {h['pp_rank']}: host pool {h['num_slots']} x {h['slot_bytes']} B")
     return 0

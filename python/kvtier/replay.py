@@ -14,7 +14,7 @@ import json
 import math
 import struct
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,8 +53,9 @@ def read_trace(path: str | Path, max_requests: int | None = None) -> list[list[i
     return out
 
 
-def synthetic_trace(num_requests: int = 4000, seed: int = 0, system_prompts: int = 24,
-                    zipf_a: float = 1.3) -> list[list[int]]:
+def synthetic_trace(
+    num_requests: int = 4000, seed: int = 0, system_prompts: int = 24, zipf_a: float = 1.3
+) -> list[list[int]]:
     """Multi-turn chat sessions sharing system prompts chosen with Zipf popularity.
 
     Each turn's prompt is the session's previous prompt plus a new user message
@@ -124,7 +125,8 @@ class ReplayResult:
             "bytes_stored": self.bytes_stored,
             "bytes_loaded": self.bytes_loaded,
             "transfer_gbps": round(moved / self.transfer_seconds / 1e9, 3)
-            if self.transfer_seconds else 0.0,
+            if self.transfer_seconds
+            else 0.0,
             "load_latency_ms": {
                 "p50": round(float(np.percentile(lat, 50)), 4),
                 "p99": round(float(np.percentile(lat, 99)), 4),
@@ -151,7 +153,8 @@ class FakeKV:
         self.layers = [self.tensor[:, 0, :], self.tensor[:, 1, :]]
         self.words = self.tensor.numpy().reshape(num_blocks, block_bytes).view(np.uint64)
         self.base = np.random.default_rng(seed).integers(
-            0, 2**63, block_bytes // 8, dtype=np.uint64)
+            0, 2**63, block_bytes // 8, dtype=np.uint64
+        )
 
     @staticmethod
     def _mix(hash_ids: Sequence[int]) -> np.ndarray:
@@ -176,8 +179,14 @@ class FakeKV:
 class Replayer:
     """Drives a manager (and, with data, a DeviceTransfer) through a trace."""
 
-    def __init__(self, manager: TieredOffloadingManager, transfer: Any = None,
-                 kv: FakeKV | None = None, block_bytes: int = 0, series_every: int = 200) -> None:
+    def __init__(
+        self,
+        manager: TieredOffloadingManager,
+        transfer: Any = None,
+        kv: FakeKV | None = None,
+        block_bytes: int = 0,
+        series_every: int = 200,
+    ) -> None:
         self.m = manager
         self.transfer = transfer
         self.kv = kv
@@ -249,8 +258,9 @@ class Replayer:
                         blocks = gpu[[index[k] for k in stored]]
                         t0 = time.perf_counter()
                         jid = self._next_job()
-                        self._submit(lambda: self.transfer.submit_store(
-                            jid, blocks, out.store_spec.slots))
+                        self._submit(
+                            lambda: self.transfer.submit_store(jid, blocks, out.store_spec.slots)
+                        )
                         self.transfer.wait([jid])
                         res.transfer_seconds += time.perf_counter() - t0
                         ok = self._drain()
@@ -317,7 +327,10 @@ def _format_table(res: ReplayResult, js: dict[str, Any]) -> str:
         ("bytes stored", f"{res.bytes_stored / 1e9:.3f} GB"),
         ("bytes loaded", f"{res.bytes_loaded / 1e9:.3f} GB"),
         ("transfer GB/s", f"{js['transfer_gbps']}"),
-        ("load latency p50/p99", f"{js['load_latency_ms']['p50']} / {js['load_latency_ms']['p99']} ms"),
+        (
+            "load latency p50/p99",
+            f"{js['load_latency_ms']['p50']} / {js['load_latency_ms']['p99']} ms",
+        ),
         ("verify failures", f"{res.verify_failures}"),
         ("wall time", f"{res.wall_s:.1f} s"),
     ]
@@ -351,8 +364,11 @@ def build_lower_tiers(args: argparse.Namespace, block_bytes: int) -> list[LowerT
     if getattr(args, "disk", None):
         from kvtier.tiers.disk import DiskTier
 
-        tiers.append(DiskTier.from_spec(args.disk, block_bytes=block_bytes, policy=args.policy,
-                                        no_data=args.no_data))
+        tiers.append(
+            DiskTier.from_spec(
+                args.disk, block_bytes=block_bytes, policy=args.policy, no_data=args.no_data
+            )
+        )
     return tiers
 
 
@@ -375,7 +391,9 @@ def main_replay(args: argparse.Namespace) -> int:
         capacity = args.host_blocks
     elif args.host and args.host.lower() in ("inf", "unbounded"):
         if not args.no_data:
-            raise InvalidArgument("--host inf needs --no-data (an unbounded pool cannot be allocated)")
+            raise InvalidArgument(
+                "--host inf needs --no-data (an unbounded pool cannot be allocated)"
+            )
         capacity = None
     elif args.host:
         capacity = parse_size(args.host) // block_bytes
@@ -392,17 +410,21 @@ def main_replay(args: argparse.Namespace) -> int:
 
         assert capacity is not None
         # Lower tiers may need room beside each block (the disk record trailer).
-        slot_bytes = max([block_bytes] + [t.slot_bytes_for(block_bytes) for t in lower
-                                          if hasattr(t, "slot_bytes_for")])
+        slot_bytes = max(
+            [block_bytes]
+            + [t.slot_bytes_for(block_bytes) for t in lower if hasattr(t, "slot_bytes_for")]
+        )
         pool = HostPool(capacity, slot_bytes)
         kv = FakeKV(max(len(t) for t in trace), block_bytes, seed=args.seed)
         transfer = DeviceTransfer(kv.layers, pool)
     host = HostTier(pool, capacity, policy=args.policy, admit_after=args.admit_after)
     manager = TieredOffloadingManager(host, lower)
     cap_txt = "unbounded" if capacity is None else f"{capacity:,} blocks"
-    print(f"kvtier replay: {source}; host {cap_txt}, policy {args.policy}, "
-          f"{'no data' if args.no_data else f'{block_bytes:,} B blocks, data verified'}"
-          + "".join(f"; {t.name} tier" for t in lower))
+    print(
+        f"kvtier replay: {source}; host {cap_txt}, policy {args.policy}, "
+        f"{'no data' if args.no_data else f'{block_bytes:,} B blocks, data verified'}"
+        + "".join(f"; {t.name} tier" for t in lower)
+    )
     try:
         rep = Replayer(manager, transfer, kv, block_bytes)
         res = rep.run(trace, progress=not args.no_progress)
@@ -412,15 +434,17 @@ def main_replay(args: argparse.Namespace) -> int:
             transfer.shutdown()
         if pool is not None:
             pool.close()
-    js = res.to_json({
-        "trace": source,
-        "policy": args.policy,
-        "host_blocks": capacity,
-        "block_bytes": block_bytes,
-        "data": not args.no_data,
-        "tiers": {t.name: t.stats() for t in lower},
-        "manager": vars(manager.stats),
-    })
+    js = res.to_json(
+        {
+            "trace": source,
+            "policy": args.policy,
+            "host_blocks": capacity,
+            "block_bytes": block_bytes,
+            "data": not args.no_data,
+            "tiers": {t.name: t.stats() for t in lower},
+            "manager": vars(manager.stats),
+        }
+    )
     print(_format_table(res, js))
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)

@@ -52,8 +52,9 @@ class KVLayout:
         return int(self.page_bytes.sum())
 
 
-def layout_from_tensors(tensors: Sequence[Any], page_bytes: Sequence[int] | None = None,
-                        blocks_per_chunk: int = 1) -> KVLayout:
+def layout_from_tensors(
+    tensors: Sequence[Any], page_bytes: Sequence[int] | None = None, blocks_per_chunk: int = 1
+) -> KVLayout:
     """Describe block-major KV tensors ``(num_blocks, ...)``: views may share
     storage (several layers in one tensor) or pack all layers per block."""
     if not tensors:
@@ -77,8 +78,9 @@ def layout_from_tensors(tensors: Sequence[Any], page_bytes: Sequence[int] | None
         raise InvalidArgument(f"KV tensors disagree on num_blocks: {sorted(set(nblocks))}")
     pages_a = np.asarray(pages, np.int64)
     offsets = np.concatenate([[0], np.cumsum(pages_a * blocks_per_chunk)[:-1]]).astype(np.int64)
-    return KVLayout(np.asarray(bases, np.int64), pages_a, np.asarray(strides, np.int64),
-                    nblocks[0], offsets)
+    return KVLayout(
+        np.asarray(bases, np.int64), pages_a, np.asarray(strides, np.int64), nblocks[0], offsets
+    )
 
 
 class _CpuBackend:
@@ -86,8 +88,9 @@ class _CpuBackend:
 
     name = "cpu"
 
-    def __init__(self, tensors: Sequence[Any], pool: HostPool, num_threads: int,
-                 budget_bytes: int) -> None:
+    def __init__(
+        self, tensors: Sequence[Any], pool: HostPool, num_threads: int, budget_bytes: int
+    ) -> None:
         self.engine = Engine(num_threads, [(budget_bytes, True)] * 3)
         self.engine.register_pool(pool)
         seen: set[int] = set()
@@ -98,8 +101,9 @@ class _CpuBackend:
                 seen.add(ptr)
                 self.engine.register_memory(ptr, storage.nbytes(), owner=t)
 
-    def submit(self, queue: int, descs: np.ndarray, wait_stream: int,
-               conflicts: dict[int, int]) -> tuple[int, int] | None:
+    def submit(
+        self, queue: int, descs: np.ndarray, wait_stream: int, conflicts: dict[int, int]
+    ) -> tuple[int, int] | None:
         queues = set(conflicts.values())
         if len(queues) == 1:
             queue = queues.pop()  # a serial queue runs it after the job it depends on
@@ -130,8 +134,9 @@ class _CudaBackend:
 
         self.copier = _native.CudaCopier(device, [(pool.address, pool.nbytes)], use_batch)
 
-    def submit(self, queue: int, descs: np.ndarray, wait_stream: int,
-               conflicts: dict[int, int]) -> tuple[int, int] | None:
+    def submit(
+        self, queue: int, descs: np.ndarray, wait_stream: int, conflicts: dict[int, int]
+    ) -> tuple[int, int] | None:
         return self.copier.submit(queue, descs, wait_stream, list(conflicts)), queue
 
     def poll(self) -> list[Any]:
@@ -206,9 +211,15 @@ class DeviceTransfer:
         self._job_slots: dict[int, np.ndarray] = {}
         self._slot_job: dict[int, tuple[int, int]] = {}  # slot -> (internal id, queue)
         self._acks: list[TransferResult] = []
+
     # -- descriptors -------------------------------------------------------
-    def descriptors(self, block_ids: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray,
-                    first_block_index: int = 0, to_host: bool = True) -> np.ndarray:
+    def descriptors(
+        self,
+        block_ids: Sequence[int] | np.ndarray,
+        slots: Sequence[int] | np.ndarray,
+        first_block_index: int = 0,
+        to_host: bool = True,
+    ) -> np.ndarray:
         """``(N, 3)`` int64 copy descriptors, built with numpy (no per-block loop).
 
         ``first_block_index`` is the logical index of ``block_ids[0]`` in its
@@ -234,16 +245,25 @@ class DeviceTransfer:
         slot_of = s[pos // bpc]
         in_chunk = pos % bpc
         gpu = lay.bases[None, :] + b[:, None] * lay.strides[None, :]
-        host = (self.pool.address + slot_of[:, None] * self.pool.slot_bytes
-                + lay.chunk_offsets[None, :] + in_chunk[:, None] * lay.page_bytes[None, :])
+        host = (
+            self.pool.address
+            + slot_of[:, None] * self.pool.slot_bytes
+            + lay.chunk_offsets[None, :]
+            + in_chunk[:, None] * lay.page_bytes[None, :]
+        )
         n = np.broadcast_to(lay.page_bytes[None, :], gpu.shape)
         src, dst = (gpu, host) if to_host else (host, gpu)
         return np.stack([src.ravel(), dst.ravel(), n.ravel()], axis=1)
 
     # -- OffloadingWorker-like API ------------------------------------------
-    def submit_store(self, job_id: int, gpu_block_ids: Sequence[int] | np.ndarray,
-                     host_slots: Sequence[int] | np.ndarray, first_block_index: int = 0,
-                     stream: int | None = None) -> bool:
+    def submit_store(
+        self,
+        job_id: int,
+        gpu_block_ids: Sequence[int] | np.ndarray,
+        host_slots: Sequence[int] | np.ndarray,
+        first_block_index: int = 0,
+        stream: int | None = None,
+    ) -> bool:
         """KV blocks -> host slots, after the compute ``stream``'s work so far
         (default: torch's current stream for CUDA tensors). False when full."""
         if not self.is_writer:
@@ -252,13 +272,24 @@ class DeviceTransfer:
         d = self.descriptors(gpu_block_ids, host_slots, first_block_index, to_host=True)
         return self._submit(job_id, d, STORE_QUEUE, host_slots, self._stream(stream))
 
-    def submit_load(self, job_id: int, host_slots: Sequence[int] | np.ndarray,
-                    gpu_block_ids: Sequence[int] | np.ndarray, expedited: bool = False,
-                    first_block_index: int = 0, stream: int | None = None) -> bool:
+    def submit_load(
+        self,
+        job_id: int,
+        host_slots: Sequence[int] | np.ndarray,
+        gpu_block_ids: Sequence[int] | np.ndarray,
+        expedited: bool = False,
+        first_block_index: int = 0,
+        stream: int | None = None,
+    ) -> bool:
         """Host slots -> KV blocks. Expedited loads have their own queue/stream."""
         d = self.descriptors(gpu_block_ids, host_slots, first_block_index, to_host=False)
-        return self._submit(job_id, d, EXPEDITED_QUEUE if expedited else LOAD_QUEUE, host_slots,
-                            self._stream(stream))
+        return self._submit(
+            job_id,
+            d,
+            EXPEDITED_QUEUE if expedited else LOAD_QUEUE,
+            host_slots,
+            self._stream(stream),
+        )
 
     def _stream(self, stream: int | None) -> int:
         if stream is not None or self.backend != "cuda":
@@ -270,8 +301,14 @@ class DeviceTransfer:
             return int(torch.cuda.current_stream(t.device).cuda_stream)
         return 0
 
-    def _submit(self, job_id: int, descs: np.ndarray, queue: int,
-                slots: Sequence[int] | np.ndarray, stream: int) -> bool:
+    def _submit(
+        self,
+        job_id: int,
+        descs: np.ndarray,
+        queue: int,
+        slots: Sequence[int] | np.ndarray,
+        stream: int,
+    ) -> bool:
         if job_id in self._user:
             raise InvalidArgument(f"job id {job_id} is already in flight")
         if len(descs) == 0:
@@ -314,8 +351,12 @@ class DeviceTransfer:
 
     def stats(self) -> dict[str, Any]:
         if isinstance(self._b, _CudaBackend) and self._b.copier is not None:
-            return {"backend": "cuda", "runtime": self._b.copier.runtime_path,
-                    "runtime_version": self._b.copier.runtime_version, **self._b.copier.stats()}
+            return {
+                "backend": "cuda",
+                "runtime": self._b.copier.runtime_path,
+                "runtime_version": self._b.copier.runtime_version,
+                **self._b.copier.stats(),
+            }
         return {"backend": self.backend}
 
     def shutdown(self) -> None:

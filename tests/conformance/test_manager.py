@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import kvtier
 import numpy as np
 import pytest
-
-import kvtier
 from kvtier.manager import TieredOffloadingManager
 from kvtier.pool import HostPool
 from kvtier.tiers import HostTier, LookupResult, MemoryTier
@@ -31,8 +30,9 @@ def pool() -> Iterator[HostPool]:
     p.close()
 
 
-def make(pool: HostPool | None, policy: str, lower=(), capacity: int | None = None,
-         admit_after: int = 1) -> TieredOffloadingManager:
+def make(
+    pool: HostPool | None, policy: str, lower=(), capacity: int | None = None, admit_after: int = 1
+) -> TieredOffloadingManager:
     return TieredOffloadingManager(
         HostTier(pool, capacity, policy=policy, admit_after=admit_after), list(lower)
     )

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from kvtier.manager import TieredOffloadingManager
 from kvtier.pool import HostPool
 from kvtier.tiers import HostTier, LookupResult, LowerTier, MemoryTier, TierCompletion
@@ -58,7 +57,9 @@ FACTORIES = {"memory": _memory, "disk-io_uring": _disk("io_uring"), "disk-pread"
 
 
 @pytest.fixture(params=list(FACTORIES))
-def make_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[int], TierUnderTest]]:
+def make_tier(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[Callable[[int], TierUnderTest]]:
     made: list[TierUnderTest] = []
 
     def make(capacity: int = 16) -> TierUnderTest:

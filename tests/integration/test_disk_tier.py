@@ -11,10 +11,9 @@ import textwrap
 import time
 from pathlib import Path
 
+import kvtier
 import numpy as np
 import pytest
-
-import kvtier
 from kvtier.pool import HostPool
 from kvtier.tiers import LookupResult
 from kvtier.tiers.disk import DiskTier, key_digest, record_bytes
@@ -82,8 +81,12 @@ def test_files_are_private(tmp_path: Path) -> None:
 def test_enospc_at_construction_is_clear(tmp_path: Path) -> None:
     d = tmp_path / "small"
     d.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a small tmpfs here")
     try:
         t = DiskTier(d, 64 * SLOT, BLOCK)
@@ -109,8 +112,9 @@ def test_namespaces_never_mix(tmp_path: Path) -> None:
         # Even pointed at a's records, b's namespace digest rejects them.
         b.index[key_digest(K(1))] = a.index[key_digest(K(1))]
         b.rec_state[b.index[key_digest(K(1))]] = 1
-        b.store = a.store.__class__(a.paths, a.file_bytes, "pread", 4, 1 << 20, True, False, b.ns,
-                                    [(p.address, p.nbytes)])
+        b.store = a.store.__class__(
+            a.paths, a.file_bytes, "pread", 4, 1 << 20, True, False, b.ns, [(p.address, p.nbytes)]
+        )
         assert run_until_done(b, b.submit_load([K(1)], [1])) == [False]
         assert b.stats()["corrupt"] == 1
         a.close()
@@ -208,8 +212,11 @@ def test_crash_safety_sigkill_and_damage(tmp_path: Path) -> None:
     rng = random.Random(11)
     committed: list[int] = []
     for rnd in range(10):
-        proc = subprocess.Popen([sys.executable, str(script), str(d), str(rnd * 1000)],
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(d), str(rnd * 1000)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert proc.stdout is not None
         want_lines = rng.randint(1, 40)
         for _ in range(want_lines):
@@ -259,8 +266,14 @@ def test_crash_safety_sigkill_and_damage(tmp_path: Path) -> None:
                     served_wrong += not np.array_equal(p.view(j)[:BLOCK], content(k))
                 else:
                     failures += 1
-                    assert k in damaged, (k, recs[k], recs[last], committed.count(k),
-                                          sorted(recs[v] for v in victims), t.stats())
+                    assert k in damaged, (
+                        k,
+                        recs[k],
+                        recs[last],
+                        committed.count(k),
+                        sorted(recs[v] for v in victims),
+                        t.stats(),
+                    )
         assert served_wrong == 0
         assert failures == len(damaged)  # 100% of damaged records detected
         t.close()

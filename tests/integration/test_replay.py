@@ -5,16 +5,23 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import kvtier
+import pytest
 from kvtier.replay import read_trace, synthetic_trace
 
-SHARED_TRACE = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+SHARED_TRACE = (
+    Path(__file__).resolve().parents[2]
+    / ".."
+    / "shared"
+    / "traces"
+    / "mooncake_conversation_trace.jsonl"
+)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True
+    )
 
 
 def test_synthetic_trace_shares_prefixes() -> None:
@@ -37,10 +44,24 @@ def test_read_trace_errors(tmp_path: Path) -> None:
 def test_replay_with_data_verifies_and_writes_outputs(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     reqs = synthetic_trace(300, seed=3)
-    trace.write_text("".join(json.dumps({"timestamp": i, "hash_ids": r}) + "\n" for i, r in enumerate(reqs)))
-    out = run_cli("replay", str(trace), "--block-bytes", "16KiB", "--host-blocks", "200",
-                  "--policy", "arc", "--json", str(tmp_path / "r.json"), "--plot",
-                  str(tmp_path / "r.png"), "--no-progress")
+    trace.write_text(
+        "".join(json.dumps({"timestamp": i, "hash_ids": r}) + "\n" for i, r in enumerate(reqs))
+    )
+    out = run_cli(
+        "replay",
+        str(trace),
+        "--block-bytes",
+        "16KiB",
+        "--host-blocks",
+        "200",
+        "--policy",
+        "arc",
+        "--json",
+        str(tmp_path / "r.json"),
+        "--plot",
+        str(tmp_path / "r.png"),
+        "--no-progress",
+    )
     assert out.returncode == 0, out.stderr
     js = json.loads((tmp_path / "r.json").read_text())
     assert js["requests"] == 300
@@ -58,8 +79,16 @@ def test_no_data_hit_counts_are_exact(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     # 3 requests: [1,2,3], [1,2,4], [1,5]: unbounded cache hits 2 + 1 = 3 of 8 refs.
     trace.write_text('{"hash_ids": [1,2,3]}\n{"hash_ids": [1,2,4]}\n{"hash_ids": [1,5]}\n')
-    out = run_cli("replay", str(trace), "--no-data", "--host", "inf", "--no-progress",
-                  "--json", str(tmp_path / "r.json"))
+    out = run_cli(
+        "replay",
+        str(trace),
+        "--no-data",
+        "--host",
+        "inf",
+        "--no-progress",
+        "--json",
+        str(tmp_path / "r.json"),
+    )
     assert out.returncode == 0, out.stderr
     js = json.loads((tmp_path / "r.json").read_text())
     assert (js["block_refs"], js["hit_blocks"]["host"]) == (8, 3)

@@ -4,10 +4,9 @@ import _thread
 import threading
 import time
 
+import kvtier
 import numpy as np
 import pytest
-
-import kvtier
 from kvtier.engine import Engine, crc32c
 from kvtier.pool import HostPool
 
@@ -32,7 +31,9 @@ def test_ten_thousand_random_copy_jobs_verified(pool: HostPool, engine: Engine) 
             dst = int(rng.integers(half, pool.num_slots))
             off = int(rng.integers(0, 1024))
             n = int(rng.integers(1, pool.slot_bytes - off))
-            d = np.array([[pool.slot_address(src) + off, pool.slot_address(dst) + off, n]], np.int64)
+            d = np.array(
+                [[pool.slot_address(src) + off, pool.slot_address(dst) + off, n]], np.int64
+            )
             ids.append(engine.submit_copy(d))
             engine.wait([ids[-1]])  # a dst may repeat within a batch: keep order exact
             expected[dst, off : off + n] = expected[src, off : off + n]
@@ -136,7 +137,9 @@ def test_wait_releases_the_gil(engine: Engine) -> None:
         ("dtype", "int64"),
     ],
 )
-def test_bad_descriptors_raise_at_submit(pool: HostPool, engine: Engine, desc: str, match: str) -> None:
+def test_bad_descriptors_raise_at_submit(
+    pool: HostPool, engine: Engine, desc: str, match: str
+) -> None:
     engine.register_pool(pool)
     a, b = pool.slot_address(0), pool.slot_address(1)
     arrays = {
@@ -160,7 +163,9 @@ def test_unregistered_memory_is_refused(engine: Engine) -> None:
     engine.register_memory(buf.ctypes.data, buf.nbytes, owner=buf)
     engine.register_memory(other.ctypes.data, other.nbytes, owner=other)
     buf[:16] = 9
-    engine.wait([engine.submit_copy(np.array([[buf.ctypes.data, other.ctypes.data, 16]], np.int64))])
+    engine.wait(
+        [engine.submit_copy(np.array([[buf.ctypes.data, other.ctypes.data, 16]], np.int64))]
+    )
     assert other[:16].tolist() == [9] * 16
 
 

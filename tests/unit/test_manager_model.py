@@ -5,7 +5,6 @@ from __future__ import annotations
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from kvtier.manager import TieredOffloadingManager
 from kvtier.tiers import HostTier, LookupResult
 
@@ -26,7 +25,8 @@ class ManagerModel(RuleBasedStateMachine):
     def prepare_store(self, offer: list[bytes]) -> None:
         new = list(dict.fromkeys(k for k in offer if k not in self.state))
         evictable = [
-            k for k, s in self.state.items()
+            k
+            for k, s in self.state.items()
             if s == "ready" and not self.pins.get(k) and k not in offer
         ]
         free = CAP - len(self.state)
@@ -77,8 +77,11 @@ class ManagerModel(RuleBasedStateMachine):
 
     @rule(key=st.sampled_from(KEYS))
     def lookup(self, key: bytes) -> None:
-        want = {None: LookupResult.MISS, "writing": LookupResult.HIT_PENDING,
-                "ready": LookupResult.HIT}[self.state.get(key)]
+        want = {
+            None: LookupResult.MISS,
+            "writing": LookupResult.HIT_PENDING,
+            "ready": LookupResult.HIT,
+        }[self.state.get(key)]
         assert self.m.lookup(key) is want
 
     @invariant()

@@ -5,11 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import kvtier
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import kvtier
 from kvtier.planner import (
     ModelKV,
     even_partition,
@@ -61,7 +60,9 @@ def test_even_partition_matches_vllm_remainder_rule() -> None:
     mem_blocks=st.integers(1, 4000),
     seed=st.randoms(use_true_random=False),
 )
-def test_plan_properties(layers, kv_heads, head_dim, stages, block_tokens, mem_blocks, seed) -> None:  # type: ignore[no-untyped-def]
+def test_plan_properties(
+    layers, kv_heads, head_dim, stages, block_tokens, mem_blocks, seed
+) -> None:  # type: ignore[no-untyped-def]
     stages = min(stages, layers)
     cuts = sorted(seed.sample(range(1, layers), stages - 1))
     partition = [b - a for a, b in zip([0, *cuts], [*cuts, layers])]
@@ -79,9 +80,15 @@ def test_plan_properties(layers, kv_heads, head_dim, stages, block_tokens, mem_b
 
 
 def test_mla_bytes_per_token(tmp_path: Path) -> None:
-    cfg = {"num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
-           "hidden_size": 7168, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
-           "torch_dtype": "bfloat16"}
+    cfg = {
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "hidden_size": 7168,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "torch_dtype": "bfloat16",
+    }
     p = tmp_path / "config.json"
     p.write_text(json.dumps(cfg))
     m = model_from_hf_config(p)
@@ -91,9 +98,17 @@ def test_mla_bytes_per_token(tmp_path: Path) -> None:
 
 def test_sliding_window_bytes_per_token(tmp_path: Path) -> None:
     # Gemma-style: 5 sliding layers per global one, window 4096, 32k context.
-    cfg = {"num_hidden_layers": 12, "num_attention_heads": 8, "num_key_value_heads": 4,
-           "head_dim": 256, "hidden_size": 2560, "sliding_window": 4096,
-           "sliding_window_pattern": 6, "max_position_embeddings": 32768, "torch_dtype": "bfloat16"}
+    cfg = {
+        "num_hidden_layers": 12,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_size": 2560,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+        "max_position_embeddings": 32768,
+        "torch_dtype": "bfloat16",
+    }
     p = tmp_path / "config.json"
     p.write_text(json.dumps(cfg))
     m = model_from_hf_config(p)
@@ -111,12 +126,20 @@ def test_sliding_window_bytes_per_token(tmp_path: Path) -> None:
 def test_recommend_partition_maximises_capacity() -> None:
     model = ModelKV(64, 8, 128)
     gib = 1 << 30
-    parts, blocks = recommend_partition(model, 2, 16, 80 * gib, weight_bytes_per_layer=gib,
-                                        embedding_bytes=2 * gib, lm_head_bytes=2 * gib)
+    parts, blocks = recommend_partition(
+        model,
+        2,
+        16,
+        80 * gib,
+        weight_bytes_per_layer=gib,
+        embedding_bytes=2 * gib,
+        lm_head_bytes=2 * gib,
+    )
     assert sum(parts) == 64 and parts == [32, 32]
     # A heavier first stage (bigger embedding) gets fewer layers.
-    parts2, _ = recommend_partition(model, 2, 16, 80 * gib, weight_bytes_per_layer=gib,
-                                    embedding_bytes=10 * gib)
+    parts2, _ = recommend_partition(
+        model, 2, 16, 80 * gib, weight_bytes_per_layer=gib, embedding_bytes=10 * gib
+    )
     assert parts2[0] < parts2[1]
     # Brute force over every split agrees on the best block count.
     kvb = model.full_layer_bytes_per_token * 16
@@ -155,10 +178,30 @@ def test_bad_input_names_the_field(call, field: str) -> None:  # type: ignore[no
 
 def test_cli_json() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "plan", "--layers", "64", "--kv-heads", "8",
-         "--head-dim", "128", "--dtype", "bfloat16", "--block-tokens", "16", "--partition",
-         "48,16", "--kv-memory", str(6000 * BLOCK), "--json"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "plan",
+            "--layers",
+            "64",
+            "--kv-heads",
+            "8",
+            "--head-dim",
+            "128",
+            "--dtype",
+            "bfloat16",
+            "--block-tokens",
+            "16",
+            "--partition",
+            "48,16",
+            "--kv-memory",
+            str(6000 * BLOCK),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     js = json.loads(out.stdout.strip().splitlines()[-1])
     assert [s["max_tokens"] for s in js["stages"]] == [96_000, 96_000]
@@ -168,9 +211,24 @@ def test_cli_json() -> None:
 
 def test_cli_bad_partition_exit_code() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "plan", "--layers", "64", "--kv-heads", "8",
-         "--head-dim", "128", "--partition", "40,16", "--kv-memory", "20GiB"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "plan",
+            "--layers",
+            "64",
+            "--kv-heads",
+            "8",
+            "--head-dim",
+            "128",
+            "--partition",
+            "40,16",
+            "--kv-memory",
+            "20GiB",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 2
     assert "partition: [40, 16] sums to 56" in out.stderr

@@ -2,10 +2,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+import kvtier
 import numpy as np
 import pytest
-
-import kvtier
 from kvtier.pool import HostPool
 
 

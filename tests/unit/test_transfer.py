@@ -7,13 +7,11 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
+import kvtier
 import numpy as np
 import pytest
 import torch
-
-import kvtier
 from kvtier.pool import HostPool
 from kvtier.transfer import DeviceTransfer
 

@@ -6,6 +6,7 @@ memcpy of the same descriptors in the same run.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,7 @@ def run_copy(
     n = max(1, total_bytes // block_bytes)
     pool = HostPool(2 * n, block_bytes)  # scattered slots: half of them used, shuffled
     buf = np.zeros(n * block_bytes, np.uint8)
-    buf[:: 4096] = 1  # fault the contiguous buffer in before timing
+    buf[::4096] = 1  # fault the contiguous buffer in before timing
     engine = Engine(threads, [(4 << 30, False)])
     try:
         engine.register_pool(pool)
@@ -80,8 +81,8 @@ def run_copy(
             # Interleave engine and baseline runs so drift affects both alike.
             eng_runs, base_runs = [], []
             for _ in range(repeats):
-                eng_runs.append(median_rate(lambda d=descs: through_engine(d), 1, 1)[0])
-                base_runs.append(median_rate(lambda d=descs: baseline(d), 1, 1)[0])
+                eng_runs.append(median_rate(partial(through_engine, descs), 1, 1)[0])
+                base_runs.append(median_rate(partial(baseline, descs), 1, 1)[0])
             out[name] = {
                 "gbps": float(np.median(eng_runs)),
                 "baseline_gbps": float(np.median(base_runs)),

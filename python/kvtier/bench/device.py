@@ -15,8 +15,13 @@ from kvtier.pool import HostPool
 from kvtier.transfer import DeviceTransfer
 
 
-def run_device_copy(block_bytes: int, total_bytes: int = 256 << 20, repeats: int = 5,
-                    layers: int = 1, per_job_blocks: int = 32) -> dict[str, Any]:
+def run_device_copy(
+    block_bytes: int,
+    total_bytes: int = 256 << 20,
+    repeats: int = 5,
+    layers: int = 1,
+    per_job_blocks: int = 32,
+) -> dict[str, Any]:
     n = max(1, total_bytes // block_bytes)
     page = block_bytes // layers
     kv = torch.zeros((n, layers, page), dtype=torch.uint8)
@@ -29,6 +34,7 @@ def run_device_copy(block_bytes: int, total_bytes: int = 256 << 20, repeats: int
     slots = rng.permutation(2 * n)[:n]
     job = 0
     try:
+
         def run(store: bool) -> float:
             nonlocal job
             t0 = time.perf_counter()

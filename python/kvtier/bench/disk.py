@@ -27,9 +27,12 @@ def _keys(n: int, salt: int) -> list[bytes]:
     return [b"bench-%d-%d" % (salt, i) for i in range(n)]
 
 
-def _drive(t: DiskTier, write: bool, keys: list[bytes], batch: int, poll_s: float = 0.0002) -> float:
+def _drive(
+    t: DiskTier, write: bool, keys: list[bytes], batch: int, poll_s: float = 0.0002
+) -> float:
     """Keep the tier's queue full until every key moved; seconds taken."""
     n = len(keys)
+    assert t.pool is not None
     t0 = time.perf_counter()
     i = done = 0
     inflight = 0
@@ -54,18 +57,31 @@ def _drive(t: DiskTier, write: bool, keys: list[bytes], batch: int, poll_s: floa
 def _fio(directory: Path, rw: str, bs: int, qd: int, size: int) -> float:
     path = directory / "fio-bench.dat"
     out = subprocess.run(
-        ["fio", "--name=kvtier", f"--filename={path}", f"--size={size}", f"--rw={rw}",
-         f"--bs={bs}", "--ioengine=io_uring", "--direct=1", f"--iodepth={qd}",
-         "--output-format=json"],
-        capture_output=True, text=True, timeout=600,
+        [
+            "fio",
+            "--name=kvtier",
+            f"--filename={path}",
+            f"--size={size}",
+            f"--rw={rw}",
+            f"--bs={bs}",
+            "--ioengine=io_uring",
+            "--direct=1",
+            f"--iodepth={qd}",
+            "--output-format=json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if out.returncode != 0:
         raise RuntimeError(f"fio failed: {out.stderr.strip()[:300]}")
-    job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
+    job = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]
     return float(job["write" if rw == "write" else "read"]["bw_bytes"]) / 1e9
 
 
-def _threadpool(directory: Path, pool: HostPool, bs: int, n: int, threads: int) -> tuple[float, float]:
+def _threadpool(
+    directory: Path, pool: HostPool, bs: int, n: int, threads: int
+) -> tuple[float, float]:
     """One O_DIRECT file per block from a Python thread pool; (store, load) GB/s."""
     d = directory / "pyfiles"
     d.mkdir(exist_ok=True)
@@ -74,14 +90,14 @@ def _threadpool(directory: Path, pool: HostPool, bs: int, n: int, threads: int) 
     def store(i: int) -> None:
         fd = os.open(d / f"b{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o600)
         try:
-            os.write(fd, memoryview(pool.view(i % pool.num_slots))[:bs])
+            os.write(fd, pool.view(i % pool.num_slots).data[:bs])
         finally:
             os.close(fd)
 
     def load(i: int) -> None:
         fd = os.open(d / f"b{i}", os.O_RDONLY | flags)
         try:
-            os.preadv(fd, [memoryview(pool.view(i % pool.num_slots))[:bs]], 0)
+            os.preadv(fd, [pool.view(i % pool.num_slots).data[:bs]], 0)
         finally:
             os.close(fd)
 
@@ -105,8 +121,15 @@ def _loop_rate(seconds: float) -> float:
     return n / seconds
 
 
-def run_disk(directory: str, block_bytes: int, queue_depth: int = 32, total_bytes: int = 1 << 30,
-             repeats: int = 3, backend: str = "auto", threads: int = 2) -> dict[str, Any]:
+def run_disk(
+    directory: str,
+    block_bytes: int,
+    queue_depth: int = 32,
+    total_bytes: int = 1 << 30,
+    repeats: int = 3,
+    backend: str = "auto",
+    threads: int = 2,
+) -> dict[str, Any]:
     base = Path(directory)
     if not base.is_dir():
         raise InvalidArgument(f"--dir {directory} is not a directory")
@@ -116,9 +139,15 @@ def run_disk(directory: str, block_bytes: int, queue_depth: int = 32, total_byte
     slots = min(n, max(64, (512 << 20) // record_bytes(block_bytes)))
     pool = HostPool(slots, record_bytes(block_bytes))
     pool.view(0, slots)[:] = 0x5A
-    tier = DiskTier(work, n * record_bytes(block_bytes), block_bytes, backend=backend,
-                    queue_depth=max(1, queue_depth // threads), num_threads=threads,
-                    inflight_bytes=1 << 40)
+    tier = DiskTier(
+        work,
+        n * record_bytes(block_bytes),
+        block_bytes,
+        backend=backend,
+        queue_depth=max(1, queue_depth // threads),
+        num_threads=threads,
+        inflight_bytes=1 << 40,
+    )
     tier.attach(pool)
     batch = max(1, min(256, (16 << 20) // block_bytes))
     have_fio = shutil.which("fio") is not None
@@ -167,14 +196,24 @@ def run_disk(directory: str, block_bytes: int, queue_depth: int = 32, total_byte
         "direct": tier.stats()["direct"],
         "runs": {"store": ks, "load": kl},
         "bytes_per_run": n * block_bytes,
-        "python_threadpool": {"name": "Python thread pool (8), one O_DIRECT file per block",
-                              "store_gbps": round(py_s, 3), "load_gbps": round(py_l, 3)},
-        "vs_python_threadpool": {"store": round(med(ks) / py_s, 3), "load": round(med(kl) / py_l, 3)},
+        "python_threadpool": {
+            "name": "Python thread pool (8), one O_DIRECT file per block",
+            "store_gbps": round(py_s, 3),
+            "load_gbps": round(py_l, 3),
+        },
+        "vs_python_threadpool": {
+            "store": round(med(ks) / py_s, 3),
+            "load": round(med(kl) / py_l, 3),
+        },
         "gil": {"python_loop_speed_while_busy": round(loaded / idle, 3)},
     }
     if have_fio:
-        out["baseline"] = {"name": "fio", "store_gbps": round(med(fs), 3),
-                           "load_gbps": round(med(fl), 3), "runs": {"store": fs, "load": fl}}
+        out["baseline"] = {
+            "name": "fio",
+            "store_gbps": round(med(fs), 3),
+            "load_gbps": round(med(fl), 3),
+            "runs": {"store": fs, "load": fl},
+        }
         out["ratio"] = {"store": round(med(ks) / med(fs), 3), "load": round(med(kl) / med(fl), 3)}
     else:
         out["baseline"] = {"name": "fio", "error": "fio not installed"}

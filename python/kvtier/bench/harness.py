@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 
-def median_rate(fn: Callable[[], int], repeats: int = 5, warmup: int = 1) -> tuple[float, list[float]]:
+def median_rate(
+    fn: Callable[[], int], repeats: int = 5, warmup: int = 1
+) -> tuple[float, list[float]]:
     """Run ``fn`` (returns bytes moved) ``warmup + repeats`` times; GB/s median and all runs."""
     for _ in range(warmup):
         fn()

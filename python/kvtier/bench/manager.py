@@ -29,8 +29,12 @@ def _cycles(m: TieredOffloadingManager, keys: list[bytes], batch: int) -> float:
 def run_manager(num_keys: int = 1_000_000, policy: str = "lru", repeats: int = 3) -> dict[str, Any]:
     keys = [i.to_bytes(32, "little") + b"\0\0\0\0" for i in range(num_keys)]
     capacity = max(1, num_keys // 2)  # half fits: the second half evicts
-    out: dict[str, Any] = {"component": "manager", "policy": policy, "keys": num_keys,
-                           "host_blocks": capacity}
+    out: dict[str, Any] = {
+        "component": "manager",
+        "policy": policy,
+        "keys": num_keys,
+        "host_blocks": capacity,
+    }
     for batch in (1, 16):
         rates = []
         for _ in range(repeats):
@@ -39,6 +43,8 @@ def run_manager(num_keys: int = 1_000_000, policy: str = "lru", repeats: int = 3
         out[f"cycles_per_s_batch{batch}"] = round(statistics.median(rates))
     out["ops_per_s"] = out["cycles_per_s_batch1"]
     out["us_per_cycle"] = round(1e6 / out["ops_per_s"], 3)
-    out["note"] = ("a cycle is lookup + prepare_store + complete_store + prepare_load + "
-                   "complete_load of one key; batch16 passes 16 keys per call")
+    out["note"] = (
+        "a cycle is lookup + prepare_store + complete_store + prepare_load + "
+        "complete_load of one key; batch16 passes 16 keys per call"
+    )
     return out

@@ -31,7 +31,7 @@ def make_policy(spec: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
     for method in ("insert", "touch", "remove", "victims"):
         if not callable(getattr(policy, method, None)):
             raise InvalidArgument(f"policy {spec!r} lacks method {method}()")
-    return policy  # type: ignore[no-any-return]
+    return policy
 
 
 __all__ = ["ARCPolicy", "AdmissionFilter", "EvictionPolicy", "LRUPolicy", "make_policy"]

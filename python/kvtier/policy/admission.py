@@ -7,7 +7,7 @@ blocks; writing them costs bandwidth and evicts blocks that would be reused.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from typing import Any
 
 from kvtier.errors import InvalidArgument
 
@@ -22,9 +22,9 @@ class AdmissionFilter:
             raise InvalidArgument(f"admission max_tracked must be >= 1, got {max_tracked}")
         self.threshold = threshold
         self.max_tracked = max_tracked
-        self._seen: OrderedDict[Hashable, int] = OrderedDict()
+        self._seen: OrderedDict[Any, int] = OrderedDict()
 
-    def offer(self, key: Hashable) -> bool:
+    def offer(self, key: Any) -> bool:
         """Record one sighting; True when the key may be stored now."""
         if self.threshold == 1:
             return True
@@ -36,7 +36,7 @@ class AdmissionFilter:
             self._seen.popitem(last=False)
         return False
 
-    def forget(self, key: Hashable) -> None:
+    def forget(self, key: Any) -> None:
         self._seen.pop(key, None)
 
     def __len__(self) -> int:

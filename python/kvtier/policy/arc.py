@@ -10,9 +10,10 @@ scans: a long one-off prefix does not flush the reused system prompts.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Iterator
+from typing import Any
 
-_Ordered = OrderedDict[Hashable, None]
+_Ordered = OrderedDict[Any, None]
 
 
 class ARCPolicy:
@@ -24,7 +25,7 @@ class ARCPolicy:
         self.b1: _Ordered = OrderedDict()
         self.b2: _Ordered = OrderedDict()
 
-    def insert(self, key: Hashable) -> None:
+    def insert(self, key: Any) -> None:
         c = self.capacity
         if key in self.t1 or key in self.t2:
             self.touch(key)
@@ -41,14 +42,14 @@ class ARCPolicy:
             self.t1[key] = None
         self._trim_ghosts()
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, key: Any) -> None:
         if key in self.t1:
             del self.t1[key]
             self.t2[key] = None
         elif key in self.t2:
             self.t2.move_to_end(key)
 
-    def remove(self, key: Hashable, evicted: bool = False) -> None:
+    def remove(self, key: Any, evicted: bool = False) -> None:
         if key in self.t1:
             del self.t1[key]
             if evicted:
@@ -63,7 +64,7 @@ class ARCPolicy:
         if evicted:
             self._trim_ghosts()
 
-    def victims(self) -> Iterator[Hashable]:
+    def victims(self) -> Iterator[Any]:
         # ARC's REPLACE: take from T1 while it is above its target, else T2;
         # the other list follows when every key of the first is protected.
         if self.t1 and len(self.t1) > self.p:

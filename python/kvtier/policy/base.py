@@ -7,22 +7,22 @@ the current offer); the policy only orders the candidates.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
 class EvictionPolicy(Protocol):
-    def insert(self, key: Hashable) -> None:
+    def insert(self, key: Any) -> None:
         """A key became resident (readable)."""
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, key: Any) -> None:
         """A resident key was used (hit, load, re-offered)."""
 
-    def remove(self, key: Hashable, evicted: bool = False) -> None:
+    def remove(self, key: Any, evicted: bool = False) -> None:
         """A resident key left; ``evicted`` says the policy's victim was taken."""
 
-    def victims(self) -> Iterator[Hashable]:
+    def victims(self) -> Iterator[Any]:
         """Resident keys, best victim first. The caller must not change the
         policy while iterating: it collects the keys it takes, then calls
         :meth:`remove` (``evicted=True``) for each."""

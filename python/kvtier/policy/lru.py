@@ -3,27 +3,28 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 
 class LRUPolicy:
     """Evicts the key used longest ago. O(1) per call."""
 
     def __init__(self, capacity: int = 0) -> None:
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
+        self._order: OrderedDict[Any, None] = OrderedDict()
 
-    def insert(self, key: Hashable) -> None:
+    def insert(self, key: Any) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, key: Any) -> None:
         if key in self._order:
             self._order.move_to_end(key)
 
-    def remove(self, key: Hashable, evicted: bool = False) -> None:
+    def remove(self, key: Any, evicted: bool = False) -> None:
         self._order.pop(key, None)
 
-    def victims(self) -> Iterator[Hashable]:
+    def victims(self) -> Iterator[Any]:
         return iter(self._order)
 
     def __len__(self) -> int:

@@ -1,7 +1,7 @@
 """Tiers: the host tier (owns the shared pool's slots) and lower tiers (disk,
 remote, in-memory) that move bytes between their medium and host slots."""
 
-from kvtier.tiers.base import LowerTier, LookupResult, TierCompletion, TierEvent
+from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent
 from kvtier.tiers.host import HostEntry, HostTier
 from kvtier.tiers.memory import MemoryTier
 

@@ -49,8 +49,9 @@ def record_bytes(block_bytes: int) -> int:
 
 def namespace_digest(namespace: str | bytes, block_bytes: int) -> bytes:
     ns = namespace.encode() if isinstance(namespace, str) else bytes(namespace)
-    return hashlib.blake2b(b"kvtier-ns-v1\0" + ns + struct.pack("<Q", block_bytes),
-                           digest_size=16).digest()
+    return hashlib.blake2b(
+        b"kvtier-ns-v1\0" + ns + struct.pack("<Q", block_bytes), digest_size=16
+    ).digest()
 
 
 def key_digest(key: bytes) -> bytes:
@@ -85,8 +86,11 @@ def check_directory(path: Path) -> None:
         raise IoError(20, f"disk tier path {path} is not a directory")
     st = path.stat()
     if st.st_uid != os.geteuid():
-        raise IoError(1, f"disk tier directory {path} is owned by uid {st.st_uid}, not by us "
-                         f"(uid {os.geteuid()}): refusing to share it")
+        raise IoError(
+            1,
+            f"disk tier directory {path} is owned by uid {st.st_uid}, not by us "
+            f"(uid {os.geteuid()}): refusing to share it",
+        )
     if not os.access(path, os.W_OK | os.X_OK):
         raise IoError(13, f"disk tier directory {path} is not writable")
 
@@ -128,7 +132,8 @@ class DiskTier(LowerTier):
         self.num_records = capacity_bytes // self.record_bytes
         if self.num_records < 1:
             raise InvalidArgument(
-                f"disk capacity {capacity_bytes} B holds no record of {self.record_bytes} B")
+                f"disk capacity {capacity_bytes} B holds no record of {self.record_bytes} B"
+            )
         root = Path(path)
         check_directory(root)
         self.ns = namespace_digest(namespace, block_bytes)
@@ -142,8 +147,14 @@ class DiskTier(LowerTier):
         self.paths = [str(self.dir / f"slab-{i:03d}.dat") for i in range(nfiles)]
         self.file_bytes = min(self.num_records, self.per_file) * self.record_bytes
         self.no_data = no_data
-        self.opts = dict(backend=backend, queue_depth=queue_depth, max_io_bytes=max_io_bytes,
-                         sync=sync, num_threads=num_threads, inflight_bytes=inflight_bytes)
+        self.opts: dict[str, Any] = dict(
+            backend=backend,
+            queue_depth=queue_depth,
+            max_io_bytes=max_io_bytes,
+            sync=sync,
+            num_threads=num_threads,
+            inflight_bytes=inflight_bytes,
+        )
         self.job_records = max(1, job_bytes // self.record_bytes)
         self.policy = make_policy(policy, self.num_records)
         self.admission = AdmissionFilter(admit_after)
@@ -167,13 +178,28 @@ class DiskTier(LowerTier):
         self.engine: Any = None
         self.store: Any = None
         self.pool = None
-        self.counters = {k: 0 for k in (
-            "stores", "loads", "load_failures", "corrupt", "io_errors", "evictions",
-            "budget_skips", "not_admitted", "busy_drops", "nospace", "bytes_written",
-            "bytes_read", "recovered")}
+        self.counters = {
+            k: 0
+            for k in (
+                "stores",
+                "loads",
+                "load_failures",
+                "corrupt",
+                "io_errors",
+                "evictions",
+                "budget_skips",
+                "not_admitted",
+                "busy_drops",
+                "nospace",
+                "bytes_written",
+                "bytes_read",
+                "recovered",
+            )
+        }
         self._recover()
-        self._journal_fd = os.open(self.dir / "index.journal",
-                                   os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._journal_fd = os.open(
+            self.dir / "index.journal", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600
+        )
 
     # -- construction helpers ------------------------------------------------
     @classmethod
@@ -201,7 +227,8 @@ class DiskTier(LowerTier):
             raise InvalidArgument(
                 f"host slots of {pool.slot_bytes} B cannot hold a disk record of "
                 f"{self.record_bytes} B (block + 4 KiB trailer): size the pool with "
-                f"DiskTier.slot_bytes_for({self.block_bytes})")
+                f"DiskTier.slot_bytes_for({self.block_bytes})"
+            )
         if pool.slot_bytes % 4096:
             raise InvalidArgument("host slot size must be a multiple of 4 KiB for direct I/O")
         from kvtier import _native
@@ -209,8 +236,16 @@ class DiskTier(LowerTier):
 
         o = self.opts
         self.store = _native.DiskStore(
-            self.paths, self.file_bytes, o["backend"], o["queue_depth"], o["max_io_bytes"],
-            True, o["sync"], self.ns, [(pool.address, pool.nbytes)])
+            self.paths,
+            self.file_bytes,
+            o["backend"],
+            o["queue_depth"],
+            o["max_io_bytes"],
+            True,
+            o["sync"],
+            self.ns,
+            [(pool.address, pool.nbytes)],
+        )
         if self.store.note:
             warnings.warn(f"kvtier disk tier: {self.store.note}", stacklevel=2)
         self.engine = Engine(o["num_threads"], [(o["inflight_bytes"], False)])
@@ -336,8 +371,9 @@ class DiskTier(LowerTier):
     def _locate(self, rec: int) -> tuple[int, int]:
         return rec // self.per_file, (rec % self.per_file) * self.record_bytes
 
-    def _submit(self, write: bool, token: int, recs: list[int], slots: list[int],
-                digs: list[bytes]) -> bool:
+    def _submit(
+        self, write: bool, token: int, recs: list[int], slots: list[int], digs: list[bytes]
+    ) -> bool:
         """Engine jobs for one batch, split so both worker threads get work."""
         assert self.pool is not None
         n = len(recs)
@@ -352,8 +388,9 @@ class DiskTier(LowerTier):
         submitted: list[int] = []
         try:
             for i in range(0, n, per):
-                jid = self.engine._engine.submit_disk(self.store, write, arr[i : i + per],
-                                                      keys[i : i + per], 0)
+                jid = self.engine._engine.submit_disk(
+                    self.store, write, arr[i : i + per], keys[i : i + per], 0
+                )
                 submitted.append(jid)
                 self._jobs[jid] = (token, i)
         except Busy:
@@ -381,8 +418,13 @@ class DiskTier(LowerTier):
         self._check(keys, slots)
         token = next(self._tokens)
         digs = [key_digest(k) for k in keys]
-        batch: dict[str, Any] = {"kind": "store", "keys": list(keys), "digs": digs,
-                                 "ok": [False] * len(keys), "recs": [None] * len(keys)}
+        batch: dict[str, Any] = {
+            "kind": "store",
+            "keys": list(keys),
+            "digs": digs,
+            "ok": [False] * len(keys),
+            "recs": [None] * len(keys),
+        }
         io_idx, recs, io_slots = [], [], []
         for i, (d, s) in enumerate(zip(digs, slots)):
             if d in self.index:
@@ -420,8 +462,13 @@ class DiskTier(LowerTier):
         self._check(keys, slots)
         token = next(self._tokens)
         digs = [key_digest(k) for k in keys]
-        batch: dict[str, Any] = {"kind": "load", "keys": list(keys), "digs": digs,
-                                 "ok": [False] * len(keys), "recs": [None] * len(keys)}
+        batch: dict[str, Any] = {
+            "kind": "load",
+            "keys": list(keys),
+            "digs": digs,
+            "ok": [False] * len(keys),
+            "recs": [None] * len(keys),
+        }
         io_idx, recs, io_slots = [], [], []
         for i, (d, s) in enumerate(zip(digs, slots)):
             rec = self.index.get(d)
@@ -507,8 +554,9 @@ class DiskTier(LowerTier):
                         self._events.append(TierEvent([b["keys"][i]], self.name, removed=True))
         if stored:
             self._events.append(TierEvent(stored, self.name, removed=False))
-        b["completion"] = TierCompletion(token, all(b["ok"]), b["kind"], b["keys"],
-                                         key_ok=list(b["ok"]))
+        b["completion"] = TierCompletion(
+            token, all(b["ok"]), b["kind"], b["keys"], key_ok=list(b["ok"])
+        )
 
     def take_events(self) -> list[TierEvent]:
         ev, self._events = self._events, []
@@ -536,8 +584,13 @@ class DiskTier(LowerTier):
         os.close(self._journal_fd)
 
     def stats(self) -> dict[str, Any]:
-        return {"backend": self.backend, "direct": bool(self.store.direct) if self.store else None,
-                "blocks": len(self.index), "capacity_blocks": self.num_records, **self.counters}
+        return {
+            "backend": self.backend,
+            "direct": bool(self.store.direct) if self.store else None,
+            "blocks": len(self.index),
+            "capacity_blocks": self.num_records,
+            **self.counters,
+        }
 
 
 def directory_mode_ok(path: Path) -> bool:

@@ -73,7 +73,9 @@ class HostTier:
         return len(self._free) if self.capacity is not None else 1 << 62
 
     # -- allocation --------------------------------------------------------
-    def allocate(self, n: int, protected: Iterable[bytes] = ()) -> tuple[list[int], list[bytes]] | None:
+    def allocate(
+        self, n: int, protected: Iterable[bytes] = ()
+    ) -> tuple[list[int], list[bytes]] | None:
         """``n`` free slots, evicting ready unprotected keys as needed.
 
         Returns ``(slots, evicted_keys)`` or None (and changes nothing) when

@@ -113,7 +113,10 @@ class MemoryTier(LowerTier):
             self.loading[key] = self.loading.get(key, 0) + 1
         self.counters["loads"] += sum(key_ok)
         self._queue.append(
-            (self.delay_polls, TierCompletion(token, all(key_ok), "load", list(keys), key_ok=key_ok))
+            (
+                self.delay_polls,
+                TierCompletion(token, all(key_ok), "load", list(keys), key_ok=key_ok),
+            )
         )
         return token
 

@@ -1,0 +1,127 @@
+"""``kvtier doctor``: what this machine gives kvtier (native core, crc32c,
+shared memory, io_uring and O_DIRECT, CUDA runtime, limits).
+
+Every check runs in isolation: one failing check is reported, not raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _check(fn: Callable[[], Any]) -> dict[str, Any]:
+    try:
+        return {"ok": True, **fn()}
+    except Exception as e:  # noqa: BLE001 - a doctor reports every failure as data
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def _native() -> dict[str, Any]:
+    from kvtier import _native
+
+    return {
+        "module": _native.__file__,
+        "crc32c": _native.crc32c_backend(),
+        "io_uring_compiled_in": bool(_native.uring_compiled_in()),
+    }
+
+
+def _crc() -> dict[str, Any]:
+    import numpy as np
+
+    from kvtier.engine import crc32c
+
+    buf = np.ones(64 << 20, np.uint8)
+    crc32c(buf)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        crc32c(buf)
+    return {"gbps": round(4 * buf.nbytes / (time.perf_counter() - t0) / 1e9, 2)}
+
+
+def _pool() -> dict[str, Any]:
+    from kvtier.pool import HostPool
+
+    with HostPool(4, 1 << 20) as p:
+        q = HostPool.attach(p.name)
+        ok = q.num_slots == 4
+    return {
+        "shared_memory": ok,
+        "shm_dir": "/dev/shm",
+        "shm_free_bytes": shutil.disk_usage("/dev/shm").free,
+    }
+
+
+def _disk(directory: str) -> dict[str, Any]:
+    from kvtier.pool import HostPool
+    from kvtier.tiers.disk import DiskTier, record_bytes
+
+    d = Path(tempfile.mkdtemp(prefix="kvtier-doctor-", dir=directory))
+    try:
+        out: dict[str, Any] = {"dir": directory}
+        for backend in ("io_uring", "pread"):
+            try:
+                t = DiskTier(d, 16 * record_bytes(65536), 65536, backend=backend)
+                with HostPool(2, record_bytes(65536)) as p:
+                    t.attach(p)
+                    out[backend] = {
+                        "ok": True,
+                        "direct": bool(t.store.direct),
+                        "note": t.store.note,
+                    }
+                    t.close()
+            except Exception as e:  # noqa: BLE001
+                out[backend] = {"ok": False, "error": str(e)}
+        out["backend"] = "io_uring" if out["io_uring"]["ok"] else "pread"
+        return out
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _cuda() -> dict[str, Any]:
+    from kvtier import _native
+
+    path, version, batch = _native.cuda_runtime()
+    return {"runtime": path, "version": version, "batch_copies": bool(batch)}
+
+
+def _limits() -> dict[str, Any]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    uring = Path("/proc/sys/kernel/io_uring_disabled")
+    return {
+        "memlock_soft": "unlimited" if soft == resource.RLIM_INFINITY else soft,
+        "thp": thp.read_text().strip() if thp.exists() else "n/a",
+        "io_uring_disabled": uring.read_text().strip() if uring.exists() else "n/a",
+        "cores": os.cpu_count(),
+        "redis_server": shutil.which("redis-server"),
+        "fio": shutil.which("fio"),
+    }
+
+
+def main_doctor(args: argparse.Namespace) -> int:
+    report = {
+        "native": _check(_native),
+        "crc32c": _check(_crc),
+        "host_pool": _check(_pool),
+        "disk": _check(lambda: _disk(getattr(args, "dir", None) or tempfile.gettempdir())),
+        "cuda": _check(_cuda),
+        "limits": _check(_limits),
+    }
+    if args.json:
+        print(json.dumps(report))
+        return 0 if report["native"]["ok"] else 1
+    for name, r in report.items():
+        mark = "ok " if r.get("ok") else "-- "
+        body = {k: v for k, v in r.items() if k != "ok"}
+        print(f"{mark} {name:<10} {json.dumps(body)}")
+    return 0 if report["native"]["ok"] else 1
