@@ -63,10 +63,7 @@ test-cpp: sysdeps
 	done
 
 bench: install
-	$(VENV)/bin/kvtier bench copy --json
-	$(VENV)/bin/kvtier bench copy --device cpu --block-bytes 256KiB --json
-	$(VENV)/bin/kvtier bench manager --json
-	mkdir -p build/bench-disk && $(VENV)/bin/kvtier bench disk --dir build/bench-disk --json
+	$(PY) bench/run.py
 
 lint: venv
 	$(VENV)/bin/ruff check python tests bench

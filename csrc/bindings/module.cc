@@ -16,6 +16,7 @@
 #include "../core/disk/store.h"
 #include "../core/engine.h"
 #include "../core/pool.h"
+#include "../core/remote/client.h"
 #include "../core/status.h"
 
 namespace py = pybind11;
@@ -266,6 +267,49 @@ PYBIND11_MODULE(_native, m) {
           },
           py::arg("store"), py::arg("write"), py::arg("records"), py::arg("keys"),
           py::arg("queue") = 0)
+      // kind: "store" | "load" | "exists"; keys: list of bytes (server keys);
+      // slots: int64 addresses; digests: uint8 (N, 16).
+      .def(
+          "submit_remote",
+          [](Engine& e, const std::shared_ptr<rm::Store>& store, const std::string& kind,
+             const std::vector<py::bytes>& keys, const py::object& slots, std::uint64_t payload_len,
+             const py::object& digests, std::size_t queue) {
+            rm::Kind k;
+            if (kind == "store")
+              k = rm::Kind::kStore;
+            else if (kind == "load")
+              k = rm::Kind::kLoad;
+            else if (kind == "exists")
+              k = rm::Kind::kExists;
+            else
+              throw Error(Code::kInvalidArgument, "kind must be store, load or exists");
+            auto s =
+                py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(slots);
+            auto d = py::array_t<std::uint8_t, py::array::c_style | py::array::forcecast>::ensure(
+                digests);
+            const auto n = static_cast<py::ssize_t>(keys.size());
+            if (!s || s.ndim() != 1 || s.shape(0) != n)
+              throw Error(Code::kInvalidArgument, "slots must be int64 of shape (N,)");
+            if (!d || d.ndim() != 2 || d.shape(0) != n || d.shape(1) != 16)
+              throw Error(Code::kInvalidArgument, "digests must be uint8 of shape (N, 16)");
+            std::vector<rm::Item> items(keys.size());
+            auto sv = s.unchecked<1>();
+            auto dv = d.unchecked<2>();
+            for (py::ssize_t i = 0; i < n; ++i) {
+              auto& it = items[static_cast<std::size_t>(i)];
+              it.key = keys[static_cast<std::size_t>(i)];
+              it.slot = static_cast<std::uintptr_t>(sv(i));
+              it.payload_len = payload_len;
+              std::memcpy(it.digest.b, dv.data(i, 0), 16);
+            }
+            std::uint64_t id = e.submit(store->make_job(k, std::move(items)), queue);
+            if (id == 0)
+              throw Error(Code::kBusy,
+                          "queue " + std::to_string(queue) + " is at its in-flight byte budget");
+            return id;
+          },
+          py::arg("store"), py::arg("kind"), py::arg("keys"), py::arg("slots"),
+          py::arg("payload_len"), py::arg("digests"), py::arg("queue") = 0)
       .def("poll", &Engine::poll)
       .def(
           "wait",
@@ -324,6 +368,38 @@ PYBIND11_MODULE(_native, m) {
   m.attr("DISK_TRAILER_BYTES") = disk::kTrailerBytes;
   m.def("disk_record_bytes", &disk::record_bytes);
   m.def("uring_compiled_in", &disk::uring_compiled_in);
+
+  namespace rm = kvtier::remote;
+  py::class_<rm::Store, std::shared_ptr<rm::Store>>(m, "RemoteStore")
+      .def(py::init([](const std::vector<std::pair<std::string, int>>& seeds, bool cluster,
+                       const std::string& user, const std::string& password, int db,
+                       int connect_timeout_ms, int io_timeout_ms, unsigned pipeline,
+                       std::uint64_t ttl_ms, bool lazy, const py::bytes& ns) {
+             rm::Options o;
+             for (const auto& [h, p] : seeds) o.seeds.push_back({h, p});
+             o.cluster = cluster;
+             o.user = user;
+             o.password = password;
+             o.db = db;
+             o.connect_timeout_ms = connect_timeout_ms;
+             o.io_timeout_ms = io_timeout_ms;
+             o.pipeline = pipeline;
+             o.ttl_ms = ttl_ms;
+             o.lazy = lazy;
+             std::string nsb = ns;
+             if (nsb.size() != 16)
+               throw Error(Code::kInvalidArgument, "namespace digest must be 16 bytes");
+             std::memcpy(o.ns.b, nsb.data(), 16);
+             py::gil_scoped_release nogil;  // connects to the servers
+             return rm::Store::open(std::move(o));
+           }),
+           py::arg("seeds"), py::arg("cluster"), py::arg("user"), py::arg("password"),
+           py::arg("db"), py::arg("connect_timeout_ms"), py::arg("io_timeout_ms"),
+           py::arg("pipeline"), py::arg("ttl_ms"), py::arg("lazy"), py::arg("ns"))
+      .def_property_readonly("nodes", &rm::Store::nodes)
+      .def_property_readonly("redirects", &rm::Store::redirects);
+  m.def("remote_item_error", [](std::int32_t c) { return std::string(rm::item_error(c)); });
+  m.attr("REMOTE_HEADER_BYTES") = sizeof(kvtier::disk::Trailer);
 
   namespace cu = kvtier::cuda;
   m.def("cuda_runtime", [] {

@@ -12,16 +12,34 @@ std::size_t record_bytes(std::size_t payload_len) {
   return trailer_offset(payload_len) + kTrailerBytes;
 }
 
-void write_trailer(std::uint8_t* record, std::size_t payload_len, const Digest& ns,
-                   const Digest& key) {
+Trailer make_header(const std::uint8_t* payload, std::size_t payload_len, const Digest& ns,
+                    const Digest& key) {
   Trailer t{};
   t.magic = kMagic;
   t.version = kVersion;
   t.payload_len = payload_len;
   std::memcpy(t.ns, ns.b, 16);
   std::memcpy(t.key, key.b, 16);
-  t.payload_crc = crc32c(record, payload_len);
+  t.payload_crc = crc32c(payload, payload_len);
   t.trailer_crc = crc32c(&t, offsetof(Trailer, trailer_crc));
+  return t;
+}
+
+std::int32_t check_header(const Trailer& t, const std::uint8_t* payload, std::size_t payload_len,
+                          const Digest& ns, const Digest& key) {
+  if (t.magic != kMagic || t.version != kVersion ||
+      t.trailer_crc != crc32c(&t, offsetof(Trailer, trailer_crc)))
+    return kBadTrailer;
+  if (t.payload_len != payload_len || std::memcmp(t.ns, ns.b, 16) != 0 ||
+      std::memcmp(t.key, key.b, 16) != 0)
+    return kWrongKey;
+  if (crc32c(payload, payload_len) != t.payload_crc) return kBadChecksum;
+  return 0;
+}
+
+void write_trailer(std::uint8_t* record, std::size_t payload_len, const Digest& ns,
+                   const Digest& key) {
+  Trailer t = make_header(record, payload_len, ns, key);
   std::uint8_t* dst = record + trailer_offset(payload_len);
   std::memcpy(dst, &t, sizeof t);
   // Every byte of the record is defined (padding is zero) and checked on
@@ -34,13 +52,7 @@ std::int32_t verify_record(const std::uint8_t* record, std::size_t payload_len, 
                            const Digest& key) {
   Trailer t;
   std::memcpy(&t, record + trailer_offset(payload_len), sizeof t);
-  if (t.magic != kMagic || t.version != kVersion ||
-      t.trailer_crc != crc32c(&t, offsetof(Trailer, trailer_crc)))
-    return kBadTrailer;
-  if (t.payload_len != payload_len || std::memcmp(t.ns, ns.b, 16) != 0 ||
-      std::memcmp(t.key, key.b, 16) != 0)
-    return kWrongKey;
-  if (crc32c(record, payload_len) != t.payload_crc) return kBadChecksum;
+  if (std::int32_t rc = check_header(t, record, payload_len, ns, key); rc != 0) return rc;
   const std::uint8_t* pad = record + payload_len;
   const std::size_t pad_n = trailer_offset(payload_len) - payload_len;
   const std::uint8_t* rest = record + trailer_offset(payload_len) + sizeof t;

@@ -43,6 +43,13 @@ std::size_t record_bytes(std::size_t payload_len);
 // Byte offset of the trailer inside a record (payload rounded up to 4 KiB).
 std::size_t trailer_offset(std::size_t payload_len);
 
+// The same 64-byte header guards remote values (sent before the payload).
+Trailer make_header(const std::uint8_t* payload, std::size_t payload_len, const Digest& ns,
+                    const Digest& key);
+// 0, or kBadTrailer / kWrongKey / kBadChecksum.
+std::int32_t check_header(const Trailer& t, const std::uint8_t* payload, std::size_t payload_len,
+                          const Digest& ns, const Digest& key);
+
 void write_trailer(std::uint8_t* record, std::size_t payload_len, const Digest& ns,
                    const Digest& key);
 // 0 when the record is the one asked for with intact bytes, else kBad*/kWrong*.

@@ -1,0 +1,599 @@
+#include "client.h"
+
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstring>
+
+#include "../status.h"
+
+namespace kvtier::remote {
+
+namespace {
+
+std::int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+constexpr std::size_t kHeader = sizeof(disk::Trailer);
+
+}  // namespace
+
+// One TCP connection, used by one worker thread at a time.
+class Connection {
+ public:
+  explicit Connection(const Options& o) : o_(o) { rbuf_.resize(1 << 16); }
+  ~Connection() { close(); }
+  bool open() const { return fd_ >= 0; }
+  void close() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+    rpos_ = rlen_ = 0;
+  }
+
+  // Connects, authenticates, selects the db. 0 or an errno; *msg explains.
+  int connect(const Endpoint& ep, std::string* msg) {
+    close();
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    const std::string port = std::to_string(ep.port);
+    if (int rc = ::getaddrinfo(ep.host.c_str(), port.c_str(), &hints, &res); rc != 0) {
+      *msg = "cannot resolve " + ep.host + ": " + ::gai_strerror(rc);
+      return EHOSTUNREACH;
+    }
+    int err = ECONNREFUSED;
+    for (addrinfo* a = res; a; a = a->ai_next) {
+      int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+      if (fd < 0) {
+        err = errno;
+        continue;
+      }
+      if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0 && errno != EINPROGRESS) {
+        err = errno;
+        ::close(fd);
+        continue;
+      }
+      pollfd p{fd, POLLOUT, 0};
+      int pr = ::poll(&p, 1, o_.connect_timeout_ms);
+      int soerr = 0;
+      socklen_t sl = sizeof soerr;
+      if (pr <= 0 || ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) != 0 || soerr != 0) {
+        err = pr == 0 ? ETIMEDOUT : (soerr ? soerr : errno);
+        ::close(fd);
+        continue;
+      }
+      int one = 1;
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      fd_ = fd;
+      break;
+    }
+    ::freeaddrinfo(res);
+    if (fd_ < 0) {
+      *msg = "cannot connect to " + ep.host + ":" + port + ": " + std::strerror(err);
+      return err;
+    }
+    std::vector<std::string> cmds;
+    if (!o_.password.empty()) {
+      cmds.push_back(o_.user.empty() ? encode({"AUTH", o_.password})
+                                     : encode({"AUTH", o_.user, o_.password}));
+    }
+    if (o_.db != 0 && !o_.cluster) cmds.push_back(encode({"SELECT", std::to_string(o_.db)}));
+    cmds.push_back(encode({"PING"}));
+    for (const auto& c : cmds) {
+      Reply r;
+      int e = command(c, &r);
+      if (e != 0) {
+        *msg = "redis at " + ep.host + ":" + port + ": " + std::strerror(e);
+        close();
+        return e;
+      }
+      if (r.type == Reply::kError) {
+        *msg = "redis at " + ep.host + ":" + port + " refused: " + r.str;
+        close();
+        return r.str.rfind("WRONGPASS", 0) == 0 || r.str.rfind("NOAUTH", 0) == 0 ? EACCES : EPROTO;
+      }
+    }
+    return 0;
+  }
+
+  // A small request/response round trip.
+  int command(const std::string& c, Reply* r) {
+    iovec v{const_cast<char*>(c.data()), c.size()};
+    if (int e = writev_all(&v, 1); e != 0) return e;
+    return read_reply(r);
+  }
+
+  int writev_all(iovec* v, int n) {
+    while (n > 0) {
+      ssize_t w = ::writev(fd_, v, std::min(n, IOV_MAX));
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN) {
+          if (int e = wait(POLLOUT); e != 0) return e;
+          continue;
+        }
+        return errno;
+      }
+      auto left = static_cast<std::size_t>(w);
+      while (n > 0 && left >= v->iov_len) {
+        left -= v->iov_len;
+        ++v;
+        --n;
+      }
+      if (n > 0) {  // partial write inside an iovec
+        v->iov_base = static_cast<char*>(v->iov_base) + left;
+        v->iov_len -= left;
+      }
+    }
+    return 0;
+  }
+
+  // Reads more bytes into the buffer, at most `max` (bounded so that large
+  // payloads are not pulled through the buffer).
+  int fill(std::size_t max) {
+    if (rpos_ > 0 && rpos_ == rlen_) rpos_ = rlen_ = 0;
+    if (rlen_ + max > rbuf_.size()) {
+      std::memmove(rbuf_.data(), rbuf_.data() + rpos_, rlen_ - rpos_);
+      rlen_ -= rpos_;
+      rpos_ = 0;
+      if (rlen_ + max > rbuf_.size()) rbuf_.resize(rlen_ + max);
+    }
+    for (;;) {
+      ssize_t n = ::recv(fd_, rbuf_.data() + rlen_, max, 0);
+      if (n > 0) {
+        rlen_ += static_cast<std::size_t>(n);
+        return 0;
+      }
+      if (n == 0) return ECONNRESET;
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN) return errno;
+      if (int e = wait(POLLIN); e != 0) return e;
+    }
+  }
+
+  int read_reply(Reply* r, std::size_t chunk = 1 << 16) {
+    for (;;) {
+      std::size_t used = 0;
+      try {
+        used = parse(rbuf_.data() + rpos_, rlen_ - rpos_, r);
+      } catch (const Error& e) {
+        return EPROTO;
+      }
+      if (used > 0) {
+        rpos_ += used;
+        return 0;
+      }
+      if (int e = fill(chunk); e != 0) return e;
+    }
+  }
+
+  // Reads one line ("...\r\n") of a reply, pulling at most `chunk` bytes a time.
+  int read_line(std::string* line, std::size_t chunk) {
+    for (;;) {
+      const char* b = rbuf_.data() + rpos_;
+      const std::size_t n = rlen_ - rpos_;
+      for (std::size_t i = 0; i + 1 < n; ++i) {
+        if (b[i] == '\r' && b[i + 1] == '\n') {
+          line->assign(b, i);
+          rpos_ += i + 2;
+          return 0;
+        }
+      }
+      if (int e = fill(chunk); e != 0) return e;
+    }
+  }
+
+  // Exactly n bytes into dst: first what the buffer holds, then straight from
+  // the socket into dst (no intermediate copy of the payload).
+  int read_into(std::uint8_t* dst, std::size_t n) {
+    const std::size_t have = std::min(n, rlen_ - rpos_);
+    std::memcpy(dst, rbuf_.data() + rpos_, have);
+    rpos_ += have;
+    std::size_t done = have;
+    while (done < n) {
+      ssize_t r = ::recv(fd_, dst + done, n - done, 0);
+      if (r > 0) {
+        done += static_cast<std::size_t>(r);
+        continue;
+      }
+      if (r == 0) return ECONNRESET;
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN) return errno;
+      if (int e = wait(POLLIN); e != 0) return e;
+    }
+    return 0;
+  }
+
+  int skip(std::size_t n) {
+    while (n > 0) {
+      if (rpos_ == rlen_)
+        if (int e = fill(std::min<std::size_t>(n, 1 << 16)); e != 0) return e;
+      const std::size_t k = std::min(n, rlen_ - rpos_);
+      rpos_ += k;
+      n -= k;
+    }
+    return 0;
+  }
+
+ private:
+  int wait(short events) {
+    pollfd p{fd_, events, 0};
+    for (;;) {
+      int r = ::poll(&p, 1, o_.io_timeout_ms);
+      if (r > 0) return (p.revents & (POLLERR | POLLNVAL)) ? ECONNRESET : 0;
+      if (r == 0) return ETIMEDOUT;
+      if (errno != EINTR) return errno;
+    }
+  }
+
+  const Options& o_;
+  int fd_ = -1;
+  std::vector<char> rbuf_;
+  std::size_t rpos_ = 0, rlen_ = 0;
+};
+
+namespace {
+
+class RemoteJob final : public Job {
+ public:
+  RemoteJob(std::shared_ptr<Store> s, Kind k, std::vector<Item> items)
+      : store_(std::move(s)), kind_(k), items_(std::move(items)) {
+    for (const auto& i : items_) bytes_ += i.payload_len + kHeader;
+  }
+  std::uint64_t bytes() const override { return bytes_; }
+  std::string check(const RegionSet& regions) const override {
+    if (kind_ == Kind::kExists) return {};
+    for (std::size_t i = 0; i < items_.size(); ++i)
+      if (items_[i].payload_len == 0 || !regions.covers(items_[i].slot, items_[i].payload_len))
+        return "item " + std::to_string(i) + ": host slot is outside every registered region";
+    return {};
+  }
+  std::string run() override {
+    store_->run(kind_, items_, items_out_);
+    std::size_t bad = 0;
+    std::int32_t first = 0;
+    for (auto x : items_out_)
+      if (x != 0 && !(kind_ == Kind::kExists && x == kMissing) && bad++ == 0) first = x;
+    if (bad == 0) return {};
+    return std::to_string(bad) + " of " + std::to_string(items_out_.size()) +
+           " item(s) failed; first: " + item_error(first);
+  }
+  std::vector<std::int32_t> take_items() override { return std::move(items_out_); }
+
+ private:
+  std::shared_ptr<Store> store_;
+  Kind kind_;
+  std::vector<Item> items_;
+  std::vector<std::int32_t> items_out_;
+  std::uint64_t bytes_ = 0;
+};
+
+}  // namespace
+
+const char* item_error(std::int32_t code) {
+  switch (code) {
+    case kMissing:
+      return "no such key";
+    case kBadLength:
+      return "value too short or of another length";
+    case kServerError:
+      return "the server answered an error";
+    default:
+      return disk::item_error(code);
+  }
+}
+
+Store::Store(Options o) : opts_(std::move(o)) {}
+
+Store::~Store() = default;
+
+std::shared_ptr<Store> Store::open(Options o) {
+  if (o.seeds.empty()) throw_invalid("a remote store needs at least one server");
+  if (o.pipeline == 0) throw_invalid("pipeline depth must be > 0");
+  std::shared_ptr<Store> s(new Store(std::move(o)));
+  for (const auto& ep : s->opts_.seeds) s->node_index(ep);
+  if (s->opts_.cluster) {
+    try {
+      s->refresh_slots();
+    } catch (const Error&) {
+      if (!s->opts_.lazy) throw;
+      s->refresh_ = true;
+    }
+  } else if (!s->opts_.lazy) {
+    Connection c(s->opts_);
+    std::string msg;
+    if (int e = c.connect(s->opts_.seeds[0], &msg); e != 0) throw Error(Code::kIoError, msg, e);
+  }
+  return s;
+}
+
+std::size_t Store::node_index(const Endpoint& ep) {
+  for (std::size_t i = 0; i < nodes_.size(); ++i)
+    if (nodes_[i]->ep.host == ep.host && nodes_[i]->ep.port == ep.port) return i;
+  auto n = std::make_unique<Node>();
+  n->ep = ep;
+  nodes_.push_back(std::move(n));
+  return nodes_.size() - 1;
+}
+
+std::vector<std::string> Store::nodes() const {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<std::string> out;
+  for (const auto& n : nodes_) out.push_back(n->ep.host + ":" + std::to_string(n->ep.port));
+  return out;
+}
+
+void Store::refresh_slots() {
+  std::vector<Endpoint> candidates;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (const auto& n : nodes_) candidates.push_back(n->ep);
+  }
+  std::string last = "no node answered";
+  int last_err = ECONNREFUSED;
+  for (const auto& ep : candidates) {
+    Connection c(opts_);
+    std::string msg;
+    if (int e = c.connect(ep, &msg); e != 0) {
+      last = msg;
+      last_err = e;
+      if (e == EACCES) break;
+      continue;
+    }
+    Reply r;
+    if (c.command(encode({"CLUSTER", "SLOTS"}), &r) != 0 || r.type != Reply::kArray) {
+      last = "CLUSTER SLOTS failed at " + ep.host + ":" + std::to_string(ep.port) +
+             (r.type == Reply::kError ? ": " + r.str : "");
+      last_err = EPROTO;
+      continue;
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    for (const Reply& range : r.elems) {
+      if (range.elems.size() < 3 || range.elems[2].elems.size() < 2) continue;
+      Endpoint m{range.elems[2].elems[0].str, static_cast<int>(range.elems[2].elems[1].integer)};
+      if (m.host.empty() || m.host == "?") m.host = ep.host;
+      const std::size_t idx = node_index(m);
+      for (auto s = range.elems[0].integer; s <= range.elems[1].integer && s < 16384; ++s)
+        slots_[static_cast<std::size_t>(s)] = static_cast<std::uint16_t>(idx);
+    }
+    refresh_ = false;
+    return;
+  }
+  throw Error(Code::kIoError, "redis cluster: " + last, last_err);
+}
+
+std::size_t Store::node_for(const std::string& key) {
+  if (!opts_.cluster) return 0;
+  std::lock_guard<std::mutex> g(mu_);
+  return slots_[key_slot(key)];
+}
+
+void Store::mark_down(std::size_t node) {
+  Node* n;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    n = nodes_[node].get();
+  }
+  const int b = n->backoff_ms.load();
+  n->down_until_ms = now_ms() + b;
+  n->backoff_ms = std::min(b * 2, 2000);
+  if (opts_.cluster) refresh_ = true;
+}
+
+Connection* Store::conn(std::size_t node, std::int32_t* err) {
+  Connection* c;
+  Node* n;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto& slot = conns_[{std::this_thread::get_id(), node}];
+    if (!slot) slot = std::make_unique<Connection>(opts_);
+    c = slot.get();
+    n = nodes_[node].get();
+  }
+  if (c->open()) return c;
+  if (now_ms() < n->down_until_ms.load()) {  // backing off after a failure
+    *err = ECONNREFUSED;
+    return nullptr;
+  }
+  std::string msg;
+  if (int e = c->connect(n->ep, &msg); e != 0) {
+    mark_down(node);
+    *err = e;
+    return nullptr;
+  }
+  n->backoff_ms = 50;
+  return c;
+}
+
+void Store::run(Kind kind, std::vector<Item>& items, std::vector<std::int32_t>& out) {
+  out.assign(items.size(), 0);
+  if (opts_.cluster && refresh_) {
+    try {
+      refresh_slots();
+    } catch (const Error&) {
+      // keep the old map; jobs to unreachable nodes fail below
+    }
+  }
+  std::vector<std::size_t> todo(items.size());
+  for (std::size_t i = 0; i < items.size(); ++i) todo[i] = i;
+  // ASK targets, by item, for the next round (sent with ASKING first).
+  std::map<std::size_t, Endpoint> ask;
+  for (int round = 0; round < 4 && !todo.empty(); ++round) {
+    std::map<std::pair<std::size_t, bool>, std::vector<std::size_t>> groups;
+    for (std::size_t i : todo) {
+      auto a = ask.find(i);
+      if (a != ask.end()) {
+        std::lock_guard<std::mutex> g(mu_);
+        groups[{node_index(a->second), true}].push_back(i);
+      } else {
+        groups[{node_for(items[i].key), false}].push_back(i);
+      }
+    }
+    std::vector<std::pair<std::size_t, Endpoint>> redirected;
+    for (auto& [where, idx] : groups)
+      run_group(kind, where.first, items, idx, out, &redirected, where.second);
+    // MOVED: the slot lives elsewhere now (update the map, retry); ASK: retry
+    // once on the named node with ASKING.
+    todo.clear();
+    ask.clear();
+    for (auto& [i, ep] : redirected) {
+      redirects_++;
+      if (out[i] == -100) {
+        std::lock_guard<std::mutex> g(mu_);
+        slots_[key_slot(items[i].key)] = static_cast<std::uint16_t>(node_index(ep));
+      } else {
+        ask[i] = ep;
+      }
+      out[i] = kServerError;  // unless the retry succeeds
+      todo.push_back(i);
+    }
+  }
+}
+
+void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
+                      const std::vector<std::size_t>& idx, std::vector<std::int32_t>& out,
+                      std::vector<std::pair<std::size_t, Endpoint>>* moved, bool asking) {
+  std::int32_t err = 0;
+  Connection* c = conn(node, &err);
+  if (!c) {
+    for (std::size_t i : idx) out[i] = err;
+    return;
+  }
+  const std::string ttl = std::to_string(opts_.ttl_ms);
+  const std::size_t w = opts_.pipeline;
+  for (std::size_t start = 0; start < idx.size(); start += w) {
+    const std::size_t end = std::min(idx.size(), start + w);
+    // ---- write the window's commands in one writev stream
+    std::vector<std::string> heads;
+    std::vector<disk::Trailer> hdrs;
+    heads.reserve(end - start);
+    hdrs.reserve(end - start);
+    std::vector<iovec> iov;
+    static const std::string kAsking = encode({"ASKING"});
+    static const char kCrlf[] = "\r\n";
+    for (std::size_t k = start; k < end; ++k) {
+      const Item& it = items[idx[k]];
+      if (asking) iov.push_back({const_cast<char*>(kAsking.data()), kAsking.size()});
+      if (kind == Kind::kStore) {
+        const std::size_t vlen = kHeader + it.payload_len;
+        std::string h = (opts_.ttl_ms ? "*5\r\n" : "*3\r\n") + std::string("$3\r\nSET\r\n$") +
+                        std::to_string(it.key.size()) + "\r\n" + it.key + "\r\n$" +
+                        std::to_string(vlen) + "\r\n";
+        heads.push_back(std::move(h));
+        hdrs.push_back(disk::make_header(reinterpret_cast<const std::uint8_t*>(it.slot),
+                                         it.payload_len, opts_.ns, it.digest));
+        iov.push_back({heads.back().data(), heads.back().size()});
+        iov.push_back({&hdrs.back(), kHeader});
+        iov.push_back({reinterpret_cast<void*>(it.slot), it.payload_len});
+        if (opts_.ttl_ms) {
+          heads.push_back("\r\n$2\r\nPX\r\n$" + std::to_string(ttl.size()) + "\r\n" + ttl + "\r\n");
+          iov.push_back({heads.back().data(), heads.back().size()});
+        } else {
+          iov.push_back({const_cast<char*>(kCrlf), 2});
+        }
+      } else {
+        heads.push_back(encode({kind == Kind::kLoad ? "GET" : "EXISTS", it.key}));
+        iov.push_back({heads.back().data(), heads.back().size()});
+      }
+    }
+    int e = c->writev_all(iov.data(), static_cast<int>(iov.size()));
+    // ---- read the window's replies, in order
+    std::size_t k = start;
+    for (; e == 0 && k < end; ++k) {
+      const std::size_t i = idx[k];
+      Item& it = items[i];
+      Reply r;
+      if (asking) {
+        if ((e = c->read_reply(&r)) != 0) break;
+      }
+      if (kind != Kind::kLoad) {
+        if ((e = c->read_reply(&r)) != 0) break;
+        if (r.type == Reply::kError) {
+          if (r.str.rfind("MOVED ", 0) == 0 || r.str.rfind("ASK ", 0) == 0) {
+            const bool is_moved = r.str[0] == 'M';
+            const std::string addr = r.str.substr(r.str.rfind(' ') + 1);
+            const auto colon = addr.rfind(':');
+            moved->emplace_back(i,
+                                Endpoint{addr.substr(0, colon), std::stoi(addr.substr(colon + 1))});
+            out[i] = is_moved ? -100 : -101;
+          } else {
+            out[i] = kServerError;
+          }
+        } else if (kind == Kind::kExists) {
+          out[i] = r.type == Reply::kInteger && r.integer > 0 ? 0 : kMissing;
+        } else {
+          out[i] = r.type == Reply::kSimple ? 0 : kServerError;
+        }
+        continue;
+      }
+      // GET: parse "$len\r\n" without pulling the payload through the buffer.
+      std::string line;
+      if ((e = c->read_line(&line, 32 + kHeader)) != 0) break;
+      if (line.empty()) {
+        e = EPROTO;
+        break;
+      }
+      if (line[0] == '-') {
+        if (line.rfind("-MOVED ", 0) == 0 || line.rfind("-ASK ", 0) == 0) {
+          const bool is_moved = line[1] == 'M';
+          const std::string addr = line.substr(line.rfind(' ') + 1);
+          const auto colon = addr.rfind(':');
+          moved->emplace_back(i,
+                              Endpoint{addr.substr(0, colon), std::stoi(addr.substr(colon + 1))});
+          out[i] = is_moved ? -100 : -101;
+        } else {
+          out[i] = kServerError;
+        }
+        continue;
+      }
+      if (line[0] != '$') {
+        e = EPROTO;
+        break;
+      }
+      const long long len = std::atoll(line.c_str() + 1);
+      if (len < 0) {
+        out[i] = kMissing;  // vanished (maxmemory eviction, TTL) or never stored
+        continue;
+      }
+      if (static_cast<std::uint64_t>(len) != kHeader + it.payload_len) {
+        out[i] = kBadLength;  // too short, or not a value of ours
+        if ((e = c->skip(static_cast<std::size_t>(len) + 2)) != 0) break;
+        continue;
+      }
+      disk::Trailer h;
+      if ((e = c->read_into(reinterpret_cast<std::uint8_t*>(&h), kHeader)) != 0) break;
+      if ((e = c->read_into(reinterpret_cast<std::uint8_t*>(it.slot), it.payload_len)) != 0) break;
+      if ((e = c->skip(2)) != 0) break;
+      out[i] = disk::check_header(h, reinterpret_cast<const std::uint8_t*>(it.slot), it.payload_len,
+                                  opts_.ns, it.digest);
+    }
+    if (e != 0) {
+      // The connection is in an unknown state: drop it; everything not yet
+      // answered fails with the error, including later windows.
+      c->close();
+      mark_down(node);
+      for (std::size_t j = k; j < idx.size(); ++j) out[idx[j]] = e;
+      return;
+    }
+  }
+}
+
+std::unique_ptr<Job> Store::make_job(Kind kind, std::vector<Item> items) {
+  if (items.empty()) throw_invalid("a remote job needs at least one item");
+  return std::make_unique<RemoteJob>(shared_from_this(), kind, std::move(items));
+}
+
+}  // namespace kvtier::remote
