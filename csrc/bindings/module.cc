@@ -23,6 +23,7 @@ namespace py = pybind11;
 using kvtier::Code;
 using kvtier::Error;
 namespace disk = kvtier::disk;
+namespace rm = kvtier::remote;
 
 namespace {
 
@@ -369,7 +370,6 @@ PYBIND11_MODULE(_native, m) {
   m.def("disk_record_bytes", &disk::record_bytes);
   m.def("uring_compiled_in", &disk::uring_compiled_in);
 
-  namespace rm = kvtier::remote;
   py::class_<rm::Store, std::shared_ptr<rm::Store>>(m, "RemoteStore")
       .def(py::init([](const std::vector<std::pair<std::string, int>>& seeds, bool cluster,
                        const std::string& user, const std::string& password, int db,
