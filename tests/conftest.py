@@ -54,3 +54,21 @@ def fake_cudart(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-un
     lib.fake_path = str(out)
     yield lib
     lib.fake_cuda_set_delay_us(0)
+
+
+@pytest.fixture(scope="session")
+def redis_standalone(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from redis_servers import RedisServer
+
+    s = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from redis_servers import RedisCluster
+
+    c = RedisCluster(tmp_path_factory.mktemp("rcluster"))
+    yield c
+    c.stop()
