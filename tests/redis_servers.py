@@ -29,8 +29,14 @@ def free_port(need_bus: bool = False) -> int:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, port: int | None = None, password: str | None = None,
-                 cluster: bool = False, maxmemory: str | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        port: int | None = None,
+        password: str | None = None,
+        cluster: bool = False,
+        maxmemory: str | None = None,
+    ) -> None:
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server is not installed (make test installs it)")
         self.port = port or free_port(need_bus=cluster)
@@ -43,15 +49,38 @@ class RedisServer:
         self.start()
 
     def start(self) -> None:
-        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--daemonize", "no",
-                "--dir", str(self.dir), "--logfile", str(self.dir / "redis.log"),
-                "--proto-max-bulk-len", "512mb", "--protected-mode", "no"]
+        args = [
+            "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--dir",
+            str(self.dir),
+            "--logfile",
+            str(self.dir / "redis.log"),
+            "--proto-max-bulk-len",
+            "512mb",
+            "--protected-mode",
+            "no",
+        ]
         if self.password:
             args += ["--requirepass", self.password]
         if self.cluster:
-            args += ["--cluster-enabled", "yes", "--cluster-config-file",
-                     str(self.dir / "nodes.conf"), "--cluster-node-timeout", "2000"]
+            args += [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(self.dir / "nodes.conf"),
+                "--cluster-node-timeout",
+                "2000",
+            ]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -97,8 +126,20 @@ class RedisCluster:
     def __init__(self, workdir: Path, masters: int = 3) -> None:
         self.nodes = [RedisServer(workdir, cluster=True) for _ in range(masters)]
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
-        out = subprocess.run(["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", "0",
-                              "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *addrs,
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if out.returncode != 0:
             self.stop()
             raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-500:]}")

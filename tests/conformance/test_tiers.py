@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,9 +24,12 @@ def K(i: int) -> bytes:
 
 
 class TierUnderTest:
-    def __init__(self, tier: LowerTier, corrupt: Callable[[bytes], None]) -> None:
+    def __init__(
+        self, tier: LowerTier, corrupt: Callable[[bytes], None], bounded: bool = True
+    ) -> None:
         self.tier = tier
         self.corrupt = corrupt
+        self.bounded = bounded  # evicts by its own capacity (the remote pool evicts server-side)
 
 
 def _memory(tmp_path: Path, capacity: int) -> TierUnderTest:
@@ -53,7 +57,38 @@ def _disk(backend: str) -> Callable[[Path, int], TierUnderTest]:
     return make
 
 
-FACTORIES = {"memory": _memory, "disk-io_uring": _disk("io_uring"), "disk-pread": _disk("pread")}
+def _remote(fixture: str) -> Callable[..., TierUnderTest]:
+    def make(tmp_path: Path, capacity: int, server: Any) -> TierUnderTest:
+        import uuid
+
+        import redis
+        from kvtier.tiers.remote import RemoteTier
+        from redis.cluster import RedisCluster
+
+        t = RemoteTier(server.url, BLOCK, namespace=f"conformance-{uuid.uuid4()}")
+        if fixture == "redis_cluster":
+            client: Any = RedisCluster(host="127.0.0.1", port=server.nodes[0].port)
+        else:
+            client = redis.Redis(host="127.0.0.1", port=server.port)
+
+        def corrupt(key: bytes) -> None:
+            sk = t.server_key(key)
+            b = client.getrange(sk, 64 + 1000, 64 + 1000)
+            client.setrange(sk, 64 + 1000, bytes([b[0] ^ 0xFF]))
+
+        return TierUnderTest(t, corrupt, bounded=False)
+
+    make.fixture = fixture  # type: ignore[attr-defined]
+    return make
+
+
+FACTORIES: dict[str, Callable[..., TierUnderTest]] = {
+    "memory": _memory,
+    "disk-io_uring": _disk("io_uring"),
+    "disk-pread": _disk("pread"),
+    "remote": _remote("redis_standalone"),
+    "remote-cluster": _remote("redis_cluster"),
+}
 
 
 @pytest.fixture(params=list(FACTORIES))
@@ -61,9 +96,12 @@ def make_tier(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> Iterator[Callable[[int], TierUnderTest]]:
     made: list[TierUnderTest] = []
+    factory = FACTORIES[request.param]
+    server = getattr(factory, "fixture", None)
+    extra = (request.getfixturevalue(server),) if server else ()
 
     def make(capacity: int = 16) -> TierUnderTest:
-        t = FACTORIES[request.param](tmp_path, capacity)
+        t = factory(tmp_path, capacity, *extra)
         made.append(t)
         return t
 
@@ -77,6 +115,17 @@ def pool() -> Iterator[HostPool]:
     p = HostPool(32, SLOT)
     yield p
     p.close()
+
+
+def look(tier: LowerTier, key: bytes) -> LookupResult:
+    """Lookup, stepping the tier while an asynchronous check is in flight."""
+    for _ in range(5000):
+        r = tier.lookup(key)
+        if r is not LookupResult.RETRY:
+            return r
+        tier.poll()
+        time.sleep(0.001)
+    raise AssertionError("lookup stayed RETRY")
 
 
 def wait_done(tier: LowerTier, token: int | None, timeout: float = 10.0) -> TierCompletion:
@@ -100,10 +149,10 @@ def test_store_then_load_byte_for_byte(make_tier, pool: HostPool) -> None:  # ty
     t = make_tier().tier
     t.attach(pool)
     want = [fill(pool, i, i) for i in range(4)]
-    assert all(t.lookup(K(i)) is MISS for i in range(4))
+    assert all(look(t, K(i)) is MISS for i in range(4))
     c = wait_done(t, t.submit_store([K(i) for i in range(4)], [0, 1, 2, 3]))
     assert c.ok and c.kind == "store" and c.key_ok == [True] * 4
-    assert all(t.lookup(K(i)) is HIT for i in range(4))
+    assert all(look(t, K(i)) is HIT for i in range(4))
     c = wait_done(t, t.submit_load([K(2), K(0)], [10, 11]))
     assert c.ok and c.keys == [K(2), K(0)]
     assert np.array_equal(pool.view(10)[:BLOCK], want[2])
@@ -131,19 +180,22 @@ def test_corrupted_record_is_a_counted_miss(make_tier, pool: HostPool) -> None: 
     tut.corrupt(K(1))
     c = wait_done(t, t.submit_load([K(0), K(1)], [5, 6]))
     assert c.key_ok == [True, False]
-    assert t.lookup(K(1)) is MISS  # dropped
+    assert look(t, K(1)) is MISS  # dropped
     assert t.stats()["load_failures"] == 1
     assert any(e.removed and K(1) in e.keys for e in t.take_events())
 
 
 def test_capacity_evicts_oldest(make_tier, pool: HostPool) -> None:  # type: ignore[no-untyped-def]
-    t = make_tier(capacity=4).tier
+    tut = make_tier(capacity=4)
+    if not tut.bounded:
+        pytest.skip("capacity is the server's (maxmemory), tested with the remote tier")
+    t = tut.tier
     t.attach(pool)
     for i in range(6):
         fill(pool, i, i)
     wait_done(t, t.submit_store([K(i) for i in range(4)], [0, 1, 2, 3]))
     wait_done(t, t.submit_store([K(4), K(5)], [4, 5]))
-    assert [t.lookup(K(i)) for i in range(6)] == [MISS, MISS, HIT, HIT, HIT, HIT]
+    assert [look(t, K(i)) for i in range(6)] == [MISS, MISS, HIT, HIT, HIT, HIT]
     removed = sorted(k for e in t.take_events() if e.removed for k in e.keys)
     assert removed == [K(0), K(1)]
 
@@ -154,7 +206,7 @@ def test_restore_of_present_key_is_ok(make_tier, pool: HostPool) -> None:  # typ
     fill(pool, 0, 0)
     wait_done(t, t.submit_store([K(0)], [0]))
     c = wait_done(t, t.submit_store([K(0)], [0]))
-    assert c.ok and t.lookup(K(0)) is HIT
+    assert c.ok and look(t, K(0)) is HIT
 
 
 def test_cascade_reset_promote_with_manager(make_tier, pool: HostPool) -> None:  # type: ignore[no-untyped-def]
@@ -169,7 +221,7 @@ def test_cascade_reset_promote_with_manager(make_tier, pool: HostPool) -> None: 
     while m.has_pending_work() and time.monotonic() < deadline:
         m.on_schedule_end()
         time.sleep(0.001)
-    assert all(t.lookup(k) is HIT for k in keys)
+    assert all(look(t, k) is HIT for k in keys)
     m.reset_cache()
     assert [m.lookup(k) for k in keys] == [PENDING] * 3
     while any(m.lookup(k) is PENDING for k in keys) and time.monotonic() < deadline:

@@ -37,7 +37,9 @@ def parse_url(url: str) -> dict[str, Any]:
     ``redis-cluster://[user[:password]@]host:port[,host:port...]``."""
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "redis-cluster"):
-        raise InvalidArgument(f"remote URL must start with redis:// or redis-cluster://, got {url!r}")
+        raise InvalidArgument(
+            f"remote URL must start with redis:// or redis-cluster://, got {url!r}"
+        )
     netloc = parts.netloc
     user = password = ""
     if "@" in netloc:
@@ -63,8 +65,13 @@ def parse_url(url: str) -> dict[str, Any]:
             db = int(parts.path.strip("/"))
         except ValueError:
             raise InvalidArgument(f"bad database number in remote URL {url!r}") from None
-    return {"seeds": seeds, "cluster": parts.scheme == "redis-cluster", "user": user,
-            "password": password, "db": db}
+    return {
+        "seeds": seeds,
+        "cluster": parts.scheme == "redis-cluster",
+        "user": user,
+        "password": password,
+        "db": db,
+    }
 
 
 class RemoteTier(LowerTier):
@@ -103,9 +110,18 @@ class RemoteTier(LowerTier):
         self.ns = namespace_digest(namespace, block_bytes)
         self._prefix = b"kvt:" + self.ns.hex()[:16].encode() + b":"
         self.store = _native.RemoteStore(
-            cfg["seeds"], cfg["cluster"], cfg["user"], cfg["password"], cfg["db"],
-            int(timeout_s * 1000), int(timeout_s * 1000), pipeline,
-            int((ttl_s or 0) * 1000), degraded_ok, self.ns)
+            cfg["seeds"],
+            cfg["cluster"],
+            cfg["user"],
+            cfg["password"],
+            cfg["db"],
+            int(timeout_s * 1000),
+            int(timeout_s * 1000),
+            pipeline,
+            int((ttl_s or 0) * 1000),
+            degraded_ok,
+            self.ns,
+        )
         self.engine = Engine(num_threads, [(inflight_bytes, False)])
         self.job_items = job_items
         self.admission = AdmissionFilter(admit_after)
@@ -122,10 +138,24 @@ class RemoteTier(LowerTier):
         self._events: list[TierEvent] = []
         self._closed = False
         self.pool = None
-        self.counters = {k: 0 for k in (
-            "stores", "loads", "load_failures", "vanished", "corrupt", "io_errors",
-            "server_errors", "exists_checks", "budget_skips", "not_admitted", "busy_drops",
-            "bytes_written", "bytes_read")}
+        self.counters = {
+            k: 0
+            for k in (
+                "stores",
+                "loads",
+                "load_failures",
+                "vanished",
+                "corrupt",
+                "io_errors",
+                "server_errors",
+                "exists_checks",
+                "budget_skips",
+                "not_admitted",
+                "busy_drops",
+                "bytes_written",
+                "bytes_read",
+            )
+        }
 
     # -- helpers -------------------------------------------------------------
     def server_key(self, key: bytes) -> bytes:
@@ -183,8 +213,14 @@ class RemoteTier(LowerTier):
         try:
             for i in range(0, n, self.job_items):
                 jid = self.engine._engine.submit_remote(
-                    self.store, kind, skeys[i : i + self.job_items], addr[i : i + self.job_items],
-                    self.block_bytes, dig_arr[i : i + self.job_items], 0)
+                    self.store,
+                    kind,
+                    skeys[i : i + self.job_items],
+                    addr[i : i + self.job_items],
+                    self.block_bytes,
+                    dig_arr[i : i + self.job_items],
+                    0,
+                )
                 self._jobs[jid] = (token, i)
                 submitted += 1
         except Busy:
@@ -233,15 +269,25 @@ class RemoteTier(LowerTier):
             skeys = [self._exists_queue[d] for d in digs]
             self._exists_queue.clear()
             token = next(self._tokens)
-            self._batches[token] = {"kind": "exists", "keys": skeys, "digs": digs,
-                                    "items": [0] * len(digs)}
+            self._batches[token] = {
+                "kind": "exists",
+                "keys": skeys,
+                "digs": digs,
+                "items": [0] * len(digs),
+            }
             try:
                 n = len(digs)
                 arr = np.frombuffer(b"".join(digs), np.uint8).reshape(n, 16)
                 for i in range(0, n, 1024):
                     jid = self.engine._engine.submit_remote(
-                        self.store, "exists", skeys[i : i + 1024], np.zeros(len(skeys[i : i + 1024]),
-                        np.int64), self.block_bytes, arr[i : i + 1024], 0)
+                        self.store,
+                        "exists",
+                        skeys[i : i + 1024],
+                        np.zeros(len(skeys[i : i + 1024]), np.int64),
+                        self.block_bytes,
+                        arr[i : i + 1024],
+                        0,
+                    )
                     self._jobs[jid] = (token, i)
                 self._batches[token]["jobs"] = -(-n // 1024)
                 self._exists_inflight.update(digs)
@@ -289,7 +335,9 @@ class RemoteTier(LowerTier):
                 self._remember(dig, True)
                 done.append(key)
                 self.counters["stores" if kind == "store" else "loads"] += 1
-                self.counters["bytes_written" if kind == "store" else "bytes_read"] += self.block_bytes
+                self.counters["bytes_written" if kind == "store" else "bytes_read"] += (
+                    self.block_bytes
+                )
                 continue
             if kind == "load":
                 self.counters["load_failures"] += 1
@@ -328,5 +376,10 @@ class RemoteTier(LowerTier):
         self.poll()
 
     def stats(self) -> dict[str, Any]:
-        return {"url": self.url, "nodes": self.nodes, "known": len(self.known),
-                "redirects": int(self.store.redirects), **self.counters}
+        return {
+            "url": self.url,
+            "nodes": self.nodes,
+            "known": len(self.known),
+            "redirects": int(self.store.redirects),
+            **self.counters,
+        }

@@ -1,0 +1,293 @@
+"""Remote tier against real redis-server processes: faults, bad input, sharing."""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import kvtier
+import numpy as np
+import pytest
+import redis
+from kvtier.pool import HostPool
+from kvtier.tiers import LookupResult
+from kvtier.tiers.remote import RemoteTier, parse_url
+from redis_servers import RedisCluster, RedisServer, free_port
+
+BLOCK = 16384
+HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+
+
+def K(i: int) -> bytes:
+    return b"blk-%010d" % i
+
+
+def content(i: int) -> np.ndarray:
+    return ((np.arange(BLOCK, dtype=np.uint32) * 2654435761 + i * 97) >> 7).astype(np.uint8)
+
+
+def finish(t: RemoteTier, token: int | None, timeout: float = 15.0) -> list[bool]:
+    assert token is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for c in t.poll():
+            if c.token == token:
+                return list(c.key_ok or [])
+        time.sleep(0.001)
+    raise AssertionError("remote job did not finish within its timeout")
+
+
+def look(t: RemoteTier, key: bytes) -> LookupResult:
+    for _ in range(5000):
+        r = t.lookup(key)
+        if r is not RETRY:
+            return r
+        t.poll()
+        time.sleep(0.001)
+    raise AssertionError("lookup stayed RETRY")
+
+
+def store_range(t: RemoteTier, pool: HostPool, ids: list[int]) -> list[bool]:
+    for j, i in enumerate(ids):
+        pool.view(j)[:BLOCK] = content(i)
+    return finish(t, t.submit_store([K(i) for i in ids], list(range(len(ids)))))
+
+
+def test_url_parsing() -> None:
+    assert parse_url("redis://u:p%40ss@h:1234/2") == {
+        "seeds": [("h", 1234)],
+        "cluster": False,
+        "user": "u",
+        "password": "p@ss",
+        "db": 2,
+    }
+    assert parse_url("redis://:secret@h:1")["password"] == "secret"
+    assert parse_url("redis-cluster://a:1,b:2")["seeds"] == [("a", 1), ("b", 2)]
+    for bad in ("http://h:1", "redis://h:port", "redis://h:1/db"):
+        with pytest.raises(kvtier.InvalidArgument):
+            parse_url(bad)
+
+
+def test_unreachable_server_is_a_clear_error_or_a_degraded_tier(tmp_path: Path) -> None:
+    port = free_port()
+    with pytest.raises(kvtier.IoError) as e:
+        RemoteTier(f"redis://127.0.0.1:{port}", BLOCK, timeout_s=0.5)
+    assert e.value.errno == errno.ECONNREFUSED and f"127.0.0.1:{port}" in str(e.value)
+    with HostPool(4, BLOCK) as pool:
+        t = RemoteTier(
+            f"redis://127.0.0.1:{port}", BLOCK, timeout_s=0.5, degraded_ok=True, negative_ttl_s=0.05
+        )
+        t.attach(pool)
+        assert look(t, K(1)) is MISS  # down: a miss, never a hang
+        server = RedisServer(tmp_path, port=port)
+        try:
+            time.sleep(2.1)  # past the reconnect backoff
+            deadline = time.monotonic() + 10
+            while not all(store_range(t, pool, [1])) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(0.06)
+            assert look(t, K(1)) is HIT  # recovered
+        finally:
+            t.close()
+            server.stop()
+
+
+def test_wrong_password_is_a_clear_error(tmp_path: Path) -> None:
+    s = RedisServer(tmp_path, password="right")
+    try:
+        with pytest.raises(kvtier.IoError, match="WRONGPASS|invalid password") as e:
+            RemoteTier(f"redis://:wrong@127.0.0.1:{s.port}", BLOCK)
+        assert e.value.errno == errno.EACCES
+        t = RemoteTier(f"redis://:right@127.0.0.1:{s.port}", BLOCK)
+        t.close()
+        s.cli("ACL", "SETUSER", "kv", "on", ">pw", "~*", "+@all")
+        t = RemoteTier(f"redis://kv:pw@127.0.0.1:{s.port}", BLOCK)  # ACL user
+        t.close()
+    finally:
+        s.stop()
+
+
+def test_async_lookup_retry_then_answer(redis_standalone) -> None:  # type: ignore[no-untyped-def]
+    with HostPool(4, BLOCK) as pool:
+        t = RemoteTier(redis_standalone.url, BLOCK, namespace=str(uuid.uuid4()))
+        t.attach(pool)
+        assert all(store_range(t, pool, [1]))
+        t.known.clear()  # as another engine: nothing known locally
+        assert t.lookup(K(1)) is RETRY and t.lookup(K(2)) is RETRY
+        assert t.has_pending_work()
+        assert look(t, K(1)) is HIT and look(t, K(2)) is MISS
+        assert t.stats()["exists_checks"] == 2
+        t.close()
+
+
+def test_vanished_and_corrupted_values_are_misses(redis_standalone) -> None:  # type: ignore[no-untyped-def]
+    client = redis.Redis(host="127.0.0.1", port=redis_standalone.port)
+    with HostPool(16, BLOCK) as pool:
+        t = RemoteTier(redis_standalone.url, BLOCK, namespace=str(uuid.uuid4()))
+        t.attach(pool)
+        ids = list(range(8))
+        assert all(store_range(t, pool, ids))
+        sk = [t.server_key(K(i)) for i in ids]
+        client.delete(sk[0])  # vanished (as maxmemory eviction would)
+        client.setrange(sk[1], 5, b"\xff")  # header byte flipped
+        client.setrange(sk[2], 64 + 777, b"\x00\x01")  # payload bytes flipped
+        client.set(sk[3], client.get(sk[3])[:100])  # truncated
+        client.set(sk[4], b"not a kvtier value at all")  # foreign
+        client.set(sk[5], client.get(t.server_key(K(6))))  # another key's value
+        oks = finish(t, t.submit_load([K(i) for i in ids], list(range(8, 16))))
+        assert oks == [False] * 6 + [True] * 2
+        for j in (6, 7):
+            assert np.array_equal(pool.view(8 + j)[:BLOCK], content(j))
+        s = t.stats()
+        assert s["load_failures"] == 6 and s["vanished"] == 1 and s["corrupt"] == 5
+        assert all(look(t, K(i)) is MISS for i in range(6))
+        t.close()
+
+
+def test_ttl_expires_values(redis_standalone) -> None:  # type: ignore[no-untyped-def]
+    with HostPool(4, BLOCK) as pool:
+        t = RemoteTier(redis_standalone.url, BLOCK, namespace=str(uuid.uuid4()), ttl_s=0.3)
+        t.attach(pool)
+        assert all(store_range(t, pool, [1]))
+        ttl = redis.Redis(port=redis_standalone.port).pttl(t.server_key(K(1)))
+        assert 0 < ttl <= 300
+        time.sleep(0.5)
+        assert finish(t, t.submit_load([K(1)], [2])) == [False]
+        assert t.stats()["vanished"] == 1
+        t.close()
+
+
+def test_maxmemory_eviction_means_misses_not_errors(tmp_path: Path) -> None:
+    s = RedisServer(tmp_path, maxmemory="3mb")
+    try:
+        with HostPool(64, BLOCK) as pool:
+            t = RemoteTier(s.url, BLOCK)
+            t.attach(pool)
+            for start in range(0, 256, 64):  # 4 MiB of values into 3 MiB
+                store_range(t, pool, list(range(start, start + 64)))
+            ids = list(range(0, 256, 4))
+            oks = finish(t, t.submit_load([K(i) for i in ids], list(range(64))))
+            assert 0 < sum(oks) < 64  # the server evicted some of them
+            for j, (i, ok) in enumerate(zip(ids, oks)):
+                if ok:
+                    assert np.array_equal(pool.view(j)[:BLOCK], content(i))
+            assert t.stats()["vanished"] == 64 - sum(oks)
+            t.close()
+    finally:
+        s.stop()
+
+
+def _storm(t: RemoteTier, pool: HostPool, n: int, kill, seconds: float) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """Loads in a loop; `kill` runs mid-way. Returns (ok, failed); asserts no hang."""
+    ok = failed = 0
+    outstanding: dict[int, float] = {}
+    t0 = time.monotonic()
+    killed = False
+    while time.monotonic() - t0 < seconds or outstanding:
+        if time.monotonic() - t0 < seconds and len(outstanding) < 4:
+            tok = t.submit_load([K(i) for i in range(n)], list(range(n)))
+            if tok is not None:
+                outstanding[tok] = time.monotonic()
+        if not killed and time.monotonic() - t0 > seconds / 3:
+            kill()
+            killed = True
+        for c in t.poll():
+            outstanding.pop(c.token, None)
+            for j, good in enumerate(c.key_ok or []):
+                if good:
+                    ok += 1
+                    assert np.array_equal(pool.view(j)[:BLOCK], content(j)), "wrong bytes served"
+                else:
+                    failed += 1
+        for tok, since in outstanding.items():
+            assert time.monotonic() - since < 10, "a job outlived its timeout"
+        time.sleep(0.001)
+    return ok, failed
+
+
+def test_server_killed_mid_storm_no_hang_then_recovery(tmp_path: Path) -> None:
+    s = RedisServer(tmp_path)
+    try:
+        with HostPool(32, BLOCK) as pool:
+            t = RemoteTier(s.url, BLOCK, timeout_s=1.0)
+            t.attach(pool)
+            assert all(store_range(t, pool, list(range(32))))
+            ok, failed = _storm(t, pool, 32, s.kill, 1.5)
+            assert ok > 0 and failed > 0
+            s.start()  # same port, empty (no persistence)
+            time.sleep(2.1)
+            deadline = time.monotonic() + 10
+            while not all(store_range(t, pool, list(range(32)))) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert all(finish(t, t.submit_load([K(i) for i in range(32)], list(range(32)))))
+            t.close()
+    finally:
+        s.stop()
+
+
+def test_cluster_master_killed_mid_storm(tmp_path: Path) -> None:
+    c = RedisCluster(tmp_path)
+    try:
+        with HostPool(48, BLOCK) as pool:
+            t = RemoteTier(c.url, BLOCK, timeout_s=1.0)
+            t.attach(pool)
+            assert all(store_range(t, pool, list(range(48))))
+            ok, failed = _storm(t, pool, 48, c.nodes[1].kill, 1.5)
+            assert ok > 0 and failed > 0
+            # keys on the two live masters still load
+            oks = finish(t, t.submit_load([K(i) for i in range(48)], list(range(48))))
+            assert 0 < sum(oks) < 48
+            t.close()
+    finally:
+        c.stop()
+
+
+CHILD = textwrap.dedent("""
+    import sys, time, numpy as np
+    from kvtier.pool import HostPool
+    from kvtier.tiers.remote import RemoteTier
+    BLOCK = 16384
+    def content(i):
+        return ((np.arange(BLOCK, dtype=np.uint32) * 2654435761 + i * 97) >> 7).astype(np.uint8)
+    p = HostPool(16, BLOCK)
+    t = RemoteTier(sys.argv[1], BLOCK, namespace="shared-model")
+    t.attach(p)
+    for i in range(16):
+        p.view(i)[:] = content(i)
+    tok = t.submit_store([b"blk-%010d" % i for i in range(16)], list(range(16)))
+    while True:
+        done = [c for c in t.poll() if c.token == tok]
+        if done:
+            print(sum(done[0].key_ok))
+            break
+        time.sleep(0.001)
+""")
+
+
+@pytest.mark.parametrize("server", ["redis_standalone", "redis_cluster"])
+def test_two_processes_share_a_prefix(
+    server: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    srv = request.getfixturevalue(server)
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    out = subprocess.run(
+        [sys.executable, str(script), srv.url], capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.strip() == "16", out.stderr
+    with HostPool(16, BLOCK) as pool:
+        t = RemoteTier(srv.url, BLOCK, namespace="shared-model")
+        t.attach(pool)
+        assert all(look(t, K(i)) is HIT for i in range(16))
+        assert all(finish(t, t.submit_load([K(i) for i in range(16)], list(range(16)))))
+        for i in range(16):
+            assert np.array_equal(pool.view(i)[:BLOCK], content(i))
+        other = RemoteTier(srv.url, BLOCK, namespace="another-model")
+        assert look(other, K(0)) is MISS  # namespaces never mix
+        other.close()
+        t.close()
