@@ -22,11 +22,13 @@ namespace {
 // A job that blocks until released, to hold budget and workers in tests.
 class GateJob final : public Job {
  public:
-  GateJob(std::atomic<bool>* gate, std::uint64_t n, std::string fail = {})
-      : gate_(gate), n_(n), fail_(std::move(fail)) {}
+  GateJob(std::atomic<bool>* gate, std::uint64_t n, std::string fail = {},
+          std::atomic<bool>* started = nullptr)
+      : gate_(gate), n_(n), fail_(std::move(fail)), started_(started) {}
   std::uint64_t bytes() const override { return n_; }
   std::string check(const kvtier::RegionSet&) const override { return {}; }
   std::string run() override {
+    if (started_) started_->store(true);
     while (!gate_->load()) std::this_thread::sleep_for(std::chrono::microseconds(100));
     return fail_;
   }
@@ -35,6 +37,7 @@ class GateJob final : public Job {
   std::atomic<bool>* gate_;
   std::uint64_t n_;
   std::string fail_;
+  std::atomic<bool>* started_;
 };
 
 std::uintptr_t addr(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
@@ -145,9 +148,10 @@ TEST(Engine, BadDescriptorsRejectedAtSubmit) {
 }
 
 TEST(Engine, CloseCancelsQueuedJobs) {
-  std::atomic<bool> gate{false};
+  std::atomic<bool> gate{false}, started{false};
   Engine e(1, {QueueOptions{}});
-  auto running = e.submit(std::make_unique<GateJob>(&gate, 1));
+  auto running = e.submit(std::make_unique<GateJob>(&gate, 1, "", &started));
+  while (!started.load()) std::this_thread::yield();  // it must be running, not queued
   std::vector<std::uint64_t> queued;
   for (int i = 0; i < 5; ++i) queued.push_back(e.submit(std::make_unique<GateJob>(&gate, 1)));
   std::thread opener([&] {

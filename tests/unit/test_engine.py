@@ -185,7 +185,9 @@ def test_close_cancel_fails_queued_jobs() -> None:
     time.sleep(0.05)
     e.close(cancel=True)
     results = {r.job_id: r for r in e.poll()}
-    assert results[ids[0]].ok
+    assert set(results) == set(ids)
+    # The first job was running (it finishes) unless the worker had not picked it up yet.
+    assert results[ids[0]].ok or "cancelled" in results[ids[0]].error
     assert all(not results[i].ok and "cancelled" in results[i].error for i in ids[1:])
 
 
