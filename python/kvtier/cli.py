@@ -43,6 +43,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             )
             for s in sizes
         ]
+    elif args.component == "remote":
+        from kvtier.bench.remote import run_remote
+
+        sizes = [parse_size(args.block_bytes)] if args.block_bytes else [262144, 2 << 20]
+        results = [
+            run_remote(args.url, s, parse_size(args.total) // 2, args.repeats) for s in sizes
+        ]
     elif args.component == "manager":
         from kvtier.bench.manager import run_manager
 
@@ -101,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--policy", default="lru", help="lru | arc | dotted.path.Class")
     r.add_argument("--admit-after", type=int, default=1, help="store a key after N offers")
     r.add_argument("--disk", help="disk tier DIR:SIZE, e.g. /mnt/nvme/kv:100GiB")
+    r.add_argument("--remote", help="remote tier: redis://HOST:PORT or redis-cluster://H:P,H:P")
     r.add_argument("--no-data", action="store_true", help="policy only: no pool, no bytes")
     r.add_argument("--max-requests", type=int, help="stop after this many requests")
     r.add_argument("--synthetic-requests", type=int, default=4000)
@@ -111,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_cmd_replay)
 
     b = sub.add_parser("bench", help="measure a component against its baseline")
-    b.add_argument("component", choices=["copy", "manager", "disk"])
+    b.add_argument("component", choices=["copy", "manager", "disk", "remote"])
+    b.add_argument("--url", help="remote: redis://HOST:PORT (default: start a local server)")
     b.add_argument("--block-bytes", help="one size (default: 64KiB, 256KiB and 2MiB)")
     b.add_argument(
         "--device",

@@ -369,6 +369,10 @@ def build_lower_tiers(args: argparse.Namespace, block_bytes: int) -> list[LowerT
                 args.disk, block_bytes=block_bytes, policy=args.policy, no_data=args.no_data
             )
         )
+    if getattr(args, "remote", None):
+        from kvtier.tiers.remote import RemoteTier
+
+        tiers.append(RemoteTier(args.remote, block_bytes, namespace=f"replay-{block_bytes}"))
     return tiers
 
 

@@ -291,3 +291,35 @@ def test_two_processes_share_a_prefix(
         assert look(other, K(0)) is MISS  # namespaces never mix
         other.close()
         t.close()
+
+
+def test_replay_through_host_and_remote(redis_standalone, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "replay",
+            "--max-requests",
+            "400",
+            "--host-blocks",
+            "64",
+            "--block-bytes",
+            "16KiB",
+            "--remote",
+            redis_standalone.url,
+            "--no-progress",
+            "--json",
+            str(tmp_path / "r.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    import json
+
+    js = json.loads((tmp_path / "r.json").read_text())
+    assert js["verify_failures"] == 0
+    assert js["hit_blocks"]["remote"] > 0 and js["hit_blocks"]["host"] > 0
+    assert js["tiers"]["remote"]["corrupt"] == 0

@@ -474,64 +474,70 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
   }
   const std::string ttl = std::to_string(opts_.ttl_ms);
   const std::size_t w = opts_.pipeline;
-  for (std::size_t start = 0; start < idx.size(); start += w) {
-    const std::size_t end = std::min(idx.size(), start + w);
-    // ---- write the window's commands in one writev stream
+  static const std::string kAsking = encode({"ASKING"});
+  static const char kCrlf[] = "\r\n";
+  // Buffers of one window of commands; they live until the window is written.
+  struct Window {
     std::vector<std::string> heads;
     std::vector<disk::Trailer> hdrs;
-    heads.reserve(end - start);
-    hdrs.reserve(end - start);
     std::vector<iovec> iov;
-    static const std::string kAsking = encode({"ASKING"});
-    static const char kCrlf[] = "\r\n";
+  };
+  auto write_window = [&](std::size_t start, Window* win) -> int {
+    const std::size_t end = std::min(idx.size(), start + w);
+    win->heads.clear();
+    win->hdrs.clear();
+    win->iov.clear();
+    win->heads.reserve(2 * (end - start));
+    win->hdrs.reserve(end - start);
     for (std::size_t k = start; k < end; ++k) {
       const Item& it = items[idx[k]];
-      if (asking) iov.push_back({const_cast<char*>(kAsking.data()), kAsking.size()});
+      if (asking) win->iov.push_back({const_cast<char*>(kAsking.data()), kAsking.size()});
       if (kind == Kind::kStore) {
         const std::size_t vlen = kHeader + it.payload_len;
-        std::string h = (opts_.ttl_ms ? "*5\r\n" : "*3\r\n") + std::string("$3\r\nSET\r\n$") +
-                        std::to_string(it.key.size()) + "\r\n" + it.key + "\r\n$" +
-                        std::to_string(vlen) + "\r\n";
-        heads.push_back(std::move(h));
-        hdrs.push_back(disk::make_header(reinterpret_cast<const std::uint8_t*>(it.slot),
-                                         it.payload_len, opts_.ns, it.digest));
-        iov.push_back({heads.back().data(), heads.back().size()});
-        iov.push_back({&hdrs.back(), kHeader});
-        iov.push_back({reinterpret_cast<void*>(it.slot), it.payload_len});
+        win->heads.push_back((opts_.ttl_ms ? "*5\r\n" : "*3\r\n") + std::string("$3\r\nSET\r\n$") +
+                             std::to_string(it.key.size()) + "\r\n" + it.key + "\r\n$" +
+                             std::to_string(vlen) + "\r\n");
+        win->hdrs.push_back(disk::make_header(reinterpret_cast<const std::uint8_t*>(it.slot),
+                                              it.payload_len, opts_.ns, it.digest));
+        win->iov.push_back({win->heads.back().data(), win->heads.back().size()});
+        win->iov.push_back({&win->hdrs.back(), kHeader});
+        win->iov.push_back({reinterpret_cast<void*>(it.slot), it.payload_len});
         if (opts_.ttl_ms) {
-          heads.push_back("\r\n$2\r\nPX\r\n$" + std::to_string(ttl.size()) + "\r\n" + ttl + "\r\n");
-          iov.push_back({heads.back().data(), heads.back().size()});
+          win->heads.push_back("\r\n$2\r\nPX\r\n$" + std::to_string(ttl.size()) + "\r\n" + ttl +
+                               "\r\n");
+          win->iov.push_back({win->heads.back().data(), win->heads.back().size()});
         } else {
-          iov.push_back({const_cast<char*>(kCrlf), 2});
+          win->iov.push_back({const_cast<char*>(kCrlf), 2});
         }
       } else {
-        heads.push_back(encode({kind == Kind::kLoad ? "GET" : "EXISTS", it.key}));
-        iov.push_back({heads.back().data(), heads.back().size()});
+        win->heads.push_back(encode({kind == Kind::kLoad ? "GET" : "EXISTS", it.key}));
+        win->iov.push_back({win->heads.back().data(), win->heads.back().size()});
       }
     }
-    int e = c->writev_all(iov.data(), static_cast<int>(iov.size()));
-    // ---- read the window's replies, in order
-    std::size_t k = start;
-    for (; e == 0 && k < end; ++k) {
-      const std::size_t i = idx[k];
+    return c->writev_all(win->iov.data(), static_cast<int>(win->iov.size()));
+  };
+  // "-MOVED slot host:port" / "-ASK slot host:port" -> retry elsewhere.
+  auto redirect = [&](std::size_t i, const std::string& msg) {
+    const std::string body = msg[0] == '-' ? msg.substr(1) : msg;
+    if (body.rfind("MOVED ", 0) != 0 && body.rfind("ASK ", 0) != 0) return false;
+    const std::string addr = body.substr(body.rfind(' ') + 1);
+    const auto colon = addr.rfind(':');
+    moved->emplace_back(i, Endpoint{addr.substr(0, colon), std::atoi(addr.c_str() + colon + 1)});
+    out[i] = body[0] == 'M' ? -100 : -101;
+    return true;
+  };
+  // Reads replies for idx[k..end); returns 0 or an errno, *k at the first unread.
+  auto read_window = [&](std::size_t end, std::size_t* k) -> int {
+    int e = 0;
+    for (; *k < end; ++*k) {
+      const std::size_t i = idx[*k];
       Item& it = items[i];
       Reply r;
-      if (asking) {
-        if ((e = c->read_reply(&r)) != 0) break;
-      }
+      if (asking && (e = c->read_reply(&r)) != 0) return e;
       if (kind != Kind::kLoad) {
-        if ((e = c->read_reply(&r)) != 0) break;
+        if ((e = c->read_reply(&r)) != 0) return e;
         if (r.type == Reply::kError) {
-          if (r.str.rfind("MOVED ", 0) == 0 || r.str.rfind("ASK ", 0) == 0) {
-            const bool is_moved = r.str[0] == 'M';
-            const std::string addr = r.str.substr(r.str.rfind(' ') + 1);
-            const auto colon = addr.rfind(':');
-            moved->emplace_back(i,
-                                Endpoint{addr.substr(0, colon), std::stoi(addr.substr(colon + 1))});
-            out[i] = is_moved ? -100 : -101;
-          } else {
-            out[i] = kServerError;
-          }
+          if (!redirect(i, r.str)) out[i] = kServerError;
         } else if (kind == Kind::kExists) {
           out[i] = r.type == Reply::kInteger && r.integer > 0 ? 0 : kMissing;
         } else {
@@ -541,28 +547,13 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
       }
       // GET: parse "$len\r\n" without pulling the payload through the buffer.
       std::string line;
-      if ((e = c->read_line(&line, 32 + kHeader)) != 0) break;
-      if (line.empty()) {
-        e = EPROTO;
-        break;
-      }
+      if ((e = c->read_line(&line, 32 + kHeader)) != 0) return e;
+      if (line.empty()) return EPROTO;
       if (line[0] == '-') {
-        if (line.rfind("-MOVED ", 0) == 0 || line.rfind("-ASK ", 0) == 0) {
-          const bool is_moved = line[1] == 'M';
-          const std::string addr = line.substr(line.rfind(' ') + 1);
-          const auto colon = addr.rfind(':');
-          moved->emplace_back(i,
-                              Endpoint{addr.substr(0, colon), std::stoi(addr.substr(colon + 1))});
-          out[i] = is_moved ? -100 : -101;
-        } else {
-          out[i] = kServerError;
-        }
+        if (!redirect(i, line)) out[i] = kServerError;
         continue;
       }
-      if (line[0] != '$') {
-        e = EPROTO;
-        break;
-      }
+      if (line[0] != '$') return EPROTO;
       const long long len = std::atoll(line.c_str() + 1);
       if (len < 0) {
         out[i] = kMissing;  // vanished (maxmemory eviction, TTL) or never stored
@@ -570,24 +561,35 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
       }
       if (static_cast<std::uint64_t>(len) != kHeader + it.payload_len) {
         out[i] = kBadLength;  // too short, or not a value of ours
-        if ((e = c->skip(static_cast<std::size_t>(len) + 2)) != 0) break;
+        if ((e = c->skip(static_cast<std::size_t>(len) + 2)) != 0) return e;
         continue;
       }
       disk::Trailer h;
-      if ((e = c->read_into(reinterpret_cast<std::uint8_t*>(&h), kHeader)) != 0) break;
-      if ((e = c->read_into(reinterpret_cast<std::uint8_t*>(it.slot), it.payload_len)) != 0) break;
-      if ((e = c->skip(2)) != 0) break;
+      if ((e = c->read_into(reinterpret_cast<std::uint8_t*>(&h), kHeader)) != 0) return e;
+      if ((e = c->read_into(reinterpret_cast<std::uint8_t*>(it.slot), it.payload_len)) != 0)
+        return e;
+      if ((e = c->skip(2)) != 0) return e;
       out[i] = disk::check_header(h, reinterpret_cast<const std::uint8_t*>(it.slot), it.payload_len,
                                   opts_.ns, it.digest);
     }
-    if (e != 0) {
-      // The connection is in an unknown state: drop it; everything not yet
-      // answered fails with the error, including later windows.
-      c->close();
-      mark_down(node);
-      for (std::size_t j = k; j < idx.size(); ++j) out[idx[j]] = e;
-      return;
-    }
+    return 0;
+  };
+  // Two windows in flight: the next window's commands are written before the
+  // current one's replies are read, so the server never waits for a round
+  // trip between windows.
+  Window bufs[2];
+  std::size_t k = 0;
+  int e = write_window(0, &bufs[0]);
+  for (std::size_t start = 0, n = 0; e == 0 && start < idx.size(); start += w, ++n) {
+    if (start + w < idx.size()) e = write_window(start + w, &bufs[(n + 1) % 2]);
+    if (e == 0) e = read_window(std::min(idx.size(), start + w), &k);
+  }
+  if (e != 0) {
+    // The connection is in an unknown state: drop it; everything not yet
+    // answered fails with the error, including later windows.
+    c->close();
+    mark_down(node);
+    for (std::size_t j = k; j < idx.size(); ++j) out[idx[j]] = e;
   }
 }
 

@@ -1,0 +1,192 @@
+"""``kvtier bench remote``: the remote tier's store and load throughput against
+redis-benchmark (same value size and connection count, same run) and against
+redis-py + hiredis with a pipeline (the usual Python approach)."""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import InvalidArgument
+from kvtier.pool import HostPool
+from kvtier.tiers.remote import RemoteTier, parse_url
+
+
+def _drive(t: RemoteTier, kind: str, keys: list[bytes], slots: int, batch: int) -> float:
+    n = len(keys)
+    t0 = time.perf_counter()
+    i = done = inflight = 0
+    while done < n:
+        while i < n and inflight < 4:
+            ks = keys[i : i + batch]
+            sl = [(i + j) % slots for j in range(len(ks))]
+            tok = t.submit_store(ks, sl) if kind == "store" else t.submit_load(ks, sl)
+            if tok is None:
+                break
+            i += len(ks)
+            inflight += 1
+        for c in t.poll():
+            inflight -= 1
+            done += len(c.keys)
+            if not c.ok:
+                raise RuntimeError(
+                    f"remote {kind} failed for {c.key_ok.count(False) if c.key_ok else '?'} keys"
+                )
+        time.sleep(0.0002)
+    return time.perf_counter() - t0
+
+
+def _redis_benchmark(
+    host: str, port: int, password: str, size: int, conns: int, n: int
+) -> dict[str, float]:
+    best = {"store_gbps": 0.0, "load_gbps": 0.0}
+    for pipeline in (1, 16):
+        cmd = [
+            "redis-benchmark",
+            "-h",
+            host,
+            "-p",
+            str(port),
+            "-t",
+            "set,get",
+            "-d",
+            str(size),
+            "-c",
+            str(conns),
+            "-P",
+            str(pipeline),
+            "-n",
+            str(n),
+            "--csv",
+        ]
+        if password:
+            cmd += ["-a", password]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
+        for line in out.splitlines():
+            cells = [c.strip('"') for c in line.split(",")]
+            if len(cells) < 2 or cells[0] not in ("SET", "GET"):
+                continue
+            gbps = float(cells[1]) * size / 1e9
+            key = "store_gbps" if cells[0] == "SET" else "load_gbps"
+            best[key] = max(best[key], gbps)
+    return best
+
+
+def _redis_py(host: str, port: int, password: str, size: int, n: int) -> dict[str, float]:
+    import redis
+
+    r = redis.Redis(host=host, port=port, password=password or None)
+    value = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
+    keys = [f"kvtier-bench-py:{i}" for i in range(n)]
+    t0 = time.perf_counter()
+    for i in range(0, n, 64):
+        p = r.pipeline(transaction=False)
+        for k in keys[i : i + 64]:
+            p.set(k, value)
+        p.execute()
+    ts = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(0, n, 64):
+        p = r.pipeline(transaction=False)
+        for k in keys[i : i + 64]:
+            p.get(k)
+        p.execute()
+    tl = time.perf_counter() - t0
+    r.delete(*keys)
+    parser = "hiredis" if redis.utils.HIREDIS_AVAILABLE else "python"
+    return {
+        "store_gbps": round(n * size / ts / 1e9, 3),
+        "load_gbps": round(n * size / tl / 1e9, 3),
+        "parser": parser,
+    }  # type: ignore[dict-item]
+
+
+def run_remote(
+    url: str | None,
+    block_bytes: int,
+    total_bytes: int = 512 << 20,
+    repeats: int = 3,
+    connections: int = 2,
+) -> dict[str, Any]:
+    server = None
+    if url is None:  # a local server of our own, on loopback
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+        if shutil.which("redis-server") is None:
+            raise InvalidArgument("no --url given and redis-server is not installed")
+        from redis_servers import RedisServer  # type: ignore[import-not-found]
+
+        server = RedisServer(Path(tempfile.mkdtemp(prefix="kvtier-bench-redis-")))
+        url = server.url
+    cfg = parse_url(url)
+    host, port = cfg["seeds"][0]
+    n = max(16, total_bytes // block_bytes)
+    slots = min(n, max(16, (256 << 20) // block_bytes))
+    pool = HostPool(slots, block_bytes)
+    pool.view(0, slots)[:] = 0x5A
+    t = RemoteTier(
+        url,
+        block_bytes,
+        namespace="bench",
+        num_threads=connections,
+        inflight_bytes=1 << 40,
+        job_items=max(1, (8 << 20) // block_bytes),
+    )
+    t.attach(pool)
+    batch = max(1, min(256, (16 << 20) // block_bytes))
+    ks, kl, bs, bl = [], [], [], []
+    try:
+        for r in range(repeats):
+            keys = [
+                b"bench-%d" % i for i in range(n)
+            ]  # overwritten each run, as redis-benchmark does
+            ks.append(n * block_bytes / _drive(t, "store", keys, slots, batch) / 1e9)
+            kl.append(n * block_bytes / _drive(t, "load", keys, slots, batch) / 1e9)
+            if shutil.which("redis-benchmark") and not cfg["cluster"]:
+                b = _redis_benchmark(
+                    host, port, cfg["password"], block_bytes, connections, max(64, n // 2)
+                )
+                bs.append(b["store_gbps"])
+                bl.append(b["load_gbps"])
+        try:
+            py = _redis_py(host, port, cfg["password"], block_bytes, min(n, 2048))
+        except Exception as e:  # noqa: BLE001 - optional comparison
+            py = {"error": str(e)}
+    finally:
+        t.close()
+        pool.close()
+        if server is not None:
+            server.stop()
+    med = statistics.median
+    out: dict[str, Any] = {
+        "component": "remote",
+        "block_bytes": block_bytes,
+        "store_gbps": round(med(ks), 3),
+        "load_gbps": round(med(kl), 3),
+        "connections": connections,
+        "checksums": "crc32c on every value",
+        "runs": {"store": ks, "load": kl},
+    }
+    if bs:
+        out["baseline"] = {
+            "name": "redis-benchmark",
+            "store_gbps": round(med(bs), 3),
+            "load_gbps": round(med(bl), 3),
+            "note": "best of -P 1 and -P 16, same value size and -c",
+        }
+        out["ratio"] = {"store": round(med(ks) / med(bs), 3), "load": round(med(kl) / med(bl), 3)}
+    if "store_gbps" in py:
+        out["redis_py"] = py
+        out["vs_redis_py"] = {
+            "store": round(med(ks) / float(py["store_gbps"]), 3),
+            "load": round(med(kl) / float(py["load_gbps"]), 3),
+        }
+    return out
