@@ -79,7 +79,7 @@ def _redis_benchmark(
     return best
 
 
-def _redis_py(host: str, port: int, password: str, size: int, n: int) -> dict[str, float]:
+def _redis_py(host: str, port: int, password: str, size: int, n: int) -> dict[str, Any]:
     import redis
 
     r = redis.Redis(host=host, port=port, password=password or None)
@@ -105,7 +105,7 @@ def _redis_py(host: str, port: int, password: str, size: int, n: int) -> dict[st
         "store_gbps": round(n * size / ts / 1e9, 3),
         "load_gbps": round(n * size / tl / 1e9, 3),
         "parser": parser,
-    }  # type: ignore[dict-item]
+    }
 
 
 def run_remote(
@@ -122,7 +122,7 @@ def run_remote(
         sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
         if shutil.which("redis-server") is None:
             raise InvalidArgument("no --url given and redis-server is not installed")
-        from redis_servers import RedisServer  # type: ignore[import-not-found]
+        from redis_servers import RedisServer
 
         server = RedisServer(Path(tempfile.mkdtemp(prefix="kvtier-bench-redis-")))
         url = server.url
@@ -143,8 +143,9 @@ def run_remote(
     t.attach(pool)
     batch = max(1, min(256, (16 << 20) // block_bytes))
     ks, kl, bs, bl = [], [], [], []
+    py: dict[str, Any]
     try:
-        for r in range(repeats):
+        for _ in range(repeats):
             keys = [
                 b"bench-%d" % i for i in range(n)
             ]  # overwritten each run, as redis-benchmark does
