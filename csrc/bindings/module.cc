@@ -341,7 +341,8 @@ PYBIND11_MODULE(_native, m) {
       .def(py::init([](std::vector<std::string> paths, std::uint64_t file_bytes,
                        const std::string& backend, unsigned queue_depth, std::uint32_t max_io_bytes,
                        bool direct, bool sync, const py::bytes& ns,
-                       const std::vector<std::pair<std::uintptr_t, std::size_t>>& buffers) {
+                       const std::vector<std::pair<std::uintptr_t, std::size_t>>& buffers,
+                       bool trailer_in_slot) {
              disk::StoreOptions o;
              o.paths = std::move(paths);
              o.file_bytes = file_bytes;
@@ -350,6 +351,7 @@ PYBIND11_MODULE(_native, m) {
              o.max_io_bytes = max_io_bytes;
              o.direct = direct;
              o.sync = sync;
+             o.trailer_in_slot = trailer_in_slot;
              std::string nsb = ns;
              if (nsb.size() != 16)
                throw Error(Code::kInvalidArgument, "namespace digest must be 16 bytes");
@@ -361,7 +363,8 @@ PYBIND11_MODULE(_native, m) {
            }),
            py::arg("paths"), py::arg("file_bytes"), py::arg("backend") = "auto",
            py::arg("queue_depth") = 32, py::arg("max_io_bytes") = 1 << 20, py::arg("direct") = true,
-           py::arg("sync") = false, py::arg("ns"), py::arg("buffers"))
+           py::arg("sync") = false, py::arg("ns"), py::arg("buffers"),
+           py::arg("trailer_in_slot") = true)
       .def_property_readonly("backend", &disk::Store::backend_name)
       .def_property_readonly("direct", &disk::Store::direct)
       .def_property_readonly("note", &disk::Store::backend_note);

@@ -95,6 +95,46 @@ TEST_P(DiskTest, StoreLoadVerifyAndDetectCorruption) {
   EXPECT_NE(items[0], 0);
 }
 
+TEST_P(DiskTest, TrailerOutsideTheSlot) {
+  constexpr std::size_t kPayload = 8192;  // slots hold only the payload
+  auto pool = kvtier::HostPool::create(8, kPayload, "");
+  disk::StoreOptions o;
+  o.paths = {dir_ + "/slab-0.dat"};
+  o.file_bytes = 16 * disk::record_bytes(kPayload);
+  o.backend = GetParam();
+  o.trailer_in_slot = false;
+  o.ns = digest(7);
+  o.buffers = {{pool.data(), pool.data_bytes()}};
+  auto store = disk::Store::open(o);
+  const std::size_t rec = disk::record_bytes(kPayload);
+  std::vector<disk::RecordRef> w;
+  for (int i = 0; i < 4; ++i) {
+    std::memset(pool.slot(i), 0x30 + i, kPayload);
+    w.push_back({reinterpret_cast<std::uintptr_t>(pool.slot(i)), 0, i * rec, kPayload, digest(i)});
+  }
+  std::vector<std::int32_t> items;
+  store->run(true, w, items);
+  for (auto x : items) EXPECT_EQ(x, 0);
+  std::vector<disk::RecordRef> r;
+  for (int i = 0; i < 4; ++i)
+    r.push_back(
+        {reinterpret_cast<std::uintptr_t>(pool.slot(4 + i)), 0, i * rec, kPayload, digest(i)});
+  r[2].key = digest(99);
+  store->run(false, r, items);
+  EXPECT_EQ(items[0], 0);
+  EXPECT_EQ(items[2], disk::kWrongKey);
+  EXPECT_EQ(pool.slot(7)[100], 0x33);
+  // Damage in the unused part of the trailer is detected too.
+  int fd = ::open((dir_ + "/slab-0.dat").c_str(), O_RDWR);
+  std::uint8_t junk = 1;
+  ASSERT_EQ(::pwrite(fd, &junk, 1, static_cast<off_t>(rec + kPayload + 1000)), 1);
+  ::close(fd);
+  r[2].key = digest(2);
+  store->run(false, r, items);
+  EXPECT_EQ(items[1], disk::kBadTrailer);
+  EXPECT_EQ(items[2], 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, DiskTest,
                          ::testing::Values(std::string("pread")
 #if KVTIER_TEST_URING

@@ -41,9 +41,9 @@ class Engine:
         self._engine = _native.Engine(num_threads, list(queues))
         self._regions: dict[int, Any] = {}
 
-    def register_pool(self, pool: HostPool) -> None:
+    def register_pool(self, pool: HostPool | Any) -> None:
         """Allow jobs to touch ``pool``'s slots (keeps the mapping alive until unregistered)."""
-        self.register_memory(pool.address, pool.nbytes, owner=pool.native)
+        self.register_memory(pool.address, pool.nbytes, owner=getattr(pool, "native", pool))
 
     def register_memory(self, address: int, nbytes: int, owner: Any = None) -> None:
         """Allow jobs to touch ``[address, address + nbytes)``; ``owner`` is kept alive meanwhile."""

@@ -62,10 +62,24 @@ def test_capacity_and_size_errors(tmp_path: Path) -> None:
         DiskTier(tmp_path, 100, BLOCK)
     with pytest.raises(kvtier.InvalidArgument):
         DiskTier(tmp_path, 1 << 20, BLOCK, backend="magic")
-    t = DiskTier(tmp_path, 1 << 20, BLOCK)
+    t = DiskTier(tmp_path, 1 << 20, 10000)
     with pytest.raises(kvtier.InvalidArgument, match="slot_bytes_for"):
-        t.attach(HostPool(4, BLOCK))
+        t.attach(HostPool(4, 10048))
     t.close()
+
+
+def test_slots_without_trailer_room(tmp_path: Path) -> None:
+    # vLLM's primary region: slots of exactly the (4 KiB multiple) block.
+    with HostPool(8, BLOCK) as p:
+        t = DiskTier(tmp_path, 16 * SLOT, BLOCK)
+        t.attach(p)
+        for i in range(4):
+            p.view(i)[:] = content(i)
+        assert all(run_until_done(t, t.submit_store([K(i) for i in range(4)], [0, 1, 2, 3])))
+        assert all(run_until_done(t, t.submit_load([K(i) for i in range(4)], [4, 5, 6, 7])))
+        for i in range(4):
+            assert np.array_equal(p.view(4 + i), content(i))
+        t.close()
 
 
 def test_files_are_private(tmp_path: Path) -> None:

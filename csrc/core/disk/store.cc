@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 
 #include "../status.h"
 
@@ -49,7 +51,10 @@ class DiskJob final : public Job {
                " not 4 KiB aligned or past the extent";
       if (store_->direct() && r.slot % 4096 != 0)
         return "record " + std::to_string(i) + ": host slot is not 4 KiB aligned";
-      if (!regions.covers(r.slot, n))
+      if (!store_->trailer_in_slot() && r.payload_len % 4096 != 0)
+        return "record " + std::to_string(i) +
+               ": without trailer room in the slot the payload must be a multiple of 4 KiB";
+      if (!regions.covers(r.slot, store_->trailer_in_slot() ? n : r.payload_len))
         return "record " + std::to_string(i) +
                ": host slot (payload + trailer) is outside every registered region";
     }
@@ -143,8 +148,70 @@ std::unique_ptr<Job> Store::make_job(bool write, std::vector<RecordRef> recs) {
   return std::make_unique<DiskJob>(shared_from_this(), write, std::move(recs));
 }
 
+namespace {
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+}  // namespace
+
+void Store::run_split(bool write, std::vector<RecordRef>& recs,
+                      std::vector<std::int32_t>& items) const {
+  // Trailers live in one aligned buffer of the job (O_DIRECT needs 4 KiB alignment).
+  std::unique_ptr<std::uint8_t, FreeDeleter> buf(
+      static_cast<std::uint8_t*>(std::aligned_alloc(4096, recs.size() * kTrailerBytes)));
+  if (!buf) {
+    items.assign(recs.size(), ENOMEM);
+    return;
+  }
+  std::vector<IoOp> ops;
+  ops.reserve(2 * recs.size());
+  for (std::size_t i = 0; i < recs.size(); ++i) {
+    const RecordRef& r = recs[i];
+    std::uint8_t* t = buf.get() + i * kTrailerBytes;
+    if (write) {
+      Trailer h = make_header(reinterpret_cast<const std::uint8_t*>(r.slot), r.payload_len,
+                              opts_.ns, r.key);
+      std::memset(t, 0, kTrailerBytes);
+      std::memcpy(t, &h, sizeof h);
+    }
+    IoOp p;
+    p.file = static_cast<int>(r.file);
+    p.offset = r.offset;
+    p.buf = reinterpret_cast<std::uint8_t*>(r.slot);
+    p.len = static_cast<std::uint32_t>(r.payload_len);
+    p.write = write;
+    ops.push_back(p);
+    IoOp q = p;
+    q.offset = r.offset + trailer_offset(r.payload_len);
+    q.buf = t;
+    q.len = kTrailerBytes;
+    ops.push_back(q);
+  }
+  backend_->run(ops);
+  for (std::size_t i = 0; i < recs.size(); ++i) {
+    items[i] = ops[2 * i].result ? ops[2 * i].result : ops[2 * i + 1].result;
+    if (items[i] != 0 || write) continue;
+    Trailer h;
+    const std::uint8_t* t = buf.get() + i * kTrailerBytes;
+    std::memcpy(&h, t, sizeof h);
+    items[i] = check_header(h, reinterpret_cast<const std::uint8_t*>(recs[i].slot),
+                            recs[i].payload_len, opts_.ns, recs[i].key);
+    for (std::size_t b = sizeof h; items[i] == 0 && b < kTrailerBytes; ++b)
+      if (t[b] != 0) items[i] = kBadTrailer;
+  }
+}
+
 void Store::run(bool write, std::vector<RecordRef>& recs, std::vector<std::int32_t>& items) const {
   items.assign(recs.size(), 0);
+  if (!opts_.trailer_in_slot) {
+    run_split(write, recs, items);
+    if (write && opts_.sync)
+      for (int fd : fds_)
+        if (::fdatasync(fd) != 0)
+          for (auto& x : items)
+            if (x == 0) x = errno;
+    return;
+  }
   if (write)
     for (const RecordRef& r : recs)
       write_trailer(reinterpret_cast<std::uint8_t*>(r.slot), r.payload_len, opts_.ns, r.key);

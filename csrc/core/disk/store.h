@@ -22,6 +22,10 @@ struct StoreOptions {
   std::uint32_t max_io_bytes = 1 << 20;  // coalesced requests are capped here
   bool direct = true;                    // O_DIRECT, falling back to buffered
   bool sync = false;                     // fdatasync after every store job
+  // false: host slots hold only the payload (a 4 KiB multiple; e.g. vLLM's
+  // primary region), so the trailer travels through a buffer of the job as a
+  // second request per record and adjacent records do not coalesce.
+  bool trailer_in_slot = true;
   Digest ns{};
   std::vector<std::pair<std::uint8_t*, std::size_t>> buffers;  // host memory to register
 };
@@ -47,6 +51,7 @@ class Store : public std::enable_shared_from_this<Store> {
 
   const char* backend_name() const { return backend_->name(); }
   bool direct() const { return direct_; }
+  bool trailer_in_slot() const { return opts_.trailer_in_slot; }
   std::uint64_t file_bytes() const { return opts_.file_bytes; }
   std::size_t num_files() const { return fds_.size(); }
   std::string backend_note() const { return note_; }
@@ -56,6 +61,7 @@ class Store : public std::enable_shared_from_this<Store> {
 
  private:
   explicit Store(StoreOptions opts) : opts_(std::move(opts)) {}
+  void run_split(bool write, std::vector<RecordRef>& recs, std::vector<std::int32_t>& items) const;
   StoreOptions opts_;
   std::vector<int> fds_;
   std::unique_ptr<IoBackend> backend_;

@@ -223,14 +223,18 @@ class DiskTier(LowerTier):
         if pool is None or self.no_data:
             self.no_data = True
             return
-        if pool.slot_bytes < self.record_bytes:
+        # Slots with room for the trailer give one request per record (and
+        # coalescing); slots of exactly a 4 KiB-multiple block (vLLM's primary
+        # region) send the trailer from a buffer as a second request.
+        trailer_in_slot = pool.slot_bytes >= self.record_bytes
+        if not trailer_in_slot and (pool.slot_bytes < self.block_bytes or self.block_bytes % 4096):
             raise InvalidArgument(
                 f"host slots of {pool.slot_bytes} B cannot hold a disk record of "
-                f"{self.record_bytes} B (block + 4 KiB trailer): size the pool with "
-                f"DiskTier.slot_bytes_for({self.block_bytes})"
+                f"{self.record_bytes} B (block + 4 KiB trailer), and the block is not a "
+                f"multiple of 4 KiB: size the pool with DiskTier.slot_bytes_for({self.block_bytes})"
             )
-        if pool.slot_bytes % 4096:
-            raise InvalidArgument("host slot size must be a multiple of 4 KiB for direct I/O")
+        if pool.slot_bytes % 4096 or pool.address % 4096:
+            raise InvalidArgument("host slots must be 4 KiB aligned for direct I/O")
         from kvtier import _native
         from kvtier.engine import Engine
 
@@ -245,6 +249,7 @@ class DiskTier(LowerTier):
             o["sync"],
             self.ns,
             [(pool.address, pool.nbytes)],
+            trailer_in_slot,
         )
         if self.store.note:
             warnings.warn(f"kvtier disk tier: {self.store.note}", stacklevel=2)
