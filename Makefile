@@ -33,7 +33,18 @@ $(VENV)/.deps: pyproject.toml | sysdeps
 	  pytest hypothesis ruff mypy redis hiredis
 	touch $@
 
-venv: $(VENV)/.deps
+# vLLM 0.33 for the shim's tests: the wheel without its dependencies (they
+# would pull a CUDA torch) plus what its offloading modules import.
+VLLM_DEPS := packaging msgspec psutil pyzmq urllib3 regex "transformers<5.21" cbor2 aiohttp \
+  requests openai_harmony openai pillow pybase64 cachetools cloudpickle uvloop py-cpuinfo \
+  prometheus_client xgrammar "fastapi<0.137" partial_json_parser "llguidance<1.8" pydantic
+$(VENV)/.vllm: $(VENV)/.deps
+	$(PIP) install -q --no-deps vllm==0.33.0
+	$(PIP) install -q $(VLLM_DEPS)
+	$(PY) -c "import torch, vllm.v1.kv_offload.base; assert torch.__version__.startswith('2.13.0')"
+	touch $@
+
+venv: $(VENV)/.deps $(VENV)/.vllm
 
 install: venv
 	$(PIP) install -q --no-build-isolation -e ".[test]"

@@ -175,6 +175,7 @@ class DeviceTransfer:
         use_batch: bool = True,
         num_threads: int = 2,
         budget_bytes: int = 1 << 30,
+        slot_offset: int = 0,
     ) -> None:
         if blocks_per_chunk < 1:
             raise InvalidArgument(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
@@ -191,11 +192,13 @@ class DeviceTransfer:
         self.layout = layout_from_tensors(tensors, page_bytes, blocks_per_chunk)
         self.blocks_per_chunk = blocks_per_chunk
         need = self.layout.chunk_page_bytes * blocks_per_chunk
-        if need > pool.slot_bytes:
+        if slot_offset < 0 or need + slot_offset > pool.slot_bytes:
             raise InvalidArgument(
-                f"a chunk needs {need} bytes but host slots hold {pool.slot_bytes}"
+                f"a chunk needs {need} bytes at offset {slot_offset} but host slots hold "
+                f"{pool.slot_bytes}"
             )
         self.pool = pool
+        self.slot_offset = slot_offset  # this worker's cell inside a slot shared by ranks
         self.is_writer = is_writer
         self._tensors = list(tensors)  # keep the memory alive
         self._b: _CpuBackend | _CudaBackend
@@ -247,6 +250,7 @@ class DeviceTransfer:
         gpu = lay.bases[None, :] + b[:, None] * lay.strides[None, :]
         host = (
             self.pool.address
+            + self.slot_offset
             + slot_of[:, None] * self.pool.slot_bytes
             + lay.chunk_offsets[None, :]
             + in_chunk[:, None] * lay.page_bytes[None, :]

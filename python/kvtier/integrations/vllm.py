@@ -1,0 +1,675 @@
+"""vLLM 0.33 connector shim: the only kvtier module that imports vllm.
+
+Two routes, both loaded by vLLM's OffloadingConnector from
+``kv_connector_extra_config``:
+
+- the whole spec: ``{"spec_name": "KVTierOffloadingSpec",
+  "spec_module_path": "kvtier.integrations.vllm", "kvtier_host_bytes": ...}``
+  (kvtier's host tier, GPU worker and lower tiers);
+- secondary tiers under vLLM's own ``TieringOffloadingSpec``:
+  ``{"secondary_tiers": [{"type": "KVTierDiskTier", "module_path":
+  "kvtier.integrations.vllm", "path": "/mnt/nvme/kv"}]}`` (and
+  ``KVTierRedisTier`` with ``url``).
+
+vLLM imports this module in its API server, engine core and every worker, so
+importing it loads only vLLM's light base modules: kvtier's native core,
+torch-side transfers and vLLM's heavy stats module are imported on first use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+import time
+from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvtier.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from kvtier.manager import TieredOffloadingManager
+    from kvtier.pool import HostPool
+    from kvtier.tiers.base import LowerTier
+
+__all__ = ["KVTierDiskTier", "KVTierOffloadingSpec", "KVTierRedisTier", "KVTierSpec"]
+
+# Keys of kv_connector_extra_config that vLLM itself reads (never ours to reject).
+_VLLM_KEYS = {
+    "spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout",
+    "self_describing_kv_events", "offload_prompt_only", "sync_load_budget_bytes",
+}  # fmt: skip
+# kvtier's keys: name -> (type, what it is)
+CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "kvtier_host_bytes": ((int, str), "host tier size across all workers, e.g. 64GiB (required)"),
+    "kvtier_policy": (str, "eviction policy: lru, arc or a dotted class path (default lru)"),
+    "kvtier_admit_after": (int, "store a block after it was offered N times (default 1)"),
+    "kvtier_disk_path": (str, "directory of the disk tier (optional)"),
+    "kvtier_disk_bytes": ((int, str), "disk tier size (default 100GiB when a path is set)"),
+    "kvtier_disk_write_budget": (
+        (int, str),
+        "disk write budget in bytes per second (default none)",
+    ),
+    "kvtier_remote_url": (str, "redis://HOST:PORT or redis-cluster://H:P,H:P (optional)"),
+    "kvtier_remote_ttl_s": ((int, float), "expiry of remote values in seconds (default none)"),
+    "kvtier_namespace": (str, "extra namespace mixed into every key (default none)"),
+    "kvtier_num_slots": (int, "host slots per rank; required with pipeline parallelism"),
+}
+
+_SOURCE_MEDIUM = {"host": (Medium.CPU, None), "disk": (Medium.STORAGE, Locality.LOCAL),
+                  "remote": (Medium.CPU, Locality.REMOTE)}  # fmt: skip
+KVTIER_METRICS = {
+    "vllm:kv_offload_kvtier_host_usage_perc": "Fraction of kvtier host slots in use.",
+    "vllm:kv_offload_kvtier_promotions": "Blocks promoted from lower tiers into the host tier.",
+    "vllm:kv_offload_kvtier_cascades": "Blocks copied from the host tier to lower tiers.",
+    "vllm:kv_offload_kvtier_cascades_dropped": "Cascades dropped under backpressure.",
+    "vllm:kv_offload_kvtier_allocation_failures": "Stores or promotions refused for lack of room.",
+}
+
+
+def _size(key: str, value: Any) -> int:
+    from kvtier.bench.harness import parse_size
+
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{key}: expected a size, got {value!r}")
+    n = int(value) if isinstance(value, int) else parse_size(str(value))
+    if n <= 0:
+        raise InvalidArgument(f"{key}: must be > 0, got {value!r}")
+    return n
+
+
+def parse_extra_config(extra: dict[str, Any] | Any) -> dict[str, Any]:
+    """Validate kvtier's keys of ``kv_connector_extra_config``; clear errors for
+    unknown or mistyped ones. Returns the kvtier keys with sizes in bytes."""
+    out: dict[str, Any] = {}
+    for key, value in dict(extra).items():
+        if not key.startswith("kvtier_"):
+            continue
+        if key not in CONFIG_KEYS:
+            known = ", ".join(sorted(CONFIG_KEYS))
+            raise InvalidArgument(f"unknown kv_connector_extra_config key {key!r}; known: {known}")
+        typ, _ = CONFIG_KEYS[key]
+        if isinstance(value, bool) or not isinstance(value, typ):
+            raise InvalidArgument(f"{key}: expected {typ}, got {value!r}")
+        out[key] = value
+    for key in ("kvtier_host_bytes", "kvtier_disk_bytes", "kvtier_disk_write_budget"):
+        if key in out:
+            out[key] = _size(key, out[key])
+    if out.get("kvtier_admit_after", 1) < 1:
+        raise InvalidArgument("kvtier_admit_after: must be >= 1")
+    return out
+
+
+class KVTierSpec(LoadStoreSpec):
+    """Host pool slots, co-indexed with the keys of the manager call that made it."""
+
+    def __init__(self, slots: np.ndarray) -> None:
+        self.slots = np.asarray(slots, np.int64)
+        self.block_ids = self.slots  # vLLM's BlockIDsLoadStoreSpec spelling
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+def _pool_name(engine_id: str, stage: int) -> str:
+    tag = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:80] or "engine"
+    return f"kvtier-{tag}-pp{stage}"
+
+
+def _open_pool(name: str, num_slots: int, slot_bytes: int, timeout_s: float = 60.0) -> HostPool:
+    """Create the shared pool, or attach when another process of the engine did."""
+    from kvtier.errors import IoError
+    from kvtier.pool import HostPool
+
+    try:
+        return HostPool(num_slots, slot_bytes, name=name)
+    except IoError as e:
+        if e.errno != 17:  # EEXIST: the scheduler or another worker created it
+            raise
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            pool = HostPool.attach(name)
+            break
+        except InvalidArgument:  # header not written yet: the creator is pre-faulting
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    if (pool.num_slots, pool.slot_bytes) != (num_slots, slot_bytes):
+        raise InvalidArgument(
+            f"host pool {name} is {pool.num_slots} x {pool.slot_bytes} B, this process expects "
+            f"{num_slots} x {slot_bytes} B: do all ranks share one kvtier configuration?"
+        )
+    return pool
+
+
+class KVTierOffloadingSpec(OffloadingSpec):
+    """kvtier as vLLM's whole offloading spec (host tier, GPU worker, lower tiers)."""
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        defs: dict[str, OffloadingMetricMetadata] = {}
+        for name, doc in KVTIER_METRICS.items():
+            cls_ = OffloadingGaugeMetadata if name.endswith("_perc") else OffloadingCounterMetadata
+            defs[name] = cls_(documentation=doc)
+        return defs
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.kvtier = parse_extra_config(self.extra_config)
+        if "kvtier_host_bytes" not in self.kvtier:
+            raise InvalidArgument(
+                "kv_connector_extra_config needs kvtier_host_bytes (e.g. '64GiB')"
+            )
+        par = config.parallel
+        self.world_size = int(par.world_size)
+        self.rank = int(par.rank)
+        self.pp_size = int(par.pp_size)
+        self.tp_size = max(1, self.world_size // max(1, self.pp_size))
+        self.stage = self.rank // self.tp_size if self.pp_size > 1 else 0
+        if self.pp_size > 1 and (
+            "kvtier_disk_path" in self.kvtier or "kvtier_remote_url" in self.kvtier
+        ):
+            raise InvalidArgument(
+                "kvtier: disk and remote tiers with pipeline parallelism are not supported yet "
+                "(the host tier is: one pool per stage, sized with kvtier plan)"
+            )
+        # A slot holds one chunk of every rank of this stage, rank cells back to back
+        # (each stage has its own pool: with uneven layer splits their cells differ).
+        self.cell_bytes = int(config.worker_kv_bytes_per_block) * int(self.blocks_per_chunk)
+        ranks_in_pool = self.tp_size if self.pp_size > 1 else self.world_size
+        payload = -(-(self.cell_bytes * ranks_in_pool) // 4096) * 4096
+        self.slot_bytes = payload + (4096 if "kvtier_disk_path" in self.kvtier else 0)
+        if "kvtier_num_slots" in self.kvtier:
+            self.num_slots = int(self.kvtier["kvtier_num_slots"])
+        elif self.pp_size > 1:
+            raise InvalidArgument(
+                "kvtier_num_slots: required with pipeline parallelism (every stage must agree; "
+                "see kvtier plan --host-memory)"
+            )
+        else:
+            self.num_slots = self.kvtier["kvtier_host_bytes"] // self.slot_bytes
+        if self.num_slots < 1:
+            raise InvalidArgument(
+                f"kvtier_host_bytes: {self.kvtier['kvtier_host_bytes']} B holds no chunk of "
+                f"{self.slot_bytes} B"
+            )
+        self.namespace = self._namespace(config)
+        self.pool_name = _pool_name(str(config.engine_id), self.stage)
+        self._manager: OffloadingManager | None = None
+        self._pool: HostPool | None = None
+
+    def _namespace(self, config: Any) -> str:
+        """What makes bytes compatible: model, dtype, layout, chunk size, topology."""
+        parts = [
+            config.model.name, config.model.dtype, str(config.worker_kv_bytes_per_block),
+            str(self.blocks_per_chunk), str(self.world_size), str(self.pp_size),
+            str(getattr(config, "kv_cache_layout", None)), str(getattr(config, "canonical_layout", False)),
+            self.kvtier.get("kvtier_namespace", ""),
+        ]  # fmt: skip
+        return hashlib.blake2b("\0".join(parts).encode(), digest_size=16).hexdigest()
+
+    def host_pool(self) -> HostPool:
+        if self._pool is None:
+            self._pool = _open_pool(self.pool_name, self.num_slots, self.slot_bytes)
+        return self._pool
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            from kvtier.manager import TieredOffloadingManager
+            from kvtier.tiers.host import HostTier
+
+            k = self.kvtier
+            lower: list[LowerTier] = []
+            payload = self.slot_bytes - (4096 if "kvtier_disk_path" in k else 0)
+            if "kvtier_disk_path" in k:
+                from kvtier.tiers.disk import DiskTier
+
+                lower.append(DiskTier(
+                    k["kvtier_disk_path"], k.get("kvtier_disk_bytes", 100 << 30), payload,
+                    namespace=self.namespace, policy=k.get("kvtier_policy", "lru"),
+                    write_budget_bps=k.get("kvtier_disk_write_budget")))  # fmt: skip
+            if "kvtier_remote_url" in k:
+                from kvtier.tiers.remote import RemoteTier
+
+                lower.append(
+                    RemoteTier(
+                        k["kvtier_remote_url"],
+                        payload,
+                        namespace=self.namespace,
+                        ttl_s=k.get("kvtier_remote_ttl_s"),
+                    )
+                )
+            host = HostTier(
+                self.host_pool(),
+                self.num_slots,
+                policy=k.get("kvtier_policy", "lru"),
+                admit_after=k.get("kvtier_admit_after", 1),
+            )
+            self._manager = KVTierManager(TieredOffloadingManager(host, lower))
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        return KVTierWorker(kv_caches, self)
+
+
+class KVTierManager(OffloadingManager):
+    """vLLM's OffloadingManager over kvtier's TieredOffloadingManager."""
+
+    def __init__(self, m: TieredOffloadingManager) -> None:
+        self.m = m
+        self._lock = threading.Lock()
+        self._last: dict[str, int] = {}  # counters already reported by get_stats
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return LookupResult[self.m.lookup(bytes(key), req_context).name]
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        source = self.m.get_load_source(bytes(key), req_context)
+        return {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}.get(
+            source, CacheHitSource.EXTERNAL_UNSPECIFIED)  # fmt: skip
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        return KVTierSpec(self.m.prepare_load([bytes(k) for k in keys], req_context).slots)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.m.complete_load([bytes(k) for k in keys], req_context)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.m.touch([bytes(k) for k in keys], req_context)
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        out = self.m.prepare_store([bytes(k) for k in keys], req_context)
+        if out is None:
+            return None
+        return PrepareStoreOutput(
+            keys_to_store=[OffloadKey(k) for k in out.keys_to_store],
+            store_spec=KVTierSpec(out.store_spec.slots),
+            evicted_keys=[OffloadKey(k) for k in out.evicted_keys],
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        self.m.complete_store([bytes(k) for k in keys], req_context, success)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self.m.on_new_request(req_context)
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self.m.on_request_finished(req_context)
+
+    def on_schedule_end(self, context: Any) -> None:
+        self.m.on_schedule_end(context)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        for e in self.m.take_events():
+            medium, locality = _SOURCE_MEDIUM.get(e.tier, (Medium.STORAGE, None))
+            yield OffloadingEvent(
+                keys=[OffloadKey(k) for k in e.keys],
+                medium=medium,
+                removed=e.removed,
+                locality=locality,
+                ownership=None if e.tier == "host" else e.tier,
+            )
+
+    def has_pending_work(self) -> bool:
+        return self.m.has_pending_work()
+
+    def reset_cache(self) -> None:
+        self.m.reset_cache()
+
+    def on_reset_flushed(self) -> None:
+        self.m.on_reset_flushed()
+
+    def get_stats(self) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        s = self.m.stats
+        stats = OffloadingConnectorStats()
+        cap = self.m.host.capacity or 1
+        stats.set_gauge("vllm:kv_offload_kvtier_host_usage_perc", len(self.m.host) / cap)
+        for name, value in (
+            ("promotions", s.promotions),
+            ("cascades", s.cascades),
+            ("cascades_dropped", s.cascades_dropped),
+            ("allocation_failures", s.allocation_failures),
+        ):
+            last = self._last.get(name, 0)
+            if value > last:
+                stats.increase_counter(f"vllm:kv_offload_kvtier_{name}", value - last)
+        self._last = {
+            "promotions": s.promotions,
+            "cascades": s.cascades,
+            "cascades_dropped": s.cascades_dropped,
+            "allocation_failures": s.allocation_failures,
+        }
+        return stats
+
+    def shutdown(self) -> None:
+        self.m.shutdown()
+
+
+class KVTierWorker(OffloadingWorker):
+    """vLLM's OffloadingWorker over kvtier's DeviceTransfer: one transfer per
+    KV-cache group (each group's chunks have their own slots)."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, spec: KVTierOffloadingSpec) -> None:
+        from kvtier.transfer import DeviceTransfer
+
+        pool = spec.host_pool()
+        rank_in_pool = spec.rank % spec.tp_size if spec.pp_size > 1 else spec.rank
+        writer = not (spec.replicated_layout and rank_in_pool != 0)
+        self.transfers = []
+        for refs in kv_caches.group_data_refs:
+            seen: dict[int, int] = {}
+            for r in refs:  # layers aliasing one tensor are copied once
+                seen.setdefault(r.tensor_idx, r.page_size_bytes)
+            tensors = [kv_caches.tensors[i].tensor for i in seen]
+            self.transfers.append(DeviceTransfer(
+                tensors, pool, blocks_per_chunk=spec.blocks_per_chunk, page_bytes=list(seen.values()),
+                is_writer=writer, slot_offset=rank_in_pool * spec.cell_bytes))  # fmt: skip
+        self.bpc = spec.blocks_per_chunk
+        self._next = 0
+        self._parts: dict[int, list[tuple[int, int]]] = {}  # job -> [(group, sub job)]
+        self._done: dict[int, list[Any]] = {}
+
+    def _split(
+        self, gpu: GPULoadStoreSpec, slots: np.ndarray
+    ) -> list[tuple[int, np.ndarray, np.ndarray, int]]:
+        blocks = np.asarray(gpu.block_ids, np.int64)
+        sizes = list(getattr(gpu, "group_sizes", None) or [len(blocks)])
+        firsts = list(getattr(gpu, "block_indices", None) or [0] * len(sizes))
+        out, b0, s0 = [], 0, 0
+        for g, (n, first) in enumerate(zip(sizes, firsts)):
+            chunks = -(-((first % self.bpc) + n) // self.bpc) if n else 0
+            out.append((g, blocks[b0 : b0 + n], slots[s0 : s0 + chunks], int(first)))
+            b0, s0 = b0 + n, s0 + chunks
+        return out
+
+    def _submit(
+        self,
+        job_id: int,
+        gpu: GPULoadStoreSpec,
+        host: KVTierSpec,
+        store: bool,
+        expedited: bool = False,
+    ) -> bool:
+        parts = []
+        for g, blocks, slots, first in self._split(gpu, host.slots):
+            if len(blocks) == 0:
+                continue
+            self._next += 1
+            t = self.transfers[g]
+            ok = (
+                t.submit_store(self._next, blocks, slots, first_block_index=first)
+                if store
+                else t.submit_load(self._next, slots, blocks, expedited, first_block_index=first)
+            )
+            if not ok:
+                return False
+            parts.append((g, self._next))
+        self._parts[job_id] = parts
+        self._done[job_id] = []
+        return True
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        assert isinstance(dst_spec, KVTierSpec)
+        return self._submit(job_id, src_spec, dst_spec, store=True)
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        assert isinstance(src_spec, KVTierSpec)
+        return self._submit(job_id, dst_spec, src_spec, store=False, expedited=expedited)
+
+    def get_finished(self) -> list[TransferResult]:
+        owner = {sub: job for job, parts in self._parts.items() for _, sub in parts}
+        for t in self.transfers:
+            for r in t.get_finished():
+                self._done[owner[r.job_id]].append(r)
+        out = []
+        for job in [j for j, parts in self._parts.items() if len(self._done[j]) == len(parts)]:
+            rs = self._done.pop(job)
+            del self._parts[job]
+            out.append(
+                TransferResult(
+                    job_id=job,
+                    success=all(r.success for r in rs),
+                    transfer_size=sum(r.transfer_size or 0 for r in rs),
+                    transfer_time=max((r.transfer_time or 0.0 for r in rs), default=0.0),
+                )
+            )
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        for job in job_ids:
+            for g, sub in self._parts.get(job, []):
+                self.transfers[g].wait([sub])
+
+    def shutdown(self) -> None:
+        for t in self.transfers:
+            t.shutdown()
+
+
+# -- secondary tiers under vLLM's TieringOffloadingSpec ---------------------------
+class _ViewPool:
+    """vLLM's primary region (a memoryview of rows) seen as a kvtier host pool."""
+
+    def __init__(self, view: memoryview) -> None:
+        arr = np.frombuffer(view, dtype=np.uint8)
+        shape, strides = view.shape, view.strides
+        assert shape is not None and strides is not None
+        self._arr = arr.reshape(shape[0], strides[0])
+        self.view_obj = view
+        self.num_slots = int(shape[0])
+        self.slot_bytes = int(strides[0])
+        self.nbytes = self.num_slots * self.slot_bytes
+        self.address = int(arr.ctypes.data)
+
+    def view(self, slot: int, count: int = 1) -> np.ndarray:
+        return self._arr[slot] if count == 1 else self._arr[slot : slot + count]
+
+
+class _KVTierSecondary(SecondaryTierManager):
+    """A kvtier lower tier as one of vLLM's secondary tiers (scheduler side)."""
+
+    def _attach(self, tier: LowerTier) -> None:
+        self.tier = tier
+        tier.attach(_ViewPool(self._primary_kv_view))  # type: ignore[arg-type]
+        self._jobs: dict[int, TransferJob] = {}  # kvtier token -> vLLM job
+        self._ready: list[JobResult] = []
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        r = self.tier.lookup(bytes(key))
+        return LookupResult.RETRY if r.name == "HIT_PENDING" else LookupResult[r.name]
+
+    def _submit(self, job: TransferJob, store: bool) -> None:
+        keys = [bytes(k) for k in job.keys]
+        slots = [int(s) for s in job.chunk_ids]
+        token = self.tier.submit_store(keys, slots) if store else self.tier.submit_load(keys, slots)
+        if token is None:  # backpressure / busy: the job fails now, nothing moved
+            self._ready.append(JobResult(job_id=job.job_id, success=False, successful_keys=[]))
+        else:
+            self._jobs[token] = job
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, store=True)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, store=False)
+
+    def _collect(self) -> None:
+        for c in self.tier.poll():
+            job = self._jobs.pop(c.token, None)
+            if job is None:
+                continue
+            good = [k for k, ok in zip(job.keys, c.key_ok or [c.ok] * len(c.keys)) if ok]
+            self._ready.append(JobResult(
+                job_id=job.job_id, success=c.ok, successful_keys=None if c.ok else good,
+                transfer_time=time.monotonic() - job.submit_time,
+                transfer_bytes=len(good) * self.block_size_bytes))  # fmt: skip
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        self._collect()
+        out, self._ready = self._ready, []
+        return out
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def drain_jobs(self) -> None:
+        deadline = time.monotonic() + 60
+        while self._jobs and time.monotonic() < deadline:
+            self._collect()
+            time.sleep(0.0005)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs) or bool(self._ready) or self.tier.has_pending_work()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        for e in self.tier.take_events():
+            yield OffloadingEvent(
+                keys=[OffloadKey(k) for k in e.keys],
+                medium=self.medium or Medium.STORAGE,
+                removed=e.removed,
+                locality=self.locality,
+                ownership=self.tier_type,
+            )
+
+    def shutdown(self) -> None:
+        self.drain_jobs()
+        self.tier.close()
+
+
+def _tier_namespace(spec: Any, extra: str) -> str:
+    cfg = spec.config
+    parts = [
+        cfg.model.name,
+        cfg.model.dtype,
+        str(cfg.worker_kv_bytes_per_block),
+        str(spec.blocks_per_chunk),
+        str(cfg.parallel.world_size),
+        extra,
+    ]
+    return hashlib.blake2b("\0".join(parts).encode(), digest_size=16).hexdigest()
+
+
+class KVTierDiskTier(_KVTierSecondary):
+    """kvtier's disk tier (io_uring, checksummed records, warm restart) as a vLLM secondary tier."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        path: str,
+        capacity_bytes: int | str = "100GiB",
+        queue_depth: int = 32,
+        policy: str = "lru",
+        admit_after: int = 1,
+        write_budget_bps: float | None = None,
+        backend: str = "auto",
+        namespace: str = "",
+        backpressure_detector: Any = None,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        from kvtier.tiers.disk import DiskTier
+
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        self.locality = Locality.LOCAL
+        self._attach(
+            DiskTier(
+                path,
+                _size("capacity_bytes", capacity_bytes),
+                self.block_size_bytes,
+                namespace=_tier_namespace(offloading_spec, namespace),
+                name=tier_type,
+                policy=policy,
+                admit_after=admit_after,
+                backend=backend,
+                write_budget_bps=write_budget_bps,
+                queue_depth=queue_depth,
+            )
+        )
+
+
+class KVTierRedisTier(_KVTierSecondary):
+    """kvtier's remote tier (native pipelined RESP client, Redis/Valkey, cluster) as a vLLM secondary tier."""
+
+    medium: ClassVar[Medium] = Medium.CPU
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        url: str,
+        ttl_s: float | None = None,
+        timeout_s: float = 2.0,
+        admit_after: int = 1,
+        namespace: str = "",
+        degraded_ok: bool = False,
+        backpressure_detector: Any = None,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        from kvtier.tiers.remote import RemoteTier
+
+        self.locality = Locality.REMOTE
+        self._attach(
+            RemoteTier(
+                url,
+                self.block_size_bytes,
+                namespace=_tier_namespace(offloading_spec, namespace),
+                name=tier_type,
+                ttl_s=ttl_s,
+                timeout_s=timeout_s,
+                admit_after=admit_after,
+                degraded_ok=degraded_ok,
+            )
+        )
