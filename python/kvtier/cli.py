@@ -50,6 +50,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         results = [
             run_remote(args.url, s, parse_size(args.total) // 2, args.repeats) for s in sizes
         ]
+    elif args.component == "vllm":
+        from kvtier.bench.vllm import run_vllm
+
+        sizes = (parse_size(args.block_bytes),) if args.block_bytes else (262144, 2 << 20)
+        results = [run_vllm(args.dir, sizes, args.repeats)]
     elif args.component == "manager":
         from kvtier.bench.manager import run_manager
 
@@ -119,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_cmd_replay)
 
     b = sub.add_parser("bench", help="measure a component against its baseline")
-    b.add_argument("component", choices=["copy", "manager", "disk", "remote"])
+    b.add_argument("component", choices=["copy", "manager", "disk", "remote", "vllm"])
     b.add_argument("--url", help="remote: redis://HOST:PORT (default: start a local server)")
     b.add_argument("--block-bytes", help="one size (default: 64KiB, 256KiB and 2MiB)")
     b.add_argument(
