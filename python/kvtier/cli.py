@@ -53,8 +53,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     elif args.component == "vllm":
         from kvtier.bench.vllm import run_vllm
 
-        sizes = (parse_size(args.block_bytes),) if args.block_bytes else (262144, 2 << 20)
-        results = [run_vllm(args.dir, sizes, args.repeats)]
+        chunks = (parse_size(args.block_bytes),) if args.block_bytes else (262144, 2 << 20)
+        results = [run_vllm(args.dir, chunks, args.repeats)]
     elif args.component == "manager":
         from kvtier.bench.manager import run_manager
 

@@ -137,7 +137,7 @@ def bench_disk(
     off = (-region.ctypes.data) % 4096  # page-aligned rows, as vLLM's mmap region
     rows = region[off : off + chunks * chunk_bytes].reshape(chunks, chunk_bytes)
     rows[:] = np.random.default_rng(0).integers(0, 256, rows.shape, dtype=np.uint8)
-    view = memoryview(rows)
+    view = rows.data  # a memoryview of (chunks, chunk_bytes), as vLLM hands over
     spec = TieringOffloadingSpec(_config({"cpu_bytes_to_use": chunks * chunk_bytes}, chunk_bytes))
     base = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-", dir=directory))
     res: dict[str, list[float]] = {
