@@ -169,6 +169,7 @@ class DiskTier(LowerTier):
         self._tokens = itertools.count(1)
         self._jobs: dict[int, tuple[int, int]] = {}  # engine job -> (token, first item)
         self._batches: dict[int, dict[str, Any]] = {}
+        self._finished: list[int] = []  # tokens whose completion poll() returns next
         self._events: list[TierEvent] = []
         self._seq = 0
         self._journal_buf = bytearray()
@@ -515,9 +516,8 @@ class DiskTier(LowerTier):
                         for k in range(busy_from, len(b["io_idx"])):
                             b["items"][k] = 16  # EBUSY: never submitted
                     self._finish(token, b["items"])
-        out = [b.pop("completion") for t, b in list(self._batches.items()) if "completion" in b]
-        for c in out:
-            del self._batches[c.token]
+        out = [self._batches.pop(t)["completion"] for t in self._finished]
+        self._finished.clear()
         self._flush_journal()
         return out
 
@@ -559,6 +559,7 @@ class DiskTier(LowerTier):
                         self._events.append(TierEvent([b["keys"][i]], self.name, removed=True))
         if stored:
             self._events.append(TierEvent(stored, self.name, removed=False))
+        self._finished.append(token)
         b["completion"] = TierCompletion(
             token, all(b["ok"]), b["kind"], b["keys"], key_ok=list(b["ok"])
         )
@@ -568,7 +569,7 @@ class DiskTier(LowerTier):
         return ev
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs) or any("completion" in b for b in self._batches.values())
+        return bool(self._jobs) or bool(self._finished)
 
     def reset(self) -> None:
         for dig, rec in list(self.index.items()):

@@ -135,6 +135,7 @@ class RemoteTier(LowerTier):
         self._tokens = itertools.count(1)
         self._jobs: dict[int, tuple[int, int]] = {}  # engine job -> (token, first index)
         self._batches: dict[int, dict[str, Any]] = {}
+        self._finished: list[int] = []  # tokens whose completion poll() returns next
         self._events: list[TierEvent] = []
         self._closed = False
         self.pool = None
@@ -310,10 +311,11 @@ class RemoteTier(LowerTier):
                     b["items"][busy_from:] = [16] * (len(b["items"]) - busy_from)
                 self._finish(token)
         out = []
-        for token in [t for t, b in self._batches.items() if "completion" in b]:
+        for token in self._finished:
             c = self._batches.pop(token)["completion"]
             if c is not None:
                 out.append(c)
+        self._finished.clear()
         return out
 
     def _finish(self, token: int) -> None:
@@ -325,6 +327,7 @@ class RemoteTier(LowerTier):
                 # A failed check (server down) counts as absent for a while.
                 self._remember(d, code == 0)
             b["completion"] = None
+            self._finished.append(token)
             return
         keys = b["keys"]
         ok = [code == 0 for code in items]
@@ -357,13 +360,14 @@ class RemoteTier(LowerTier):
         if kind == "store" and done:
             self._events.append(TierEvent(done, self.name, removed=False))
         b["completion"] = TierCompletion(token, all(ok), kind, keys, key_ok=ok)
+        self._finished.append(token)
 
     def take_events(self) -> list[TierEvent]:
         ev, self._events = self._events, []
         return ev
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs) or bool(self._exists_queue)
+        return bool(self._jobs) or bool(self._exists_queue) or bool(self._finished)
 
     def reset(self) -> None:
         self.known.clear()
