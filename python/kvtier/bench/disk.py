@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.harness import drive_tier
 from kvtier.errors import InvalidArgument
 from kvtier.pool import HostPool
 from kvtier.tiers.disk import DiskTier, record_bytes
@@ -25,33 +26,6 @@ from kvtier.tiers.disk import DiskTier, record_bytes
 
 def _keys(n: int, salt: int) -> list[bytes]:
     return [b"bench-%d-%d" % (salt, i) for i in range(n)]
-
-
-def _drive(
-    t: DiskTier, write: bool, keys: list[bytes], batch: int, poll_s: float = 0.0002
-) -> float:
-    """Keep the tier's queue full until every key moved; seconds taken."""
-    n = len(keys)
-    assert t.pool is not None
-    t0 = time.perf_counter()
-    i = done = 0
-    inflight = 0
-    while done < n:
-        while i < n and inflight < 4:
-            ks = keys[i : i + batch]
-            slots = [(i + j) % t.pool.num_slots for j in range(len(ks))]
-            tok = t.submit_store(ks, slots) if write else t.submit_load(ks, slots)
-            if tok is None:
-                break
-            i += len(ks)
-            inflight += 1
-        for c in t.poll():
-            inflight -= 1
-            done += len(c.keys)
-            if not c.ok:
-                raise RuntimeError(f"bench {'store' if write else 'load'} failed: {c.key_ok}")
-        time.sleep(poll_s)
-    return time.perf_counter() - t0
 
 
 def _fio(directory: Path, rw: str, bs: int, qd: int, size: int) -> float:
@@ -155,8 +129,8 @@ def run_disk(
     try:
         for r in range(repeats):
             keys = _keys(n, r)
-            ks.append(n * block_bytes / _drive(tier, True, keys, batch) / 1e9)
-            kl.append(n * block_bytes / _drive(tier, False, keys, batch) / 1e9)
+            ks.append(n * block_bytes / drive_tier(tier, True, keys, batch) / 1e9)
+            kl.append(n * block_bytes / drive_tier(tier, False, keys, batch) / 1e9)
             if have_fio:
                 fs.append(_fio(work, "write", block_bytes, queue_depth, n * block_bytes))
                 fl.append(_fio(work, "read", block_bytes, queue_depth, n * block_bytes))
@@ -171,8 +145,8 @@ def run_disk(
             while not stop.is_set():
                 keys = _keys(n, 1000 + k)
                 # Polled once a millisecond, like a scheduler step would.
-                _drive(tier, True, keys, batch, 0.001)
-                _drive(tier, False, keys, batch, 0.001)
+                drive_tier(tier, True, keys, batch, 0.001)
+                drive_tier(tier, False, keys, batch, 0.001)
                 k += 1
 
         th = threading.Thread(target=busy, daemon=True)

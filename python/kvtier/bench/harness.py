@@ -31,6 +31,37 @@ def median_rate(
     return statistics.median(rates), rates
 
 
+def drive_tier(
+    tier: Any, store: bool, keys: list[bytes], batch: int, poll_s: float = 0.0002
+) -> float:
+    """Keep a kvtier lower tier's queue full (4 batches in flight) until every
+    key moved between it and the attached pool; returns the seconds taken.
+    Blocks; raises RuntimeError if any key fails."""
+    slots = tier.pool.num_slots
+    n = len(keys)
+    t0 = time.perf_counter()
+    i = done = inflight = 0
+    while done < n:
+        while i < n and inflight < 4:
+            ks = keys[i : i + batch]
+            sl = [(i + j) % slots for j in range(len(ks))]
+            tok = tier.submit_store(ks, sl) if store else tier.submit_load(ks, sl)
+            if tok is None:
+                break
+            i += len(ks)
+            inflight += 1
+        for c in tier.poll():
+            inflight -= 1
+            done += len(c.keys)
+            if not c.ok:
+                bad = c.key_ok.count(False) if c.key_ok else "?"
+                raise RuntimeError(
+                    f"{tier.name} {'store' if store else 'load'} failed for {bad} keys"
+                )
+        time.sleep(poll_s)
+    return time.perf_counter() - t0
+
+
 def machine_facts() -> dict[str, Any]:
     """CPU, cores, memory, kernel and Python: what a reader needs to compare runs."""
     cpu = ""

@@ -14,33 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.bench.harness import drive_tier
 from kvtier.errors import InvalidArgument
 from kvtier.pool import HostPool
 from kvtier.tiers.remote import RemoteTier, parse_url
-
-
-def _drive(t: RemoteTier, kind: str, keys: list[bytes], slots: int, batch: int) -> float:
-    n = len(keys)
-    t0 = time.perf_counter()
-    i = done = inflight = 0
-    while done < n:
-        while i < n and inflight < 4:
-            ks = keys[i : i + batch]
-            sl = [(i + j) % slots for j in range(len(ks))]
-            tok = t.submit_store(ks, sl) if kind == "store" else t.submit_load(ks, sl)
-            if tok is None:
-                break
-            i += len(ks)
-            inflight += 1
-        for c in t.poll():
-            inflight -= 1
-            done += len(c.keys)
-            if not c.ok:
-                raise RuntimeError(
-                    f"remote {kind} failed for {c.key_ok.count(False) if c.key_ok else '?'} keys"
-                )
-        time.sleep(0.0002)
-    return time.perf_counter() - t0
 
 
 def _redis_benchmark(
@@ -149,8 +126,8 @@ def run_remote(
             keys = [
                 b"bench-%d" % i for i in range(n)
             ]  # overwritten each run, as redis-benchmark does
-            ks.append(n * block_bytes / _drive(t, "store", keys, slots, batch) / 1e9)
-            kl.append(n * block_bytes / _drive(t, "load", keys, slots, batch) / 1e9)
+            ks.append(n * block_bytes / drive_tier(t, True, keys, batch) / 1e9)
+            kl.append(n * block_bytes / drive_tier(t, False, keys, batch) / 1e9)
             if shutil.which("redis-benchmark") and not cfg["cluster"]:
                 b = _redis_benchmark(
                     host, port, cfg["password"], block_bytes, connections, max(64, n // 2)
