@@ -377,7 +377,8 @@ PYBIND11_MODULE(_native, m) {
       .def(py::init([](const std::vector<std::pair<std::string, int>>& seeds, bool cluster,
                        const std::string& user, const std::string& password, int db,
                        int connect_timeout_ms, int io_timeout_ms, unsigned pipeline,
-                       std::uint64_t ttl_ms, bool lazy, const py::bytes& ns) {
+                       std::uint64_t ttl_ms, bool lazy, const py::bytes& ns,
+                       std::uint64_t window_bytes) {
              rm::Options o;
              for (const auto& [h, p] : seeds) o.seeds.push_back({h, p});
              o.cluster = cluster;
@@ -387,6 +388,7 @@ PYBIND11_MODULE(_native, m) {
              o.connect_timeout_ms = connect_timeout_ms;
              o.io_timeout_ms = io_timeout_ms;
              o.pipeline = pipeline;
+             o.window_bytes = window_bytes;
              o.ttl_ms = ttl_ms;
              o.lazy = lazy;
              std::string nsb = ns;
@@ -398,7 +400,8 @@ PYBIND11_MODULE(_native, m) {
            }),
            py::arg("seeds"), py::arg("cluster"), py::arg("user"), py::arg("password"),
            py::arg("db"), py::arg("connect_timeout_ms"), py::arg("io_timeout_ms"),
-           py::arg("pipeline"), py::arg("ttl_ms"), py::arg("lazy"), py::arg("ns"))
+           py::arg("pipeline"), py::arg("ttl_ms"), py::arg("lazy"), py::arg("ns"),
+           py::arg("window_bytes") = rm::Options{}.window_bytes)
       .def_property_readonly("nodes", &rm::Store::nodes)
       .def_property_readonly("redirects", &rm::Store::redirects);
   m.def("remote_item_error", [](std::int32_t c) { return std::string(rm::item_error(c)); });

@@ -6,6 +6,11 @@
 #if defined(__x86_64__)
 #include <nmmintrin.h>
 #endif
+#if KVTIER_HAVE_ISAL
+#include <isa-l/crc.h>
+
+#include <climits>
+#endif
 
 namespace kvtier {
 
@@ -117,16 +122,66 @@ bool have_sse42() {
 #endif
 }
 
-}  // namespace
-
-std::uint32_t crc32c(const void* data, std::size_t n, std::uint32_t crc) {
+#if KVTIER_HAVE_ISAL
+std::uint32_t crc_isal(const void* data, std::size_t n, std::uint32_t crc) {
+  // ISA-L works on the raw register (no pre/post inversion) and takes an int
+  // length.
   const auto* p = static_cast<const std::uint8_t*>(data);
-#if defined(__x86_64__)
-  if (have_sse42()) return crc_hw(p, n, crc);
+  std::uint32_t c = ~crc;
+  while (n > 0) {
+    const std::size_t k = n < (1u << 30) ? n : (1u << 30);
+    c = crc32_iscsi(const_cast<std::uint8_t*>(p), static_cast<int>(k), c);
+    p += k;
+    n -= k;
+  }
+  return ~c;
+}
 #endif
-  return ~crc_table(p, n, ~crc);
+
+#if defined(__x86_64__)
+std::uint32_t crc_sse42(const void* data, std::size_t n, std::uint32_t crc) {
+  return crc_hw(static_cast<const std::uint8_t*>(data), n, crc);
+}
+#endif
+
+std::uint32_t crc_portable(const void* data, std::size_t n, std::uint32_t crc) {
+  return ~crc_table(static_cast<const std::uint8_t*>(data), n, ~crc);
 }
 
-const char* crc32c_backend() { return have_sse42() ? "sse4.2" : "table"; }
+Crc32cImpl pick() {
+  for (int i = 0; i < 3; ++i)
+    if (Crc32cImpl c = crc32c_impl(i); c.fn) return c;
+  return {"table", crc_portable};
+}
+
+const Crc32cImpl& chosen() {
+  static const Crc32cImpl c = pick();
+  return c;
+}
+
+}  // namespace
+
+Crc32cImpl crc32c_impl(int i) {
+  switch (i) {
+#if KVTIER_HAVE_ISAL
+    case 0:
+      return {"isa-l", crc_isal};
+#endif
+#if defined(__x86_64__)
+    case 1:
+      return {"sse4.2", have_sse42() ? crc_sse42 : nullptr};
+#endif
+    case 2:
+      return {"table", crc_portable};
+    default:
+      return {"", nullptr};
+  }
+}
+
+std::uint32_t crc32c(const void* data, std::size_t n, std::uint32_t crc) {
+  return chosen().fn(data, n, crc);
+}
+
+const char* crc32c_backend() { return chosen().name; }
 
 }  // namespace kvtier

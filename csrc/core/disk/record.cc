@@ -25,16 +25,31 @@ Trailer make_header(const std::uint8_t* payload, std::size_t payload_len, const 
   return t;
 }
 
-std::int32_t check_header(const Trailer& t, const std::uint8_t* payload, std::size_t payload_len,
-                          const Digest& ns, const Digest& key) {
+namespace {
+
+std::int32_t check_meta(const Trailer& t, std::size_t payload_len, const Digest& ns,
+                        const Digest& key) {
   if (t.magic != kMagic || t.version != kVersion ||
       t.trailer_crc != crc32c(&t, offsetof(Trailer, trailer_crc)))
     return kBadTrailer;
   if (t.payload_len != payload_len || std::memcmp(t.ns, ns.b, 16) != 0 ||
       std::memcmp(t.key, key.b, 16) != 0)
     return kWrongKey;
-  if (crc32c(payload, payload_len) != t.payload_crc) return kBadChecksum;
   return 0;
+}
+
+}  // namespace
+
+std::int32_t check_header(const Trailer& t, const std::uint8_t* payload, std::size_t payload_len,
+                          const Digest& ns, const Digest& key) {
+  if (std::int32_t rc = check_meta(t, payload_len, ns, key); rc != 0) return rc;
+  return crc32c(payload, payload_len) == t.payload_crc ? 0 : kBadChecksum;
+}
+
+std::int32_t check_header_crc(const Trailer& t, std::uint32_t payload_crc, std::size_t payload_len,
+                              const Digest& ns, const Digest& key) {
+  if (std::int32_t rc = check_meta(t, payload_len, ns, key); rc != 0) return rc;
+  return payload_crc == t.payload_crc ? 0 : kBadChecksum;
 }
 
 void write_trailer(std::uint8_t* record, std::size_t payload_len, const Digest& ns,

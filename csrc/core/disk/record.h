@@ -49,6 +49,11 @@ Trailer make_header(const std::uint8_t* payload, std::size_t payload_len, const 
 // 0, or kBadTrailer / kWrongKey / kBadChecksum.
 std::int32_t check_header(const Trailer& t, const std::uint8_t* payload, std::size_t payload_len,
                           const Digest& ns, const Digest& key);
+// The same checks given the payload's crc32c, computed by the caller while
+// the payload was still in cache (the remote client, chunk by chunk as it
+// arrives from the socket).
+std::int32_t check_header_crc(const Trailer& t, std::uint32_t payload_crc, std::size_t payload_len,
+                              const Digest& ns, const Digest& key);
 
 void write_trailer(std::uint8_t* record, std::size_t payload_len, const Digest& ns,
                    const Digest& key);

@@ -14,6 +14,7 @@
 #include <climits>
 #include <cstring>
 
+#include "../crc32c.h"
 #include "../status.h"
 
 namespace kvtier::remote {
@@ -197,15 +198,21 @@ class Connection {
   }
 
   // Exactly n bytes into dst: first what the buffer holds, then straight from
-  // the socket into dst (no intermediate copy of the payload).
-  int read_into(std::uint8_t* dst, std::size_t n) {
+  // the socket into dst (no intermediate copy of the payload). With `crc`,
+  // extends it over each piece as it lands, while the piece is still in
+  // cache: a separate pass over a cold 256 KiB slot after the read cost
+  // 0.1-0.2 of a core at 2 GB/s (perf, kvtier bench remote).
+  int read_into(std::uint8_t* dst, std::size_t n, std::uint32_t* crc = nullptr) {
     const std::size_t have = std::min(n, rlen_ - rpos_);
     std::memcpy(dst, rbuf_.data() + rpos_, have);
+    if (crc) *crc = crc32c(dst, have, *crc);
     rpos_ += have;
     std::size_t done = have;
+    constexpr std::size_t kPiece = 256 << 10;  // well inside L2
     while (done < n) {
-      ssize_t r = ::recv(fd_, dst + done, n - done, 0);
+      ssize_t r = ::recv(fd_, dst + done, std::min(n - done, kPiece), 0);
       if (r > 0) {
+        if (crc) *crc = crc32c(dst + done, static_cast<std::size_t>(r), *crc);
         done += static_cast<std::size_t>(r);
         continue;
       }
@@ -473,7 +480,16 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
     return;
   }
   const std::string ttl = std::to_string(opts_.ttl_ms);
-  const std::size_t w = opts_.pipeline;
+  // Values are pipelined in windows of about window_bytes: with 16 MiB
+  // windows (64 x 256 KiB) a value went cold in the socket buffers before
+  // either side copied it, and loads ran at 1.4 GB/s; with 512 KiB windows at
+  // 1.9 (kvtier bench remote, 256 KiB values, same run).
+  std::size_t w = opts_.pipeline;
+  if (kind != Kind::kExists) {
+    const std::uint64_t value = kHeader + items[idx[0]].payload_len;
+    w = static_cast<std::size_t>(
+        std::clamp<std::uint64_t>(opts_.window_bytes / value, 1, opts_.pipeline));
+  }
   static const std::string kAsking = encode({"ASKING"});
   static const char kCrlf[] = "\r\n";
   // Buffers of one window of commands; they live until the window is written.
@@ -565,12 +581,12 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
         continue;
       }
       disk::Trailer h;
+      std::uint32_t crc = 0;
       if ((e = c->read_into(reinterpret_cast<std::uint8_t*>(&h), kHeader)) != 0) return e;
-      if ((e = c->read_into(reinterpret_cast<std::uint8_t*>(it.slot), it.payload_len)) != 0)
+      if ((e = c->read_into(reinterpret_cast<std::uint8_t*>(it.slot), it.payload_len, &crc)) != 0)
         return e;
       if ((e = c->skip(2)) != 0) return e;
-      out[i] = disk::check_header(h, reinterpret_cast<const std::uint8_t*>(it.slot), it.payload_len,
-                                  opts_.ns, it.digest);
+      out[i] = disk::check_header_crc(h, crc, it.payload_len, opts_.ns, it.digest);
     }
     return 0;
   };

@@ -44,9 +44,10 @@ struct Options {
   int db = 0;
   int connect_timeout_ms = 2000;
   int io_timeout_ms = 2000;
-  unsigned pipeline = 64;    // commands in flight per connection
-  std::uint64_t ttl_ms = 0;  // 0: no expiry
-  bool lazy = false;         // do not fail construction when unreachable
+  unsigned pipeline = 64;                  // commands in flight per connection
+  std::uint64_t window_bytes = 512 << 10;  // value bytes per pipelined window
+  std::uint64_t ttl_ms = 0;                // 0: no expiry
+  bool lazy = false;                       // do not fail construction when unreachable
   Digest ns{};
 };
 

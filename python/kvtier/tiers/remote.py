@@ -87,6 +87,7 @@ class RemoteTier(LowerTier):
         ttl_s: float | None = None,
         timeout_s: float = 2.0,
         pipeline: int = 64,
+        window_bytes: int = 512 << 10,
         num_threads: int = 2,
         inflight_bytes: int = 512 << 20,
         job_items: int = 64,
@@ -98,8 +99,8 @@ class RemoteTier(LowerTier):
     ) -> None:
         if block_bytes <= 0:
             raise InvalidArgument(f"block_bytes must be > 0, got {block_bytes}")
-        if timeout_s <= 0 or pipeline <= 0 or job_items <= 0:
-            raise InvalidArgument("timeout_s, pipeline and job_items must be > 0")
+        if timeout_s <= 0 or pipeline <= 0 or job_items <= 0 or window_bytes <= 0:
+            raise InvalidArgument("timeout_s, pipeline, window_bytes and job_items must be > 0")
         from kvtier import _native
         from kvtier.engine import Engine
 
@@ -121,6 +122,7 @@ class RemoteTier(LowerTier):
             int((ttl_s or 0) * 1000),
             degraded_ok,
             self.ns,
+            window_bytes,
         )
         self.engine = Engine(num_threads, [(inflight_bytes, False)])
         self.job_items = job_items
