@@ -173,6 +173,9 @@ PYBIND11_MODULE(_native, m) {
       .def_readonly("nbytes", &kvtier::JobResult::nbytes)
       .def_readonly("seconds", &kvtier::JobResult::seconds)
       .def_readonly("items", &kvtier::JobResult::items)
+      .def_readonly("timed_out", &kvtier::JobResult::timed_out)
+      .def_readonly("held", &kvtier::JobResult::held)
+      .def_readonly("released", &kvtier::JobResult::released)
       .def("__iter__",
            [](const kvtier::JobResult& r) {
              return py::iter(py::make_tuple(r.job_id, r.ok, r.error, r.nbytes, r.seconds));
@@ -186,12 +189,25 @@ PYBIND11_MODULE(_native, m) {
 
   using kvtier::Engine;
   py::class_<Engine>(m, "Engine")
-      .def(py::init(
-               [](std::size_t num_threads, const std::vector<std::pair<std::uint64_t, bool>>& qs) {
-                 std::vector<kvtier::QueueOptions> opts;
-                 for (const auto& [budget, serial] : qs) opts.push_back({budget, serial});
-                 return std::make_unique<Engine>(num_threads, std::move(opts));
-               }),
+      .def(py::init([](std::size_t num_threads, const std::vector<py::tuple>& qs) {
+             // (budget_bytes, serial[, deadline_seconds])
+             std::vector<kvtier::QueueOptions> opts;
+             for (const auto& t : qs) {
+               if (t.size() != 2 && t.size() != 3)
+                 throw Error(Code::kInvalidArgument,
+                             "a queue is (budget_bytes, serial[, deadline_seconds])");
+               kvtier::QueueOptions o;
+               o.budget_bytes = t[0].cast<std::uint64_t>();
+               o.serial = t[1].cast<bool>();
+               if (t.size() == 3) {
+                 const double d = t[2].cast<double>();
+                 if (!(d >= 0)) throw Error(Code::kInvalidArgument, "deadline must be >= 0");
+                 o.deadline = std::chrono::milliseconds(static_cast<std::int64_t>(d * 1000));
+               }
+               opts.push_back(o);
+             }
+             return std::make_unique<Engine>(num_threads, std::move(opts));
+           }),
            py::arg("num_threads"), py::arg("queues"))
       .def(
           "submit_copy",

@@ -14,7 +14,11 @@ Engine::Engine(std::size_t num_threads, std::vector<QueueOptions> queues) {
   for (const auto& q : queues)
     if (q.budget_bytes == 0) throw_invalid("queue budget_bytes must be > 0");
   queues_ = std::vector<Queue>(queues.size());
-  for (std::size_t i = 0; i < queues.size(); ++i) queues_[i].opts = queues[i];
+  for (std::size_t i = 0; i < queues.size(); ++i) {
+    queues_[i].opts = queues[i];
+    if (queues[i].deadline.count() < 0) throw_invalid("queue deadline must be >= 0");
+    deadlines_ = deadlines_ || queues[i].deadline.count() > 0;
+  }
   threads_.reserve(num_threads);
   for (std::size_t i = 0; i < num_threads; ++i) threads_.emplace_back([this] { worker_loop(); });
 }
@@ -42,8 +46,11 @@ std::uint64_t Engine::submit(std::unique_ptr<Job> job, std::size_t queue) {
   if (q.in_flight > 0 && q.in_flight + nbytes > q.opts.budget_bytes) return 0;
   const std::uint64_t id = next_id_++;
   q.in_flight += nbytes;
-  q.pending.push_back(Pending{id, std::move(job), epoch});
+  const auto deadline =
+      q.opts.deadline.count() > 0 ? Clock::now() + q.opts.deadline : Clock::time_point::max();
+  q.pending.push_back(Pending{id, std::move(job), epoch, deadline});
   outstanding_.insert(id);
+  active_.insert(id);
   queued_.fetch_add(1, std::memory_order_release);
   // A futex wake costs microseconds: skip it when a worker is spinning or
   // none sleeps (busy workers take the next job before sleeping).
@@ -59,6 +66,7 @@ bool Engine::take(Pending* out, std::size_t* queue_index) {
     if (q.pending.empty() || (q.opts.serial && q.running > 0)) continue;
     *out = std::move(q.pending.front());
     q.pending.pop_front();
+    if (deadlines_) running_[out->id] = Running{out->deadline};
     queued_.fetch_sub(1, std::memory_order_relaxed);
     ++q.running;
     *queue_index = i;
@@ -121,6 +129,12 @@ void Engine::worker_loop() {
     q.in_flight -= r.nbytes;
     --q.running;
     outstanding_.erase(r.job_id);
+    active_.erase(r.job_id);
+    if (deadlines_) {
+      auto it = running_.find(r.job_id);
+      if (it != running_.end() && it->second.reported) r.released = true;
+      if (it != running_.end()) running_.erase(it);
+    }
     finished_.push_back(std::move(r));
     done_cv_.notify_all();
     if (q.opts.serial && !q.pending.empty()) work_cv_.notify_one();
@@ -130,8 +144,53 @@ void Engine::worker_loop() {
 std::vector<JobResult> Engine::poll() {
   std::vector<JobResult> out;
   std::lock_guard<std::mutex> g(mu_);
+  if (deadlines_) expire_locked(Clock::now());
   out.swap(finished_);
   return out;
+}
+
+Engine::Clock::time_point Engine::expire_locked(Clock::time_point now) {
+  auto next = Clock::time_point::max();
+  bool expired = false;
+  auto timeout = [&](std::uint64_t id, std::uint64_t nbytes, bool held) {
+    JobResult r;
+    r.job_id = id;
+    r.nbytes = nbytes;
+    r.timed_out = true;
+    r.held = held;
+    r.error = held ? "timed out: still running, its memory stays in use until it ends"
+                   : "timed out before it could start";
+    outstanding_.erase(id);
+    finished_.push_back(std::move(r));
+    expired = true;
+  };
+  for (Queue& q : queues_) {
+    // Never started (every worker busy or stuck): dropped, nothing in use.
+    for (auto it = q.pending.begin(); it != q.pending.end();) {
+      if (it->deadline > now) {
+        next = std::min(next, it->deadline);
+        ++it;
+        continue;
+      }
+      const std::uint64_t nb = it->job->bytes();
+      q.in_flight -= nb;
+      active_.erase(it->id);
+      timeout(it->id, nb, false);
+      queued_.fetch_sub(1, std::memory_order_relaxed);
+      it = q.pending.erase(it);
+    }
+  }
+  for (auto& [id, run] : running_) {
+    if (run.reported) continue;
+    if (run.deadline > now) {
+      next = std::min(next, run.deadline);
+      continue;
+    }
+    run.reported = true;
+    timeout(id, 0, true);
+  }
+  if (expired) done_cv_.notify_all();
+  return next;
 }
 
 bool Engine::done_locked(const std::vector<std::uint64_t>& ids) const {
@@ -143,7 +202,16 @@ bool Engine::wait_for(const std::vector<std::uint64_t>& ids, std::chrono::millis
   std::unique_lock<std::mutex> lk(mu_);
   for (std::uint64_t id : ids)
     if (id == 0 || id >= next_id_) throw_invalid("unknown job id " + std::to_string(id));
-  return done_cv_.wait_for(lk, slice, [&] { return done_locked(ids); });
+  if (!deadlines_) return done_cv_.wait_for(lk, slice, [&] { return done_locked(ids); });
+  // Wake at the earliest deadline too: a timed-out job counts as finished.
+  const auto until = Clock::now() + slice;
+  for (;;) {
+    const auto next = expire_locked(Clock::now());
+    if (done_locked(ids)) return true;
+    const auto now = Clock::now();
+    if (now >= until) return false;
+    done_cv_.wait_until(lk, std::min(until, next));
+  }
 }
 
 void Engine::close(bool cancel) {
@@ -157,7 +225,12 @@ void Engine::close(bool cancel) {
           const std::uint64_t nb = p.job->bytes();
           q.in_flight -= nb;
           outstanding_.erase(p.id);
-          finished_.push_back(JobResult{p.id, false, "cancelled: engine closed", nb, 0.0, {}});
+          active_.erase(p.id);
+          JobResult r;
+          r.job_id = p.id;
+          r.error = "cancelled: engine closed";
+          r.nbytes = nb;
+          finished_.push_back(std::move(r));
           queued_.fetch_sub(1, std::memory_order_relaxed);
         }
         q.pending.clear();
@@ -197,7 +270,7 @@ void Engine::unregister_region(std::uintptr_t addr) {
   // Jobs submitted before the removal may be running on the region right now.
   std::unique_lock<std::mutex> lk(mu_);
   done_cv_.wait(lk, [&] {
-    return std::none_of(outstanding_.begin(), outstanding_.end(),
+    return std::none_of(active_.begin(), active_.end(),
                         [&](std::uint64_t id) { return id < last_id; });
   });
 }

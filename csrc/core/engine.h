@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -31,6 +32,13 @@ struct JobResult {
   // Per-item outcome for jobs made of several items (disk records): 0 ok,
   // > 0 an errno, < 0 an integrity failure (see disk/record.h).
   std::vector<std::int32_t> items;
+  // A job past its queue's deadline is reported failed (ETIMEDOUT) at once.
+  // held: it was running then, so the memory it touches (host slots, disk
+  // space) stays in use until a second result for the same id arrives with
+  // released set, when the job has really ended.
+  bool timed_out = false;
+  bool held = false;
+  bool released = false;
 };
 
 // A unit of work run on one worker thread. Implementations must not touch
@@ -50,6 +58,9 @@ class Job {
 struct QueueOptions {
   std::uint64_t budget_bytes = 1ULL << 30;  // in-flight bytes before submit says BUSY
   bool serial = false;                      // at most one job of this queue runs at a time
+  // Jobs not finished this long after submit fail with timed_out (0: never),
+  // so that a hung device cannot hang the caller.
+  std::chrono::milliseconds deadline{0};
 };
 
 class Engine {
@@ -64,11 +75,13 @@ class Engine {
   // Never blocks on running jobs.
   std::uint64_t submit(std::unique_ptr<Job> job, std::size_t queue = 0);
 
-  // Every job finished since the last poll, in completion order.
+  // Every job finished since the last poll, in completion order, then the
+  // jobs whose deadline passed (timed_out), and late ends of timed-out jobs
+  // (released).
   std::vector<JobResult> poll();
 
-  // Blocks up to `slice` for all of `ids` to finish (finished = completed,
-  // whether or not already polled). Returns true when they all have.
+  // Blocks up to `slice` for all of `ids` to finish (finished = completed or
+  // timed out, whether or not already polled). Returns true when they all have.
   bool wait_for(const std::vector<std::uint64_t>& ids, std::chrono::milliseconds slice);
 
   // cancel=false: run every queued job first. cancel=true: queued jobs
@@ -89,10 +102,16 @@ class Engine {
   std::uint64_t in_flight_bytes(std::size_t queue) const;
 
  private:
+  using Clock = std::chrono::steady_clock;
   struct Pending {
     std::uint64_t id;
     std::unique_ptr<Job> job;
     std::uint64_t epoch;
+    Clock::time_point deadline;
+  };
+  struct Running {
+    Clock::time_point deadline;
+    bool reported = false;  // its timeout was reported; the worker reports "released"
   };
   struct Queue {
     QueueOptions opts;
@@ -104,13 +123,18 @@ class Engine {
   void worker_loop();
   bool take(Pending* out, std::size_t* queue_index);  // under mu_
   bool done_locked(const std::vector<std::uint64_t>& ids) const;
+  // Reports jobs past their deadline; the earliest deadline still ahead.
+  Clock::time_point expire_locked(Clock::time_point now);
 
   mutable std::mutex mu_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
   std::vector<Queue> queues_;
   std::vector<JobResult> finished_;
-  std::unordered_set<std::uint64_t> outstanding_;
+  std::unordered_set<std::uint64_t> outstanding_;  // not yet reported
+  std::unordered_set<std::uint64_t> active_;       // queued or running (memory in use)
+  std::unordered_map<std::uint64_t, Running> running_;
+  bool deadlines_ = false;  // some queue has one
   std::uint64_t next_id_ = 1;
   std::size_t rr_ = 0;
   std::size_t idle_ = 0;                // workers blocked on work_cv_

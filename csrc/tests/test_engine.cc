@@ -202,6 +202,51 @@ TEST(Engine, UnregisteredRegionFailsQueuedJob) {
     }
 }
 
+// A hung job (the gate never opens in time) fails at its deadline; a job
+// queued behind it on the only worker fails too, without ever starting; the
+// hung one reports `released` once it really ends, and only then is its
+// budget returned.
+TEST(Engine, DeadlineFailsHungAndQueuedJobsThenReleases) {
+  std::atomic<bool> gate{false}, started{false};
+  QueueOptions q;
+  q.budget_bytes = 100;
+  q.deadline = std::chrono::milliseconds(50);
+  Engine e(1, {q});
+  const auto t0 = std::chrono::steady_clock::now();
+  auto hung = e.submit(std::make_unique<GateJob>(&gate, 10, "", &started));
+  while (!started.load()) std::this_thread::yield();
+  std::atomic<bool> never{false};
+  auto queued = e.submit(std::make_unique<GateJob>(&never, 10));
+  ASSERT_TRUE(e.wait_for({hung, queued}, std::chrono::seconds(5)));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+  auto r = e.poll();
+  ASSERT_EQ(r.size(), 2u);
+  for (auto& x : r) {
+    EXPECT_FALSE(x.ok);
+    EXPECT_TRUE(x.timed_out);
+    EXPECT_FALSE(x.released);
+    EXPECT_EQ(x.held, x.job_id == hung) << x.error;
+  }
+  EXPECT_EQ(e.in_flight_bytes(0), 10u);  // the hung job still holds its bytes
+  gate = true;
+  std::vector<kvtier::JobResult> late;
+  for (int i = 0; i < 500 && late.empty(); ++i) {
+    late = e.poll();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ASSERT_EQ(late.size(), 1u);
+  EXPECT_EQ(late[0].job_id, hung);
+  EXPECT_TRUE(late[0].released);
+  EXPECT_EQ(e.in_flight_bytes(0), 0u);
+  // Jobs that finish in time are unaffected.
+  auto fine = e.submit(std::make_unique<GateJob>(&gate, 10));
+  wait_all(e, {fine});
+  r = e.poll();
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_TRUE(r[0].ok);
+  EXPECT_FALSE(r[0].timed_out || r[0].released || r[0].held);
+}
+
 TEST(Engine, WaitRejectsUnknownIds) {
   Engine e(1, {QueueOptions{}});
   EXPECT_THROW(e.wait_for({42}, std::chrono::milliseconds(1)), kvtier::Error);

@@ -28,15 +28,18 @@ def crc32c(data: Any, crc: int = 0) -> int:
 class Engine:
     """Worker threads plus one or more bounded queues.
 
-    ``queues`` is a list of ``(budget_bytes, serial)``: ``budget_bytes`` of
-    jobs may be in flight per queue before submit says Busy; a serial queue runs
-    its jobs one at a time, in submission order.
+    ``queues`` is a list of ``(budget_bytes, serial[, deadline_s])``:
+    ``budget_bytes`` of jobs may be in flight per queue before submit says
+    Busy; a serial queue runs its jobs one at a time, in submission order; a
+    job not finished ``deadline_s`` after submit is reported failed with
+    ``timed_out`` (and ``held`` if it had started: the memory it touches stays
+    in use until a later result for the same id with ``released``).
     """
 
     def __init__(
         self,
         num_threads: int = 2,
-        queues: Sequence[tuple[int, bool]] = ((1 << 30, False),),
+        queues: Sequence[tuple[int, bool] | tuple[int, bool, float]] = ((1 << 30, False),),
     ) -> None:
         self._engine = _native.Engine(num_threads, list(queues))
         self._regions: dict[int, Any] = {}

@@ -66,6 +66,7 @@ class _Stats:
     cascades: int = 0
     cascades_dropped: int = 0
     cascade_failures: int = 0
+    held_slots: int = 0  # host slots kept from reuse after a device timeout
     stores: int = 0
     store_failures: int = 0
     loads: int = 0
@@ -336,12 +337,18 @@ class TieredOffloadingManager:
         for i, tier in enumerate(self.lower):
             for c in tier.poll():
                 self._complete(i, c)
+            for slot in tier.take_released_slots():
+                self.host.unhold(slot)
 
     def _complete(self, tier_index: int, c: TierCompletion) -> None:
         kind, keys, slots = self._inflight.pop((tier_index, c.token), (c.kind, c.keys, []))
         oks = c.key_ok if c.key_ok is not None else [c.ok] * len(keys)
+        held = c.held or [False] * len(keys)
         for idx, (k, ok) in enumerate(zip(keys, oks)):
             slot = slots[idx] if idx < len(slots) else None
+            if held[idx] and slot is not None:
+                self.host.hold(slot)  # before anything below may free it
+                self.stats.held_slots += 1
             e = self.host.get(k)
             mine = e is not None and slot is not None and e.slot == slot
             if kind == "store":

@@ -291,3 +291,88 @@ def test_crash_safety_sigkill_and_damage(tmp_path: Path) -> None:
         assert served_wrong == 0
         assert failures == len(damaged)  # 100% of damaged records detected
         t.close()
+
+
+@pytest.fixture
+def freezable_dir(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A small ext4 filesystem on a loop device that the test can freeze
+    (fsfreeze): writes to it block in the kernel, as on a hung device."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a loop device")
+    img, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with open(img, "wb") as f:
+        f.truncate(64 << 20)
+    if (
+        subprocess.run(["mkfs.ext4", "-q", str(img)], capture_output=True).returncode != 0
+        or subprocess.run(["mount", "-o", "loop", str(img), str(mnt)]).returncode != 0
+    ):
+        pytest.skip("cannot mount a loop device here")
+    os.chmod(mnt, 0o700)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["fsfreeze", "--unfreeze", str(mnt)], capture_output=True)
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "pread"])
+def test_hung_device_fails_within_timeout_and_holds_slots(
+    freezable_dir: Path, backend: str
+) -> None:
+    """A frozen filesystem blocks every write in the kernel. The cascade to
+    disk fails within the tier's timeout (nothing waits for the device), but
+    the host slots under the hung writes are never handed out again until
+    the writes really end; then everything is back to normal."""
+    from kvtier.manager import TieredOffloadingManager
+    from kvtier.tiers.host import HostTier
+
+    mnt = freezable_dir
+    with HostPool(8, SLOT) as pool:
+        disk = DiskTier(mnt, 32 * SLOT, BLOCK, backend=backend, timeout_s=0.3)
+        disk.attach(pool)
+        m = TieredOffloadingManager(HostTier(pool, 8), [disk])
+        subprocess.run(["fsfreeze", "--freeze", str(mnt)], check=True)
+        out = m.prepare_store([K(i) for i in range(4)])
+        assert out is not None
+        held = set(out.store_spec.slots.tolist())
+        for k, s in zip(out.keys_to_store, out.store_spec.slots.tolist()):
+            pool.view(s)[:BLOCK] = content(int(k[4:]))
+        m.complete_store(out.keys_to_store)
+        t0 = time.monotonic()
+        while m.stats.cascade_failures < 4:
+            m.on_schedule_end()
+            assert time.monotonic() - t0 < 5, "the hung cascade was not failed by its timeout"
+            time.sleep(0.01)
+        assert disk.stats()["timeouts"] == 4 and disk.stats()["held_jobs"] >= 1
+        assert m.host.held_slots == 4
+        # Evict everything: the held slots must not come back for reuse yet.
+        m.reset_cache()
+        out2 = m.prepare_store([K(i) for i in range(10, 14)])
+        assert out2 is not None and not held & set(out2.store_spec.slots.tolist())
+        m.complete_store(out2.keys_to_store, success=False)
+        assert m.prepare_store([K(i) for i in range(20, 25)]) is None  # only 4 free
+        assert disk.lookup(K(0)) is MISS
+        subprocess.run(["fsfreeze", "--unfreeze", str(mnt)], check=True)
+        t0 = time.monotonic()
+        while m.host.held_slots:
+            m.on_schedule_end()
+            assert time.monotonic() - t0 < 10, "the writes never released their slots"
+            time.sleep(0.01)
+        assert disk.stats()["held_jobs"] == 0
+        out3 = m.prepare_store([K(i) for i in range(30, 38)])  # all 8 slots usable again
+        assert out3 is not None and len(out3.keys_to_store) == 8
+        for k, s in zip(out3.keys_to_store, out3.store_spec.slots.tolist()):
+            pool.view(s)[:BLOCK] = content(int(k[4:]))
+        m.complete_store(out3.keys_to_store)
+        t0 = time.monotonic()
+        while m.has_pending_work() and time.monotonic() - t0 < 10:
+            m.on_schedule_end()
+            time.sleep(0.005)
+        assert all(disk.lookup(K(i)) is HIT for i in range(30, 38))
+        # and the data went to disk intact
+        token = disk.submit_load([K(30), K(37)], [0, 1])
+        assert run_until_done(disk, token) == [True, True]
+        assert np.array_equal(pool.view(0)[:BLOCK], content(30))
+        assert np.array_equal(pool.view(1)[:BLOCK], content(37))
+        m.shutdown()

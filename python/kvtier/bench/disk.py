@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.harness import drive_tier
+from kvtier.bench.harness import drive_tier, gil_probe
 from kvtier.errors import InvalidArgument
 from kvtier.pool import HostPool
 from kvtier.tiers.disk import DiskTier, record_bytes
@@ -86,15 +86,6 @@ def _threadpool(
     return n * bs / ts / 1e9, n * bs / tl / 1e9
 
 
-def _loop_rate(seconds: float) -> float:
-    n = 0
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        for _ in range(1000):
-            n += 1
-    return n / seconds
-
-
 def run_disk(
     directory: str,
     block_bytes: int,
@@ -135,26 +126,23 @@ def run_disk(
                 fs.append(_fio(work, "write", block_bytes, queue_depth, n * block_bytes))
                 fl.append(_fio(work, "read", block_bytes, queue_depth, n * block_bytes))
         py_s, py_l = _threadpool(work, pool, block_bytes, min(n, 2048), 8)
-        # GIL probe: a pure-Python loop's speed alone, then while a Python
-        # thread keeps the disk tier busy.
-        idle = _loop_rate(0.5)
-        stop = threading.Event()
+        # GIL probe: a Python thread keeps the tier busy, polling every 5 ms
+        # (an engine polls once per scheduler step, 5-50 ms), while the main
+        # thread loops. Rounds of 256 MiB keep the queue from draining.
+        rounds = iter(range(1000, 1 << 30))
+        m = min(n, max(4 * batch, (256 << 20) // block_bytes))
+        poll_s = 0.005
 
-        def busy() -> None:
-            k = 0
+        def busy(stop: threading.Event) -> int:
+            moved = 0
             while not stop.is_set():
-                keys = _keys(n, 1000 + k)
-                # Polled once a millisecond, like a scheduler step would.
-                drive_tier(tier, True, keys, batch, 0.001)
-                drive_tier(tier, False, keys, batch, 0.001)
-                k += 1
+                keys = _keys(n, next(rounds))[:m]
+                drive_tier(tier, True, keys, batch, poll_s)
+                drive_tier(tier, False, keys, batch, poll_s)
+                moved += 2 * m * block_bytes
+            return moved
 
-        th = threading.Thread(target=busy, daemon=True)
-        th.start()
-        time.sleep(0.1)
-        loaded = _loop_rate(1.0)
-        stop.set()
-        th.join()
+        gil = gil_probe(busy, poll_s)
     finally:
         tier.close()
         pool.close()
@@ -179,7 +167,7 @@ def run_disk(
             "store": round(med(ks) / py_s, 3),
             "load": round(med(kl) / py_l, 3),
         },
-        "gil": {"python_loop_speed_while_busy": round(loaded / idle, 3)},
+        "gil": gil,
     }
     if have_fio:
         out["baseline"] = {

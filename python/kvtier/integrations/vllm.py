@@ -74,6 +74,10 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
         (int, str),
         "disk write budget in bytes per second (default none)",
     ),
+    "kvtier_disk_timeout_s": (
+        (int, float),
+        "a disk job not done after this fails; its memory stays held until it ends (default 30)",
+    ),
     "kvtier_remote_url": (str, "redis://HOST:PORT or redis-cluster://H:P,H:P (optional)"),
     "kvtier_remote_ttl_s": ((int, float), "expiry of remote values in seconds (default none)"),
     "kvtier_namespace": (str, "extra namespace mixed into every key (default none)"),
@@ -254,7 +258,8 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 lower.append(DiskTier(
                     k["kvtier_disk_path"], k.get("kvtier_disk_bytes", 100 << 30), payload,
                     namespace=self.namespace, policy=k.get("kvtier_policy", "lru"),
-                    write_budget_bps=k.get("kvtier_disk_write_budget")))  # fmt: skip
+                    write_budget_bps=k.get("kvtier_disk_write_budget"),
+                    timeout_s=k.get("kvtier_disk_timeout_s", 30.0)))  # fmt: skip
             if "kvtier_remote_url" in k:
                 from kvtier.tiers.remote import RemoteTier
 
@@ -522,6 +527,10 @@ class _KVTierSecondary(SecondaryTierManager):
         tier.attach(_ViewPool(self._primary_kv_view))  # type: ignore[arg-type]
         self._jobs: dict[int, TransferJob] = {}  # kvtier token -> vLLM job
         self._ready: list[JobResult] = []
+        # Results of jobs that timed out while the device still held some of
+        # their rows (slots still to be released): vLLM would reuse a row as
+        # soon as its job is reported, so the report waits for the release.
+        self._deferred: list[tuple[list[int], JobResult]] = []
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         r = self.tier.lookup(bytes(key))
@@ -548,10 +557,23 @@ class _KVTierSecondary(SecondaryTierManager):
             if job is None:
                 continue
             good = [k for k, ok in zip(job.keys, c.key_ok or [c.ok] * len(c.keys)) if ok]
-            self._ready.append(JobResult(
+            r = JobResult(
                 job_id=job.job_id, success=c.ok, successful_keys=None if c.ok else good,
                 transfer_time=time.monotonic() - job.submit_time,
-                transfer_bytes=len(good) * self.block_size_bytes))  # fmt: skip
+                transfer_bytes=len(good) * self.block_size_bytes)  # fmt: skip
+            if c.held:
+                rows = [int(s) for s, h in zip(job.chunk_ids, c.held) if h]
+                self._deferred.append((rows, r))
+            else:
+                self._ready.append(r)
+        for slot in self.tier.take_released_slots():
+            for rows, _ in self._deferred:
+                if slot in rows:
+                    rows.remove(slot)
+                    break
+        if self._deferred:
+            self._ready += [r for rows, r in self._deferred if not rows]
+            self._deferred = [(rows, r) for rows, r in self._deferred if rows]
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         self._collect()
@@ -568,7 +590,12 @@ class _KVTierSecondary(SecondaryTierManager):
             time.sleep(0.0005)
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs) or bool(self._ready) or self.tier.has_pending_work()
+        return (
+            bool(self._jobs)
+            or bool(self._ready)
+            or bool(self._deferred)
+            or self.tier.has_pending_work()
+        )
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         for e in self.tier.take_events():
@@ -616,6 +643,7 @@ class KVTierDiskTier(_KVTierSecondary):
         write_budget_bps: float | None = None,
         backend: str = "auto",
         namespace: str = "",
+        timeout_s: float = 30.0,
         backpressure_detector: Any = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -635,6 +663,7 @@ class KVTierDiskTier(_KVTierSecondary):
                 backend=backend,
                 write_budget_bps=write_budget_bps,
                 queue_depth=queue_depth,
+                timeout_s=timeout_s,
             )
         )
 

@@ -38,6 +38,9 @@ class TierCompletion:
     error: str = ""
     # Per-key outcome when a batch partly failed (None: every key as ``ok``).
     key_ok: list[bool] | None = None
+    # Per key: failed by timeout while the device may still touch its host
+    # slot; the slot must not be reused until take_released_slots() names it.
+    held: list[bool] | None = None
 
 
 @dataclass
@@ -84,6 +87,11 @@ class LowerTier(ABC):
 
     def has_pending_work(self) -> bool:
         return False
+
+    def take_released_slots(self) -> list[int]:
+        """Host slots of timed-out jobs (``TierCompletion.held``) that really
+        ended since the last call: safe to reuse now. Non-blocking."""
+        return []
 
     def reset(self) -> None:
         """Forget everything (the manager's reset_cache does not call this)."""

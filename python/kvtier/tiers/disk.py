@@ -121,9 +121,12 @@ class DiskTier(LowerTier):
         job_bytes: int = 8 << 20,
         sync: bool = False,
         no_data: bool = False,
+        timeout_s: float = 30.0,
     ) -> None:
         if block_bytes <= 0:
             raise InvalidArgument(f"block_bytes must be > 0, got {block_bytes}")
+        if not timeout_s > 0:
+            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
         if backend not in ("auto", "io_uring", "pread"):
             raise InvalidArgument(f"backend must be auto, io_uring or pread, not {backend!r}")
         self.name = name
@@ -154,6 +157,7 @@ class DiskTier(LowerTier):
             sync=sync,
             num_threads=num_threads,
             inflight_bytes=inflight_bytes,
+            timeout_s=timeout_s,
         )
         self.job_records = max(1, job_bytes // self.record_bytes)
         self.policy = make_policy(policy, self.num_records)
@@ -167,10 +171,14 @@ class DiskTier(LowerTier):
         self.rec_loading = np.zeros(self.num_records, np.int32)
         self.free: list[int] = []
         self._tokens = itertools.count(1)
-        self._jobs: dict[int, tuple[int, int]] = {}  # engine job -> (token, first item)
+        self._jobs: dict[int, tuple[int, int, int]] = {}  # engine job -> (token, first, count)
         self._batches: dict[int, dict[str, Any]] = {}
         self._finished: list[int] = []  # tokens whose completion poll() returns next
         self._events: list[TierEvent] = []
+        # Timed-out jobs still running on the device: engine job -> (records,
+        # host slots) it may still write or read, freed when it really ends.
+        self._held: dict[int, tuple[list[int], list[int]]] = {}
+        self._released: list[int] = []
         self._seq = 0
         self._journal_buf = bytearray()
         self._journal_entries = 0
@@ -195,6 +203,7 @@ class DiskTier(LowerTier):
                 "bytes_written",
                 "bytes_read",
                 "recovered",
+                "timeouts",
             )
         }
         self._recover()
@@ -254,7 +263,9 @@ class DiskTier(LowerTier):
         )
         if self.store.note:
             warnings.warn(f"kvtier disk tier: {self.store.note}", stacklevel=2)
-        self.engine = Engine(o["num_threads"], [(o["inflight_bytes"], False)])
+        # Every job ends within timeout_s: a hung device fails it (the
+        # records and host slots it touches stay out of use until it ends).
+        self.engine = Engine(o["num_threads"], [(o["inflight_bytes"], False, o["timeout_s"])])
         self.engine.register_pool(pool)
 
     @property
@@ -398,7 +409,7 @@ class DiskTier(LowerTier):
                     self.store, write, arr[i : i + per], keys[i : i + per], 0
                 )
                 submitted.append(jid)
-                self._jobs[jid] = (token, i)
+                self._jobs[jid] = (token, i, min(per, n - i))
         except Busy:
             if not submitted:
                 return False
@@ -430,6 +441,8 @@ class DiskTier(LowerTier):
             "digs": digs,
             "ok": [False] * len(keys),
             "recs": [None] * len(keys),
+            "slots": list(slots),
+            "held": [False] * len(keys),
         }
         io_idx, recs, io_slots = [], [], []
         for i, (d, s) in enumerate(zip(digs, slots)):
@@ -474,6 +487,8 @@ class DiskTier(LowerTier):
             "digs": digs,
             "ok": [False] * len(keys),
             "recs": [None] * len(keys),
+            "slots": list(slots),
+            "held": [False] * len(keys),
         }
         io_idx, recs, io_slots = [], [], []
         for i, (d, s) in enumerate(zip(digs, slots)):
@@ -502,12 +517,24 @@ class DiskTier(LowerTier):
     def poll(self) -> list[TierCompletion]:
         if self.engine is not None:
             for r in self.engine.poll():
-                token, first = self._jobs.pop(r.job_id)
+                if r.released:  # a timed-out job really ended: its memory is free
+                    recs, slots = self._held.pop(r.job_id, ([], []))
+                    self.free.extend(recs)
+                    self._released.extend(slots)
+                    continue
+                token, first, n = self._jobs.pop(r.job_id)
                 b = self._batches[token]
                 items = list(r.items)
-                if not items and not r.ok:  # cancelled before it ran: every record failed
-                    n = min(self.job_records, len(b["io_idx"]) - first)
-                    items = [125] * n  # ECANCELED
+                if not items and not r.ok:  # cancelled or timed out: every record failed
+                    items = [110 if r.timed_out else 125] * n  # ETIMEDOUT / ECANCELED
+                    self.counters["timeouts"] += n if r.timed_out else 0
+                    if r.held:
+                        idx = b["io_idx"][first : first + n]
+                        for i in idx:
+                            b["held"][i] = True
+                        # A late write may still land in these records.
+                        recs = [b["recs"][i] for i in idx] if b["kind"] == "store" else []
+                        self._held[r.job_id] = (recs, [b["slots"][i] for i in idx])
                 b["items"][first : first + len(items)] = items
                 b["jobs"] -= 1
                 if b["jobs"] == 0:
@@ -540,7 +567,8 @@ class DiskTier(LowerTier):
                         self._nospace_until = time.monotonic() + 1.0
                     self.counters["io_errors"] += 1
                     self._forget(dig, rec)
-                    self.free.append(rec)
+                    if not b["held"][i]:  # else freed when the job ends
+                        self.free.append(rec)
             else:
                 self.rec_loading[rec] -= 1
                 if code == 0:
@@ -561,7 +589,12 @@ class DiskTier(LowerTier):
             self._events.append(TierEvent(stored, self.name, removed=False))
         self._finished.append(token)
         b["completion"] = TierCompletion(
-            token, all(b["ok"]), b["kind"], b["keys"], key_ok=list(b["ok"])
+            token,
+            all(b["ok"]),
+            b["kind"],
+            b["keys"],
+            key_ok=list(b["ok"]),
+            held=list(b["held"]) if any(b["held"]) else None,
         )
 
     def take_events(self) -> list[TierEvent]:
@@ -569,7 +602,11 @@ class DiskTier(LowerTier):
         return ev
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs) or bool(self._finished)
+        return bool(self._jobs) or bool(self._finished) or bool(self._held)
+
+    def take_released_slots(self) -> list[int]:
+        out, self._released = self._released, []
+        return out
 
     def reset(self) -> None:
         for dig, rec in list(self.index.items()):
@@ -595,6 +632,7 @@ class DiskTier(LowerTier):
             "direct": bool(self.store.direct) if self.store else None,
             "blocks": len(self.index),
             "capacity_blocks": self.num_records,
+            "held_jobs": len(self._held),
             **self.counters,
         }
 

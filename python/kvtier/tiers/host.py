@@ -60,6 +60,9 @@ class HostTier:
         self.entries: dict[bytes, HostEntry] = {}
         self._free: list[int] = list(range(capacity - 1, -1, -1)) if capacity else []
         self._next_virtual = 0  # unbounded mode
+        # slot -> [holds, release asked]: slots a timed-out device job may
+        # still read or write; freed only when the last hold ends.
+        self._held: dict[int, list[int]] = {}
 
     # -- queries ---------------------------------------------------------
     def get(self, key: bytes) -> HostEntry | None:
@@ -91,7 +94,8 @@ class HostTier:
             prot = protected if isinstance(protected, (set, frozenset, dict)) else set(protected)
             for key in self.policy.victims():
                 e = self.entries.get(key)
-                if e is not None and e.evictable and key not in prot:
+                # A held slot would not come free: keep its block instead.
+                if e is not None and e.evictable and key not in prot and e.slot not in self._held:
                     victims.append(key)
                     if len(victims) == need:
                         break
@@ -121,8 +125,32 @@ class HostTier:
         return e
 
     def release_slot(self, slot: int) -> None:
-        if self.capacity is not None:
+        if self.capacity is None:
+            return
+        h = self._held.get(slot)
+        if h is not None:
+            h[1] = 1  # freed when the last hold ends
+        else:
             self._free.append(slot)
+
+    def hold(self, slot: int) -> None:
+        """A device job that timed out may still touch ``slot``: never hand it
+        out again until :meth:`unhold` (called when the job really ended)."""
+        self._held.setdefault(slot, [0, 0])[0] += 1
+
+    def unhold(self, slot: int) -> None:
+        h = self._held.get(slot)
+        if h is None:
+            return
+        h[0] -= 1
+        if h[0] <= 0:
+            del self._held[slot]
+            if h[1]:
+                self._free.append(slot)
+
+    @property
+    def held_slots(self) -> int:
+        return len(self._held)
 
     def detach(self, key: bytes) -> HostEntry | None:
         """Remove ``key`` from the index but keep its slot allocated (still in use)."""
