@@ -431,19 +431,25 @@ class DiskTier(LowerTier):
             if bad:
                 raise InvalidArgument(f"host slot {bad[0]} out of range [0, {n})")
 
-    def submit_store(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
+    def _new_batch(
+        self, kind: str, keys: Sequence[bytes], slots: Sequence[int]
+    ) -> tuple[int, dict[str, Any]]:
+        """A token and the per-key bookkeeping of one store or load batch."""
         self._check(keys, slots)
-        token = next(self._tokens)
-        digs = [key_digest(k) for k in keys]
-        batch: dict[str, Any] = {
-            "kind": "store",
+        n = len(keys)
+        return next(self._tokens), {
+            "kind": kind,
             "keys": list(keys),
-            "digs": digs,
-            "ok": [False] * len(keys),
-            "recs": [None] * len(keys),
+            "digs": [key_digest(k) for k in keys],
+            "ok": [False] * n,
+            "recs": [None] * n,
             "slots": list(slots),
-            "held": [False] * len(keys),
+            "held": [False] * n,
         }
+
+    def submit_store(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
+        token, batch = self._new_batch("store", keys, slots)
+        digs = batch["digs"]
         io_idx, recs, io_slots = [], [], []
         for i, (d, s) in enumerate(zip(digs, slots)):
             if d in self.index:
@@ -478,18 +484,8 @@ class DiskTier(LowerTier):
         return token
 
     def submit_load(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
-        self._check(keys, slots)
-        token = next(self._tokens)
-        digs = [key_digest(k) for k in keys]
-        batch: dict[str, Any] = {
-            "kind": "load",
-            "keys": list(keys),
-            "digs": digs,
-            "ok": [False] * len(keys),
-            "recs": [None] * len(keys),
-            "slots": list(slots),
-            "held": [False] * len(keys),
-        }
+        token, batch = self._new_batch("load", keys, slots)
+        digs = batch["digs"]
         io_idx, recs, io_slots = [], [], []
         for i, (d, s) in enumerate(zip(digs, slots)):
             rec = self.index.get(d)
