@@ -166,10 +166,15 @@ class RemoteTier(LowerTier):
         return self._prefix + key_digest(key).hex().encode()
 
     def _remember(self, dig: bytes, exists: bool) -> None:
-        self.known[dig] = (exists, time.monotonic())
-        self.known.move_to_end(dig)
-        if len(self.known) > self.known_capacity:
-            self.known.popitem(last=False)
+        self._remember_all([dig], exists)
+
+    def _remember_all(self, digs: list[bytes], exists: bool) -> None:
+        now, known = time.monotonic(), self.known
+        for dig in digs:
+            known[dig] = (exists, now)
+            known.move_to_end(dig)
+        while len(known) > self.known_capacity:
+            known.popitem(last=False)
 
     def attach(self, pool: Any) -> None:
         self.pool = pool
@@ -205,7 +210,7 @@ class RemoteTier(LowerTier):
 
     def _submit(self, kind: str, keys: list[bytes], slots: Sequence[int], token: int) -> bool:
         n = len(keys)
-        digs = [key_digest(k) for k in keys]
+        digs = self._batches[token]["digs"] = [key_digest(k) for k in keys]
         skeys = [self._prefix + d.hex().encode() for d in digs]
         if self.pool is not None and kind != "exists":
             addr = self.pool.address + np.asarray(slots, np.int64) * self.pool.slot_bytes
@@ -333,9 +338,21 @@ class RemoteTier(LowerTier):
             return
         keys = b["keys"]
         ok = [code == 0 for code in items]
+        digs = b.get("digs") or [key_digest(k) for k in keys]
+        if all(ok):  # the common case, kept cheap: it runs for every block moved
+            self._remember_all(digs, True)
+            n = len(keys)
+            self.counters["stores" if kind == "store" else "loads"] += n
+            self.counters["bytes_written" if kind == "store" else "bytes_read"] += (
+                n * self.block_bytes
+            )
+            if kind == "store":
+                self._events.append(TierEvent(list(keys), self.name, removed=False))
+            b["completion"] = TierCompletion(token, True, kind, keys, key_ok=ok)
+            self._finished.append(token)
+            return
         done: list[bytes] = []
-        for key, code in zip(keys, items):
-            dig = key_digest(key)
+        for key, dig, code in zip(keys, digs, items):
             if code == 0:
                 self._remember(dig, True)
                 done.append(key)
