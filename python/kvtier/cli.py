@@ -48,7 +48,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         sizes = [parse_size(args.block_bytes)] if args.block_bytes else [262144, 2 << 20]
         results = [
-            run_remote(args.url, s, parse_size(args.total) // 2, args.repeats) for s in sizes
+            run_remote(args.url, s, parse_size(args.total) // 2, args.repeats, args.connections)
+            for s in sizes
         ]
     elif args.component == "vllm":
         from kvtier.bench.vllm import run_vllm
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--dir", default=".", help="disk: directory on the device to measure")
     b.add_argument("--queue-depth", type=int, default=32)
+    b.add_argument(
+        "--connections", type=int, default=2, help="remote: connections (worker threads), also -c"
+    )
     b.add_argument("--total", default="1GiB", help="disk: bytes per run")
     b.add_argument("--backend", default="auto", choices=["auto", "io_uring", "pread"])
     b.add_argument("--keys", type=int, default=1_000_000, help="manager: distinct keys")
