@@ -198,6 +198,39 @@ def test_bad_engine_config() -> None:
         Engine(1, [])
     with pytest.raises(kvtier.InvalidArgument):
         Engine(1, [(0, False)])
+    with pytest.raises(kvtier.InvalidArgument, match="deadline"):
+        Engine(1, [(1 << 20, False, -1.0)])
+    with pytest.raises(kvtier.InvalidArgument, match="budget_bytes, serial"):
+        Engine(1, [(1 << 20, False, 1.0, 2)])  # type: ignore[list-item]
+
+
+def test_deadline_reports_timeouts_then_release() -> None:
+    """A job past its queue's deadline is reported at once (wait returns),
+    held if it had started; the one queued behind it never starts; the
+    late end of the held job comes as a second result, ``released``."""
+    e = Engine(1, [(1 << 20, False, 0.1)])
+    t0 = time.monotonic()
+    slow = e.submit_sleep(0.6, nbytes=100)
+    time.sleep(0.02)
+    queued = e.submit_sleep(0.0, nbytes=100)
+    e.wait([slow, queued], timeout=5)
+    assert time.monotonic() - t0 < 0.5
+    first = {r.job_id: r for r in e.poll()}
+    assert set(first) == {slow, queued}
+    assert all(r.timed_out and not r.ok and not r.released for r in first.values())
+    assert first[slow].held and not first[queued].held
+    assert e._engine.in_flight_bytes(0) == 100  # the sleeping job still holds its bytes
+    late: list = []
+    deadline = time.monotonic() + 5
+    while not late and time.monotonic() < deadline:
+        late = e.poll()
+        time.sleep(0.01)
+    assert [(r.job_id, r.released, r.timed_out) for r in late] == [(slow, True, False)]
+    assert e._engine.in_flight_bytes(0) == 0
+    ok = e.submit_sleep(0.0)
+    e.wait([ok])
+    assert [r.ok for r in e.poll()] == [True]
+    e.close()
 
 
 def test_crc32c_known_values() -> None:
