@@ -135,6 +135,7 @@ PYBIND11_MODULE(_native, m) {
             return std::make_shared<HostPool>(HostPool::attach(name));
           },
           py::arg("name"))
+      .def_static("reap_stale", &HostPool::reap_stale)
       .def_property_readonly("name", &HostPool::name)
       .def_property_readonly("num_slots", &HostPool::num_slots)
       .def_property_readonly("slot_bytes", &HostPool::slot_bytes)

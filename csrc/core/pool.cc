@@ -1,6 +1,8 @@
 #include "pool.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -8,6 +10,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <memory>
 #include <random>
 
 #include "status.h"
@@ -25,7 +28,7 @@ void throw_errno(const std::string& what, int err) {
 namespace {
 
 constexpr std::uint64_t kMagic = 0x6c6f6f7072656974ULL;  // "tierpool"
-constexpr std::uint32_t kVersion = 1;
+constexpr std::uint32_t kVersion = 2;                    // 2: creator recorded
 
 struct Header {
   std::uint64_t magic;
@@ -33,6 +36,10 @@ struct Header {
   std::uint32_t header_bytes;
   std::uint64_t num_slots;
   std::uint64_t slot_bytes;
+  // Who created the region, so that a later process can unlink the names of
+  // pools whose creator died without closing them (SIGKILL, OOM killer).
+  std::int64_t creator_pid;
+  std::uint64_t creator_pidns;  // inode of /proc/self/ns/pid: pids compare only within it
 };
 static_assert(sizeof(Header) <= HostPool::kDataOffset);
 
@@ -68,6 +75,11 @@ std::string unique_name() {
          std::to_string(rd());
 }
 
+std::uint64_t pid_namespace() {
+  struct stat st {};
+  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<std::uint64_t>(st.st_ino) : 0;
+}
+
 void prefault(std::uint8_t* p, std::size_t n) {
   if (::madvise(p, n, MADV_POPULATE_WRITE) == 0) return;
   // Kernels before 5.14: write one byte per page so page faults are paid now,
@@ -88,6 +100,7 @@ HostPool HostPool::create(std::size_t num_slots, std::size_t slot_bytes, std::st
   if (num_slots > (std::size_t{1} << 40) / slot_bytes) throw_invalid("pool larger than 1 TiB");
   if (name.empty()) name = unique_name();
   validate_name(name);
+  reap_stale();  // a crashed engine's pools would otherwise pin their memory until reboot
 
   Fd fd(::shm_open(shm_path(name).c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
   if (fd.get() < 0) throw_errno("shm_open(" + name + ")", errno);
@@ -108,9 +121,39 @@ HostPool HostPool::create(std::size_t num_slots, std::size_t slot_bytes, std::st
   }
   // The header is written last: an attacher that sees the magic sees a fully
   // sized region.
-  Header h{kMagic, kVersion, static_cast<std::uint32_t>(kDataOffset), num_slots, slot_bytes};
+  Header h{};
+  h.magic = kMagic;
+  h.version = kVersion;
+  h.header_bytes = static_cast<std::uint32_t>(kDataOffset);
+  h.num_slots = num_slots;
+  h.slot_bytes = slot_bytes;
+  h.creator_pid = ::getpid();
+  h.creator_pidns = pid_namespace();
   std::memcpy(pool.base_, &h, sizeof h);
   return pool;
+}
+
+std::size_t HostPool::reap_stale() noexcept {
+  std::unique_ptr<DIR, int (*)(DIR*)> dir(::opendir("/dev/shm"), ::closedir);
+  if (!dir) return 0;
+  const std::uint64_t ns = pid_namespace();
+  std::size_t reaped = 0;
+  while (const dirent* e = ::readdir(dir.get())) {
+    const std::string name = e->d_name;
+    if (name.rfind("kvtier-", 0) != 0) continue;
+    Fd fd(::shm_open(shm_path(name).c_str(), O_RDONLY | O_CLOEXEC, 0));
+    Header h{};
+    if (fd.get() < 0 || ::pread(fd.get(), &h, sizeof h, 0) != static_cast<ssize_t>(sizeof h))
+      continue;
+    // Half-built (no magic yet), another version, another pid namespace
+    // (pids there mean nothing here), or a creator still alive: left alone.
+    if (h.magic != kMagic || h.version != kVersion || h.creator_pid <= 0 || ns == 0 ||
+        h.creator_pidns != ns)
+      continue;
+    if (::kill(static_cast<pid_t>(h.creator_pid), 0) == 0 || errno != ESRCH) continue;
+    if (::shm_unlink(shm_path(name).c_str()) == 0) ++reaped;
+  }
+  return reaped;
 }
 
 HostPool HostPool::attach(const std::string& name) {

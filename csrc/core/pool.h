@@ -23,6 +23,10 @@ class HostPool {
                          PoolOptions opts = {});
   // Maps an existing region by name, validating its header.
   static HostPool attach(const std::string& name);
+  // Unlinks the names of kvtier pools whose creating process is gone (same
+  // pid namespace only); processes still mapping them keep their memory.
+  // Called by create(). Returns how many names it removed.
+  static std::size_t reap_stale() noexcept;
 
   HostPool(HostPool&& other) noexcept;
   HostPool& operator=(HostPool&& other) noexcept;

@@ -51,6 +51,7 @@ def _crc() -> dict[str, Any]:
 def _pool() -> dict[str, Any]:
     from kvtier.pool import HostPool
 
+    reaped = HostPool.reap_stale()  # before creating one, which would reap them silently
     with HostPool(4, 1 << 20) as p:
         q = HostPool.attach(p.name)
         ok = q.num_slots == 4
@@ -58,6 +59,7 @@ def _pool() -> dict[str, Any]:
         "shared_memory": ok,
         "shm_dir": "/dev/shm",
         "shm_free_bytes": shutil.disk_usage("/dev/shm").free,
+        "stale_pools_removed": reaped,
     }
 
 

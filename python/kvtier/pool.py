@@ -52,6 +52,13 @@ class HostPool:
             raise InvalidArgument(f"pool name must be a non-empty str, got {name!r}")
         return cls(0, 0, _native_pool=_native.HostPool.attach(name))
 
+    @staticmethod
+    def reap_stale() -> int:
+        """Unlink the names of pools whose creating process died without
+        closing them (SIGKILL, the OOM killer); returns how many. Creating a
+        pool does this already; ``kvtier doctor`` reports it. Non-blocking."""
+        return int(_native.HostPool.reap_stale())
+
     @property
     def name(self) -> str:
         return str(self._pool.name)

@@ -41,20 +41,28 @@ CTX = ReqContext(req_id="r1")
 END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
 
-def config(extra: dict[str, Any], bpc: int = 1, world: int = 1, rank: int = 0) -> OffloadingConfig:
+def config(
+    extra: dict[str, Any],
+    bpc: int = 1,
+    world: int = 1,
+    rank: int = 0,
+    pp: int = 1,
+    kv_bytes: int = PAGE,
+    engine_id: str | None = None,
+) -> OffloadingConfig:
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
-        worker_kv_bytes_per_block=PAGE,
+        worker_kv_bytes_per_block=kv_bytes,
         enable_kv_cache_events=True,
         extra_config=extra,
-        engine_id=f"test-{uuid.uuid4().hex[:8]}",
+        engine_id=engine_id or f"test-{uuid.uuid4().hex[:8]}",
         model=OffloadingModelConfig(name="tiny", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=bpc),
         parallel=OffloadingParallelConfig(
             rank=rank,
             world_size=world,
-            tp_size=world,
-            pp_size=1,
+            tp_size=world // pp,
+            pp_size=pp,
             pcp_size=1,
             dcp_size=1,
             data_parallel_index=0,
@@ -63,6 +71,17 @@ def config(extra: dict[str, Any], bpc: int = 1, world: int = 1, rank: int = 0) -
             is_parallelism_agnostic=False,
         ),
     )
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_vllm_regions() -> Any:
+    """vLLM's tiering spec maps its primary region from /dev/shm and leaves the
+    file behind; remove what a test created."""
+    shm = Path("/dev/shm")
+    before = set(shm.glob("vllm_offload_test-*"))
+    yield
+    for f in set(shm.glob("vllm_offload_test-*")) - before:
+        f.unlink(missing_ok=True)
 
 
 def K(i: int) -> OffloadKey:
@@ -135,16 +154,13 @@ def test_manager_semantics_through_vllm_types() -> None:
     m.shutdown()
 
 
-def _kv_caches(num_blocks: int) -> tuple[CanonicalKVCaches, list[torch.Tensor]]:
-    # Two layers as vLLM hands them over: int8 views (num_blocks, page) per layer.
-    layers = [torch.randint(-128, 127, (num_blocks, PAGE // 2), dtype=torch.int8) for _ in range(2)]
-    tensors = [CanonicalKVCacheTensor(tensor=t, page_size_bytes=PAGE // 2) for t in layers]
-    refs = [
-        [
-            CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=PAGE // 2),
-            CanonicalKVCacheRef(tensor_idx=1, page_size_bytes=PAGE // 2),
-        ]
+def _kv_caches(num_blocks: int, n_layers: int = 2) -> tuple[CanonicalKVCaches, list[torch.Tensor]]:
+    # Layers as vLLM hands them over: int8 views (num_blocks, page) per layer.
+    layers = [
+        torch.randint(-128, 127, (num_blocks, PAGE // 2), dtype=torch.int8) for _ in range(n_layers)
     ]
+    tensors = [CanonicalKVCacheTensor(tensor=t, page_size_bytes=PAGE // 2) for t in layers]
+    refs = [[CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=PAGE // 2) for i in range(n_layers)]]
     return CanonicalKVCaches(tensors=tensors, group_data_refs=refs), layers
 
 
@@ -178,6 +194,60 @@ def test_worker_round_trip_with_canonical_kv_caches(bpc: int) -> None:
     m.complete_load(keys, CTX)
     w.shutdown()
     m.shutdown()
+
+
+def test_pipeline_stages_get_their_own_pools_sized_by_their_layers() -> None:
+    """PP=2 with an uneven split (stage 1 holds twice the layers): each stage
+    opens its own pool with slots of its own KV bytes and the same slot count,
+    the scheduler's manager hands out slot numbers valid in both, and both
+    stages round-trip their bytes through the same slots."""
+    eid = f"test-pp-{uuid.uuid4().hex[:8]}"
+    extra = {**SPEC, "kvtier_host_bytes": "1MiB", "kvtier_num_slots": 16}
+    specs = [
+        OffloadingSpecFactory.create_spec(
+            config(extra, world=2, rank=r, pp=2, kv_bytes=PAGE * (r + 1), engine_id=eid)
+        )
+        for r in (0, 1)
+    ]
+    assert [s.stage for s in specs] == [0, 1]
+    assert [s.slot_bytes for s in specs] == [PAGE, 2 * PAGE]
+    assert specs[0].pool_name != specs[1].pool_name
+    pools = [s.host_pool() for s in specs]
+    assert [(p.num_slots, p.slot_bytes) for p in pools] == [(16, PAGE), (16, 2 * PAGE)]
+    m = specs[0].get_manager()  # the scheduler's
+    kv = [_kv_caches(8, n_layers=2 * (r + 1)) for r in (0, 1)]
+    workers = [s.get_worker(c) for s, (c, _) in zip(specs, kv)]
+    keys = [K(i) for i in range(3)]
+    out = m.prepare_store(keys, CTX)
+    assert out is not None
+    before = [[t[[1, 4, 6]].clone() for t in layers] for _, layers in kv]
+    for w in workers:
+        assert w.submit_store(1, GPULoadStoreSpec([1, 4, 6], [3], [0]), out.store_spec)
+        w.wait({1})
+        assert [r.success for r in w.get_finished()] == [True]
+    m.complete_store(keys, CTX)
+    for _, layers in kv:
+        for t in layers:
+            t.zero_()
+    load = m.prepare_load(keys, CTX)
+    for w in workers:
+        assert w.submit_load(2, load, GPULoadStoreSpec([0, 2, 3], [3], [0]))
+        w.wait({2})
+        assert [r.success for r in w.get_finished()] == [True]
+    for (_, layers), b in zip(kv, before):
+        for t, want in zip(layers, b):
+            assert torch.equal(t[[0, 2, 3]], want)
+    m.complete_load(keys, CTX)
+    for w in workers:
+        w.shutdown()
+    m.shutdown()
+    bad = {**SPEC, "kvtier_host_bytes": "1MiB"}
+    with pytest.raises(kvtier.InvalidArgument, match="kvtier_num_slots"):
+        OffloadingSpecFactory.create_spec(config(bad, world=2, rank=1, pp=2))
+    with pytest.raises(kvtier.InvalidArgument, match="pipeline parallelism"):
+        OffloadingSpecFactory.create_spec(
+            config({**extra, "kvtier_disk_path": "/tmp"}, world=2, rank=0, pp=2)
+        )
 
 
 def _tiering(tmp_path: Path, tier: dict[str, Any]) -> Any:

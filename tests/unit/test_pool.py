@@ -92,3 +92,38 @@ def test_close_removes_name_and_refuses_use() -> None:
 def test_name_collision_is_refused(pool: HostPool) -> None:
     with pytest.raises(kvtier.IoError):
         HostPool(2, 4096, name=pool.name)
+
+
+def _child_create_then_die(name: str, q: mp.Queue) -> None:
+    import os
+    import signal
+
+    p = HostPool(4, 4096, name=name)
+    p.view(0)[:] = 7
+    q.put(p.name)
+    q.close()
+    q.join_thread()  # the name reached the parent
+    os.kill(os.getpid(), signal.SIGKILL)  # no close, no atexit: as the OOM killer would
+
+
+def test_pools_of_dead_creators_are_reaped_live_ones_kept() -> None:
+    """A process killed without closing its pool leaves the name in /dev/shm
+    (pinning its memory); the next pool created here removes it, while a pool
+    whose creator lives (this process) is kept."""
+    import os
+    import uuid
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    dead = f"kvtier-test-dead-{uuid.uuid4().hex[:8]}"
+    proc = ctx.Process(target=_child_create_then_die, args=(dead, q))
+    proc.start()
+    assert q.get(timeout=60) == dead
+    proc.join(60)
+    assert proc.exitcode == -9
+    assert os.path.exists(f"/dev/shm/{dead}")
+    with HostPool(2, 4096) as live:
+        assert not os.path.exists(f"/dev/shm/{dead}")  # reaped by this create
+        assert os.path.exists(f"/dev/shm/{live.name}")
+        assert HostPool.reap_stale() == 0  # nothing stale left; the live pool stays
+        assert HostPool.attach(live.name).num_slots == 2
