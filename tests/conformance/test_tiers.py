@@ -1,4 +1,5 @@
-"""One conformance suite that every lower tier passes (memory, disk on both backends)."""
+"""One conformance suite that every lower tier passes (memory, disk on both backends,
+disk split over pipeline stages, remote standalone and cluster)."""
 
 from __future__ import annotations
 
@@ -37,22 +38,22 @@ def _memory(tmp_path: Path, capacity: int) -> TierUnderTest:
     return TierUnderTest(t, lambda k: t.fail_loads.add(k))
 
 
+def _flip_record_byte(t: DiskTier, key: bytes) -> None:
+    from kvtier.tiers.disk import key_digest
+
+    rec = t.index[key_digest(key)]
+    f, off = t._locate(rec)
+    with open(t.paths[f], "r+b") as fh:
+        fh.seek(off + 1000)
+        b = fh.read(1)
+        fh.seek(off + 1000)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
 def _disk(backend: str) -> Callable[[Path, int], TierUnderTest]:
     def make(tmp_path: Path, capacity: int) -> TierUnderTest:
         t = DiskTier(tmp_path, capacity * SLOT, BLOCK, backend=backend, queue_depth=8)
-
-        def corrupt(key: bytes) -> None:
-            from kvtier.tiers.disk import key_digest
-
-            rec = t.index[key_digest(key)]
-            f, off = t._locate(rec)
-            with open(t.paths[f], "r+b") as fh:
-                fh.seek(off + 1000)
-                b = fh.read(1)
-                fh.seek(off + 1000)
-                fh.write(bytes([b[0] ^ 0xFF]))
-
-        return TierUnderTest(t, corrupt)
+        return TierUnderTest(t, lambda key: _flip_record_byte(t, key))
 
     return make
 
@@ -82,7 +83,23 @@ def _remote(fixture: str) -> Callable[..., TierUnderTest]:
     return make
 
 
+def _staged(tmp_path: Path, capacity: int) -> TierUnderTest:
+    """Two pipeline stages on disk: the manager's pool and a second stage's
+    pool with slots twice as big; a block is in the tier when both hold it."""
+    from kvtier.tiers.staged import StagedTier
+
+    (tmp_path / "s0").mkdir()
+    (tmp_path / "s1").mkdir()
+    s0 = DiskTier(tmp_path / "s0", capacity * SLOT, BLOCK, queue_depth=8)
+    s1 = DiskTier(tmp_path / "s1", capacity * 2 * SLOT, 2 * BLOCK, queue_depth=8)
+    other = HostPool(32, record_bytes(2 * BLOCK))
+    other.view(0, 32)[:] = 0x3C
+    t = StagedTier([s0, s1], [None, other], "disk-staged")
+    return TierUnderTest(t, lambda key: _flip_record_byte(s0, key))
+
+
 FACTORIES: dict[str, Callable[..., TierUnderTest]] = {
+    "staged-disk": _staged,
     "memory": _memory,
     "disk-io_uring": _disk("io_uring"),
     "disk-pread": _disk("pread"),

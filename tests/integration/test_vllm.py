@@ -244,10 +244,80 @@ def test_pipeline_stages_get_their_own_pools_sized_by_their_layers() -> None:
     bad = {**SPEC, "kvtier_host_bytes": "1MiB"}
     with pytest.raises(kvtier.InvalidArgument, match="kvtier_num_slots"):
         OffloadingSpecFactory.create_spec(config(bad, world=2, rank=1, pp=2))
-    with pytest.raises(kvtier.InvalidArgument, match="pipeline parallelism"):
+
+
+@pytest.mark.parametrize("which", ["disk", "redis"])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_whole_spec_with_a_lower_tier_round_trips_every_stage(
+    tmp_path: Path, pp: int, which: str, request: pytest.FixtureRequest
+) -> None:
+    """kvtier as the whole spec with a disk or Redis tier, without and with
+    pipeline parallelism (uneven stages): store through the workers, cascade,
+    reset_cache, lookup gives HIT_PENDING until the promotion lands in every
+    stage's pool, then the workers load the original bytes back."""
+    eid = f"test-{which}-{uuid.uuid4().hex[:8]}"
+    extra: dict[str, Any] = {**SPEC, "kvtier_host_bytes": "1MiB", "kvtier_num_slots": 8}
+    if which == "disk":
+        extra.update(kvtier_disk_path=str(tmp_path / "disk"), kvtier_disk_bytes="4MiB")
+    else:
+        extra.update(kvtier_remote_url=request.getfixturevalue("redis_standalone").url)
+    specs = [
         OffloadingSpecFactory.create_spec(
-            config({**extra, "kvtier_disk_path": "/tmp"}, world=2, rank=0, pp=2)
+            config(extra, world=pp, rank=r, pp=pp, kv_bytes=PAGE * (r + 1), engine_id=eid)
         )
+        for r in range(pp)
+    ]
+    kv = [_kv_caches(8, n_layers=2 * (r + 1)) for r in range(pp)]
+    workers = [s.get_worker(c) for s, (c, _) in zip(specs, kv)]  # each stage makes its pool
+    m = specs[0].get_manager()
+    disk = m.m.lower[0]
+    keys = [K(i) for i in range(3)]
+
+    def steps_until(cond: Any, what: str) -> None:
+        deadline = time.monotonic() + 20
+        while True:
+            with m.lock:
+                if cond():
+                    return
+                m.on_schedule_end(END)
+            assert time.monotonic() < deadline, what
+            time.sleep(0.005)
+
+    def run(job: int, fn: Any) -> None:
+        for w in workers:
+            assert fn(w)
+            w.wait({job})
+            assert [r.success for r in w.get_finished()] == [True]
+
+    with m.lock:
+        out = m.prepare_store(keys, CTX)
+    assert out is not None
+    before = [[t[[1, 4, 6]].clone() for t in layers] for _, layers in kv]
+    run(1, lambda w: w.submit_store(1, GPULoadStoreSpec([1, 4, 6], [3], [0]), out.store_spec))
+    with m.lock:
+        m.complete_store(keys, CTX)
+    steps_until(lambda: all(disk.lookup(bytes(k)).name == "HIT" for k in keys), "cascade")
+    with m.lock:
+        m.reset_cache()
+        m.on_reset_flushed()
+        assert m.lookup(keys[0], CTX) is LookupResult.HIT_PENDING
+    for _, layers in kv:
+        for t in layers:
+            t.zero_()
+    steps_until(lambda: all(m.lookup(k, CTX) is LookupResult.HIT for k in keys), "promotion")
+    with m.lock:
+        load = m.prepare_load(keys, CTX)
+    run(2, lambda w: w.submit_load(2, load, GPULoadStoreSpec([0, 2, 3], [3], [0])))
+    for (_, layers), b in zip(kv, before):
+        for t, want in zip(layers, b):
+            assert torch.equal(t[[0, 2, 3]], want)
+    with m.lock:
+        m.complete_load(keys, CTX)
+    for w in workers:
+        w.shutdown()
+    m.shutdown()
+    if pp > 1 and which == "disk":
+        assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["stage0", "stage1"]
 
 
 def _tiering(tmp_path: Path, tier: dict[str, Any]) -> Any:

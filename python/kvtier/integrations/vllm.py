@@ -171,6 +171,25 @@ def _open_pool(name: str, num_slots: int, slot_bytes: int, timeout_s: float = 60
     return pool
 
 
+def _wait_pool(name: str, timeout_s: float = 300.0) -> HostPool:
+    """Attach to a pool another process creates (a pipeline stage's workers),
+    waiting for it. Blocks up to ``timeout_s``."""
+    from kvtier.errors import IoError
+    from kvtier.pool import HostPool
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return HostPool.attach(name)
+        except (IoError, InvalidArgument):  # not created, or not written yet
+            if time.monotonic() > deadline:
+                raise InvalidArgument(
+                    f"host pool {name} of another pipeline stage did not appear in "
+                    f"{timeout_s:.0f} s: are that stage's workers up?"
+                ) from None
+            time.sleep(0.05)
+
+
 class KVTierOffloadingSpec(OffloadingSpec):
     """kvtier as vLLM's whole offloading spec (host tier, GPU worker, lower tiers)."""
 
@@ -197,13 +216,6 @@ class KVTierOffloadingSpec(OffloadingSpec):
         self.pp_size = int(par.pp_size)
         self.tp_size = max(1, self.world_size // max(1, self.pp_size))
         self.stage = self.rank // self.tp_size if self.pp_size > 1 else 0
-        if self.pp_size > 1 and (
-            "kvtier_disk_path" in self.kvtier or "kvtier_remote_url" in self.kvtier
-        ):
-            raise InvalidArgument(
-                "kvtier: disk and remote tiers with pipeline parallelism are not supported yet "
-                "(the host tier is: one pool per stage, sized with kvtier plan)"
-            )
         # A slot holds one chunk of every rank of this stage, rank cells back to back
         # (each stage has its own pool: with uneven layer splits their cells differ).
         self.cell_bytes = int(config.worker_kv_bytes_per_block) * int(self.blocks_per_chunk)
@@ -225,7 +237,8 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 f"{self.slot_bytes} B"
             )
         self.namespace = self._namespace(config)
-        self.pool_name = _pool_name(str(config.engine_id), self.stage)
+        self.engine_id = str(config.engine_id)
+        self.pool_name = _pool_name(self.engine_id, self.stage)
         self._manager: OffloadingManager | None = None
         self._pool: HostPool | None = None
 
@@ -239,6 +252,18 @@ class KVTierOffloadingSpec(OffloadingSpec):
         ]  # fmt: skip
         return hashlib.blake2b("\0".join(parts).encode(), digest_size=16).hexdigest()
 
+    def _stage_ns(self, stage: int) -> str:
+        return self.namespace if self.pp_size == 1 else f"{self.namespace}-stage{stage}"
+
+    def _staged(self, tiers: list[LowerTier], pools: list[HostPool], name: str) -> LowerTier:
+        if len(tiers) == 1:
+            return tiers[0]
+        from kvtier.tiers.staged import StagedTier
+
+        for t in tiers:
+            t.name = f"{name}-stage"
+        return StagedTier(tiers, pools, name)
+
     def host_pool(self) -> HostPool:
         if self._pool is None:
             self._pool = _open_pool(self.pool_name, self.num_slots, self.slot_bytes)
@@ -251,26 +276,44 @@ class KVTierOffloadingSpec(OffloadingSpec):
 
             k = self.kvtier
             lower: list[LowerTier] = []
-            payload = self.slot_bytes - (4096 if "kvtier_disk_path" in k else 0)
+            # One pool per pipeline stage (just this one without PP); the
+            # lower tiers move every stage's part of a block.
+            pools = [
+                self.host_pool() if st == self.stage else _wait_pool(_pool_name(self.engine_id, st))
+                for st in range(self.pp_size)
+            ]
+            trailer = 4096 if "kvtier_disk_path" in k else 0
+            payloads = [p.slot_bytes - trailer for p in pools]
             if "kvtier_disk_path" in k:
                 from kvtier.tiers.disk import DiskTier
 
-                lower.append(DiskTier(
-                    k["kvtier_disk_path"], k.get("kvtier_disk_bytes", 100 << 30), payload,
-                    namespace=self.namespace, policy=k.get("kvtier_policy", "lru"),
-                    write_budget_bps=k.get("kvtier_disk_write_budget"),
-                    timeout_s=k.get("kvtier_disk_timeout_s", 30.0)))  # fmt: skip
+                total = k.get("kvtier_disk_bytes", 100 << 30)
+                dirs = (
+                    [k["kvtier_disk_path"]]
+                    if self.pp_size == 1
+                    else [
+                        os.path.join(k["kvtier_disk_path"], f"stage{st}")
+                        for st in range(self.pp_size)
+                    ]
+                )
+                for d in dirs:
+                    os.makedirs(d, mode=0o700, exist_ok=True)
+                lower.append(self._staged([
+                    DiskTier(
+                        dirs[st],
+                        total * payloads[st] // sum(payloads), payloads[st],
+                        namespace=self._stage_ns(st), policy=k.get("kvtier_policy", "lru"),
+                        write_budget_bps=k.get("kvtier_disk_write_budget"),
+                        timeout_s=k.get("kvtier_disk_timeout_s", 30.0))
+                    for st in range(self.pp_size)], pools, "disk"))  # fmt: skip
             if "kvtier_remote_url" in k:
                 from kvtier.tiers.remote import RemoteTier
 
-                lower.append(
+                lower.append(self._staged([
                     RemoteTier(
-                        k["kvtier_remote_url"],
-                        payload,
-                        namespace=self.namespace,
-                        ttl_s=k.get("kvtier_remote_ttl_s"),
-                    )
-                )
+                        k["kvtier_remote_url"], payloads[st], namespace=self._stage_ns(st),
+                        ttl_s=k.get("kvtier_remote_ttl_s"))
+                    for st in range(self.pp_size)], pools, "remote"))  # fmt: skip
             host = HostTier(
                 self.host_pool(),
                 self.num_slots,

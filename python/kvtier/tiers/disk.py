@@ -263,6 +263,7 @@ class DiskTier(LowerTier):
         )
         if self.store.note:
             warnings.warn(f"kvtier disk tier: {self.store.note}", stacklevel=2)
+        self._backend, self._direct = str(self.store.backend), bool(self.store.direct)
         # Every job ends within timeout_s: a hung device fails it (the
         # records and host slots it touches stay out of use until it ends).
         self.engine = Engine(o["num_threads"], [(o["inflight_bytes"], False, o["timeout_s"])])
@@ -270,7 +271,7 @@ class DiskTier(LowerTier):
 
     @property
     def backend(self) -> str:
-        return "none (no data)" if self.store is None else str(self.store.backend)
+        return getattr(self, "_backend", "none (no data)")
 
     # -- index and journal ---------------------------------------------------
     def _recover(self) -> None:
@@ -621,11 +622,14 @@ class DiskTier(LowerTier):
             self.poll()
         self._flush_journal()
         os.close(self._journal_fd)
+        # The native store holds the extent files open: let go of them now,
+        # not whenever the tier object is collected (an unmount waits on it).
+        self.store = None
 
     def stats(self) -> dict[str, Any]:
         return {
             "backend": self.backend,
-            "direct": bool(self.store.direct) if self.store else None,
+            "direct": getattr(self, "_direct", None),
             "blocks": len(self.index),
             "capacity_blocks": self.num_records,
             "held_jobs": len(self._held),

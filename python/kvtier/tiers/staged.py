@@ -1,0 +1,166 @@
+"""A lower tier for pipeline parallelism: one tier per pipeline stage, moved
+in lockstep.
+
+With pipeline parallelism each stage keeps the KV cache of its own layers in
+its own host pool (slot sizes differ when the layer split is uneven; the slot
+count is the same, so a slot number means the same block in every stage).
+:class:`StagedTier` puts one lower tier (a disk or remote tier sized for that
+stage's blocks) over each stage's pool and presents them to the manager as
+one tier: a block is in it only when every stage holds its part.
+
+Who calls: the manager, under its lock, like any lower tier. Nothing blocks.
+Completions come in the order the last stage finishes each batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.errors import InvalidArgument
+from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent
+
+
+class StagedTier(LowerTier):
+    """``tiers[i]`` moves stage ``i``'s part of each block between
+    ``pools[i]`` and its medium; a pool given as None is the one the manager
+    attaches (its own stage's). The pools must have the same slot count."""
+
+    def __init__(self, tiers: Sequence[LowerTier], pools: Sequence[Any | None], name: str) -> None:
+        if not tiers or len(tiers) != len(pools):
+            raise InvalidArgument("a staged tier needs one tier and one pool per stage")
+        self.tiers = list(tiers)
+        self.stage_pools = list(pools)
+        self.name = name
+        self._tokens = itertools.count(1)
+        # token -> [kind, keys, per-stage token, per-stage completion]
+        self._batches: dict[int, list[Any]] = {}
+        self._by_sub: list[dict[int, int]] = [{} for _ in self.tiers]  # sub token -> token
+        self._held: dict[int, list[int]] = {}  # slot -> stages still holding it
+        self._released: list[int] = []
+        self._events: list[TierEvent] = []
+        self.pool = None
+
+    def attach(self, pool: Any) -> None:
+        self.pool = pool
+        if pool is None:  # no-data mode: indexes only
+            for t in self.tiers:
+                t.attach(None)
+            return
+        pools = [pool if p is None else p for p in self.stage_pools]
+        counts = {p.num_slots for p in pools}
+        if len(counts) != 1:
+            raise InvalidArgument(f"stage pools must have the same slot count, got {counts}")
+        for t, p in zip(self.tiers, pools):
+            t.attach(p)
+
+    def lookup(self, key: bytes) -> LookupResult:
+        results = [t.lookup(key) for t in self.tiers]
+        if any(r is LookupResult.MISS for r in results):
+            return LookupResult.MISS
+        if all(r is LookupResult.HIT for r in results):
+            return LookupResult.HIT
+        return LookupResult.RETRY
+
+    def admit(self, key: bytes) -> bool:
+        # Every stage sees every offer, so their filters and budgets stay in step.
+        return all([t.admit(key) for t in self.tiers])
+
+    def _submit(self, store: bool, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
+        subs: list[int] = []
+        for t in self.tiers:
+            tok = t.submit_store(keys, slots) if store else t.submit_load(keys, slots)
+            if tok is None:
+                break
+            subs.append(tok)
+        token = next(self._tokens)
+        done: list[TierCompletion | None] = [None] * len(self.tiers)
+        if len(subs) < len(self.tiers):
+            if not subs:
+                return None
+            # Some stages took the batch, a later one was busy: the batch fails
+            # as a whole once the stages that took it are done.
+            for i in range(len(subs), len(self.tiers)):
+                done[i] = TierCompletion(0, False, "store" if store else "load", list(keys))
+        self._batches[token] = ["store" if store else "load", list(keys), list(slots), done]
+        for i, tok in enumerate(subs):
+            self._by_sub[i][tok] = token
+        return token
+
+    def submit_store(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
+        return self._submit(True, keys, slots)
+
+    def submit_load(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
+        return self._submit(False, keys, slots)
+
+    def poll(self) -> list[TierCompletion]:
+        out: list[TierCompletion] = []
+        for i, t in enumerate(self.tiers):
+            for c in t.poll():
+                token = self._by_sub[i].pop(c.token, None)
+                if token is None:
+                    continue
+                b = self._batches[token]
+                b[3][i] = c
+                for k, h in enumerate(c.held or []):  # before this stage's release can come
+                    if h:
+                        self._held.setdefault(b[2][k], []).append(i)
+                if all(x is not None for x in b[3]):
+                    out.append(self._merge(token))
+            for slot in t.take_released_slots():
+                left = self._held.get(slot)
+                if left is not None:
+                    left.remove(i)
+                    if not left:
+                        del self._held[slot]
+                        self._released.append(slot)
+        return out
+
+    def _merge(self, token: int) -> TierCompletion:
+        kind, keys, slots, done = self._batches.pop(token)
+        n = len(keys)
+        ok = [all(c.ok if c.key_ok is None else c.key_ok[k] for c in done) for k in range(n)]
+        held = [any(c.held[k] for c in done if c.held) for k in range(n)]
+        if kind == "store" and any(ok):
+            self._events.append(TierEvent([k for k, o in zip(keys, ok) if o], self.name, False))
+        return TierCompletion(
+            token, all(ok), kind, keys, key_ok=ok, held=held if any(held) else None
+        )
+
+    def take_events(self) -> list[TierEvent]:
+        ev, self._events = self._events, []
+        removed: dict[bytes, None] = {}  # a block gone from any stage is gone, once
+        for t in self.tiers:
+            for e in t.take_events():
+                if e.removed:
+                    removed.update(dict.fromkeys(e.keys))
+        if removed:
+            ev.append(TierEvent(list(removed), self.name, True))
+        return ev
+
+    def has_pending_work(self) -> bool:
+        return bool(self._batches) or any(t.has_pending_work() for t in self.tiers)
+
+    def take_released_slots(self) -> list[int]:
+        out, self._released = self._released, []
+        return out
+
+    def reset(self) -> None:
+        for t in self.tiers:
+            t.reset()
+
+    def close(self) -> None:
+        for t in self.tiers:
+            t.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters summed over the stages, and each stage's own."""
+        per: list[dict[str, Any]] = [getattr(t, "stats", dict)() for t in self.tiers]
+        out: dict[str, Any] = {}
+        for st in per:
+            for k, v in st.items():
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    out[k] = out.get(k, 0) + v
+        out["stages"] = per
+        return out
