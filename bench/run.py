@@ -1,7 +1,8 @@
 """Run the benchmarks a config lists (default: bench/configs/default.json).
 
 Each entry is the argument list of one ``kvtier bench`` call; results go to
-bench/results/ with machine facts (the harness writes them).
+bench/results/ with machine facts (the harness writes them), then one page
+of all the ratios: bench/results/summary.md and summary.png.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from kvtier.bench.report import write_summary
 from kvtier.cli import main
 
 HERE = Path(__file__).resolve().parent
@@ -22,6 +24,8 @@ def run(config: Path) -> int:
     for args in runs:
         print(f"== kvtier bench {' '.join(args)}", flush=True)
         failed += main(["bench", *args, "--results-dir", str(HERE / "results")]) != 0
+    md, png = write_summary(HERE / "results")
+    print(f"summary: {md}" + (f", {png}" if png else ""))
     return 1 if failed else 0
 
 
