@@ -139,6 +139,8 @@ class HostTier:
         self._held.setdefault(slot, [0, 0])[0] += 1
 
     def unhold(self, slot: int) -> None:
+        """The device job that held ``slot`` ended; the slot is freed now if a
+        release was asked meanwhile. Called by the manager, under its lock."""
         h = self._held.get(slot)
         if h is None:
             return
