@@ -448,6 +448,30 @@ class DiskTier(LowerTier):
             "held": [False] * n,
         }
 
+    def _launch(
+        self,
+        write: bool,
+        token: int,
+        batch: dict[str, Any],
+        io_idx: list[int],
+        recs: list[int],
+        io_slots: list[int],
+    ) -> bool:
+        """Registers the batch and queues its I/O (finished at once when there
+        is none). False when the engine was busy: nothing queued, the batch
+        is forgotten and the caller undoes its bookkeeping."""
+        batch["io_idx"] = io_idx
+        self._batches[token] = batch
+        if self.no_data or not io_idx:
+            batch["jobs"] = 0
+            self._finish(token, [0] * len(io_idx))
+            return True
+        if not self._submit(write, token, recs, io_slots, [batch["digs"][i] for i in io_idx]):
+            del self._batches[token]
+            return False
+        batch["items"] = [0] * len(io_idx)
+        return True
+
     def submit_store(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
         token, batch = self._new_batch("store", keys, slots)
         digs = batch["digs"]
@@ -467,21 +491,13 @@ class DiskTier(LowerTier):
             io_idx.append(i)
             recs.append(rec)
             io_slots.append(s)
-        batch["io_idx"] = io_idx
-        self._batches[token] = batch
-        if self.no_data or not io_idx:
-            batch["jobs"] = 0
-            self._finish(token, [0] * len(io_idx))
-            return token
-        if not self._submit(True, token, recs, io_slots, [digs[i] for i in io_idx]):
+        if not self._launch(True, token, batch, io_idx, recs, io_slots):
             for i in io_idx:  # backpressure: undo, nothing was queued
                 rec = batch["recs"][i]
                 self._forget(digs[i], rec)
                 self.free.append(rec)
-            del self._batches[token]
             self.counters["busy_drops"] += len(keys)
             return None
-        batch["items"] = [0] * len(io_idx)
         return token
 
     def submit_load(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
@@ -497,18 +513,10 @@ class DiskTier(LowerTier):
             io_idx.append(i)
             recs.append(rec)
             io_slots.append(s)
-        batch["io_idx"] = io_idx
-        self._batches[token] = batch
-        if self.no_data or not io_idx:
-            batch["jobs"] = 0
-            self._finish(token, [0] * len(io_idx))
-            return token
-        if not self._submit(False, token, recs, io_slots, [digs[i] for i in io_idx]):
+        if not self._launch(False, token, batch, io_idx, recs, io_slots):
             for i in io_idx:
                 self.rec_loading[batch["recs"][i]] -= 1
-            del self._batches[token]
             return None
-        batch["items"] = [0] * len(io_idx)
         return token
 
     def poll(self) -> list[TierCompletion]:

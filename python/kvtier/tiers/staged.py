@@ -118,7 +118,7 @@ class StagedTier(LowerTier):
         return out
 
     def _merge(self, token: int) -> TierCompletion:
-        kind, keys, slots, done = self._batches.pop(token)
+        kind, keys, _, done = self._batches.pop(token)
         n = len(keys)
         ok = [all(c.ok if c.key_ok is None else c.key_ok[k] for c in done) for k in range(n)]
         held = [any(c.held[k] for c in done if c.held) for k in range(n)]
