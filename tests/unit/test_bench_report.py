@@ -14,7 +14,10 @@ def _disk(t: str, store: float) -> dict:
         "block_bytes": 262144,
         "ratio": {"store": store, "load": 0.5},
         "vs_python_threadpool": {"store": 2.0, "load": 1.5},
-        "gil": {"python_loop_speed_while_busy": 0.95},
+        "gil": {
+            "python_loop_speed_while_busy": 0.95,
+            "driver_in_second_thread": {"python_loop_speed_while_busy": 0.9},
+        },
         "machine": {"time": t},
     }
 
@@ -33,6 +36,7 @@ def test_newest_result_per_kind_and_its_ratios(tmp_path: Path) -> None:
     assert ("disk 256 KiB store", 1.25, "fio") in rows
     assert ("disk 256 KiB load", 1.5, "Python thread pool") in rows
     assert ("disk 256 KiB Python loop while busy", 0.95, "loop alone") in rows
+    assert ("disk 256 KiB Python loop, driver in a 2nd thread", 0.9, "loop alone") in rows
     assert ("vLLM manager cycles", 1.1, "CPUOffloadingManager") in rows
     md, png = write_summary(tmp_path)
     text = md.read_text()

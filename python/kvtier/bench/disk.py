@@ -6,19 +6,19 @@ O_DIRECT (what a file-per-block tier does), and a GIL probe.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
 import statistics
 import subprocess
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.harness import drive_tier, gil_probe
+from kvtier.bench.harness import TierDriver, drive_tier, gil_probe
 from kvtier.errors import InvalidArgument
 from kvtier.pool import HostPool
 from kvtier.tiers.disk import DiskTier, record_bytes
@@ -126,23 +126,27 @@ def run_disk(
                 fs.append(_fio(work, "write", block_bytes, queue_depth, n * block_bytes))
                 fl.append(_fio(work, "read", block_bytes, queue_depth, n * block_bytes))
         py_s, py_l = _threadpool(work, pool, block_bytes, min(n, 2048), 8)
-        # GIL probe: a Python thread keeps the tier busy, polling every 5 ms
-        # (an engine polls once per scheduler step, 5-50 ms), while the main
-        # thread loops. Rounds of 256 MiB keep the queue from draining.
-        rounds = iter(range(1000, 1 << 30))
+        # GIL probe: the tier kept busy by one poll-and-resubmit step every
+        # 5 ms (an engine polls once per scheduler step, 5-50 ms) while a
+        # Python loop runs. Rounds of 256 MiB, stored then loaded back.
+        rounds = itertools.count(1000)
         m = min(n, max(4 * batch, (256 << 20) // block_bytes))
-        poll_s = 0.005
+        drv = TierDriver(tier, batch)
 
-        def busy(stop: threading.Event) -> int:
-            moved = 0
-            while not stop.is_set():
-                keys = _keys(n, next(rounds))[:m]
-                drive_tier(tier, True, keys, batch, poll_s)
-                drive_tier(tier, False, keys, batch, poll_s)
-                moved += 2 * m * block_bytes
-            return moved
+        def step() -> None:
+            if drv.finished and not drv.inflight:
+                if drv.store and drv.keys:
+                    drv.start(False, drv.keys)
+                else:
+                    drv.start(True, _keys(n, next(rounds))[:m])
+            drv.step()
 
-        gil = gil_probe(busy, poll_s)
+        def drain() -> None:
+            while drv.inflight:
+                drv.step()
+                time.sleep(0.001)
+
+        gil = gil_probe(step, lambda: drv.moved, drain, 0.005)
     finally:
         tier.close()
         pool.close()

@@ -51,6 +51,15 @@ def ratios(results: list[dict[str, Any]]) -> list[tuple[str, float, str]]:
             if "gil" in d:
                 g = d["gil"]["python_loop_speed_while_busy"]
                 rows.append((f"disk {size} Python loop while busy", g, "loop alone"))
+                th = d["gil"].get("driver_in_second_thread")
+                if th:
+                    rows.append(
+                        (
+                            f"disk {size} Python loop, driver in a 2nd thread",
+                            th["python_loop_speed_while_busy"],
+                            "loop alone",
+                        )
+                    )
         elif c == "remote":
             for k, v in d.get("ratio", {}).items():
                 rows.append((f"remote {size} {k}", v, "redis-benchmark"))
