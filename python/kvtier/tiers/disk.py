@@ -36,6 +36,8 @@ from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent
 
 TRAILER_BYTES = 4096
 _JOURNAL = struct.Struct("<4sBxxxQ16sQQI")  # magic, op, record, digest, length, seq, crc
+_J_BODY = struct.Struct(_JOURNAL.format[:-1])  # all but the crc, which covers it
+_J_CRC = struct.Struct("<I")
 _J_MAGIC = b"KVJ1"
 _PUT, _DEL = 1, 2
 _EXTENT_MAX = 8 << 30
@@ -312,8 +314,9 @@ class DiskTier(LowerTier):
 
     def _journal(self, op: int, rec: int, dig: bytes) -> None:
         self._seq += 1
-        body = _JOURNAL.pack(_J_MAGIC, op, rec, dig, self.block_bytes, self._seq, 0)[:-4]
-        self._journal_buf += body + struct.pack("<I", zlib.crc32(body))
+        body = _J_BODY.pack(_J_MAGIC, op, rec, dig, self.block_bytes, self._seq)
+        self._journal_buf += body
+        self._journal_buf += _J_CRC.pack(zlib.crc32(body))
         self._journal_entries += 1
 
     def _flush_journal(self) -> None:
@@ -363,7 +366,9 @@ class DiskTier(LowerTier):
             return False
         return True
 
-    def _allocate(self) -> int | None:
+    def _allocate(self, evicted: list[bytes]) -> int | None:
+        """A free record, else the policy's first victim that is neither
+        being written nor read (its key appended to ``evicted``)."""
         if self.free:
             return self.free.pop()
         for dig in self.policy.victims():
@@ -376,7 +381,7 @@ class DiskTier(LowerTier):
         self._forget(dig, rec, evicted=True)
         self.counters["evictions"] += 1
         if key is not None:  # blocks recovered at restart have no known key to report
-            self._events.append(TierEvent([key], self.name, removed=True))
+            evicted.append(key)
         return rec
 
     def _forget(self, dig: bytes, rec: int, evicted: bool = False) -> None:
@@ -476,11 +481,12 @@ class DiskTier(LowerTier):
         token, batch = self._new_batch("store", keys, slots)
         digs = batch["digs"]
         io_idx, recs, io_slots = [], [], []
+        evicted: list[bytes] = []
         for i, (d, s) in enumerate(zip(digs, slots)):
             if d in self.index:
                 batch["ok"][i] = True  # already stored (or being stored)
                 continue
-            rec = self._allocate()
+            rec = self._allocate(evicted)
             if rec is None:
                 continue
             self.index[d] = rec
@@ -491,6 +497,8 @@ class DiskTier(LowerTier):
             io_idx.append(i)
             recs.append(rec)
             io_slots.append(s)
+        if evicted:
+            self._events.append(TierEvent(evicted, self.name, removed=True))
         if not self._launch(True, token, batch, io_idx, recs, io_slots):
             for i in io_idx:  # backpressure: undo, nothing was queued
                 rec = batch["recs"][i]
@@ -556,6 +564,7 @@ class DiskTier(LowerTier):
     def _finish(self, token: int, items: list[int]) -> None:
         b = self._batches[token]
         stored: list[bytes] = []
+        loaded = 0
         for k, i in enumerate(b["io_idx"]):
             rec, dig, code = b["recs"][i], b["digs"][i], items[k]
             if b["kind"] == "store":
@@ -565,8 +574,6 @@ class DiskTier(LowerTier):
                     self._journal(_PUT, rec, dig)
                     b["ok"][i] = True
                     stored.append(b["keys"][i])
-                    self.counters["stores"] += 1
-                    self.counters["bytes_written"] += self.record_bytes
                 else:
                     if code == 28:  # ENOSPC: stop admitting for a while
                         self._nospace_until = time.monotonic() + 1.0
@@ -579,8 +586,7 @@ class DiskTier(LowerTier):
                 if code == 0:
                     b["ok"][i] = True
                     self.policy.touch(dig)
-                    self.counters["loads"] += 1
-                    self.counters["bytes_read"] += self.record_bytes
+                    loaded += 1
                 else:
                     # Torn, foreign or unreadable: a miss, counted, and dropped.
                     self.counters["load_failures"] += 1
@@ -590,6 +596,11 @@ class DiskTier(LowerTier):
                         self._journal(_DEL, rec, dig)
                         self.free.append(rec)
                         self._events.append(TierEvent([b["keys"][i]], self.name, removed=True))
+        c = self.counters
+        c["stores"] += len(stored)
+        c["bytes_written"] += len(stored) * self.record_bytes
+        c["loads"] += loaded
+        c["bytes_read"] += loaded * self.record_bytes
         if stored:
             self._events.append(TierEvent(stored, self.name, removed=False))
         self._finished.append(token)
