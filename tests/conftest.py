@@ -58,7 +58,7 @@ def fake_cudart(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-un
 
 @pytest.fixture(scope="session")
 def redis_standalone(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    from redis_servers import RedisServer
+    from kvtier.bench.redis_server import RedisServer
 
     s = RedisServer(tmp_path_factory.mktemp("redis"))
     yield s
@@ -67,7 +67,7 @@ def redis_standalone(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    from redis_servers import RedisCluster
+    from kvtier.bench.redis_server import RedisCluster
 
     c = RedisCluster(tmp_path_factory.mktemp("rcluster"))
     yield c

@@ -14,10 +14,10 @@ import kvtier
 import numpy as np
 import pytest
 import redis
+from kvtier.bench.redis_server import RedisCluster, RedisServer, free_port
 from kvtier.pool import HostPool
 from kvtier.tiers import LookupResult
 from kvtier.tiers.remote import RemoteTier, parse_url
-from redis_servers import RedisCluster, RedisServer, free_port
 
 BLOCK = 16384
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.harness import TierDriver, drive_tier, gil_probe
+from kvtier.bench.harness import PAIRED, TierDriver, drive_tier, gil_probe, paired_ratio
 from kvtier.errors import InvalidArgument
 from kvtier.pool import HostPool
 from kvtier.tiers.disk import DiskTier, record_bytes
@@ -94,6 +94,7 @@ def run_disk(
     repeats: int = 3,
     backend: str = "auto",
     threads: int = 2,
+    probe_rounds: int = 12,
 ) -> dict[str, Any]:
     base = Path(directory)
     if not base.is_dir():
@@ -146,7 +147,7 @@ def run_disk(
                 drv.step()
                 time.sleep(0.001)
 
-        gil = gil_probe(step, lambda: drv.moved, drain, 0.005)
+        gil = gil_probe(step, lambda: drv.moved, drain, 0.005, probe_rounds)
     finally:
         tier.close()
         pool.close()
@@ -180,7 +181,8 @@ def run_disk(
             "load_gbps": round(med(fl), 3),
             "runs": {"store": fs, "load": fl},
         }
-        out["ratio"] = {"store": round(med(ks) / med(fs), 3), "load": round(med(kl) / med(fl), 3)}
+        out["ratio"] = {"store": paired_ratio(ks, fs), "load": paired_ratio(kl, fl)}
+        out["ratio_method"] = PAIRED
     else:
         out["baseline"] = {"name": "fio", "error": "fio not installed"}
     return out

@@ -32,6 +32,16 @@ def median_rate(
     return statistics.median(rates), rates
 
 
+PAIRED = "median over repeats of kvtier / baseline, each repeat running both"
+
+
+def paired_ratio(ours: list[float], base: list[float]) -> float:
+    """Median of ``ours[i] / base[i]``: each repeat runs kvtier and then the
+    baseline, so pairing them keeps this machine's slow drift (the
+    hypervisor's steal, the virtual disk's cache) out of the ratio."""
+    return round(statistics.median(o / b for o, b in zip(ours, base, strict=True)), 3)
+
+
 class TierDriver:
     """Keeps a kvtier lower tier's queue full (``depth`` batches in flight)
     while keys move between it and the attached pool, one :meth:`step` at a

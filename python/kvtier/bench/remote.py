@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.bench.harness import drive_tier
+from kvtier.bench.harness import PAIRED, drive_tier, paired_ratio
 from kvtier.errors import InvalidArgument
 from kvtier.pool import HostPool
 from kvtier.tiers.remote import RemoteTier, parse_url
@@ -78,6 +78,26 @@ def _redis_benchmark(
     return best
 
 
+def _delete(host: str, port: int, password: str, cluster: bool, keys: list[bytes]) -> None:
+    """Removes the benchmark's keys (a cluster's one by one: they live in
+    many slots). Nothing when redis-py is missing."""
+    try:
+        import redis
+        from redis.cluster import RedisCluster
+    except ImportError:
+        return
+    if cluster:
+        rc = RedisCluster(host=host, port=port, password=password or None)
+        for k in keys:
+            rc.delete(k)
+        rc.close()
+        return
+    r = redis.Redis(host=host, port=port, password=password or None)
+    for i in range(0, len(keys), 1024):
+        r.delete(*keys[i : i + 1024])
+    r.close()
+
+
 def _redis_py(host: str, port: int, password: str, size: int, n: int) -> dict[str, Any]:
     import redis
 
@@ -116,12 +136,9 @@ def run_remote(
 ) -> dict[str, Any]:
     server = None
     if url is None:  # a local server of our own, on loopback
-        import sys
-
-        sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
         if shutil.which("redis-server") is None:
             raise InvalidArgument("no --url given and redis-server is not installed")
-        from redis_servers import RedisServer
+        from kvtier.bench.redis_server import RedisServer
 
         server = RedisServer(Path(tempfile.mkdtemp(prefix="kvtier-bench-redis-")))
         url = server.url
@@ -143,6 +160,7 @@ def run_remote(
     batch = max(1, min(256, (16 << 20) // block_bytes))
     ks, kl, bs, bl, rs, rl = [], [], [], [], [], []
     populated = False
+    keys: list[bytes] = []
     py: dict[str, Any]
     try:
         for _ in range(repeats):
@@ -164,12 +182,14 @@ def run_remote(
                     )
                     rs.append(b["store_gbps"])
                     rl.append(b["load_gbps"])
-        if populated:  # leave a user's server as redis-benchmark alone would
-            import redis
-
-            r = redis.Redis(host=host, port=port, password=cfg["password"] or None)
-            for i in range(0, n, 1024):
-                r.delete(*[b"key:%012d" % k for k in range(i, min(n, i + 1024))])
+        # Leave a user's server as it was: without kvtier's values, and
+        # without the keys redis-benchmark -r wrote.
+        gone = [t.server_key(k) for k in keys]
+        if bs:
+            gone.append(b"key:__rand_int__")  # what redis-benchmark writes without -r
+        if populated:
+            gone += [b"key:%012d" % k for k in range(n)]
+        _delete(host, port, cfg["password"], cfg["cluster"], gone)
         try:
             py = _redis_py(host, port, cfg["password"], block_bytes, min(n, 2048))
         except Exception as e:  # noqa: BLE001 - optional comparison
@@ -195,8 +215,10 @@ def run_remote(
             "store_gbps": round(med(bs), 3),
             "load_gbps": round(med(bl), 3),
             "note": "best of -P 1 and -P 16, same value size and -c",
+            "runs": {"store": bs, "load": bl},
         }
-        out["ratio"] = {"store": round(med(ks) / med(bs), 3), "load": round(med(kl) / med(bl), 3)}
+        out["ratio"] = {"store": paired_ratio(ks, bs), "load": paired_ratio(kl, bl)}
+        out["ratio_method"] = PAIRED
     if rs:
         # Reported beside the baseline, not instead of it: the same tool over
         # as many distinct keys as kvtier's run, so neither side's values sit
@@ -205,7 +227,12 @@ def run_remote(
             "name": f"redis-benchmark -r {n}",
             "store_gbps": round(med(rs), 3),
             "load_gbps": round(med(rl), 3),
-            "ratio": {"store": round(med(ks) / med(rs), 3), "load": round(med(kl) / med(rl), 3)},
+            "runs": {"store": rs, "load": rl},
+            # the repeats before the keyspace could be populated have no pair
+            "ratio": {
+                "store": paired_ratio(ks[-len(rs) :], rs),
+                "load": paired_ratio(kl[-len(rl) :], rl),
+            },
         }
     if "store_gbps" in py:
         out["redis_py"] = py

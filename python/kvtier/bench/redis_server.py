@@ -1,5 +1,8 @@
-"""Real redis-server processes for tests: standalone and a 3-master cluster,
-on 127.0.0.1 at free ports, stopped by PID. Nothing reaches beyond loopback."""
+"""Real redis-server processes on 127.0.0.1 at free ports, standalone or a
+3-master cluster, stopped by PID; nothing reaches beyond loopback.
+
+Who calls: ``kvtier bench remote`` without ``--url`` and the tests. Starting
+and stopping block until the server answers or is gone."""
 
 from __future__ import annotations
 
