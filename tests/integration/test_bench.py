@@ -52,9 +52,11 @@ def test_bench_disk_json_and_summary(
     g = d["gil"]
     assert 0 < g["python_loop_speed_while_busy"] and g["tier_gbps_meanwhile"] > 0
     assert 0 < g["driver_in_second_thread"]["floor_thread_waking_alone"]
+    assert len(g["loop_beside_fio"]["runs"]) == 1
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("kvtier-bench")] == []
     md, _ = write_summary(res)
     assert "| disk 256 KiB store | fio |" in md.read_text()
+    assert "| disk 256 KiB Python loop beside fio | loop alone |" in md.read_text()
 
 
 def test_bench_remote_json(

@@ -18,7 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.harness import PAIRED, TierDriver, drive_tier, gil_probe, paired_ratio
+from kvtier.bench.harness import (
+    PAIRED,
+    TierDriver,
+    drive_tier,
+    gil_probe,
+    loop_rate,
+    paired_ratio,
+)
 from kvtier.errors import InvalidArgument
 from kvtier.pool import HostPool
 from kvtier.tiers.disk import DiskTier, record_bytes
@@ -51,6 +58,36 @@ def _fio(directory: Path, rw: str, bs: int, qd: int, size: int) -> float:
         raise RuntimeError(f"fio failed: {out.stderr.strip()[:300]}")
     job = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]
     return float(job["write" if rw == "write" else "read"]["bw_bytes"]) / 1e9
+
+
+def _loop_beside_fio(directory: Path, bs: int, qd: int, size: int, rounds: int) -> dict[str, Any]:
+    """The machine's own floor for the GIL probe: the same Python loop while
+    fio (another process: no GIL, nothing of kvtier's) moves the same I/O,
+    writes and reads in turn, relative to the loop alone just before. On a
+    VM the hypervisor's I/O emulation and the interrupts cost the guest's
+    CPUs something whatever issues the I/O."""
+    ratios = []
+    for r in range(rounds):
+        idle = loop_rate(0.4)
+        p = subprocess.Popen(
+            [
+                "fio", "--name=kvtier-probe", f"--filename={directory / 'fio-bench.dat'}",
+                f"--size={size}", f"--rw={'write' if r % 2 else 'read'}", f"--bs={bs}",
+                "--ioengine=io_uring", "--direct=1", f"--iodepth={qd}",
+                "--time_based", "--runtime=1", "--output-format=terse",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            time.sleep(0.3)  # fio starts its job and fills its queue
+            ratios.append(loop_rate(0.4) / idle)
+        finally:
+            p.wait(60)
+    return {
+        "python_loop_speed_while_busy": round(statistics.median(ratios), 3),
+        "runs": [round(x, 3) for x in ratios],
+    }
 
 
 def _threadpool(
@@ -148,6 +185,11 @@ def run_disk(
                 time.sleep(0.001)
 
         gil = gil_probe(step, lambda: drv.moved, drain, 0.005, probe_rounds)
+        if have_fio:
+            size = n * block_bytes
+            gil["loop_beside_fio"] = _loop_beside_fio(
+                work, block_bytes, queue_depth, size, max(1, probe_rounds // 2)
+            )
     finally:
         tier.close()
         pool.close()

@@ -103,7 +103,7 @@ def drive_tier(
     return time.perf_counter() - t0
 
 
-def _loop_rate(seconds: float, step: Callable[[], None] | None = None, every: float = 0) -> float:
+def loop_rate(seconds: float, step: Callable[[], None] | None = None, every: float = 0) -> float:
     """Iterations per second of a pure-Python loop; with ``step``, the loop
     calls it every ``every`` seconds (an engine's scheduler doing its own work
     between polls) and the time inside counts against the loop."""
@@ -158,7 +158,7 @@ def gil_probe(
 
         th = threading.Thread(target=run, daemon=True)
         th.start()
-        rate = _loop_rate(window_s)
+        rate = loop_rate(window_s)
         stop.set()
         th.join()
         return rate
@@ -170,12 +170,12 @@ def gil_probe(
 
     inline, thread, floors, gbps_in, gbps_th = [], [], [], [], []
     for _ in range(rounds):
-        idle = _loop_rate(window_s)
-        busy, g = rated(lambda: _loop_rate(window_s, step, interval_s))
+        idle = loop_rate(window_s)
+        busy, g = rated(lambda: loop_rate(window_s, step, interval_s))
         drain()
         inline.append(busy / idle)
         gbps_in.append(g)
-        idle = _loop_rate(window_s)
+        idle = loop_rate(window_s)
         busy, g = rated(lambda: beside(step))
         drain()
         thread.append(busy / idle)

@@ -51,6 +51,10 @@ def ratios(results: list[dict[str, Any]]) -> list[tuple[str, float, str]]:
             if "gil" in d:
                 g = d["gil"]["python_loop_speed_while_busy"]
                 rows.append((f"disk {size} Python loop while busy", g, "loop alone"))
+                fio = d["gil"].get("loop_beside_fio")
+                if fio:
+                    g = fio["python_loop_speed_while_busy"]
+                    rows.append((f"disk {size} Python loop beside fio", g, "loop alone"))
                 th = d["gil"].get("driver_in_second_thread")
                 if th:
                     rows.append(
