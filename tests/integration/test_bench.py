@@ -71,6 +71,9 @@ def test_bench_remote_json(
     if shutil.which("redis-benchmark"):
         _consistent(d, "redis-benchmark")
         assert set(d["baseline_same_keyspace"]["ratio"]) == {"store", "load"}
+        cpu = d["server_cpu_s_per_gb"]
+        assert {"kvtier store", "kvtier load", "redis-benchmark store"} <= set(cpu)
+        assert all(v >= 0 for v in cpu.values())
     assert set(d["vs_redis_py"]) == {"store", "load"}
     rows = {(w, b) for w, _, b in ratios([d])}
     assert ("remote 64 KiB store", "redis-py + hiredis") in rows
