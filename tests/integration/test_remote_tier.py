@@ -125,6 +125,29 @@ def test_async_lookup_retry_then_answer(redis_standalone) -> None:  # type: igno
         t.close()
 
 
+def test_an_existence_check_answered_after_a_store_does_not_undo_it(redis_standalone) -> None:  # type: ignore[no-untyped-def]
+    # Seen as a flaky cluster test: an EXISTS sent before the block's SET ran
+    # ("absent") was reported after the SET's completion and made the block a
+    # miss. Here the engine reports the check last on purpose.
+    with HostPool(4, BLOCK) as pool:
+        t = RemoteTier(redis_standalone.url, BLOCK, namespace=str(uuid.uuid4()))
+        t.attach(pool)
+        assert t.lookup(K(7)) is RETRY
+        t.poll()  # sends the EXISTS
+        check = set(t._jobs)
+        t.engine.wait(check)  # answered "absent": the SET was not sent yet
+        real_poll = t.engine.poll
+        t.engine.poll = lambda: sorted(real_poll(), key=lambda r: r.job_id in check)
+        pool.view(0)[:BLOCK] = content(7)
+        token = t.submit_store([K(7)], [0])
+        t.engine.wait(set(t._jobs) - check)  # both answered: one poll reports both
+        assert [c.token for c in t.poll()] == [token]
+        assert not t._jobs and t.lookup(K(7)) is HIT
+        assert look(t, K(8)) is MISS  # checks still answer for keys nothing stored
+        t.engine.poll = real_poll
+        t.close()
+
+
 @pytest.mark.parametrize(
     "block,window_bytes",
     [(BLOCK, 1), (BLOCK, 3 * (BLOCK + 64)), (BLOCK, 1 << 30), (600_000, 1 << 20)],

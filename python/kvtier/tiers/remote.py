@@ -282,6 +282,7 @@ class RemoteTier(LowerTier):
                 "keys": skeys,
                 "digs": digs,
                 "items": [0] * len(digs),
+                "issued": time.monotonic(),
             }
             try:
                 n = len(digs)
@@ -329,8 +330,14 @@ class RemoteTier(LowerTier):
         b = self._batches[token]
         kind, items = b["kind"], b["items"]
         if kind == "exists":
+            known, issued = self.known, b["issued"]
             for d, code in zip(b["digs"], items):
                 self._exists_inflight.discard(d)
+                seen = known.get(d)
+                if seen is not None and seen[1] > issued:
+                    # A store or load that ended after this check was sent
+                    # knows better (the check may have run before its SET).
+                    continue
                 # A failed check (server down) counts as absent for a while.
                 self._remember(d, code == 0)
             b["completion"] = None
