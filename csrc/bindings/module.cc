@@ -54,6 +54,15 @@ void translate(const Error& e) {
 
 // Wait in slices with the GIL released, so Ctrl-C (PyErr_CheckSignals) and
 // the timeout are honoured without a callback from worker threads.
+// The 16-byte namespace digest both stores stamp on every record and value.
+kvtier::disk::Digest namespace_digest(const py::bytes& ns) {
+  const std::string b = ns;
+  if (b.size() != 16) throw Error(Code::kInvalidArgument, "namespace digest must be 16 bytes");
+  kvtier::disk::Digest d;
+  std::memcpy(d.b, b.data(), 16);
+  return d;
+}
+
 void wait_jobs(kvtier::Engine& eng, const std::vector<std::uint64_t>& ids, double timeout_s) {
   using clock = std::chrono::steady_clock;
   const bool forever = timeout_s < 0;
@@ -369,10 +378,7 @@ PYBIND11_MODULE(_native, m) {
              o.direct = direct;
              o.sync = sync;
              o.trailer_in_slot = trailer_in_slot;
-             std::string nsb = ns;
-             if (nsb.size() != 16)
-               throw Error(Code::kInvalidArgument, "namespace digest must be 16 bytes");
-             std::memcpy(o.ns.b, nsb.data(), 16);
+             o.ns = namespace_digest(ns);
              for (const auto& [a, n] : buffers)
                o.buffers.emplace_back(reinterpret_cast<std::uint8_t*>(a), n);
              py::gil_scoped_release nogil;  // preallocation and ring setup take time
@@ -408,10 +414,7 @@ PYBIND11_MODULE(_native, m) {
              o.window_bytes = window_bytes;
              o.ttl_ms = ttl_ms;
              o.lazy = lazy;
-             std::string nsb = ns;
-             if (nsb.size() != 16)
-               throw Error(Code::kInvalidArgument, "namespace digest must be 16 bytes");
-             std::memcpy(o.ns.b, nsb.data(), 16);
+             o.ns = namespace_digest(ns);
              py::gil_scoped_release nogil;  // connects to the servers
              return rm::Store::open(std::move(o));
            }),
