@@ -388,7 +388,7 @@ def test_hung_device_fails_within_timeout_and_holds_slots(
 # itself (syscall 425 is io_uring_setup on every architecture) before kvtier
 # starts, so the real fallback path runs, not a flag that skips it.
 NO_URING_CHILD = textwrap.dedent("""
-    import ctypes, sys, warnings
+    import ctypes, sys, time, warnings
     import numpy as np
 
     class Insn(ctypes.Structure):
@@ -430,10 +430,12 @@ NO_URING_CHILD = textwrap.dedent("""
             p.view(j)[:BLOCK] = data[j]
         keys = [b"k%d" % j for j in range(8)]
         def wait(tok):
-            while True:
+            for _ in range(20000):  # 10 s at most, as run_until_done
                 for c in t.poll():
                     if c.token == tok:
                         return c.key_ok
+                time.sleep(0.0005)
+            raise SystemExit("disk job did not finish")
         print("stored:", all(wait(t.submit_store(keys, list(range(8))))))
         p.view(8, 8)[:] = 0
         print("loaded:", all(wait(t.submit_load(keys, list(range(8, 16))))))
