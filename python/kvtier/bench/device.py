@@ -1,6 +1,7 @@
 """``kvtier bench copy --device cpu``: KV blocks through DeviceTransfer with a
-CPU tensor as the KV cache, against a plain single-threaded memcpy of the same
-descriptors in the same run; also the cost of building descriptors."""
+numpy array as the KV cache (as in ``kvtier replay``; no torch needed),
+against a plain single-threaded memcpy of the same descriptors in the same
+run; also the cost of building descriptors."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import time
 from typing import Any
 
 import numpy as np
-import torch
 
 from kvtier.pool import HostPool
 from kvtier.transfer import DeviceTransfer
@@ -24,8 +24,8 @@ def run_device_copy(
 ) -> dict[str, Any]:
     n = max(1, total_bytes // block_bytes)
     page = block_bytes // layers
-    kv = torch.zeros((n, layers, page), dtype=torch.uint8)
-    kv.view(-1)[::4096] = 1  # fault the KV "device" memory in before timing
+    kv = np.zeros((n, layers, page), dtype=np.uint8)
+    kv.reshape(-1)[::4096] = 1  # fault the KV "device" memory in before timing
     tensors = [kv[:, i, :] for i in range(layers)]
     pool = HostPool(2 * n, block_bytes)
     t = DeviceTransfer(tensors, pool)
