@@ -259,3 +259,38 @@ def test_imports_and_cpu_backend_work_without_libcudart() -> None:
     env = {**os.environ, "KVTIER_CUDART": "/nonexistent/libcudart.so"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.split("\n")[:2] == ["no cuda: True", "4096"], out.stderr
+
+
+@pytest.mark.parametrize("layout", list(layouts()))
+def test_numpy_arrays_describe_like_the_torch_tensors_over_them(layout: str) -> None:
+    """numpy stands in for the GPU cache where torch is missing: a numpy view of
+    each tensor's memory gives the same addresses, pages and strides."""
+    from kvtier.transfer import layout_from_tensors
+
+    tensors, pages = layouts()[layout]
+    arrays = [t.numpy() for t in tensors]
+    want, got = layout_from_tensors(tensors, pages), layout_from_tensors(arrays, pages)
+    for f in ("bases", "page_bytes", "strides", "chunk_offsets"):
+        assert getattr(got, f).tolist() == getattr(want, f).tolist(), f
+    assert got.num_blocks == want.num_blocks == NB
+
+
+def test_numpy_round_trip_bytes() -> None:
+    kv = np.random.default_rng(1).integers(0, 256, (NB, 2, 4096), dtype=np.uint8)
+    ref = kv.copy()
+    with HostPool(NB, 8192) as pool:
+        t = DeviceTransfer([kv[:, 0, :], kv[:, 1, :]], pool)
+        assert t.submit_store(1, [3, 9], [0, 1])
+        finish(t, [1])
+        kv[[3, 9]] = 0
+        assert t.submit_load(2, [0, 1], [20, 21])
+        finish(t, [2])
+        assert kv[[20, 21]].tobytes() == ref[[3, 9]].tobytes()
+        t.shutdown()
+
+
+def test_read_only_numpy_array_is_refused(pool: HostPool) -> None:
+    kv = np.zeros((NB, 4096), np.uint8)
+    kv.flags.writeable = False
+    with pytest.raises(kvtier.InvalidArgument, match="a numpy KV array must be writeable"):
+        DeviceTransfer([kv], pool)
