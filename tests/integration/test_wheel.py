@@ -253,6 +253,30 @@ def test_replay_with_host_and_disk_tiers(hidden: Hidden, venv: Path, tmp_path: P
     assert js["bytes_loaded"] == (hits["host"] + hits["disk"]) * BLOCK
 
 
+def test_plan_and_bench_run_without_torch(hidden: Hidden, venv: Path, tmp_path: Path) -> None:
+    plan = hidden.run(
+        _kvtier(venv, "plan", "--layers", "64", "--kv-heads", "8", "--head-dim", "128")
+        + ["--block-tokens", "16", "--partition", "48,16", "--kv-memory", "20GiB", "--json"],
+        cwd=tmp_path,
+    )
+    assert plan.returncode == 0, plan.stderr
+    assert [s["layers"] for s in json.loads(plan.stdout.splitlines()[-1])["stages"]] == [48, 16]
+    for args in (
+        ["manager", "--keys", "2000"],
+        ["copy", "--device", "cpu", "--block-bytes", "64KiB"],
+    ):
+        r = hidden.run(
+            _kvtier(venv, "bench", *args, "--repeats", "1", "--json", "--results-dir", ""),
+            cwd=tmp_path,
+        )
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout.splitlines()[-1])["component"] == args[0]
+    # Plots are the one thing that needs an extra, and say so before any work.
+    r = hidden.run(_kvtier(venv, "replay", "--plot", "p.png", "--no-progress"), cwd=tmp_path)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == "kvtier: error: --plot needs matplotlib: pip install 'kvtier[bench]'\n"
+
+
 # Stores blocks of distinct bytes, loads them into other slots, compares.
 ROUND_TRIP = """
 import json, sys, time
