@@ -23,6 +23,9 @@ def _print_json_last(obj: dict[str, Any]) -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from kvtier.bench.harness import parse_size, save_result
 
+    if args.component == "serve":
+        return _cmd_bench_serve(args)
+    args.repeats = args.repeats or 5
     if args.component == "copy":
         sizes = [parse_size(args.block_bytes)] if args.block_bytes else None
         if args.device == "cpu":
@@ -56,8 +59,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         chunks = (parse_size(args.block_bytes),) if args.block_bytes else (262144, 2 << 20)
         results = [run_vllm(args.dir, chunks, args.repeats)]
-    elif args.component == "serve":
-        return _cmd_bench_serve(args)
     elif args.component == "manager":
         from kvtier.bench.manager import run_manager
 
@@ -89,7 +90,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         out,
         python=args.python,
         configs=configs,
-        repeats=args.repeats if args.repeats_given else 3,
+        repeats=args.repeats or 3,
         sessions=args.sessions,
         system_tokens=args.system_tokens,
         turns=args.turns,
@@ -170,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="host",
         help="host: pool<->buffer copies; cpu: DeviceTransfer with a CPU KV cache",
     )
-    b.add_argument("--repeats", type=int, default=5, help="repeats (serve: default 3)")
+    b.add_argument("--repeats", type=int, help="repeats (default 5; serve: 3)")
     b.add_argument("--dir", default=".", help="disk: directory on the device to measure")
     b.add_argument("--queue-depth", type=int, default=32)
     b.add_argument(
@@ -212,7 +213,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.repeats_given = "--repeats" in (sys.argv[1:] if argv is None else list(argv))
     try:
         return int(args.func(args))
     except KvtierError as e:

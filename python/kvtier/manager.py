@@ -72,6 +72,8 @@ class _Stats:
     loads: int = 0
     not_admitted: int = 0
     allocation_failures: int = 0
+    # Blocks handed to the engine by prepare_load, by the tier they came from.
+    loaded_from: dict[str, int] = field(default_factory=dict)
 
 
 def _check_keys(keys: Iterable[bytes]) -> list[bytes]:
@@ -99,6 +101,12 @@ class TieredOffloadingManager:
         self._promote: list[list[bytes]] = [[] for _ in self.lower]
         self._inflight: dict[tuple[int, int], tuple[str, list[bytes], list[int]]] = {}
         self._stale: set[int] = set()  # slots freed by reset, still under a GPU job
+        # Keys some lookup reported HIT or HIT_PENDING since the last step end:
+        # a promotion must not evict them, or a prefix longer than the host
+        # tier would evict its own head while its tail is promoted (and the
+        # engine would never see the whole prefix readable). They become
+        # pinned by prepare_load, or are looked up again next step.
+        self._scanned: set[bytes] = set()
         self._closed = False
         self.stats = _Stats()
 
@@ -114,6 +122,8 @@ class TieredOffloadingManager:
         self._check_open()
         r = self._lookup(key)
         self.stats.lookups[r.name.lower()] += 1
+        if r is LookupResult.HIT or r is LookupResult.HIT_PENDING:
+            self._scanned.add(key)
         return r
 
     def _lookup(self, key: bytes) -> LookupResult:
@@ -126,8 +136,8 @@ class TieredOffloadingManager:
                 continue
             if r is not LookupResult.HIT:
                 return r  # RETRY / HIT_PENDING: ask again next step
-            got = self.host.allocate(1)
-            if got is None:
+            got = self.host.allocate(1, protected=self._scanned)
+            if got is None:  # the host tier is full of this step's hits: load those
                 self.stats.allocation_failures += 1
                 return LookupResult.MISS
             (slot,), evicted = got
@@ -154,9 +164,11 @@ class TieredOffloadingManager:
                 raise InvalidArgument(f"prepare_load of a key that is not a HIT: {k.hex()[:16]}")
             entries.append(e)
             slots[i] = e.slot
+        loaded_from = self.stats.loaded_from
         for k, e in zip(keys, entries):
             e.ref += 1
             self.host.policy.touch(k)
+            loaded_from[e.source] = loaded_from.get(e.source, 0) + 1
         self.stats.loads += len(keys)
         return HostSpec(slots)
 
@@ -239,6 +251,7 @@ class TieredOffloadingManager:
     def on_schedule_end(self, context: Any = None) -> None:
         """Drain tier completions, then submit this step's batched cascades and promotions."""
         self._check_open()
+        self._scanned.clear()
         self._poll_tiers()
         self._flush()
         self._poll_tiers()
@@ -249,6 +262,21 @@ class TieredOffloadingManager:
         for t in self.lower:
             ev.extend(t.take_events())
         return ev
+
+    def occupancy(self) -> dict[str, int]:
+        """Host blocks by state and tier jobs in flight: what a drained engine
+        must have given back (pinned, writing, held and stale at 0, no job).
+        Non-blocking; under the lock like every other call."""
+        entries = self.host.entries.values()
+        return {
+            "blocks": len(self.host),
+            "pinned": sum(1 for e in entries if e.ref > 0),
+            "writing": sum(1 for e in entries if e.ref < 0),
+            "cascading": sum(1 for e in entries if e.cascading),
+            "held": self.host.held_slots,
+            "stale": len(self._stale),
+            "tier_jobs": len(self._inflight),
+        }
 
     def has_pending_work(self) -> bool:
         return bool(
@@ -275,6 +303,7 @@ class TieredOffloadingManager:
             else:
                 self.host.release_slot(e.slot)
         self._cascade = [[] for _ in self.lower]
+        self._scanned.clear()
         for batch in self._promote:
             batch.clear()
         self._removed(removed)

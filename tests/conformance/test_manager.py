@@ -279,3 +279,57 @@ def test_no_data_unbounded(policy: str) -> None:
     for i in range(1000):
         store(m, [K(i)])
     assert all(m.lookup(K(i)) is HIT for i in range(1000))
+
+
+def _scan(m: TieredOffloadingManager, keys: list[bytes]) -> tuple[int, bool]:
+    """What vLLM's connector does each step: look keys up in order, stop at
+    the first MISS; (hits, deferred)."""
+    hits, deferred = 0, False
+    for k in keys:
+        r = m.lookup(k)
+        if r is MISS:
+            break
+        hits += 1
+        deferred |= r is PENDING
+    return hits, deferred
+
+
+def test_prefix_longer_than_host_loads_what_fits(pool: HostPool, policy: str) -> None:
+    """A 12-block prefix in the lower tier, 8 host slots: the scan promotes 8,
+    never evicts its own head to promote its tail, and loads those 8."""
+    tier = MemoryTier()
+    m = make(pool, policy, [tier])
+    keys = [K(i) for i in range(12)]
+    for k in keys:
+        tier.data[k] = np.full(4096, k[31], np.uint8)
+    assert _scan(m, keys) == (8, True)
+    m.on_schedule_end()
+    assert _scan(m, keys) == (8, False)  # every step finds the same 8
+    spec = m.prepare_load(keys[:8])
+    for k, s in zip(keys[:8], spec.slots):
+        assert (pool.view(int(s)) == k[31]).all()
+    m.complete_load(keys[:8])
+    m.on_schedule_end()
+    assert m.stats.promotions == 8
+    assert m.stats.loaded_from == {"memory": 8}
+
+
+def test_promotion_never_evicts_a_hit_of_the_same_step(pool: HostPool, policy: str) -> None:
+    """Host full of ready blocks; a prefix whose head is in the host and tail
+    only below: promoting the tail must not evict the head it just reported
+    as a HIT (prepare_load of the whole prefix follows in the same step)."""
+    tier = MemoryTier()
+    m = make(pool, policy, [tier])
+    head = [K(i) for i in range(4)]
+    store(m, head)
+    store(m, [K(100 + i) for i in range(4)])  # newer: LRU would keep these
+    m.on_schedule_end()
+    tail = [K(10), K(11)]
+    for k in tail:
+        tier.data[k] = np.full(4096, k[31], np.uint8)
+    assert _scan(m, head + tail) == (6, True)
+    assert all(m.host.get(k) is not None for k in head)
+    m.on_schedule_end()
+    assert _scan(m, head + tail) == (6, False)
+    m.prepare_load(head + tail)  # raises if any key stopped being a HIT
+    m.complete_load(head + tail)

@@ -266,3 +266,17 @@ def parse_size(text: str) -> int:
     if n <= 0:
         raise InvalidArgument(f"size must be > 0, got {text!r}")
     return n
+
+
+def default_output_dir(name: str) -> Path:
+    """Where a benchmark writes when not told: ``build/<name>`` of the source
+    tree kvtier runs from (an editable install), else a new temporary
+    directory. Never the current directory."""
+    import tempfile
+
+    import kvtier
+
+    repo = Path(kvtier.__file__).resolve().parents[2]
+    if (repo / "pyproject.toml").exists() and (repo / "python" / "kvtier").is_dir():
+        return repo / "build" / name
+    return Path(tempfile.mkdtemp(prefix=f"kvtier-{name}-"))

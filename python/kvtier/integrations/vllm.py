@@ -19,11 +19,12 @@ torch-side transfers and vLLM's heavy stats module are imported on first use.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import threading
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -82,12 +83,22 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "kvtier_remote_ttl_s": ((int, float), "expiry of remote values in seconds (default none)"),
     "kvtier_namespace": (str, "extra namespace mixed into every key (default none)"),
     "kvtier_num_slots": (int, "host slots per rank; required with pipeline parallelism"),
+    "kvtier_stats_path": (
+        str,
+        "write kvtier's counters and host occupancy here as JSON at shutdown",
+    ),
 }
+_GAUGES = ("host_usage_perc", "host_busy", "tier_jobs")
 
 _SOURCE_MEDIUM = {"host": (Medium.CPU, None), "disk": (Medium.STORAGE, Locality.LOCAL),
                   "remote": (Medium.CPU, Locality.REMOTE)}  # fmt: skip
 KVTIER_METRICS = {
     "vllm:kv_offload_kvtier_host_usage_perc": "Fraction of kvtier host slots in use.",
+    "vllm:kv_offload_kvtier_host_busy": "kvtier host blocks pinned, being written or held.",
+    "vllm:kv_offload_kvtier_tier_jobs": "kvtier lower-tier jobs in flight.",
+    "vllm:kv_offload_kvtier_loaded_host": "Chunks loaded into the engine from kvtier's host tier.",
+    "vllm:kv_offload_kvtier_loaded_disk": "Chunks loaded into the engine after promotion from disk.",
+    "vllm:kv_offload_kvtier_loaded_remote": "Chunks loaded into the engine after promotion from Redis.",
     "vllm:kv_offload_kvtier_promotions": "Blocks promoted from lower tiers into the host tier.",
     "vllm:kv_offload_kvtier_cascades": "Blocks copied from the host tier to lower tiers.",
     "vllm:kv_offload_kvtier_cascades_dropped": "Cascades dropped under backpressure.",
@@ -199,7 +210,8 @@ class KVTierOffloadingSpec(OffloadingSpec):
     ) -> dict[str, OffloadingMetricMetadata]:
         defs: dict[str, OffloadingMetricMetadata] = {}
         for name, doc in KVTIER_METRICS.items():
-            cls_ = OffloadingGaugeMetadata if name.endswith("_perc") else OffloadingCounterMetadata
+            gauge = name.rsplit("kvtier_", 1)[1] in _GAUGES
+            cls_ = OffloadingGaugeMetadata if gauge else OffloadingCounterMetadata
             defs[name] = cls_(documentation=doc)
         return defs
 
@@ -320,7 +332,11 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 policy=k.get("kvtier_policy", "lru"),
                 admit_after=k.get("kvtier_admit_after", 1),
             )
-            self._manager = KVTierManager(TieredOffloadingManager(host, lower))
+            self._manager = KVTierManager(
+                TieredOffloadingManager(host, lower),
+                stats_path=k.get("kvtier_stats_path"),
+                shared_tiers=[t.name for t in lower],
+            )
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
@@ -330,10 +346,23 @@ class KVTierOffloadingSpec(OffloadingSpec):
 class KVTierManager(OffloadingManager):
     """vLLM's OffloadingManager over kvtier's TieredOffloadingManager."""
 
-    def __init__(self, m: TieredOffloadingManager) -> None:
+    def __init__(
+        self,
+        m: TieredOffloadingManager,
+        stats_path: str | None = None,
+        shared_tiers: Sequence[str] = (),
+    ) -> None:
         self.m = m
         self._lock = threading.Lock()
         self._last: dict[str, int] = {}  # counters already reported by get_stats
+        self._stats_path = stats_path
+        self._shared_tiers = list(shared_tiers)  # tiers that outlive this process
+        self._seed_checked = False
+        # vLLM 0.32 has no on_reset_flushed(): its reset flushes in-flight jobs
+        # with the next step's metadata, so the workers are done with them two
+        # step ends later (one more with asynchronous scheduling).
+        self._flush_hook = callable(getattr(OffloadingManager, "on_reset_flushed", None))
+        self._steps_since_reset: int | None = None
 
     @property
     def lock(self) -> threading.Lock:
@@ -383,6 +412,14 @@ class KVTierManager(OffloadingManager):
         self.m.on_request_finished(req_context)
 
     def on_schedule_end(self, context: Any) -> None:
+        if not self._seed_checked:
+            self._seed_checked = True
+            _warn_unshared_hashes(self._shared_tiers)
+        if self._steps_since_reset is not None:
+            self._steps_since_reset += 1
+            if self._steps_since_reset >= 3:
+                self._steps_since_reset = None
+                self.m.on_reset_flushed()
         self.m.on_schedule_end(context)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -401,6 +438,8 @@ class KVTierManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         self.m.reset_cache()
+        if not self._flush_hook:
+            self._steps_since_reset = 0
 
     def on_reset_flushed(self) -> None:
         self.m.on_reset_flushed()
@@ -413,26 +452,62 @@ class KVTierManager(OffloadingManager):
         s = self.m.stats
         stats = OffloadingConnectorStats()
         cap = self.m.host.capacity or 1
+        occ = self.m.occupancy()
         stats.set_gauge("vllm:kv_offload_kvtier_host_usage_perc", len(self.m.host) / cap)
-        for name, value in (
-            ("promotions", s.promotions),
-            ("cascades", s.cascades),
-            ("cascades_dropped", s.cascades_dropped),
-            ("allocation_failures", s.allocation_failures),
-        ):
-            last = self._last.get(name, 0)
-            if value > last:
-                stats.increase_counter(f"vllm:kv_offload_kvtier_{name}", value - last)
-        self._last = {
+        busy = occ["pinned"] + occ["writing"] + occ["held"] + occ["stale"]
+        stats.set_gauge("vllm:kv_offload_kvtier_host_busy", busy)
+        stats.set_gauge("vllm:kv_offload_kvtier_tier_jobs", occ["tier_jobs"])
+        counters = {
             "promotions": s.promotions,
             "cascades": s.cascades,
             "cascades_dropped": s.cascades_dropped,
             "allocation_failures": s.allocation_failures,
+            **{f"loaded_{t}": s.loaded_from.get(t, 0) for t in ("host", "disk", "remote")},
         }
+        for name, value in counters.items():
+            last = self._last.get(name, 0)
+            if value > last:
+                stats.increase_counter(f"vllm:kv_offload_kvtier_{name}", value - last)
+        self._last = counters
         return stats
 
     def shutdown(self) -> None:
+        if self._stats_path:
+            import dataclasses
+            import json
+
+            report = {"stats": dataclasses.asdict(self.m.stats), "occupancy": self.m.occupancy(),
+                      "pending_work": self.m.has_pending_work()}  # fmt: skip
         self.m.shutdown()
+        if self._stats_path:
+            report["closed_occupancy"] = self.m.occupancy()
+            with open(self._stats_path, "w") as f:
+                json.dump(report, f)
+
+
+def _warn_unshared_hashes(shared_tiers: Sequence[str]) -> None:
+    """Say once, with the fix, when this engine's block hashes cannot match
+    another process's: vLLM seeds non-cryptographic prefix hashes (xxhash)
+    per process unless PYTHONHASHSEED is set, and then blocks kept in the
+    disk or Redis tier are never found by another engine or after a restart."""
+    if not shared_tiers or os.environ.get("PYTHONHASHSEED") is not None:
+        return
+    try:
+        from vllm.v1.core import kv_cache_utils as kcu
+    except ImportError:  # pragma: no cover - every vLLM with offloading has it
+        return
+    seed = getattr(kcu, "_NONE_HASH_SEED", None)
+    default = getattr(kcu, "DEFAULT_NONE_HASH_SEED", None)
+    if seed is None or default is None or seed == default:
+        return
+    logging.getLogger("kvtier").warning(
+        "kvtier: this engine's prefix-cache block hashes are seeded per process "
+        "(a non-cryptographic prefix_caching_hash_algo without PYTHONHASHSEED), so blocks in "
+        "kvtier's %s tier(s) will never be found by another engine or after a restart. "
+        "Fix: set PYTHONHASHSEED to the same value for every engine (e.g. PYTHONHASHSEED=0), "
+        "or use prefix_caching_hash_algo=sha256 (vLLM's default).",
+        " and ".join(shared_tiers),
+    )
 
 
 class KVTierWorker(OffloadingWorker):

