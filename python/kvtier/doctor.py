@@ -37,7 +37,18 @@ def _native() -> dict[str, Any]:
         "build": _native.build_info(),
         "crc32c": _native.crc32c_backend(),
         "io_uring_compiled_in": bool(_native.uring_compiled_in()),
+        # Which copy of a shared optional library the loader mapped (a wheel's
+        # own in kvtier.libs/, or the system's).
+        "loaded": _mapped_libraries(("libisal", "liburing")),
     }
+
+
+def _mapped_libraries(prefixes: tuple[str, ...]) -> list[str]:
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return []
+    paths = {line.split()[-1] for line in maps.read_text().splitlines() if "/" in line}
+    return sorted(p for p in paths if Path(p).name.startswith(prefixes))
 
 
 def _backends(report: dict[str, Any]) -> dict[str, Any]:

@@ -218,6 +218,8 @@ def test_doctor_names_the_backends(hidden: Hidden, venv: Path) -> None:
     assert re.fullmatch(r"liburing 2\.\d+, static", rep["native"]["build"]["io_uring"])
     assert re.fullmatch(r"libisal 2\.\d+\.\d+, shared", rep["native"]["build"]["isa_l"])
     assert rep["native"]["crc32c"] == "isa-l"
+    [isal] = rep["native"]["loaded"]  # the wheel's copy, liburing being linked in
+    assert isal.startswith(str(_site_packages(venv) / "kvtier.libs" / "libisal-"))
     assert rep["backends"]["crc32c"] == "isa-l"
     assert rep["disk"]["pread"]["ok"] is True
     # io_uring itself is the kernel's: a seccomp filter may refuse it (then pread, and why).
@@ -343,6 +345,7 @@ def test_fallback_build_without_liburing_and_isal(
         "io_uring": "not built (liburing not found)",
         "isa_l": "not built (libisal not found)",
     }
+    assert rep["native"]["loaded"] == []
     assert rep["backends"] == {
         "ok": True,
         "crc32c": "sse4.2",
