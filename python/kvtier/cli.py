@@ -23,6 +23,9 @@ def _print_json_last(obj: dict[str, Any]) -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from kvtier.bench.harness import parse_size, save_result
 
+    if args.component == "serve":
+        return _cmd_bench_serve(args)
+    args.repeats = args.repeats or 5
     if args.component == "copy":
         sizes = [parse_size(args.block_bytes)] if args.block_bytes else None
         if args.device == "cpu":
@@ -72,6 +75,37 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for r in results[:-1]:
             print(json.dumps(r))
         _print_json_last(results[-1])
+    return 0
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvtier.bench.harness import default_output_dir
+    from kvtier.bench.serve import CONFIGS, plot, run_serve, table
+
+    out = Path(args.out) if args.out else default_output_dir("bench-serve")
+    configs = tuple(args.configs.split(",")) if args.configs else CONFIGS
+    result = run_serve(
+        out,
+        python=args.python,
+        configs=configs,
+        repeats=args.repeats or 3,
+        sessions=args.sessions,
+        system_tokens=args.system_tokens,
+        turns=args.turns,
+        progress=not args.json,
+    )
+    stamp = result["machine"]["time"].replace(":", "").replace("-", "")
+    path = out / f"serve-{stamp}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    png = out / f"serve-{stamp}.png"
+    plot(result, png)
+    if args.json:
+        _print_json_last(result)
+    else:
+        print(table(result))
+        print(f"  saved {path}\n  plot  {png}")
     return 0
 
 
@@ -128,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_cmd_replay)
 
     b = sub.add_parser("bench", help="measure a component against its baseline")
-    b.add_argument("component", choices=["copy", "manager", "disk", "remote", "vllm"])
+    b.add_argument("component", choices=["copy", "manager", "disk", "remote", "vllm", "serve"])
     b.add_argument("--url", help="remote: redis://HOST:PORT (default: start a local server)")
     b.add_argument("--block-bytes", help="one size (default: 64KiB, 256KiB and 2MiB)")
     b.add_argument(
@@ -137,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="host",
         help="host: pool<->buffer copies; cpu: DeviceTransfer with a CPU KV cache",
     )
-    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--repeats", type=int, help="repeats (default 5; serve: 3)")
     b.add_argument("--dir", default=".", help="disk: directory on the device to measure")
     b.add_argument("--queue-depth", type=int, default=32)
     b.add_argument(
@@ -147,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--backend", default="auto", choices=["auto", "io_uring", "pread"])
     b.add_argument("--keys", type=int, default=1_000_000, help="manager: distinct keys")
     b.add_argument("--policy", default="lru")
+    b.add_argument(
+        "--python", help="serve: a Python with vLLM's engine and kvtier (default: this one)"
+    )
+    b.add_argument("--configs", help="serve: comma-separated configurations (default: all)")
+    b.add_argument("--sessions", type=int, default=6, help="serve: chat sessions")
+    b.add_argument("--system-tokens", type=int, default=2000, help="serve: system prompt tokens")
+    b.add_argument("--turns", type=int, default=3, help="serve: turns per session")
+    b.add_argument("--out", help="serve: output directory (default: build/bench-serve of the repo)")
     b.add_argument("--json", action="store_true", help="print JSON (last line)")
     b.add_argument(
         "--results-dir",
