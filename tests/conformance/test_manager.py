@@ -96,13 +96,17 @@ def test_pinned_keys_are_never_evicted(pool: HostPool, policy: str) -> None:
 def test_never_evicts_the_offer(pool: HostPool, policy: str) -> None:
     m = make(pool, policy)
     store(m, [K(i) for i in range(8)])
-    # The offer holds 4 resident keys and 5 new ones: only the other 4 can go.
+    # The offer holds 4 resident keys and 5 new ones: only the other 4 can go,
+    # so the first 4 new keys are stored (a prefix's head is worth most).
     offer = [K(0), K(1), K(2), K(3)] + [K(50 + i) for i in range(5)]
-    assert m.prepare_store(offer) is None
-    offer = [K(0), K(1), K(2), K(3)] + [K(50 + i) for i in range(4)]
     out = m.prepare_store(offer)
     assert out is not None
+    assert out.keys_to_store == [K(50 + i) for i in range(4)]
     assert sorted(out.evicted_keys) == [K(4), K(5), K(6), K(7)]
+    assert m.stats.allocation_failures == 1
+    m.complete_store(out.keys_to_store)
+    assert m.lookup(K(54)) is MISS
+    assert all(m.lookup(k) is HIT for k in offer[:8])
 
 
 def test_none_when_full_changes_nothing(pool: HostPool, policy: str) -> None:

@@ -32,8 +32,9 @@ class ManagerModel(RuleBasedStateMachine):
         free = CAP - len(self.state)
         out = self.m.prepare_store(offer)
         if out is None:
-            assert len(new) > free + len(evictable)
+            assert new and free + len(evictable) == 0
             return
+        new = new[: free + len(evictable)]  # what fits: the first new keys
         assert out.keys_to_store == new
         assert len(out.store_spec.slots) == len(new)
         for k in out.evicted_keys:

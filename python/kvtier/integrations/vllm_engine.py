@@ -114,7 +114,10 @@ def _llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         "seed": 0,
         "enable_prefix_caching": mode != "none",
     }
-    for key in ("num_gpu_blocks_override", "max_num_batched_tokens", "max_num_seqs"):
+    for key in (
+        "num_gpu_blocks_override", "max_num_batched_tokens", "max_num_seqs",
+        "prefix_caching_hash_algo",
+    ):  # fmt: skip
         if spec.get(key):
             kw[key] = spec[key]
     if mode == "kvtier":
@@ -214,10 +217,8 @@ def _abort(llm: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
             aborted.update(to_abort)
         if steps > 10_000:
             raise RuntimeError("engine did not drain in 10,000 steps")
-    # Idle steps let finished transfers be reported back to the scheduler.
-    for _ in range(spec.get("drain_steps", 8)):
-        engine.step()
-        time.sleep(0.02)
+    # No idle steps here (a step with nothing to do would wait forever): the
+    # engine core keeps stepping by itself while the connector has jobs.
     return [
         {"id": rid, "aborted": rid in aborted, "finished": bool(o.finished),
          "output": list(o.outputs[0].token_ids), "cached_tokens": int(o.num_cached_tokens or 0)}

@@ -77,12 +77,13 @@ class HostTier:
 
     # -- allocation --------------------------------------------------------
     def allocate(
-        self, n: int, protected: Iterable[bytes] = ()
+        self, n: int, protected: Iterable[bytes] = (), partial: bool = False
     ) -> tuple[list[int], list[bytes]] | None:
         """``n`` free slots, evicting ready unprotected keys as needed.
 
         Returns ``(slots, evicted_keys)`` or None (and changes nothing) when
-        not enough keys can be evicted.
+        not enough keys can be evicted; with ``partial``, as many slots as can
+        be had (None only when that is none).
         """
         if self.capacity is None:
             slots = list(range(self._next_virtual, self._next_virtual + n))
@@ -100,7 +101,9 @@ class HostTier:
                     if len(victims) == need:
                         break
             if len(victims) < need:
-                return None
+                if not partial or len(self._free) + len(victims) == 0:
+                    return None
+                n = len(self._free) + len(victims)
             for key in victims:
                 self.policy.remove(key, evicted=True)
                 self._free.append(self.entries.pop(key).slot)

