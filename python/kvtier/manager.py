@@ -107,6 +107,7 @@ class TieredOffloadingManager:
         # engine would never see the whole prefix readable). They become
         # pinned by prepare_load, or are looked up again next step.
         self._scanned: set[bytes] = set()
+        self._polled = False  # tiers polled by a lookup since the last step end
         self._closed = False
         self.stats = _Stats()
 
@@ -128,6 +129,14 @@ class TieredOffloadingManager:
 
     def _lookup(self, key: bytes) -> LookupResult:
         e = self.host.get(key)
+        if e is not None and e.ref < 0 and e.source != "host" and not self._polled:
+            # A promotion in flight: its tier may have finished since the last
+            # step end. Polling here (once a step) lets the engine load it this
+            # step instead of the next (measured: one scheduler step, 2-5 ms
+            # of a 30-50 ms time to first token on the CPU engine).
+            self._polled = True
+            self._poll_tiers()
+            e = self.host.get(key)  # dropped if the promotion failed
         if e is not None:
             return LookupResult.HIT if e.ref >= 0 else LookupResult.HIT_PENDING
         for i, tier in enumerate(self.lower):
@@ -261,6 +270,7 @@ class TieredOffloadingManager:
         """Drain tier completions, then submit this step's batched cascades and promotions."""
         self._check_open()
         self._scanned.clear()
+        self._polled = False
         self._poll_tiers()
         self._flush()
         self._poll_tiers()

@@ -337,3 +337,18 @@ def test_promotion_never_evicts_a_hit_of_the_same_step(pool: HostPool, policy: s
     assert _scan(m, head + tail) == (6, False)
     m.prepare_load(head + tail)  # raises if any key stopped being a HIT
     m.complete_load(head + tail)
+
+
+def test_a_lookup_sees_a_promotion_that_finished_since_the_step_end(
+    pool: HostPool, policy: str
+) -> None:
+    tier = MemoryTier(delay_polls=2)  # done at the second poll after submission
+    m = make(pool, policy, [tier])
+    store(m, [K(1)])
+    m.on_schedule_end()
+    m.on_schedule_end()
+    m.reset_cache()
+    assert m.lookup(K(1)) is PENDING
+    m.on_schedule_end()  # submits the promotion, polls once: not done yet
+    assert m.lookup(K(1)) is HIT  # the lookup polled: done, readable this step
+    assert m.stats.promotions == 1

@@ -171,6 +171,15 @@ def _kvtier_spec(model: str, **kv: Any) -> dict[str, Any]:
     return {"mode": "kvtier", "model": model, "requests": REQUESTS, "kvtier": kv}
 
 
+def _run_with_disk(engine_python: str, model: str, tmp: Path, host_slots: int) -> Engine:
+    slot = SLOT + 4096  # a disk record's trailer
+    kv = {
+        "kvtier_host_bytes": host_slots * slot, "kvtier_disk_path": str(tmp / "disk"),
+        "kvtier_disk_bytes": "64MiB",
+    }  # fmt: skip
+    return run_engine(engine_python, tmp, _kvtier_spec(model, **kv))
+
+
 def test_host_tier_loads_every_returning_prefix(
     engine_python: str, model: str, reference: Engine, tmp_path: Path
 ) -> None:
@@ -185,47 +194,27 @@ def test_host_tier_loads_every_returning_prefix(
     _assert_clean(e)
 
 
-def test_host_too_small_for_the_working_set_hits_from_disk(
-    engine_python: str, model: str, reference: Engine, tmp_path: Path
+@pytest.mark.parametrize(
+    "host_slots",
+    [
+        # More than one request (at most 24 blocks), less than the 56 of the
+        # working set: returning prefixes come back from disk, whole.
+        32,
+        # Fewer than a prefix (20-22 blocks): each returning prefix loads the 12
+        # blocks the host tier can hold at once and computes the rest.
+        12,
+    ],
+)
+def test_host_smaller_than_the_working_set_hits_from_disk(
+    engine_python: str, model: str, reference: Engine, tmp_path: Path, host_slots: int
 ) -> None:
-    # 32 slots: more than one request (at most 24 blocks), less than the 56 of
-    # the working set, so returning prefixes must come back from disk.
-    slot = SLOT + 4096  # a disk record's trailer
-    e = run_engine(
-        engine_python,
-        tmp_path,
-        _kvtier_spec(
-            model, kvtier_host_bytes=32 * slot, kvtier_disk_path=str(tmp_path / "disk"),
-            kvtier_disk_bytes="64MiB",
-        ),
-    )  # fmt: skip
+    e = _run_with_disk(engine_python, model, tmp_path, host_slots)
     assert _outputs(e) == _outputs(reference)
-    assert {r["id"]: r["cached_tokens"] for r in e.requests} == EXPECTED
-    total = sum(EXPECTED.values())
+    want = {rid: min(n, host_slots * BLOCK) for rid, n in EXPECTED.items()}
+    assert {r["id"]: r["cached_tokens"] for r in e.requests} == want
     assert e.loaded["disk"] > 0
-    assert e.loaded["host"] + e.loaded["disk"] == total
+    assert e.loaded["host"] + e.loaded["disk"] == sum(want.values())
     assert e.counters["cached_by_source"].get("disk") == e.loaded["disk"]
-    _assert_clean(e)
-
-
-def test_host_smaller_than_one_request_loads_what_it_holds(
-    engine_python: str, model: str, reference: Engine, tmp_path: Path
-) -> None:
-    # 12 slots against prefixes of 20-22 blocks: each returning prefix loads
-    # the 12 blocks the host tier can hold at once and computes the rest.
-    slot = SLOT + 4096
-    e = run_engine(
-        engine_python,
-        tmp_path,
-        _kvtier_spec(
-            model, kvtier_host_bytes=12 * slot, kvtier_disk_path=str(tmp_path / "disk"),
-            kvtier_disk_bytes="64MiB",
-        ),
-    )  # fmt: skip
-    assert _outputs(e) == _outputs(reference)
-    for r in e.requests:
-        assert r["cached_tokens"] == min(EXPECTED[r["id"]], 12 * BLOCK), r["id"]
-    assert e.loaded["disk"] > 0
     _assert_clean(e)
 
 
