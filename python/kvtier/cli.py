@@ -83,6 +83,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
     from kvtier.bench.harness import default_output_dir
     from kvtier.bench.serve import CONFIGS, plot, run_serve, table
+    from kvtier.integrations.vllm_engine import Sessions
 
     out = Path(args.out) if args.out else default_output_dir("bench-serve")
     configs = tuple(args.configs.split(",")) if args.configs else CONFIGS
@@ -91,9 +92,9 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         python=args.python,
         configs=configs,
         repeats=args.repeats or 3,
-        sessions=args.sessions,
-        system_tokens=args.system_tokens,
-        turns=args.turns,
+        workload=Sessions(
+            sessions=args.sessions, system_tokens=args.system_tokens, turns=args.turns
+        ),
         progress=not args.json,
     )
     stamp = result["machine"]["time"].replace(":", "").replace("-", "")

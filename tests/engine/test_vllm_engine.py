@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtier.integrations.vllm_engine import make_sessions
+from kvtier.integrations.vllm_engine import Sessions
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32  # tokens per block (the CPU attention backend needs a multiple of 32)
 SLOT = 128 * 1024  # bytes of one block of the tiny model (4 KiB of KV per token)
-REQUESTS = make_sessions(sessions=4, system_prompts=2, system_tokens=640, turns=2, user_tokens=64)
+REQUESTS = Sessions(
+    sessions=4, system_prompts=2, system_tokens=640, turns=2, user_tokens=64
+).requests()
 
 
 def _engine_python() -> str:

@@ -25,7 +25,9 @@ request, so a returning prefix can only come from offloading.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import InvalidArgument
+from kvtier.integrations.vllm_engine import Sessions
 
 CONFIGS = (
     "none", "prefix", "host", "host+disk", "host+redis", "host+disk+redis",
@@ -123,10 +126,18 @@ def _run_child(python: str, spec: dict[str, Any], workdir: Path, name: str) -> d
             [python, "-m", "kvtier.integrations.vllm_engine", "run", str(spec_path), str(out_path)],
             stdout=f, stderr=subprocess.STDOUT, timeout=1800, check=False,
         )  # fmt: skip
+    text = log.read_text()
     if p.returncode != 0 or not out_path.exists():
-        tail = log.read_text()[-3000:]
-        raise RuntimeError(f"engine run {name} failed (exit {p.returncode}); log {log}:\n{tail}")
+        raise RuntimeError(f"engine run {name} failed (exit {p.returncode}):\n{text[-3000:]}")
     result: dict[str, Any] = json.loads(out_path.read_text())
+    if "refused" in result:
+        # The engine core's own error (in its log) says why, not the front end's.
+        causes = re.findall(r"^.*?\b(\w+Error: .+)$", text, re.MULTILINE)
+        result["refused"] = causes[-1].strip() if causes else result["refused"]
+        if spec["mode"] != "vllm-cpu-offload":  # kvtier must start: a failure, not a result
+            raise RuntimeError(
+                f"engine run {name} did not start: {result['refused']}\n{text[-3000:]}"
+            )
     return result
 
 
@@ -149,11 +160,7 @@ def run_serve(
     python: str | None = None,
     configs: tuple[str, ...] = CONFIGS,
     repeats: int = 3,
-    sessions: int = 6,
-    system_prompts: int = 3,
-    system_tokens: int = 2000,
-    turns: int = 3,
-    user_tokens: int = 128,
+    workload: Sessions | None = None,
     max_tokens: int = 16,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -161,7 +168,7 @@ def run_serve(
     per-run summaries, medians of per-run ratios to ``none`` and machine facts."""
     from kvtier.bench.harness import machine_facts
     from kvtier.bench.redis_server import RedisServer
-    from kvtier.integrations.vllm_engine import TINY_MODEL, make_sessions
+    from kvtier.integrations.vllm_engine import TINY_MODEL
 
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
@@ -178,10 +185,11 @@ def run_serve(
         [python, "-m", "kvtier.integrations.vllm_engine", "make-model", str(model_dir)],
         check=True, capture_output=True,
     )  # fmt: skip
-    requests = make_sessions(sessions, system_prompts, system_tokens, turns, user_tokens)
+    w = workload or Sessions()
+    requests = w.requests()
     per_token = _kv_bytes_per_token(TINY_MODEL)
-    working = per_token * (system_prompts * system_tokens + sessions * turns * user_tokens)
-    one_request = per_token * system_tokens
+    working = per_token * w.distinct_tokens
+    one_request = per_token * w.system_tokens
     sizes = {"large": max(2 * working, 64 << 20), "small": working // 3, "tiny": one_request // 2}
     base = {"model": str(model_dir), "requests": requests, "max_tokens": max_tokens}
 
@@ -215,17 +223,13 @@ def run_serve(
         "component": "serve",
         "configs": list(configs),
         "workload": {
-            "sessions": sessions,
-            "system_prompts": system_prompts,
-            "system_tokens": system_tokens,
-            "turns": turns,
-            "user_tokens": user_tokens,
+            **dataclasses.asdict(w),
             "max_tokens": max_tokens,
             "requests": len(requests),
             "kv_bytes_per_token": per_token,
             "working_set_bytes": working,
             "host_bytes": sizes,
-        },  # fmt: skip
+        },
         "model": dict(TINY_MODEL, dtype="float32"),
         "repeats": repeats,
         "medians": _medians(runs, configs),
@@ -240,8 +244,9 @@ def _medians(runs: list[dict[str, Any]], configs: tuple[str, ...]) -> dict[str, 
     out: dict[str, Any] = {}
     for name in configs:
         rs = [r[name] for r in runs if name in r]
-        if any("refused" in r for r in rs):
-            out[name] = {"refused": rs[0].get("refused")}
+        refused = [r["refused"] for r in rs if "refused" in r]
+        if refused:
+            out[name] = {"refused": refused[0]}
             continue
         m: dict[str, Any] = {}
         for key in ("ttft_first_p50_ms", "ttft_first_p99_ms", "ttft_later_p50_ms",

@@ -25,10 +25,11 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["make_tiny_model", "make_sessions", "run_engine"]
+__all__ = ["Sessions", "make_tiny_model", "run_engine"]
 
 # A few layers, 2 KV heads: 4 KiB of float32 KV per token, so a 2,000-token
 # prompt is 8 MB of KV and its prefill takes a few hundred ms on 2 cores.
@@ -64,33 +65,51 @@ def make_tiny_model(path: str | Path, seed: int = 0, **overrides: int) -> Path:
     return out
 
 
-def make_sessions(
-    sessions: int = 6,
-    system_prompts: int = 3,
-    system_tokens: int = 2000,
-    turns: int = 3,
-    user_tokens: int = 128,
-    vocab: int = 2048,
-    seed: int = 0,
-) -> list[dict[str, Any]]:
-    """Multi-turn chat requests in arrival order: turn 1 of every session, then
-    turn 2, and so on. Session ``s`` opens with system prompt ``s % system_prompts``;
-    turn ``t``'s prompt is its system prompt and the user messages of turns
-    1..t, so a later turn's prefix is the previous turn's prompt."""
-    rnd = random.Random(seed)
-    systems = [[rnd.randrange(vocab) for _ in range(system_tokens)] for _ in range(system_prompts)]
-    user = [
-        [[rnd.randrange(vocab) for _ in range(user_tokens)] for _ in range(turns)]
-        for _ in range(sessions)
-    ]
-    out = []
-    for t in range(turns):
-        for s in range(sessions):
-            prompt = list(systems[s % system_prompts])
-            for u in user[s][: t + 1]:
-                prompt += u
-            out.append({"id": f"s{s}t{t}", "session": s, "turn": t + 1, "prompt": prompt})
-    return out
+@dataclass(frozen=True)
+class Sessions:
+    """Multi-turn chat sessions over shared system prompts.
+
+    Session ``s`` opens with system prompt ``s % system_prompts``; turn ``t``'s
+    prompt is its system prompt and the user messages of turns 1..t, so a
+    later turn's prefix is the previous turn's prompt."""
+
+    sessions: int = 6
+    system_prompts: int = 3
+    system_tokens: int = 2000
+    turns: int = 3
+    user_tokens: int = 128
+    vocab: int = 2048
+    seed: int = 0
+
+    @property
+    def distinct_tokens(self) -> int:
+        """Tokens of all prompts counted once: the KV working set."""
+        return (
+            self.system_prompts * self.system_tokens + self.sessions * self.turns * self.user_tokens
+        )
+
+    def requests(self) -> list[dict[str, Any]]:
+        """The requests in arrival order: turn 1 of every session, then turn 2..."""
+        rnd = random.Random(self.seed)
+        systems = [
+            [rnd.randrange(self.vocab) for _ in range(self.system_tokens)]
+            for _ in range(self.system_prompts)
+        ]
+        user = [
+            [
+                [rnd.randrange(self.vocab) for _ in range(self.user_tokens)]
+                for _ in range(self.turns)
+            ]
+            for _ in range(self.sessions)
+        ]
+        out = []
+        for t in range(self.turns):
+            for s in range(self.sessions):
+                prompt = list(systems[s % self.system_prompts])
+                for u in user[s][: t + 1]:
+                    prompt += u
+                out.append({"id": f"s{s}t{t}", "session": s, "turn": t + 1, "prompt": prompt})
+        return out
 
 
 def _tokens(ids: list[int]) -> Any:
@@ -236,14 +255,12 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         llm = LLM(**_llm_kwargs(spec))
-    except Exception as e:  # noqa: BLE001 - a refusal by the engine is a result
+    except Exception as e:
         return {"mode": spec["mode"], "refused": f"{type(e).__name__}: {e}"}
     started = time.perf_counter() - t0
     t1 = time.perf_counter()
-    if spec.get("scenario", "sessions") == "abort":
-        reqs = _abort(llm, spec)
-    else:
-        reqs = _serve(llm, spec)
+    scenario = _abort if spec.get("scenario", "sessions") == "abort" else _serve
+    reqs = scenario(llm, spec)
     elapsed = time.perf_counter() - t1
     result = {
         "mode": spec["mode"],
