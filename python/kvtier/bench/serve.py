@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import shutil
 import statistics
@@ -73,10 +74,13 @@ def _config_spec(
 
 
 def _pct(values: list[float], q: float) -> float:
+    """The median for q = 0.5 (mean of the middle two), else the nearest rank."""
     if not values:
         return float("nan")
+    if q == 0.5:
+        return statistics.median(values)
     s = sorted(values)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+    return s[min(len(s) - 1, math.ceil(q * len(s)) - 1)]
 
 
 def summarize(result: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, Any]:
