@@ -18,6 +18,7 @@
 #include "../core/pool.h"
 #include "../core/remote/client.h"
 #include "../core/status.h"
+#include "bindings.h"
 
 #ifndef KVTIER_URING_BUILD
 #define KVTIER_URING_BUILD "unknown"
@@ -27,26 +28,26 @@
 #endif
 
 namespace py = pybind11;
-using kvtier::Code;
 using kvtier::Error;
+using kvtier::StatusCode;
 namespace disk = kvtier::disk;
 namespace rm = kvtier::remote;
 
 namespace {
 
-const char* class_for(Code code) {
+const char* class_for(StatusCode code) {
   switch (code) {
-    case Code::kInvalidArgument:
+    case StatusCode::kInvalidArgument:
       return "InvalidArgument";
-    case Code::kIoError:
+    case StatusCode::kIoError:
       return "IoError";
-    case Code::kBusy:
+    case StatusCode::kBusy:
       return "Busy";
-    case Code::kCuda:
+    case StatusCode::kCuda:
       return "CudaError";
-    case Code::kClosed:
+    case StatusCode::kClosed:
       return "ClosedError";
-    case Code::kTimeout:
+    case StatusCode::kTimeout:
       return "Timeout";
     default:
       return "KvtierError";
@@ -55,7 +56,7 @@ const char* class_for(Code code) {
 
 void translate(const Error& e) {
   py::object cls = py::module_::import("kvtier.errors").attr(class_for(e.code()));
-  py::object exc = e.code() == Code::kIoError ? cls(e.sys_errno(), e.what()) : cls(e.what());
+  py::object exc = e.code() == StatusCode::kIoError ? cls(e.sys_errno(), e.what()) : cls(e.what());
   PyErr_SetObject(cls.ptr(), exc.ptr());
 }
 
@@ -64,7 +65,8 @@ void translate(const Error& e) {
 // The 16-byte namespace digest both stores stamp on every record and value.
 kvtier::disk::Digest namespace_digest(const py::bytes& ns) {
   const std::string b = ns;
-  if (b.size() != 16) throw Error(Code::kInvalidArgument, "namespace digest must be 16 bytes");
+  if (b.size() != 16)
+    throw Error(StatusCode::kInvalidArgument, "namespace digest must be 16 bytes");
   kvtier::disk::Digest d;
   std::memcpy(d.b, b.data(), 16);
   return d;
@@ -84,28 +86,30 @@ void wait_jobs(kvtier::Engine& eng, const std::vector<std::uint64_t>& ids, doubl
     if (done) return;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
     if (!forever && clock::now() >= deadline)
-      throw Error(Code::kTimeout, "wait: " + std::to_string(ids.size()) +
-                                      " job(s) not finished within " + std::to_string(timeout_s) +
-                                      " s");
+      throw Error(StatusCode::kTimeout, "wait: " + std::to_string(ids.size()) +
+                                            " job(s) not finished within " +
+                                            std::to_string(timeout_s) + " s");
   }
 }
 
 std::vector<kvtier::CopyDesc> descs_from_array(const py::object& obj) {
   if (!py::isinstance<py::array>(obj))
-    throw Error(Code::kInvalidArgument, "descriptors must be a numpy int64 array of shape (N, 3)");
+    throw Error(StatusCode::kInvalidArgument,
+                "descriptors must be a numpy int64 array of shape (N, 3)");
   auto arr = py::reinterpret_borrow<py::array>(obj);
   if (arr.ndim() != 2 || arr.shape(1) != 3)
-    throw Error(Code::kInvalidArgument, "descriptors must be an int64 array of shape (N, 3)");
+    throw Error(StatusCode::kInvalidArgument, "descriptors must be an int64 array of shape (N, 3)");
   if (!py::isinstance<py::array_t<std::int64_t>>(arr) || arr.dtype().kind() != 'i' ||
       arr.itemsize() != 8)
-    throw Error(Code::kInvalidArgument, "descriptors must have dtype int64");
+    throw Error(StatusCode::kInvalidArgument, "descriptors must have dtype int64");
   auto a = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
   auto r = a.unchecked<2>();
   std::vector<kvtier::CopyDesc> out(static_cast<std::size_t>(r.shape(0)));
   for (py::ssize_t i = 0; i < r.shape(0); ++i) {
     if (r(i, 2) <= 0)
-      throw Error(Code::kInvalidArgument, "descriptor " + std::to_string(i) +
-                                              ": size must be > 0, got " + std::to_string(r(i, 2)));
+      throw Error(
+          StatusCode::kInvalidArgument,
+          "descriptor " + std::to_string(i) + ": size must be > 0, got " + std::to_string(r(i, 2)));
     out[static_cast<std::size_t>(i)] = {static_cast<std::uintptr_t>(r(i, 0)),
                                         static_cast<std::uintptr_t>(r(i, 1)),
                                         static_cast<std::uint64_t>(r(i, 2))};
@@ -114,7 +118,7 @@ std::vector<kvtier::CopyDesc> descs_from_array(const py::object& obj) {
 }
 
 const kvtier::HostPool& open_pool(const std::shared_ptr<kvtier::HostPool>& p) {
-  if (p->closed()) throw Error(Code::kClosed, "host pool is closed");
+  if (p->closed()) throw Error(StatusCode::kClosed, "host pool is closed");
   return *p;
 }
 
@@ -122,6 +126,7 @@ const kvtier::HostPool& open_pool(const std::shared_ptr<kvtier::HostPool>& p) {
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "kvtier native core (no torch, no CUDA runtime linked)";
+  kvtier::bindings::bind_codes(m);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -173,7 +178,7 @@ PYBIND11_MODULE(_native, m) {
           [](const std::shared_ptr<HostPool>& p, std::size_t first, std::size_t count) {
             const HostPool& pool = open_pool(p);
             if (count == 0 || first >= pool.num_slots() || count > pool.num_slots() - first)
-              throw Error(Code::kInvalidArgument,
+              throw Error(StatusCode::kInvalidArgument,
                           "slots [" + std::to_string(first) + ", " + std::to_string(first + count) +
                               ") out of range [0, " + std::to_string(pool.num_slots()) + ")");
             return py::array_t<std::uint8_t>(
@@ -211,14 +216,14 @@ PYBIND11_MODULE(_native, m) {
              std::vector<kvtier::QueueOptions> opts;
              for (const auto& t : qs) {
                if (t.size() != 2 && t.size() != 3)
-                 throw Error(Code::kInvalidArgument,
+                 throw Error(StatusCode::kInvalidArgument,
                              "a queue is (budget_bytes, serial[, deadline_seconds])");
                kvtier::QueueOptions o;
                o.budget_bytes = t[0].cast<std::uint64_t>();
                o.serial = t[1].cast<bool>();
                if (t.size() == 3) {
                  const double d = t[2].cast<double>();
-                 if (!(d >= 0)) throw Error(Code::kInvalidArgument, "deadline must be >= 0");
+                 if (!(d >= 0)) throw Error(StatusCode::kInvalidArgument, "deadline must be >= 0");
                  o.deadline = std::chrono::milliseconds(static_cast<std::int64_t>(d * 1000));
                }
                opts.push_back(o);
@@ -232,7 +237,7 @@ PYBIND11_MODULE(_native, m) {
             auto job = kvtier::make_host_copy_job(descs_from_array(descs));
             std::uint64_t id = e.submit(std::move(job), queue);
             if (id == 0)
-              throw Error(Code::kBusy,
+              throw Error(StatusCode::kBusy,
                           "queue " + std::to_string(queue) + " is at its in-flight byte budget");
             return id;
           },
@@ -241,11 +246,11 @@ PYBIND11_MODULE(_native, m) {
           "submit_sleep",
           [](Engine& e, double seconds, std::uint64_t nbytes, const std::string& fail,
              std::size_t queue) {
-            if (seconds < 0) throw Error(Code::kInvalidArgument, "seconds must be >= 0");
+            if (seconds < 0) throw Error(StatusCode::kInvalidArgument, "seconds must be >= 0");
             auto ms = std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000));
             std::uint64_t id = e.submit(kvtier::make_sleep_job(ms, nbytes, fail), queue);
             if (id == 0)
-              throw Error(Code::kBusy,
+              throw Error(StatusCode::kBusy,
                           "queue " + std::to_string(queue) + " is at its in-flight byte budget");
             return id;
           },
@@ -270,22 +275,23 @@ PYBIND11_MODULE(_native, m) {
           [](Engine& e, const std::shared_ptr<disk::Store>& store, bool write,
              const py::object& recs, const py::object& keys, std::size_t queue) {
             if (!py::isinstance<py::array>(recs) || !py::isinstance<py::array>(keys))
-              throw Error(Code::kInvalidArgument, "records and keys must be numpy arrays");
+              throw Error(StatusCode::kInvalidArgument, "records and keys must be numpy arrays");
             auto r =
                 py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(recs);
             auto k =
                 py::array_t<std::uint8_t, py::array::c_style | py::array::forcecast>::ensure(keys);
             if (!r || r.ndim() != 2 || r.shape(1) != 4)
-              throw Error(Code::kInvalidArgument, "records must be int64 of shape (N, 4)");
+              throw Error(StatusCode::kInvalidArgument, "records must be int64 of shape (N, 4)");
             if (!k || k.ndim() != 2 || k.shape(1) != 16 || k.shape(0) != r.shape(0))
-              throw Error(Code::kInvalidArgument, "keys must be uint8 of shape (N, 16)");
+              throw Error(StatusCode::kInvalidArgument, "keys must be uint8 of shape (N, 16)");
             auto rv = r.unchecked<2>();
             auto kv = k.unchecked<2>();
             std::vector<disk::RecordRef> v(static_cast<std::size_t>(r.shape(0)));
             for (py::ssize_t i = 0; i < r.shape(0); ++i) {
               if (rv(i, 1) < 0 || rv(i, 2) < 0 || rv(i, 3) <= 0)
-                throw Error(Code::kInvalidArgument, "record " + std::to_string(i) +
-                                                        ": negative file/offset or length <= 0");
+                throw Error(
+                    StatusCode::kInvalidArgument,
+                    "record " + std::to_string(i) + ": negative file/offset or length <= 0");
               auto& x = v[static_cast<std::size_t>(i)];
               x.slot = static_cast<std::uintptr_t>(rv(i, 0));
               x.file = static_cast<std::uint32_t>(rv(i, 1));
@@ -295,7 +301,7 @@ PYBIND11_MODULE(_native, m) {
             }
             std::uint64_t id = e.submit(store->make_job(write, std::move(v)), queue);
             if (id == 0)
-              throw Error(Code::kBusy,
+              throw Error(StatusCode::kBusy,
                           "queue " + std::to_string(queue) + " is at its in-flight byte budget");
             return id;
           },
@@ -316,16 +322,16 @@ PYBIND11_MODULE(_native, m) {
             else if (kind == "exists")
               k = rm::Kind::kExists;
             else
-              throw Error(Code::kInvalidArgument, "kind must be store, load or exists");
+              throw Error(StatusCode::kInvalidArgument, "kind must be store, load or exists");
             auto s =
                 py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(slots);
             auto d = py::array_t<std::uint8_t, py::array::c_style | py::array::forcecast>::ensure(
                 digests);
             const auto n = static_cast<py::ssize_t>(keys.size());
             if (!s || s.ndim() != 1 || s.shape(0) != n)
-              throw Error(Code::kInvalidArgument, "slots must be int64 of shape (N,)");
+              throw Error(StatusCode::kInvalidArgument, "slots must be int64 of shape (N,)");
             if (!d || d.ndim() != 2 || d.shape(0) != n || d.shape(1) != 16)
-              throw Error(Code::kInvalidArgument, "digests must be uint8 of shape (N, 16)");
+              throw Error(StatusCode::kInvalidArgument, "digests must be uint8 of shape (N, 16)");
             std::vector<rm::Item> items(keys.size());
             auto sv = s.unchecked<1>();
             auto dv = d.unchecked<2>();
@@ -338,7 +344,7 @@ PYBIND11_MODULE(_native, m) {
             }
             std::uint64_t id = e.submit(store->make_job(k, std::move(items)), queue);
             if (id == 0)
-              throw Error(Code::kBusy,
+              throw Error(StatusCode::kBusy,
                           "queue " + std::to_string(queue) + " is at its in-flight byte budget");
             return id;
           },
@@ -398,7 +404,6 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("backend", &disk::Store::backend_name)
       .def_property_readonly("direct", &disk::Store::direct)
       .def_property_readonly("note", &disk::Store::backend_note);
-  m.def("disk_item_error", [](std::int32_t code) { return std::string(disk::item_error(code)); });
   m.attr("DISK_TRAILER_BYTES") = disk::kTrailerBytes;
   m.def("disk_record_bytes", &disk::record_bytes);
   m.def("uring_compiled_in", &disk::uring_compiled_in);
@@ -431,7 +436,6 @@ PYBIND11_MODULE(_native, m) {
            py::arg("window_bytes") = rm::Options{}.window_bytes)
       .def_property_readonly("nodes", &rm::Store::nodes)
       .def_property_readonly("redirects", &rm::Store::redirects);
-  m.def("remote_item_error", [](std::int32_t c) { return std::string(rm::item_error(c)); });
   m.attr("REMOTE_HEADER_BYTES") = sizeof(kvtier::disk::Trailer);
 
   namespace cu = kvtier::cuda;
@@ -484,7 +488,7 @@ PYBIND11_MODULE(_native, m) {
         Py_buffer view;
         if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) {
           PyErr_Clear();
-          throw Error(Code::kInvalidArgument, "crc32c needs a C-contiguous buffer");
+          throw Error(StatusCode::kInvalidArgument, "crc32c needs a C-contiguous buffer");
         }
         std::unique_ptr<Py_buffer, void (*)(Py_buffer*)> guard(&view, PyBuffer_Release);
         const auto n = static_cast<std::size_t>(view.len);

@@ -39,7 +39,7 @@ std::uint64_t Engine::submit(std::unique_ptr<Job> job, std::size_t queue) {
   }
   const std::uint64_t nbytes = job->bytes();
   std::lock_guard<std::mutex> g(mu_);
-  if (stopping_) throw Error(Code::kClosed, "engine is closed");
+  if (stopping_) throw Error(StatusCode::kClosed, "engine is closed");
   Queue& q = queues_[queue];
   // A job larger than the whole budget still runs when the queue is idle,
   // otherwise it could never be submitted at all.

@@ -22,7 +22,7 @@
 namespace kvtier {
 
 void throw_errno(const std::string& what, int err) {
-  throw Error(Code::kIoError, what + ": " + std::strerror(err), err);
+  throw Error(StatusCode::kIoError, what + ": " + std::strerror(err), err);
 }
 
 namespace {
@@ -232,7 +232,7 @@ void HostPool::unmap() noexcept {
 }
 
 std::uint8_t* HostPool::data() const {
-  if (closed_ || base_ == nullptr) throw Error(Code::kClosed, "host pool is closed");
+  if (closed_ || base_ == nullptr) throw Error(StatusCode::kClosed, "host pool is closed");
   return base_ + kDataOffset;
 }
 

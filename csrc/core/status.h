@@ -7,36 +7,26 @@
 #include <string>
 #include <utility>
 
-namespace kvtier {
+#include "codes.h"
 
-enum class Code : int {
-  kOk = 0,
-  kInvalidArgument = 1,
-  kIoError = 2,
-  kBusy = 3,
-  kCuda = 4,
-  kClosed = 5,
-  kTimeout = 6,
-  kCancelled = 7,
-  kInternal = 8,
-};
+namespace kvtier {
 
 // Thrown by public entry points for bad input or unusable resources; a
 // failing *job* never throws, it reports ok=false in its JobResult.
 class Error : public std::runtime_error {
  public:
-  Error(Code code, std::string msg, int err = 0)
+  Error(StatusCode code, std::string msg, int err = 0)
       : std::runtime_error(std::move(msg)), code_(code), errno_(err) {}
-  Code code() const noexcept { return code_; }
+  StatusCode code() const noexcept { return code_; }
   int sys_errno() const noexcept { return errno_; }
 
  private:
-  Code code_;
+  StatusCode code_;
   int errno_;
 };
 
 [[noreturn]] inline void throw_invalid(const std::string& msg) {
-  throw Error(Code::kInvalidArgument, msg);
+  throw Error(StatusCode::kInvalidArgument, msg);
 }
 
 // "what failed: strerror(errno)" as an IoError carrying errno.

@@ -68,7 +68,7 @@ TEST_P(DiskTest, StoreLoadVerifyAndDetectCorruption) {
   store->run(false, r, items);
   for (int i = 0; i < 8; ++i) {
     if (i == 3) {
-      EXPECT_EQ(items[i], disk::kWrongKey);
+      EXPECT_EQ(items[i], kvtier::item_code(kvtier::ItemStatus::kWrongKey));
       continue;
     }
     EXPECT_EQ(items[i], 0) << i;
@@ -84,11 +84,11 @@ TEST_P(DiskTest, StoreLoadVerifyAndDetectCorruption) {
   std::vector<disk::RecordRef> one{
       {reinterpret_cast<std::uintptr_t>(pool.slot(15)), 0, 5 * rec, kPayload, digest(5)}};
   store->run(false, one, items);
-  EXPECT_EQ(items[0], disk::kBadChecksum);
+  EXPECT_EQ(items[0], kvtier::item_code(kvtier::ItemStatus::kBadChecksum));
   // A never-written record has no valid trailer.
   one[0].offset = 40 * rec;
   store->run(false, one, items);
-  EXPECT_EQ(items[0], disk::kBadTrailer);
+  EXPECT_EQ(items[0], kvtier::item_code(kvtier::ItemStatus::kBadTrailer));
   // Past the end of the file.
   one[0].offset = 64 * rec;
   store->run(false, one, items);
@@ -122,7 +122,7 @@ TEST_P(DiskTest, TrailerOutsideTheSlot) {
   r[2].key = digest(99);
   store->run(false, r, items);
   EXPECT_EQ(items[0], 0);
-  EXPECT_EQ(items[2], disk::kWrongKey);
+  EXPECT_EQ(items[2], kvtier::item_code(kvtier::ItemStatus::kWrongKey));
   EXPECT_EQ(pool.slot(7)[100], 0x33);
   // Damage in the unused part of the trailer is detected too.
   int fd = ::open((dir_ + "/slab-0.dat").c_str(), O_RDWR);
@@ -131,7 +131,7 @@ TEST_P(DiskTest, TrailerOutsideTheSlot) {
   ::close(fd);
   r[2].key = digest(2);
   store->run(false, r, items);
-  EXPECT_EQ(items[1], disk::kBadTrailer);
+  EXPECT_EQ(items[1], kvtier::item_code(kvtier::ItemStatus::kBadTrailer));
   EXPECT_EQ(items[2], 0);
 }
 

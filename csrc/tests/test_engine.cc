@@ -134,17 +134,17 @@ TEST(Engine, BadDescriptorsRejectedAtSubmit) {
     } catch (const kvtier::Error& err) {
       return err.code();
     }
-    return kvtier::Code::kOk;
+    return kvtier::StatusCode::kOk;
   };
-  using kvtier::Code;
-  EXPECT_EQ(code({}), Code::kInvalidArgument);
-  EXPECT_EQ(code({{addr(a.data()), addr(b.data()), 0}}), Code::kInvalidArgument);
-  EXPECT_EQ(code({{addr(a.data()), addr(b.data()) + 8000, 200}}), Code::kInvalidArgument);
-  EXPECT_EQ(code({{addr(a.data()), addr(a.data()) + 100, 200}}), Code::kInvalidArgument);
+  using kvtier::StatusCode;
+  EXPECT_EQ(code({}), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({{addr(a.data()), addr(b.data()), 0}}), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({{addr(a.data()), addr(b.data()) + 8000, 200}}), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({{addr(a.data()), addr(a.data()) + 100, 200}}), StatusCode::kInvalidArgument);
   EXPECT_EQ(
       code({{addr(a.data()), addr(b.data()), 100}, {addr(a.data()), addr(b.data()) + 50, 100}}),
-      Code::kInvalidArgument);
-  EXPECT_EQ(code({{addr(a.data()), addr(b.data()), 100}}), Code::kOk);
+      StatusCode::kInvalidArgument);
+  EXPECT_EQ(code({{addr(a.data()), addr(b.data()), 100}}), StatusCode::kOk);
 }
 
 TEST(Engine, CloseCancelsQueuedJobs) {

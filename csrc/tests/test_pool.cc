@@ -6,19 +6,19 @@
 #include "core/pool.h"
 #include "core/status.h"
 
-using kvtier::Code;
 using kvtier::Error;
 using kvtier::HostPool;
+using kvtier::StatusCode;
 
 namespace {
 
-Code code_of(const std::function<void()>& f) {
+StatusCode code_of(const std::function<void()>& f) {
   try {
     f();
   } catch (const Error& e) {
     return e.code();
   }
-  return Code::kOk;
+  return StatusCode::kOk;
 }
 
 TEST(Pool, CreateAttachShareBytes) {
@@ -40,13 +40,13 @@ TEST(Pool, SlotsAreAlignedForDirectIo) {
 }
 
 TEST(Pool, BadInput) {
-  EXPECT_EQ(code_of([] { HostPool::create(0, 4096, ""); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { HostPool::create(4, 0, ""); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { HostPool::create(4, 100, ""); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { HostPool::create(4, 4096, "bad/name"); }), Code::kInvalidArgument);
-  EXPECT_EQ(code_of([] { HostPool::attach("kvtier-no-such-pool"); }), Code::kIoError);
+  EXPECT_EQ(code_of([] { HostPool::create(0, 4096, ""); }), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code_of([] { HostPool::create(4, 0, ""); }), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code_of([] { HostPool::create(4, 100, ""); }), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code_of([] { HostPool::create(4, 4096, "bad/name"); }), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code_of([] { HostPool::attach("kvtier-no-such-pool"); }), StatusCode::kIoError);
   HostPool a = HostPool::create(2, 4096, "");
-  EXPECT_EQ(code_of([&] { a.slot(2); }), Code::kInvalidArgument);
+  EXPECT_EQ(code_of([&] { a.slot(2); }), StatusCode::kInvalidArgument);
 }
 
 TEST(Pool, CreatorCloseRemovesNameAndRefusesUse) {
@@ -54,13 +54,13 @@ TEST(Pool, CreatorCloseRemovesNameAndRefusesUse) {
   const std::string name = a.name();
   a.close();
   EXPECT_TRUE(a.closed());
-  EXPECT_EQ(code_of([&] { a.slot(0); }), Code::kClosed);
-  EXPECT_EQ(code_of([&] { HostPool::attach(name); }), Code::kIoError);
+  EXPECT_EQ(code_of([&] { a.slot(0); }), StatusCode::kClosed);
+  EXPECT_EQ(code_of([&] { HostPool::attach(name); }), StatusCode::kIoError);
 }
 
 TEST(Pool, DuplicateNameRefused) {
   HostPool a = HostPool::create(2, 4096, "");
-  EXPECT_EQ(code_of([&] { HostPool::create(2, 4096, a.name()); }), Code::kIoError);
+  EXPECT_EQ(code_of([&] { HostPool::create(2, 4096, a.name()); }), StatusCode::kIoError);
 }
 
 }  // namespace

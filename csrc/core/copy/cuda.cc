@@ -26,7 +26,7 @@ using Batch128 = Err (*)(void* const*, const void* const*, const std::size_t*, s
 template <typename F>
 void bind(void* lib, const char* name, F* out, bool required) {
   *out = reinterpret_cast<F>(::dlsym(lib, name));
-  if (!*out && required) throw Error(Code::kCuda, std::string("CUDA runtime lacks ") + name);
+  if (!*out && required) throw Error(StatusCode::kCuda, std::string("CUDA runtime lacks ") + name);
 }
 
 Api load() {
@@ -64,7 +64,7 @@ Api load() {
     }
     tried += (tried.empty() ? "" : ", ") + n;
   }
-  throw Error(Code::kCuda,
+  throw Error(StatusCode::kCuda,
               "cannot load the CUDA runtime (tried " + tried + "); set KVTIER_CUDART to its path");
 }
 
@@ -88,21 +88,21 @@ Copier::Copier(int device, const std::vector<std::pair<std::uintptr_t, std::size
     : api_(load_api()), device_(device) {
   use_batch_ = use_batch && api_.MemcpyBatchAsync != nullptr && api_.version >= 12080;
   Err e = api_.SetDevice(device_);
-  if (e != kSuccess) throw Error(Code::kCuda, msg("cudaSetDevice", e));
+  if (e != kSuccess) throw Error(StatusCode::kCuda, msg("cudaSetDevice", e));
   for (auto& s : streams_) {
     e = api_.StreamCreateWithFlags(&s, kStreamNonBlocking);
-    if (e != kSuccess) throw Error(Code::kCuda, msg("cudaStreamCreateWithFlags", e));
+    if (e != kSuccess) throw Error(StatusCode::kCuda, msg("cudaStreamCreateWithFlags", e));
   }
   // cudaEventDisableTiming (2): the event only orders the copy streams.
   e = api_.EventCreateWithFlags(&compute_ev_, 2);
-  if (e != kSuccess) throw Error(Code::kCuda, msg("cudaEventCreateWithFlags", e));
+  if (e != kSuccess) throw Error(StatusCode::kCuda, msg("cudaEventCreateWithFlags", e));
   // Page-lock the host pool in chunks so DMA runs at full speed.
   for (const auto& [addr, n] : regions) {
     for (std::size_t off = 0; off < n; off += kRegisterChunk) {
       void* p = reinterpret_cast<void*>(addr + off);
       const std::size_t len = std::min(kRegisterChunk, n - off);
       e = api_.HostRegister(p, len, 0);
-      if (e != kSuccess) throw Error(Code::kCuda, msg("cudaHostRegister", e));
+      if (e != kSuccess) throw Error(StatusCode::kCuda, msg("cudaHostRegister", e));
       registered_.push_back(p);
       stats_.registered_bytes += len;
     }
@@ -132,7 +132,7 @@ Event Copier::take_event() {
   }
   Event ev = nullptr;
   Err e = api_.EventCreateWithFlags(&ev, 0);
-  if (e != kSuccess) throw Error(Code::kCuda, msg("cudaEventCreateWithFlags", e));
+  if (e != kSuccess) throw Error(StatusCode::kCuda, msg("cudaEventCreateWithFlags", e));
   return ev;
 }
 

@@ -30,7 +30,7 @@ class PreadBackend final : public IoBackend {
         if (errno == EINTR) continue;
         return errno;
       }
-      if (n == 0) return op.write ? EIO : kShortRead;
+      if (n == 0) return op.write ? EIO : item_code(ItemStatus::kShortRead);
       done += static_cast<std::size_t>(n);  // a short transfer resumes here
     }
     return 0;

@@ -31,10 +31,10 @@ std::int32_t check_meta(const Trailer& t, std::size_t payload_len, const Digest&
                         const Digest& key) {
   if (t.magic != kMagic || t.version != kVersion ||
       t.trailer_crc != crc32c(&t, offsetof(Trailer, trailer_crc)))
-    return kBadTrailer;
+    return item_code(ItemStatus::kBadTrailer);
   if (t.payload_len != payload_len || std::memcmp(t.ns, ns.b, 16) != 0 ||
       std::memcmp(t.key, key.b, 16) != 0)
-    return kWrongKey;
+    return item_code(ItemStatus::kWrongKey);
   return 0;
 }
 
@@ -43,13 +43,13 @@ std::int32_t check_meta(const Trailer& t, std::size_t payload_len, const Digest&
 std::int32_t check_header(const Trailer& t, const std::uint8_t* payload, std::size_t payload_len,
                           const Digest& ns, const Digest& key) {
   if (std::int32_t rc = check_meta(t, payload_len, ns, key); rc != 0) return rc;
-  return crc32c(payload, payload_len) == t.payload_crc ? 0 : kBadChecksum;
+  return crc32c(payload, payload_len) == t.payload_crc ? 0 : item_code(ItemStatus::kBadChecksum);
 }
 
 std::int32_t check_header_crc(const Trailer& t, std::uint32_t payload_crc, std::size_t payload_len,
                               const Digest& ns, const Digest& key) {
   if (std::int32_t rc = check_meta(t, payload_len, ns, key); rc != 0) return rc;
-  return payload_crc == t.payload_crc ? 0 : kBadChecksum;
+  return payload_crc == t.payload_crc ? 0 : item_code(ItemStatus::kBadChecksum);
 }
 
 void write_trailer(std::uint8_t* record, std::size_t payload_len, const Digest& ns,
@@ -76,7 +76,8 @@ std::int32_t verify_record(const std::uint8_t* record, std::size_t payload_len, 
       if (p[i] != 0) return false;
     return true;
   };
-  if (!zero(pad, pad_n) || !zero(rest, kTrailerBytes - sizeof t)) return kBadTrailer;
+  if (!zero(pad, pad_n) || !zero(rest, kTrailerBytes - sizeof t))
+    return item_code(ItemStatus::kBadTrailer);
   return 0;
 }
 

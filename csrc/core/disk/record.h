@@ -7,17 +7,13 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../codes.h"
+
 namespace kvtier::disk {
 
 constexpr std::size_t kTrailerBytes = 4096;   // keeps every O_DIRECT I/O 4 KiB aligned
 constexpr std::uint32_t kMagic = 0x5254564b;  // "KVTR"
 constexpr std::uint16_t kVersion = 1;
-
-// Item outcomes reported per record (JobResult::items); > 0 are errnos.
-constexpr std::int32_t kBadTrailer = -1;   // magic, version or trailer crc wrong
-constexpr std::int32_t kWrongKey = -2;     // namespace, key or length differ
-constexpr std::int32_t kBadChecksum = -3;  // payload crc32c differs
-constexpr std::int32_t kShortRead = -4;    // end of file inside the record
 
 struct Digest {
   std::uint8_t b[16];
@@ -46,7 +42,7 @@ std::size_t trailer_offset(std::size_t payload_len);
 // The same 64-byte header guards remote values (sent before the payload).
 Trailer make_header(const std::uint8_t* payload, std::size_t payload_len, const Digest& ns,
                     const Digest& key);
-// 0, or kBadTrailer / kWrongKey / kBadChecksum.
+// 0, or ItemStatus kBadTrailer / kWrongKey / kBadChecksum (codes.h).
 std::int32_t check_header(const Trailer& t, const std::uint8_t* payload, std::size_t payload_len,
                           const Digest& ns, const Digest& key);
 // The same checks given the payload's crc32c, computed by the caller while

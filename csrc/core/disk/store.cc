@@ -62,13 +62,7 @@ class DiskJob final : public Job {
   }
   std::string run() override {
     store_->run(write_, recs_, items_);
-    std::size_t bad = 0;
-    std::int32_t first = 0;
-    for (std::int32_t x : items_)
-      if (x != 0 && bad++ == 0) first = x;
-    if (bad == 0) return {};
-    return std::to_string(bad) + " of " + std::to_string(items_.size()) +
-           " record(s) failed; first: " + item_error(first);
+    return item_summary(items_, "record(s)");
   }
   std::vector<std::int32_t> take_items() override { return std::move(items_); }
 
@@ -81,23 +75,6 @@ class DiskJob final : public Job {
 };
 
 }  // namespace
-
-const char* item_error(std::int32_t code) {
-  switch (code) {
-    case 0:
-      return "ok";
-    case kBadTrailer:
-      return "bad record trailer (torn or foreign record)";
-    case kWrongKey:
-      return "record belongs to another key, namespace or length";
-    case kBadChecksum:
-      return "payload checksum mismatch";
-    case kShortRead:
-      return "short read at end of file";
-    default:
-      return code > 0 ? std::strerror(code) : "unknown error";
-  }
-}
 
 std::shared_ptr<Store> Store::open(StoreOptions opts) {
   if (opts.paths.empty()) throw_invalid("a disk store needs at least one extent file");
@@ -197,7 +174,7 @@ void Store::run_split(bool write, std::vector<RecordRef>& recs,
     items[i] = check_header(h, reinterpret_cast<const std::uint8_t*>(recs[i].slot),
                             recs[i].payload_len, opts_.ns, recs[i].key);
     for (std::size_t b = sizeof h; items[i] == 0 && b < kTrailerBytes; ++b)
-      if (t[b] != 0) items[i] = kBadTrailer;
+      if (t[b] != 0) items[i] = item_code(ItemStatus::kBadTrailer);
   }
 }
 

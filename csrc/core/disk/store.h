@@ -69,6 +69,4 @@ class Store : public std::enable_shared_from_this<Store> {
   std::string note_;
 };
 
-const char* item_error(std::int32_t code);
-
 }  // namespace kvtier::disk

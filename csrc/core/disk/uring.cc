@@ -123,7 +123,7 @@ class UringBackend final : public IoBackend {
           state[i].finished = true;
           ++finished;
         } else if (res == 0) {
-          op.result = op.write ? EIO : kShortRead;
+          op.result = op.write ? EIO : item_code(ItemStatus::kShortRead);
           state[i].finished = true;
           ++finished;
         } else {
@@ -185,7 +185,7 @@ std::unique_ptr<IoBackend> make_uring_backend(const BackendOptions& opts) {
 bool uring_compiled_in() { return false; }
 
 std::unique_ptr<IoBackend> make_uring_backend(const BackendOptions&) {
-  throw Error(Code::kIoError, "kvtier was built without liburing", ENOSYS);
+  throw Error(StatusCode::kIoError, "kvtier was built without liburing", ENOSYS);
 }
 
 #endif

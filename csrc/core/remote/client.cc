@@ -28,6 +28,10 @@ std::int64_t now_ms() {
 }
 
 constexpr std::size_t kHeader = sizeof(disk::Trailer);
+// Marks of a redirected item between a round and the next; never reported
+// (the item ends as ok or kServerError).
+constexpr std::int32_t kMovedMark = -100;
+constexpr std::int32_t kAskMark = -101;
 
 }  // namespace
 
@@ -270,13 +274,9 @@ class RemoteJob final : public Job {
   }
   std::string run() override {
     store_->run(kind_, items_, items_out_);
-    std::size_t bad = 0;
-    std::int32_t first = 0;
-    for (auto x : items_out_)
-      if (x != 0 && !(kind_ == Kind::kExists && x == kMissing) && bad++ == 0) first = x;
-    if (bad == 0) return {};
-    return std::to_string(bad) + " of " + std::to_string(items_out_.size()) +
-           " item(s) failed; first: " + item_error(first);
+    // An existence check that finds nothing has not failed.
+    return item_summary(items_out_, "item(s)",
+                        kind_ == Kind::kExists ? ItemStatus::kMissing : ItemStatus::kOk);
   }
   std::vector<std::int32_t> take_items() override { return std::move(items_out_); }
 
@@ -289,19 +289,6 @@ class RemoteJob final : public Job {
 };
 
 }  // namespace
-
-const char* item_error(std::int32_t code) {
-  switch (code) {
-    case kMissing:
-      return "no such key";
-    case kBadLength:
-      return "value too short or of another length";
-    case kServerError:
-      return "the server answered an error";
-    default:
-      return disk::item_error(code);
-  }
-}
 
 Store::Store(Options o) : opts_(std::move(o)) {}
 
@@ -322,7 +309,8 @@ std::shared_ptr<Store> Store::open(Options o) {
   } else if (!s->opts_.lazy) {
     Connection c(s->opts_);
     std::string msg;
-    if (int e = c.connect(s->opts_.seeds[0], &msg); e != 0) throw Error(Code::kIoError, msg, e);
+    if (int e = c.connect(s->opts_.seeds[0], &msg); e != 0)
+      throw Error(StatusCode::kIoError, msg, e);
   }
   return s;
 }
@@ -379,7 +367,7 @@ void Store::refresh_slots() {
     refresh_ = false;
     return;
   }
-  throw Error(Code::kIoError, "redis cluster: " + last, last_err);
+  throw Error(StatusCode::kIoError, "redis cluster: " + last, last_err);
 }
 
 std::size_t Store::node_for(const std::string& key) {
@@ -458,13 +446,13 @@ void Store::run(Kind kind, std::vector<Item>& items, std::vector<std::int32_t>& 
     ask.clear();
     for (auto& [i, ep] : redirected) {
       redirects_++;
-      if (out[i] == -100) {
+      if (out[i] == kMovedMark) {
         std::lock_guard<std::mutex> g(mu_);
         slots_[key_slot(items[i].key)] = static_cast<std::uint16_t>(node_index(ep));
       } else {
         ask[i] = ep;
       }
-      out[i] = kServerError;  // unless the retry succeeds
+      out[i] = item_code(ItemStatus::kServerError);  // unless the retry succeeds
       todo.push_back(i);
     }
   }
@@ -539,7 +527,7 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
     const std::string addr = body.substr(body.rfind(' ') + 1);
     const auto colon = addr.rfind(':');
     moved->emplace_back(i, Endpoint{addr.substr(0, colon), std::atoi(addr.c_str() + colon + 1)});
-    out[i] = body[0] == 'M' ? -100 : -101;
+    out[i] = body[0] == 'M' ? kMovedMark : kAskMark;
     return true;
   };
   // Reads replies for idx[k..end); returns 0 or an errno, *k at the first unread.
@@ -553,11 +541,11 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
       if (kind != Kind::kLoad) {
         if ((e = c->read_reply(&r)) != 0) return e;
         if (r.type == Reply::kError) {
-          if (!redirect(i, r.str)) out[i] = kServerError;
+          if (!redirect(i, r.str)) out[i] = item_code(ItemStatus::kServerError);
         } else if (kind == Kind::kExists) {
-          out[i] = r.type == Reply::kInteger && r.integer > 0 ? 0 : kMissing;
+          out[i] = r.type == Reply::kInteger && r.integer > 0 ? 0 : item_code(ItemStatus::kMissing);
         } else {
-          out[i] = r.type == Reply::kSimple ? 0 : kServerError;
+          out[i] = r.type == Reply::kSimple ? 0 : item_code(ItemStatus::kServerError);
         }
         continue;
       }
@@ -566,17 +554,18 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
       if ((e = c->read_line(&line, 32 + kHeader)) != 0) return e;
       if (line.empty()) return EPROTO;
       if (line[0] == '-') {
-        if (!redirect(i, line)) out[i] = kServerError;
+        if (!redirect(i, line)) out[i] = item_code(ItemStatus::kServerError);
         continue;
       }
       if (line[0] != '$') return EPROTO;
       const long long len = std::atoll(line.c_str() + 1);
       if (len < 0) {
-        out[i] = kMissing;  // vanished (maxmemory eviction, TTL) or never stored
+        out[i] =
+            item_code(ItemStatus::kMissing);  // vanished (maxmemory eviction, TTL) or never stored
         continue;
       }
       if (static_cast<std::uint64_t>(len) != kHeader + it.payload_len) {
-        out[i] = kBadLength;  // too short, or not a value of ours
+        out[i] = item_code(ItemStatus::kBadLength);  // too short, or not a value of ours
         if ((e = c->skip(static_cast<std::size_t>(len) + 2)) != 0) return e;
         continue;
       }

@@ -27,11 +27,6 @@ namespace kvtier::remote {
 
 using disk::Digest;
 
-// Item outcomes beyond those of disk/record.h.
-constexpr std::int32_t kMissing = -5;      // no such key (GET nil, EXISTS 0)
-constexpr std::int32_t kBadLength = -6;    // value too short or of another length
-constexpr std::int32_t kServerError = -7;  // the server answered an error
-
 struct Endpoint {
   std::string host;
   int port = 6379;
@@ -98,7 +93,5 @@ class Store : public std::enable_shared_from_this<Store> {
   std::atomic<bool> refresh_{false};
   std::atomic<std::uint64_t> redirects_{0};
 };
-
-const char* item_error(std::int32_t code);
 
 }  // namespace kvtier::remote

@@ -26,7 +26,7 @@ std::size_t line_end(const char* buf, std::size_t n, std::size_t from) {
 }
 
 std::int64_t to_int(const char* p, std::size_t len) {
-  if (len == 0 || len > 20) throw Error(Code::kIoError, "malformed RESP integer", EPROTO);
+  if (len == 0 || len > 20) throw Error(StatusCode::kIoError, "malformed RESP integer", EPROTO);
   std::int64_t v = 0;
   bool neg = false;
   std::size_t i = 0;
@@ -35,7 +35,8 @@ std::int64_t to_int(const char* p, std::size_t len) {
     i = 1;
   }
   for (; i < len; ++i) {
-    if (p[i] < '0' || p[i] > '9') throw Error(Code::kIoError, "malformed RESP integer", EPROTO);
+    if (p[i] < '0' || p[i] > '9')
+      throw Error(StatusCode::kIoError, "malformed RESP integer", EPROTO);
     v = v * 10 + (p[i] - '0');
   }
   return neg ? -v : v;
@@ -89,7 +90,8 @@ std::size_t parse(const char* buf, std::size_t n, Reply* out) {
       return pos;
     }
     default:
-      throw Error(Code::kIoError, std::string("unexpected RESP type byte '") + t + "'", EPROTO);
+      throw Error(StatusCode::kIoError, std::string("unexpected RESP type byte '") + t + "'",
+                  EPROTO);
   }
 }
 
