@@ -30,7 +30,7 @@ $(VENV)/.deps: pyproject.toml | sysdeps
 	# Pinned: a plain `torch` would pull a multi-GB CUDA build.
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q "scikit-build-core>=0.10" "pybind11>=3" cmake ninja numpy tqdm matplotlib \
-	  pytest hypothesis ruff mypy redis hiredis
+	  pytest pytest-timeout hypothesis ruff mypy redis hiredis
 	touch $@
 
 # vLLM 0.33 for the shim's tests: the wheel without its dependencies (they

@@ -7,9 +7,9 @@ vLLM shim never load it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kvtier._lazy import lazy_getattr
 from kvtier.errors import (
     Busy,
     ClosedError,
@@ -39,11 +39,7 @@ if TYPE_CHECKING:
     from kvtier.transfer import DeviceTransfer
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr("kvtier", _LAZY)
 
 
 __all__ = [
@@ -58,7 +54,7 @@ __all__ = [
     "JobResult",
     "KvtierError",
     "LookupResult",
-    "Timeout",
     "TieredOffloadingManager",
+    "Timeout",
     "crc32c",
 ]

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.errors import KvtierError
+from kvtier.errors import InvalidArgument, KvtierError
 
 
 def _print_json_last(obj: dict[str, Any]) -> None:
@@ -21,7 +21,8 @@ def _print_json_last(obj: dict[str, Any]) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from kvtier.bench.harness import parse_size, save_result
+    from kvtier.bench.harness import save_result
+    from kvtier.units import parse_size
 
     if args.component == "serve":
         return _cmd_bench_serve(args)
@@ -55,10 +56,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             for s in sizes
         ]
     elif args.component == "vllm":
-        from kvtier.bench.vllm import run_vllm
+        from kvtier.integrations.vllm_bench import run_vllm
 
         chunks = (parse_size(args.block_bytes),) if args.block_bytes else (262144, 2 << 20)
-        results = [run_vllm(args.dir, chunks, args.repeats)]
+        results = [run_vllm(args.dir, chunks, args.repeats or 3, trace_path=args.trace)]
     elif args.component == "manager":
         from kvtier.bench.manager import run_manager
 
@@ -119,21 +120,124 @@ def _print_human(r: dict[str, Any]) -> None:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from kvtier.replay import main_replay
+    from dataclasses import fields
 
-    return main_replay(args)
+    from kvtier.replay import ReplayOptions, main_replay
 
-
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from kvtier.planner import main_plan
-
-    return main_plan(args)
+    return main_replay(
+        ReplayOptions(**{f.name: getattr(args, f.name) for f in fields(ReplayOptions)})
+    )
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from kvtier.doctor import main_doctor
 
-    return main_doctor(args)
+    return main_doctor(args.dir, as_json=args.json)
+
+
+def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-config", help="Hugging Face config.json (instead of the shape flags)")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--dtype", default=None, help="KV dtype (default bfloat16 or the config's)")
+    p.add_argument("--mla-latent", type=int, default=0, help="MLA latent size per token")
+    p.add_argument(
+        "--context-tokens",
+        type=int,
+        default=0,
+        help="sequence length for amortizing sliding-window layers",
+    )
+    p.add_argument("--block-tokens", type=int, default=16)
+    p.add_argument("--partition", help="layers per stage, e.g. 48,16")
+    p.add_argument("--stages", type=int, help="even split over this many stages (vLLM's rule)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--kv-memory", help="KV budget each device can give, e.g. 20GiB")
+    g.add_argument("--total-kv-memory", help="one total KV budget split across the stages")
+    p.add_argument("--host-memory", help="also size kvtier's host pool per rank from this total")
+    p.add_argument("--json", action="store_true")
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from kvtier.planner import (
+        ModelKV,
+        even_partition,
+        host_pool_per_rank,
+        model_from_hf_config,
+        parse_partition,
+        plan_per_device,
+        plan_total,
+    )
+    from kvtier.units import parse_size
+
+    if args.model_config:
+        model = model_from_hf_config(args.model_config, args.context_tokens, args.dtype)
+    else:
+        if args.layers is None:
+            raise InvalidArgument(
+                "layers: give --layers (with --kv-heads/--head-dim) or --model-config"
+            )
+        model = ModelKV(
+            args.layers,
+            args.kv_heads or 0,
+            args.head_dim or 0,
+            args.dtype or "bfloat16",
+            args.mla_latent,
+        )
+    if args.partition:
+        partition = parse_partition(args.partition, model.layers)
+    elif args.stages:
+        partition = even_partition(model.layers, args.stages)
+    else:
+        raise InvalidArgument("partition: give --partition 48,16 or --stages N")
+    if args.kv_memory:
+        plan = plan_per_device(model, partition, args.block_tokens, parse_size(args.kv_memory))
+    else:
+        plan = plan_total(model, partition, args.block_tokens, parse_size(args.total_kv_memory))
+    js = plan.to_json()
+    if args.host_memory:
+        js["host_pool"] = host_pool_per_rank(
+            model, partition, args.block_tokens, parse_size(args.host_memory)
+        )
+    if args.json:
+        print(json.dumps(js))
+        return 0
+    print(
+        f"KV bytes/token/layer: {model.full_layer_bytes_per_token} "
+        f"({'MLA' if model.mla_latent else 'K+V'}, {model.dtype}); block = {args.block_tokens} tokens"
+    )
+    hdr = f"  {'stage':>5} {'layers':>6} {'KV memory':>12} {'blocks':>10} {'max tokens':>12}"
+    print("uniform allocation (what engines do):")
+    print(hdr)
+    for i, s in enumerate(plan.uniform["stages"]):
+        print(
+            f"  {i:>5} {s['layers']:>6} {_gib(s['kv_bytes']):>12} {s['blocks']:>10,} {s['max_tokens']:>12,}"
+        )
+    print(
+        f"  usable: {plan.uniform['usable_blocks']:,} blocks = {plan.uniform['usable_tokens']:,} tokens; "
+        f"dead memory {_gib(plan.uniform['wasted_bytes'])}"
+    )
+    print("proportional allocation (kvtier plan):")
+    print(hdr)
+    for i, s in enumerate(plan.stages):
+        print(f"  {i:>5} {s.layers:>6} {_gib(s.kv_bytes):>12} {s.blocks:>10,} {s.max_tokens:>12,}")
+    if plan.mode == "per-device":
+        print(f"same capacity, {_gib(plan.saved_bytes)} less KV memory")
+    else:
+        print(f"capacity gain over an even split: {plan.capacity_gain:.3f}x")
+    print("per-rank settings:")
+    for s in plan.settings:
+        print(
+            f"  pp_rank {s['pp_rank']}: kv_cache_memory_bytes={s['kv_cache_memory_bytes']} "
+            f"(num_gpu_blocks {s['num_gpu_blocks']})"
+        )
+    for h in js.get("host_pool", []):
+        print(f"  pp_rank {h['pp_rank']}: host pool {h['num_slots']} x {h['slot_bytes']} B")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--total", default="1GiB", help="disk: bytes per run")
     b.add_argument("--backend", default="auto", choices=["auto", "io_uring", "pread"])
     b.add_argument("--keys", type=int, default=1_000_000, help="manager: distinct keys")
+    b.add_argument(
+        "--trace", help="vllm: Mooncake-format JSONL trace to replay (default: synthetic)"
+    )
     b.add_argument("--policy", default="lru")
     b.add_argument(
         "--python", help="serve: a Python with vLLM's engine and kvtier (default: this one)"
@@ -199,9 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_cmd_bench)
 
     pl = sub.add_parser("plan", help="pipeline-parallel KV memory planner")
-    from kvtier.planner import add_plan_arguments
-
-    add_plan_arguments(pl)
+    _add_plan_arguments(pl)
     pl.set_defaults(func=_cmd_plan)
 
     d = sub.add_parser("doctor", help="check this machine: native core, io_uring, CUDA, limits")

@@ -7,7 +7,6 @@ Every check runs in isolation: one failing check is reported, not raised.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -22,7 +21,7 @@ from typing import Any
 def _check(fn: Callable[[], Any]) -> dict[str, Any]:
     try:
         return {"ok": True, **fn()}
-    except Exception as e:  # noqa: BLE001 - a doctor reports every failure as data
+    except Exception as e:
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
 
@@ -113,7 +112,7 @@ def _disk(directory: str) -> dict[str, Any]:
                         "note": t.store.note,
                     }
                     t.close()
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 out[backend] = {"ok": False, "error": str(e)}
         out["backend"] = "io_uring" if out["io_uring"]["ok"] else "pread"
         return out
@@ -129,7 +128,7 @@ def _cuda() -> dict[str, Any]:
 
 
 def _limits() -> dict[str, Any]:
-    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     uring = Path("/proc/sys/kernel/io_uring_disabled")
     return {
@@ -142,17 +141,23 @@ def _limits() -> dict[str, Any]:
     }
 
 
-def main_doctor(args: argparse.Namespace) -> int:
+def main_doctor(directory: str | None = None, *, as_json: bool = False) -> int:
+    """Run every check and print the report (a JSON line with ``as_json``).
+
+    Who calls: ``kvtier doctor``. Blocks for the checks (a few disk and pool
+    operations in ``directory``, default the temporary directory). Returns
+    the exit status: 0 when the native core loads.
+    """
     report = {
         "native": _check(_native),
         "crc32c": _check(_crc),
         "host_pool": _check(_pool),
-        "disk": _check(lambda: _disk(getattr(args, "dir", None) or tempfile.gettempdir())),
+        "disk": _check(lambda: _disk(directory or tempfile.gettempdir())),
         "cuda": _check(_cuda),
         "limits": _check(_limits),
     }
     report = {"backends": _check(lambda: _backends(report)), **report}
-    if args.json:
+    if as_json:
         print(json.dumps(report))
         return 0 if report["native"]["ok"] else 1
     for name, r in report.items():

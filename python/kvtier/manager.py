@@ -166,28 +166,22 @@ class TieredOffloadingManager:
         self._check_open()
         keys = _check_keys(keys)
         slots = np.empty(len(keys), np.int64)
-        entries = []
         for i, k in enumerate(keys):
             e = self.host.get(k)
             if e is None or e.ref < 0:
                 raise InvalidArgument(f"prepare_load of a key that is not a HIT: {k.hex()[:16]}")
-            entries.append(e)
             slots[i] = e.slot
         loaded_from = self.stats.loaded_from
-        for k, e in zip(keys, entries):
-            e.ref += 1
-            self.host.policy.touch(k)
-            loaded_from[e.source] = loaded_from.get(e.source, 0) + 1
+        for k in keys:
+            source = self.host.pin(k)
+            loaded_from[source] = loaded_from.get(source, 0) + 1
         self.stats.loads += len(keys)
         return HostSpec(slots)
 
     def complete_load(self, keys: Collection[bytes], req_context: Any = None) -> None:
         """Unpin keys of a finished load."""
         for k in keys:
-            e = self.host.get(k)
-            if e is not None and e.ref > 0:
-                e.ref -= 1
-                e.source = "host"
+            self.host.unpin(k)
 
     def touch(self, keys: Collection[bytes], req_context: Any = None) -> None:
         for k in keys:
@@ -254,7 +248,7 @@ class TieredOffloadingManager:
             for i, tier in enumerate(self.lower):
                 if tier.lookup(k) is LookupResult.HIT or not tier.admit(k):
                     continue
-                e.cascading += 1
+                self.host.begin_cascade(k)
                 self._cascade[i].append(k)
         self.stats.stores += len(stored)
         if stored:
@@ -366,8 +360,8 @@ class TieredOffloadingManager:
                 token = tier.submit_store(keys, slots)
                 if token is None:  # backpressure: drop this cascade, unhold the blocks
                     self.stats.cascades_dropped += len(keys)
-                    for _, e in live:
-                        e.cascading -= 1
+                    for k in keys:
+                        self.host.end_cascade(k)
                 else:
                     self._inflight[(i, token)] = ("store", keys, slots)
                     self.stats.cascades += len(keys)
@@ -403,8 +397,7 @@ class TieredOffloadingManager:
                 if not ok:
                     self.stats.cascade_failures += 1
                 if mine:
-                    assert e is not None
-                    e.cascading -= 1
+                    self.host.end_cascade(k)
                 elif slot is not None and not self._slot_in_use(slot):
                     self.host.release_slot(slot)  # detached by reset: free it now
             else:

@@ -12,7 +12,6 @@ users' scripts. Pure arithmetic: nothing blocks, no native code is loaded.
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -267,6 +266,34 @@ def host_pool_per_rank(
     ]
 
 
+def host_pool_for_chunks(
+    cell_bytes: int,
+    cells_per_slot: int,
+    host_bytes: int,
+    *,
+    trailer_bytes: int = 0,
+    num_slots: int | None = None,
+    setting: str = "host_bytes",
+) -> tuple[int, int]:
+    """``(num_slots, slot_bytes)`` of one host pool whose slot holds
+    ``cells_per_slot`` cells of ``cell_bytes`` back to back (one chunk of every
+    rank sharing the pool), padded to 4 KiB for direct I/O, plus
+    ``trailer_bytes`` (a disk record's trailer). ``num_slots`` given wins over
+    ``host_bytes`` (pipeline stages must agree on it); ``setting`` names the
+    size in the error when not one slot fits.
+
+    Who calls: the vLLM shim, for each process's pool. Pure arithmetic.
+    """
+    _positive("cell_bytes", cell_bytes)
+    _positive("cells_per_slot", cells_per_slot)
+    payload = -(-(cell_bytes * cells_per_slot) // 4096) * 4096
+    slot_bytes = payload + trailer_bytes
+    n = num_slots if num_slots is not None else host_bytes // slot_bytes
+    if n < 1:
+        raise InvalidArgument(f"{setting}: {host_bytes} B holds no chunk of {slot_bytes} B")
+    return n, slot_bytes
+
+
 def recommend_partition(
     model: ModelKV,
     stages: int,
@@ -364,100 +391,3 @@ def model_from_hf_config(
         window=window if sliding else 0,
         context_tokens=ctx if sliding else 0,
     )
-
-
-# -- CLI ------------------------------------------------------------------------
-def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-config", help="Hugging Face config.json (instead of the shape flags)")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--kv-heads", type=int)
-    p.add_argument("--head-dim", type=int)
-    p.add_argument("--dtype", default=None, help="KV dtype (default bfloat16 or the config's)")
-    p.add_argument("--mla-latent", type=int, default=0, help="MLA latent size per token")
-    p.add_argument(
-        "--context-tokens",
-        type=int,
-        default=0,
-        help="sequence length for amortizing sliding-window layers",
-    )
-    p.add_argument("--block-tokens", type=int, default=16)
-    p.add_argument("--partition", help="layers per stage, e.g. 48,16")
-    p.add_argument("--stages", type=int, help="even split over this many stages (vLLM's rule)")
-    g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--kv-memory", help="KV budget each device can give, e.g. 20GiB")
-    g.add_argument("--total-kv-memory", help="one total KV budget split across the stages")
-    p.add_argument("--host-memory", help="also size kvtier's host pool per rank from this total")
-    p.add_argument("--json", action="store_true")
-
-
-def _gib(n: float) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
-
-
-def main_plan(args: argparse.Namespace) -> int:
-    from kvtier.bench.harness import parse_size
-
-    if args.model_config:
-        model = model_from_hf_config(args.model_config, args.context_tokens, args.dtype)
-    else:
-        if args.layers is None:
-            raise InvalidArgument(
-                "layers: give --layers (with --kv-heads/--head-dim) or --model-config"
-            )
-        model = ModelKV(
-            args.layers,
-            args.kv_heads or 0,
-            args.head_dim or 0,
-            args.dtype or "bfloat16",
-            args.mla_latent,
-        )
-    if args.partition:
-        partition = parse_partition(args.partition, model.layers)
-    elif args.stages:
-        partition = even_partition(model.layers, args.stages)
-    else:
-        raise InvalidArgument("partition: give --partition 48,16 or --stages N")
-    if args.kv_memory:
-        plan = plan_per_device(model, partition, args.block_tokens, parse_size(args.kv_memory))
-    else:
-        plan = plan_total(model, partition, args.block_tokens, parse_size(args.total_kv_memory))
-    js = plan.to_json()
-    if args.host_memory:
-        js["host_pool"] = host_pool_per_rank(
-            model, partition, args.block_tokens, parse_size(args.host_memory)
-        )
-    if args.json:
-        print(json.dumps(js))
-        return 0
-    print(
-        f"KV bytes/token/layer: {model.full_layer_bytes_per_token} "
-        f"({'MLA' if model.mla_latent else 'K+V'}, {model.dtype}); block = {args.block_tokens} tokens"
-    )
-    hdr = f"  {'stage':>5} {'layers':>6} {'KV memory':>12} {'blocks':>10} {'max tokens':>12}"
-    print("uniform allocation (what engines do):")
-    print(hdr)
-    for i, s in enumerate(plan.uniform["stages"]):
-        print(
-            f"  {i:>5} {s['layers']:>6} {_gib(s['kv_bytes']):>12} {s['blocks']:>10,} {s['max_tokens']:>12,}"
-        )
-    print(
-        f"  usable: {plan.uniform['usable_blocks']:,} blocks = {plan.uniform['usable_tokens']:,} tokens; "
-        f"dead memory {_gib(plan.uniform['wasted_bytes'])}"
-    )
-    print("proportional allocation (kvtier plan):")
-    print(hdr)
-    for i, s in enumerate(plan.stages):
-        print(f"  {i:>5} {s.layers:>6} {_gib(s.kv_bytes):>12} {s.blocks:>10,} {s.max_tokens:>12,}")
-    if plan.mode == "per-device":
-        print(f"same capacity, {_gib(plan.saved_bytes)} less KV memory")
-    else:
-        print(f"capacity gain over an even split: {plan.capacity_gain:.3f}x")
-    print("per-rank settings:")
-    for s in plan.settings:
-        print(
-            f"  pp_rank {s['pp_rank']}: kv_cache_memory_bytes={s['kv_cache_memory_bytes']} "
-            f"(num_gpu_blocks {s['num_gpu_blocks']})"
-        )
-    for h in js.get("host_pool", []):
-        print(f"  pp_rank {h['pp_rank']}: host pool {h['num_slots']} x {h['slot_bytes']} B")
-    return 0

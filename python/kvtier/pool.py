@@ -94,7 +94,7 @@ class HostPool:
 
     def view(self, slot: int, count: int = 1) -> np.ndarray:
         """Zero-copy ``uint8`` array: shape ``(slot_bytes,)`` for one slot, else ``(count, slot_bytes)``."""
-        arr = self._pool.array(slot, count)
+        arr: np.ndarray = self._pool.array(slot, count)
         return arr[0] if count == 1 else arr
 
     def tensor(self, slot: int, count: int = 1) -> torch.Tensor:

@@ -9,7 +9,6 @@ block is verified byte-for-byte against bytes derived from its hash.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import math
@@ -24,8 +23,10 @@ import numpy as np
 
 from kvtier.errors import InvalidArgument
 from kvtier.manager import TieredOffloadingManager
-from kvtier.tiers.base import LookupResult, LowerTier
+from kvtier.tiers.base import LookupResult
+from kvtier.tiers.factory import TierConfig, build_lower_tiers, host_slot_bytes, parse_disk_spec
 from kvtier.tiers.host import HostTier
+from kvtier.units import parse_size
 
 MAX_PENDING_STEPS = 1000
 
@@ -161,7 +162,8 @@ class FakeKV:
         x = np.asarray(hash_ids, np.uint64) + np.uint64(0x9E3779B97F4A7C15)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+        out: np.ndarray = x ^ (x >> np.uint64(31))
+        return out
 
     def fill(self, block_ids: np.ndarray, hash_ids: Sequence[int]) -> None:
         self.words[block_ids] = self.base[None, :] ^ self._mix(hash_ids)[:, None]
@@ -359,26 +361,42 @@ def plot_series(res: ReplayResult, path: str, title: str) -> None:
     plt.close(fig)
 
 
-def build_lower_tiers(args: argparse.Namespace, block_bytes: int) -> list[LowerTier]:
-    tiers: list[LowerTier] = []
-    if getattr(args, "disk", None):
-        from kvtier.tiers.disk import DiskTier
+@dataclass(frozen=True)
+class ReplayOptions:
+    """What ``kvtier replay`` was asked for (the CLI's flags, sizes as text)."""
 
-        tiers.append(
-            DiskTier.from_spec(
-                args.disk, block_bytes=block_bytes, policy=args.policy, no_data=args.no_data
-            )
+    trace: str | None = None
+    block_bytes: str = "65536"
+    host: str | None = None
+    host_blocks: int | None = None
+    policy: str = "lru"
+    admit_after: int = 1
+    disk: str | None = None
+    remote: str | None = None
+    no_data: bool = False
+    max_requests: int | None = None
+    synthetic_requests: int = 4000
+    seed: int = 0
+    json_path: str | None = None
+    plot: str | None = None
+    no_progress: bool = False
+
+    def tier_config(self) -> TierConfig:
+        """The lower tiers these options ask for, in the factory's shape."""
+        disk_path, disk_bytes = parse_disk_spec(self.disk) if self.disk else (None, 0)
+        return TierConfig(
+            disk_path=disk_path,
+            disk_bytes=disk_bytes,
+            disk_policy=self.policy,
+            remote_url=self.remote,
+            no_data=self.no_data,
         )
-    if getattr(args, "remote", None):
-        from kvtier.tiers.remote import RemoteTier
-
-        tiers.append(RemoteTier(args.remote, block_bytes, namespace=f"replay-{block_bytes}"))
-    return tiers
 
 
-def main_replay(args: argparse.Namespace) -> int:
-    from kvtier.bench.harness import parse_size
-
+def main_replay(args: ReplayOptions) -> int:
+    """Run ``kvtier replay``: build the tiers, replay the trace, print the
+    table (and write the JSON and plot asked for). Blocks until the trace is
+    done; returns the exit status (1 when a loaded block failed verification)."""
     block_bytes = parse_size(args.block_bytes)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise InvalidArgument("--plot needs matplotlib: pip install 'kvtier[bench]'")
@@ -408,7 +426,8 @@ def main_replay(args: argparse.Namespace) -> int:
     if capacity is not None and capacity <= 0:
         raise InvalidArgument("host capacity must hold at least one block")
 
-    lower = build_lower_tiers(args, block_bytes)
+    tier_cfg = args.tier_config()
+    lower = build_lower_tiers(tier_cfg, block_bytes, namespace=f"replay-{block_bytes}")
     pool = transfer = kv = None
     if not args.no_data:
         from kvtier.pool import HostPool
@@ -416,11 +435,7 @@ def main_replay(args: argparse.Namespace) -> int:
 
         assert capacity is not None
         # Lower tiers may need room beside each block (the disk record trailer).
-        slot_bytes = max(
-            [block_bytes]
-            + [t.slot_bytes_for(block_bytes) for t in lower if hasattr(t, "slot_bytes_for")]
-        )
-        pool = HostPool(capacity, slot_bytes)
+        pool = HostPool(capacity, host_slot_bytes(block_bytes, tier_cfg))
         kv = FakeKV(max(len(t) for t in trace), block_bytes, seed=args.seed)
         transfer = DeviceTransfer(kv.layers, pool)
     host = HostTier(pool, capacity, policy=args.policy, admit_after=args.admit_after)

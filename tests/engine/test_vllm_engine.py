@@ -21,6 +21,9 @@ from typing import Any
 import pytest
 from kvtier.integrations.vllm_engine import Sessions
 
+# Each test runs a vLLM engine for minutes: past the suite's default timeout.
+pytestmark = pytest.mark.timeout(900)
+
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32  # tokens per block (the CPU attention backend needs a multiple of 32)
 SLOT = 128 * 1024  # bytes of one block of the tiny model (4 KiB of KV per token)

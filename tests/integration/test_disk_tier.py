@@ -175,9 +175,7 @@ def test_random_ops_byte_for_byte(tmp_path: Path, backend: str) -> None:
                 for j, k in enumerate(batch):
                     p.view(j)[:BLOCK] = content(k)
                 oks = run_until_done(t, t.submit_store([K(k) for k in batch], list(range(32))))
-                for k, ok in zip(batch, oks):
-                    if ok:
-                        versions[k] = k
+                versions.update({k: k for k, ok in zip(batch, oks) if ok})
             else:
                 oks = run_until_done(t, t.submit_load([K(k) for k in batch], list(range(32, 64))))
                 for j, (k, ok) in enumerate(zip(batch, oks)):

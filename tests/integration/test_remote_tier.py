@@ -100,7 +100,7 @@ def test_unreachable_server_is_a_clear_error_or_a_degraded_tier(tmp_path: Path) 
 def test_wrong_password_is_a_clear_error(tmp_path: Path) -> None:
     s = RedisServer(tmp_path, password="right")
     try:
-        with pytest.raises(kvtier.IoError, match="WRONGPASS|invalid password") as e:
+        with pytest.raises(kvtier.IoError, match=r"WRONGPASS|invalid password") as e:
             RemoteTier(f"redis://:wrong@127.0.0.1:{s.port}", BLOCK)
         assert e.value.errno == errno.EACCES
         t = RemoteTier(f"redis://:right@127.0.0.1:{s.port}", BLOCK)
@@ -134,15 +134,15 @@ def test_an_existence_check_answered_after_a_store_does_not_undo_it(redis_standa
         t.attach(pool)
         assert t.lookup(K(7)) is RETRY
         t.poll()  # sends the EXISTS
-        check = set(t._jobs)
+        check = t.jobs.in_flight()
         t.engine.wait(check)  # answered "absent": the SET was not sent yet
         real_poll = t.engine.poll
         t.engine.poll = lambda: sorted(real_poll(), key=lambda r: r.job_id in check)
         pool.view(0)[:BLOCK] = content(7)
         token = t.submit_store([K(7)], [0])
-        t.engine.wait(set(t._jobs) - check)  # both answered: one poll reports both
+        t.engine.wait(t.jobs.in_flight() - check)  # both answered: one poll reports both
         assert [c.token for c in t.poll()] == [token]
-        assert not t._jobs and t.lookup(K(7)) is HIT
+        assert not t.jobs.in_flight() and t.lookup(K(7)) is HIT
         assert look(t, K(8)) is MISS  # checks still answer for keys nothing stored
         t.engine.poll = real_poll
         t.close()

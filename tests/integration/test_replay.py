@@ -37,7 +37,7 @@ def test_read_trace_errors(tmp_path: Path) -> None:
         read_trace(tmp_path / "nope.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"hash_ids": [1, 2]}\n{"oops": 1}\n')
-    with pytest.raises(kvtier.InvalidArgument, match="bad.jsonl:2"):
+    with pytest.raises(kvtier.InvalidArgument, match=r"bad\.jsonl:2"):
         read_trace(bad)
 
 

@@ -5,6 +5,7 @@ Who calls: the ``kvtier bench`` subcommands. Everything here blocks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -207,10 +208,8 @@ def machine_facts() -> dict[str, Any]:
     except OSError:
         pass
     mem = 0
-    try:
+    with contextlib.suppress(ValueError, OSError):
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        pass
     try:
         rev = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
@@ -238,34 +237,6 @@ def save_result(result: dict[str, Any], results_dir: str | None) -> Path | None:
     path = d / f"{result['component']}-{result.get('block_bytes', 'all')}-{stamp}.json"
     path.write_text(json.dumps({**result, "machine": machine_facts()}, indent=2) + "\n")
     return path
-
-
-def parse_size(text: str) -> int:
-    """``"256KiB"``, ``"2MiB"``, ``"1GB"``, ``"65536"`` -> bytes. Raises InvalidArgument."""
-    from kvtier.errors import InvalidArgument
-
-    units = {
-        "": 1, "b": 1,
-        "k": 1024, "kb": 1000, "kib": 1024,
-        "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-        "g": 1 << 30, "gb": 10**9, "gib": 1 << 30,
-        "t": 1 << 40, "tb": 10**12, "tib": 1 << 40,
-    }  # fmt: skip
-    s = text.strip().lower()
-    i = len(s)
-    while i > 0 and not (s[i - 1].isdigit() or s[i - 1] == "."):
-        i -= 1
-    num, unit = s[:i], s[i:].strip()
-    if not num or unit not in units:
-        raise InvalidArgument(f"cannot parse size {text!r} (examples: 65536, 256KiB, 2MiB, 1GiB)")
-    try:
-        value = float(num)
-    except ValueError:
-        raise InvalidArgument(f"cannot parse size {text!r}") from None
-    n = int(value * units[unit])
-    if n <= 0:
-        raise InvalidArgument(f"size must be > 0, got {text!r}")
-    return n
 
 
 def default_output_dir(name: str) -> Path:

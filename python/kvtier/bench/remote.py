@@ -229,7 +229,7 @@ def run_remote(
         _delete(host, port, cfg["password"], cfg["cluster"], gone)
         try:
             py = _redis_py(host, port, cfg["password"], block_bytes, min(n, 2048))
-        except Exception as e:  # noqa: BLE001 - optional comparison
+        except Exception as e:
             py = {"error": str(e)}
     finally:
         t.close()

@@ -18,7 +18,7 @@ torch-side transfers and vLLM's heavy stats module are imported on first use.
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import logging
 import os
 import re
@@ -51,6 +51,9 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvtier.errors import InvalidArgument
+from kvtier.planner import host_pool_for_chunks
+from kvtier.tiers.records import TRAILER_BYTES, namespace_name
+from kvtier.units import to_bytes
 
 if TYPE_CHECKING:
     from kvtier.manager import TieredOffloadingManager
@@ -106,17 +109,6 @@ KVTIER_METRICS = {
 }
 
 
-def _size(key: str, value: Any) -> int:
-    from kvtier.bench.harness import parse_size
-
-    if isinstance(value, bool):
-        raise InvalidArgument(f"{key}: expected a size, got {value!r}")
-    n = int(value) if isinstance(value, int) else parse_size(str(value))
-    if n <= 0:
-        raise InvalidArgument(f"{key}: must be > 0, got {value!r}")
-    return n
-
-
 def parse_extra_config(extra: dict[str, Any] | Any) -> dict[str, Any]:
     """Validate kvtier's keys of ``kv_connector_extra_config``; clear errors for
     unknown or mistyped ones. Returns the kvtier keys with sizes in bytes."""
@@ -133,7 +125,7 @@ def parse_extra_config(extra: dict[str, Any] | Any) -> dict[str, Any]:
         out[key] = value
     for key in ("kvtier_host_bytes", "kvtier_disk_bytes", "kvtier_disk_write_budget"):
         if key in out:
-            out[key] = _size(key, out[key])
+            out[key] = to_bytes(key, out[key])
     if out.get("kvtier_admit_after", 1) < 1:
         raise InvalidArgument("kvtier_admit_after: must be >= 1")
     return out
@@ -163,7 +155,7 @@ def _open_pool(name: str, num_slots: int, slot_bytes: int, timeout_s: float = 60
     try:
         return HostPool(num_slots, slot_bytes, name=name)
     except IoError as e:
-        if e.errno != 17:  # EEXIST: the scheduler or another worker created it
+        if e.errno != errno.EEXIST:  # the scheduler or another worker created it
             raise
     deadline = time.monotonic() + timeout_s
     while True:
@@ -231,23 +223,19 @@ class KVTierOffloadingSpec(OffloadingSpec):
         # A slot holds one chunk of every rank of this stage, rank cells back to back
         # (each stage has its own pool: with uneven layer splits their cells differ).
         self.cell_bytes = int(config.worker_kv_bytes_per_block) * int(self.blocks_per_chunk)
-        ranks_in_pool = self.tp_size if self.pp_size > 1 else self.world_size
-        payload = -(-(self.cell_bytes * ranks_in_pool) // 4096) * 4096
-        self.slot_bytes = payload + (4096 if "kvtier_disk_path" in self.kvtier else 0)
-        if "kvtier_num_slots" in self.kvtier:
-            self.num_slots = int(self.kvtier["kvtier_num_slots"])
-        elif self.pp_size > 1:
+        if self.pp_size > 1 and "kvtier_num_slots" not in self.kvtier:
             raise InvalidArgument(
                 "kvtier_num_slots: required with pipeline parallelism (every stage must agree; "
                 "see kvtier plan --host-memory)"
             )
-        else:
-            self.num_slots = self.kvtier["kvtier_host_bytes"] // self.slot_bytes
-        if self.num_slots < 1:
-            raise InvalidArgument(
-                f"kvtier_host_bytes: {self.kvtier['kvtier_host_bytes']} B holds no chunk of "
-                f"{self.slot_bytes} B"
-            )
+        self.num_slots, self.slot_bytes = host_pool_for_chunks(
+            self.cell_bytes,
+            self.tp_size if self.pp_size > 1 else self.world_size,
+            self.kvtier["kvtier_host_bytes"],
+            trailer_bytes=TRAILER_BYTES if "kvtier_disk_path" in self.kvtier else 0,
+            num_slots=self.kvtier.get("kvtier_num_slots"),
+            setting="kvtier_host_bytes",
+        )
         self.namespace = self._namespace(config)
         self.engine_id = str(config.engine_id)
         self.pool_name = _pool_name(self.engine_id, self.stage)
@@ -256,13 +244,12 @@ class KVTierOffloadingSpec(OffloadingSpec):
 
     def _namespace(self, config: Any) -> str:
         """What makes bytes compatible: model, dtype, layout, chunk size, topology."""
-        parts = [
-            config.model.name, config.model.dtype, str(config.worker_kv_bytes_per_block),
-            str(self.blocks_per_chunk), str(self.world_size), str(self.pp_size),
-            str(getattr(config, "kv_cache_layout", None)), str(getattr(config, "canonical_layout", False)),
+        return namespace_name((
+            config.model.name, config.model.dtype, config.worker_kv_bytes_per_block,
+            self.blocks_per_chunk, self.world_size, self.pp_size,
+            getattr(config, "kv_cache_layout", None), getattr(config, "canonical_layout", False),
             self.kvtier.get("kvtier_namespace", ""),
-        ]  # fmt: skip
-        return hashlib.blake2b("\0".join(parts).encode(), digest_size=16).hexdigest()
+        ))  # fmt: skip
 
     def _stage_ns(self, stage: int) -> str:
         return self.namespace if self.pp_size == 1 else f"{self.namespace}-stage{stage}"
@@ -294,37 +281,36 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 self.host_pool() if st == self.stage else _wait_pool(_pool_name(self.engine_id, st))
                 for st in range(self.pp_size)
             ]
-            trailer = 4096 if "kvtier_disk_path" in k else 0
+            from dataclasses import replace
+
+            from kvtier.tiers.factory import TierConfig, build_tier
+
+            trailer = TRAILER_BYTES if "kvtier_disk_path" in k else 0
             payloads = [p.slot_bytes - trailer for p in pools]
-            if "kvtier_disk_path" in k:
-                from kvtier.tiers.disk import DiskTier
-
-                total = k.get("kvtier_disk_bytes", 100 << 30)
-                dirs = (
-                    [k["kvtier_disk_path"]]
-                    if self.pp_size == 1
-                    else [
-                        os.path.join(k["kvtier_disk_path"], f"stage{st}")
-                        for st in range(self.pp_size)
-                    ]
-                )
-                for d in dirs:
-                    os.makedirs(d, mode=0o700, exist_ok=True)
+            cfg = TierConfig(
+                disk_path=k.get("kvtier_disk_path"),
+                disk_bytes=k.get("kvtier_disk_bytes", 100 << 30),
+                disk_policy=k.get("kvtier_policy", "lru"),
+                disk_write_budget_bps=k.get("kvtier_disk_write_budget"),
+                disk_timeout_s=k.get("kvtier_disk_timeout_s", 30.0),
+                remote_url=k.get("kvtier_remote_url"),
+                remote_ttl_s=k.get("kvtier_remote_ttl_s"),
+            )
+            if cfg.disk_path is not None:
+                # Each stage its own directory, and a share of the bytes in
+                # proportion to its part of a block.
+                stage_cfgs = [
+                    cfg if self.pp_size == 1 else replace(
+                        cfg, disk_path=os.path.join(cfg.disk_path, f"stage{st}"),
+                        disk_bytes=cfg.disk_bytes * payloads[st] // sum(payloads))
+                    for st in range(self.pp_size)
+                ]  # fmt: skip
                 lower.append(self._staged([
-                    DiskTier(
-                        dirs[st],
-                        total * payloads[st] // sum(payloads), payloads[st],
-                        namespace=self._stage_ns(st), policy=k.get("kvtier_policy", "lru"),
-                        write_budget_bps=k.get("kvtier_disk_write_budget"),
-                        timeout_s=k.get("kvtier_disk_timeout_s", 30.0))
+                    build_tier("disk", stage_cfgs[st], payloads[st], self._stage_ns(st))
                     for st in range(self.pp_size)], pools, "disk"))  # fmt: skip
-            if "kvtier_remote_url" in k:
-                from kvtier.tiers.remote import RemoteTier
-
+            if cfg.remote_url is not None:
                 lower.append(self._staged([
-                    RemoteTier(
-                        k["kvtier_remote_url"], payloads[st], namespace=self._stage_ns(st),
-                        ttl_s=k.get("kvtier_remote_ttl_s"))
+                    build_tier("remote", cfg, payloads[st], self._stage_ns(st))
                     for st in range(self.pp_size)], pools, "remote"))  # fmt: skip
             host = HostTier(
                 self.host_pool(),
@@ -731,16 +717,12 @@ class _KVTierSecondary(SecondaryTierManager):
 
 
 def _tier_namespace(spec: Any, extra: str) -> str:
+    """The namespace of a secondary tier: model, dtype, block layout, world size."""
     cfg = spec.config
-    parts = [
-        cfg.model.name,
-        cfg.model.dtype,
-        str(cfg.worker_kv_bytes_per_block),
-        str(spec.blocks_per_chunk),
-        str(cfg.parallel.world_size),
-        extra,
-    ]
-    return hashlib.blake2b("\0".join(parts).encode(), digest_size=16).hexdigest()
+    return namespace_name((
+        cfg.model.name, cfg.model.dtype, cfg.worker_kv_bytes_per_block,
+        spec.blocks_per_chunk, cfg.parallel.world_size, extra,
+    ))  # fmt: skip
 
 
 class KVTierDiskTier(_KVTierSecondary):
@@ -765,25 +747,21 @@ class KVTierDiskTier(_KVTierSecondary):
         backpressure_detector: Any = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        from kvtier.tiers.disk import DiskTier
+        from kvtier.tiers.factory import TierConfig, build_tier
 
-        os.makedirs(path, mode=0o700, exist_ok=True)
         self.locality = Locality.LOCAL
-        self._attach(
-            DiskTier(
-                path,
-                _size("capacity_bytes", capacity_bytes),
-                self.block_size_bytes,
-                namespace=_tier_namespace(offloading_spec, namespace),
-                name=tier_type,
-                policy=policy,
-                admit_after=admit_after,
-                backend=backend,
-                write_budget_bps=write_budget_bps,
-                queue_depth=queue_depth,
-                timeout_s=timeout_s,
-            )
+        cfg = TierConfig(
+            disk_path=path,
+            disk_bytes=to_bytes("capacity_bytes", capacity_bytes),
+            disk_policy=policy,
+            disk_admit_after=admit_after,
+            disk_write_budget_bps=write_budget_bps,
+            disk_backend=backend,
+            disk_queue_depth=queue_depth,
+            disk_timeout_s=timeout_s,
         )
+        ns = _tier_namespace(offloading_spec, namespace)
+        self._attach(build_tier("disk", cfg, self.block_size_bytes, ns, name=tier_type))
 
 
 class KVTierRedisTier(_KVTierSecondary):
@@ -805,18 +783,15 @@ class KVTierRedisTier(_KVTierSecondary):
         backpressure_detector: Any = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        from kvtier.tiers.remote import RemoteTier
+        from kvtier.tiers.factory import TierConfig, build_tier
 
         self.locality = Locality.REMOTE
-        self._attach(
-            RemoteTier(
-                url,
-                self.block_size_bytes,
-                namespace=_tier_namespace(offloading_spec, namespace),
-                name=tier_type,
-                ttl_s=ttl_s,
-                timeout_s=timeout_s,
-                admit_after=admit_after,
-                degraded_ok=degraded_ok,
-            )
+        cfg = TierConfig(
+            remote_url=url,
+            remote_ttl_s=ttl_s,
+            remote_timeout_s=timeout_s,
+            remote_admit_after=admit_after,
+            remote_degraded_ok=degraded_ok,
         )
+        ns = _tier_namespace(offloading_spec, namespace)
+        self._attach(build_tier("remote", cfg, self.block_size_bytes, ns, name=tier_type))

@@ -1,8 +1,11 @@
 """``kvtier bench vllm``: kvtier against vLLM 0.33's own implementation, same
 machine, same run: (a) manager cycles per second vs CPUOffloadingManager,
 (b) disk tier vs vLLM's ``fs`` secondary tier (same chunk size, same
-directory), (c) the Mooncake trace (or the synthetic workload) replayed
+directory), (c) a Mooncake-format trace (or the synthetic workload) replayed
 through both managers at the same capacity (hit rates).
+
+It lives under ``integrations/`` because every part of it drives vLLM's
+classes. Who calls: ``kvtier bench vllm`` (the CLI). Everything blocks.
 """
 
 from __future__ import annotations
@@ -16,13 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-TRACE = (
-    Path(__file__).resolve().parents[3].parent
-    / "shared"
-    / "traces"
-    / "mooncake_conversation_trace.jsonl"
-)
 
 
 def _config(extra: dict[str, Any], page: int) -> Any:
@@ -205,7 +201,11 @@ def _replay(m: Any, trace: list[list[int]]) -> float:
     return hits / refs
 
 
-def bench_replay(capacity: int = 10_000, max_requests: int | None = None) -> dict[str, Any]:
+def bench_replay(
+    capacity: int = 10_000, max_requests: int | None = None, trace_path: str | None = None
+) -> dict[str, Any]:
+    """Hit rates of both managers over ``trace_path`` (Mooncake JSONL), or
+    over the synthetic workload when None."""
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
     from kvtier.integrations.vllm import KVTierManager
@@ -213,11 +213,10 @@ def bench_replay(capacity: int = 10_000, max_requests: int | None = None) -> dic
     from kvtier.replay import read_trace, synthetic_trace
     from kvtier.tiers.host import HostTier
 
-    trace = (
-        read_trace(TRACE, max_requests) if TRACE.exists() else synthetic_trace(max_requests or 4000)
-    )
+    n = max_requests or 4000
+    trace = read_trace(trace_path, max_requests) if trace_path else synthetic_trace(n)
     out: dict[str, Any] = {
-        "trace": TRACE.name if TRACE.exists() else "synthetic",
+        "trace": Path(trace_path).name if trace_path is not None else "synthetic",
         "requests": len(trace),
         "capacity_blocks": capacity,
     }
@@ -249,7 +248,9 @@ def run_vllm(
     chunk_sizes: tuple[int, ...] = (262144, 2 << 20),
     repeats: int = 3,
     capacity: int = 10_000,
+    trace_path: str | None = None,
 ) -> dict[str, Any]:
+    """All three comparisons as one result object (``component: vllm``)."""
     import vllm
 
     return {
@@ -257,5 +258,5 @@ def run_vllm(
         "vllm_version": vllm.__version__,
         "manager": bench_managers(repeats=repeats),
         "disk": [bench_disk(directory, c, repeats=repeats) for c in chunk_sizes],
-        "replay": bench_replay(capacity),
+        "replay": bench_replay(capacity, trace_path=trace_path),
     }

@@ -27,7 +27,7 @@ def make_policy(spec: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as e:
             raise InvalidArgument(f"cannot load policy {spec!r}: {e}") from None
-    policy = cls(capacity)
+    policy: EvictionPolicy = cls(capacity)
     for method in ("insert", "touch", "remove", "victims"):
         if not callable(getattr(policy, method, None)):
             raise InvalidArgument(f"policy {spec!r} lacks method {method}()")

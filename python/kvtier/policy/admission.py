@@ -10,6 +10,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvtier.errors import InvalidArgument
+from kvtier.policy.rate import TokenBucket
 
 
 class AdmissionFilter:
@@ -41,3 +42,28 @@ class AdmissionFilter:
 
     def __len__(self) -> int:
         return len(self._seen)
+
+
+class WriteGate:
+    """What a lower tier asks before it takes a block of the cascade: the
+    admission filter (seen often enough?) and then the write budget (bytes
+    per second), each refusal counted in the tier's counters
+    (``not_admitted``, ``budget_skips``).
+
+    Who calls: the disk and remote tiers' ``admit``, under the manager's
+    lock. Never blocks.
+    """
+
+    def __init__(self, admit_after: int = 1, write_budget_bps: float | None = None) -> None:
+        self.admission = AdmissionFilter(admit_after)
+        self.budget = TokenBucket(write_budget_bps)
+
+    def admit(self, key: Any, nbytes: int, counters: dict[str, int]) -> bool:
+        """True when ``key`` (``nbytes`` to write) may be stored now."""
+        if not self.admission.offer(key):
+            counters["not_admitted"] += 1
+            return False
+        if not self.budget.take(nbytes):
+            counters["budget_skips"] += 1
+            return False
+        return True

@@ -1,9 +1,40 @@
 """Tiers: the host tier (owns the shared pool's slots) and lower tiers (disk,
-remote, in-memory) that move bytes between their medium and host slots."""
+remote, in-memory) that move bytes between their medium and host slots.
 
-from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent
-from kvtier.tiers.host import HostEntry, HostTier
-from kvtier.tiers.memory import MemoryTier
+What each module owns: ``base`` the manager/tier interface, ``host`` the host
+tier, ``memory``/``disk``/``remote`` one medium each, ``staged`` one tier over
+pipeline stages, ``jobs`` the native-engine job machinery every data-moving
+tier shares, ``records`` the record format and namespace/key digests,
+``factory`` tiers built from one configuration shape.
+
+The names below are imported on first use: ``kvtier.tiers.records`` (which
+the vLLM shim imports in every engine process) must not load the native core.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvtier._lazy import lazy_getattr
+
+if TYPE_CHECKING:
+    from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent
+    from kvtier.tiers.host import HostEntry, HostTier
+    from kvtier.tiers.memory import MemoryTier
+
+_LAZY = {
+    "HostEntry": "kvtier.tiers.host",
+    "HostTier": "kvtier.tiers.host",
+    "LookupResult": "kvtier.tiers.base",
+    "LowerTier": "kvtier.tiers.base",
+    "MemoryTier": "kvtier.tiers.memory",
+    "TierCompletion": "kvtier.tiers.base",
+    "TierEvent": "kvtier.tiers.base",
+}
+
+
+__getattr__ = lazy_getattr("kvtier.tiers", _LAZY)
+
 
 __all__ = [
     "HostEntry",

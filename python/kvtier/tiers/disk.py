@@ -16,8 +16,7 @@ blocks but never serve wrong bytes.
 
 from __future__ import annotations
 
-import hashlib
-import itertools
+import errno
 import os
 import stat
 import struct
@@ -30,11 +29,24 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.errors import Busy, InvalidArgument, IoError
-from kvtier.policy import AdmissionFilter, make_policy
+from kvtier.codes import ItemStatus
+from kvtier.errors import ClosedError, InvalidArgument, IoError
+from kvtier.policy import make_policy
+from kvtier.policy.admission import WriteGate
 from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent
+from kvtier.tiers.jobs import Batch, TierJobs, count_moved, new_counters
+from kvtier.tiers.records import TRAILER_BYTES, key_digest, namespace_digest, record_bytes
 
-TRAILER_BYTES = 4096
+__all__ = [
+    "TRAILER_BYTES",
+    "DiskTier",
+    "check_directory",
+    "directory_mode_ok",
+    "key_digest",
+    "namespace_digest",
+    "record_bytes",
+]
+
 _JOURNAL = struct.Struct("<4sBxxxQ16sQQI")  # magic, op, record, digest, length, seq, crc
 _J_BODY = struct.Struct(_JOURNAL.format[:-1])  # all but the crc, which covers it
 _J_CRC = struct.Struct("<I")
@@ -44,57 +56,21 @@ _EXTENT_MAX = 8 << 30
 _READY, _WRITING = 1, 2
 
 
-def record_bytes(block_bytes: int) -> int:
-    """Bytes a block takes on disk and in a host slot the disk tier reads into."""
-    return -(-block_bytes // 4096) * 4096 + TRAILER_BYTES
-
-
-def namespace_digest(namespace: str | bytes, block_bytes: int) -> bytes:
-    ns = namespace.encode() if isinstance(namespace, str) else bytes(namespace)
-    return hashlib.blake2b(
-        b"kvtier-ns-v1\0" + ns + struct.pack("<Q", block_bytes), digest_size=16
-    ).digest()
-
-
-def key_digest(key: bytes) -> bytes:
-    return hashlib.blake2b(key, digest_size=16).digest()
-
-
-class _TokenBucket:
-    """Write budget in bytes per second (burst: one second's worth)."""
-
-    def __init__(self, rate: float | None) -> None:
-        self.rate = rate
-        self.tokens = rate or 0.0
-        self.t = time.monotonic()
-
-    def take(self, n: int) -> bool:
-        if self.rate is None:
-            return True
-        now = time.monotonic()
-        self.tokens = min(self.rate, self.tokens + (now - self.t) * self.rate)
-        self.t = now
-        if self.tokens < n:
-            return False
-        self.tokens -= n
-        return True
-
-
 def check_directory(path: Path) -> None:
     """Clear errors for a missing, foreign or read-only directory."""
     if not path.exists():
-        raise IoError(2, f"disk tier directory {path} does not exist")
+        raise IoError(errno.ENOENT, f"disk tier directory {path} does not exist")
     if not path.is_dir():
-        raise IoError(20, f"disk tier path {path} is not a directory")
+        raise IoError(errno.ENOTDIR, f"disk tier path {path} is not a directory")
     st = path.stat()
     if st.st_uid != os.geteuid():
         raise IoError(
-            1,
+            errno.EPERM,
             f"disk tier directory {path} is owned by uid {st.st_uid}, not by us "
             f"(uid {os.geteuid()}): refusing to share it",
         )
     if not os.access(path, os.W_OK | os.X_OK):
-        raise IoError(13, f"disk tier directory {path} is not writable")
+        raise IoError(errno.EACCES, f"disk tier directory {path} is not writable")
 
 
 class DiskTier(LowerTier):
@@ -146,7 +122,7 @@ class DiskTier(LowerTier):
         self.dir.mkdir(mode=0o700, exist_ok=True)
         os.chmod(self.dir, 0o700)
         if self.dir.stat().st_uid != os.geteuid():
-            raise IoError(1, f"{self.dir} is owned by another user: refusing it")
+            raise IoError(errno.EPERM, f"{self.dir} is owned by another user: refusing it")
         self.per_file = max(1, _EXTENT_MAX // self.record_bytes)
         nfiles = -(-self.num_records // self.per_file)
         self.paths = [str(self.dir / f"slab-{i:03d}.dat") for i in range(nfiles)]
@@ -163,8 +139,7 @@ class DiskTier(LowerTier):
         )
         self.job_records = max(1, job_bytes // self.record_bytes)
         self.policy = make_policy(policy, self.num_records)
-        self.admission = AdmissionFilter(admit_after)
-        self.budget = _TokenBucket(write_budget_bps)
+        self.gate = WriteGate(admit_after, write_budget_bps)
         # index: digest -> record; per record: digest and state
         self.index: dict[bytes, int] = {}
         self.keys: dict[bytes, bytes] = {}  # digest -> key, for keys stored by this process
@@ -172,15 +147,8 @@ class DiskTier(LowerTier):
         self.rec_state = np.zeros(self.num_records, np.uint8)
         self.rec_loading = np.zeros(self.num_records, np.int32)
         self.free: list[int] = []
-        self._tokens = itertools.count(1)
-        self._jobs: dict[int, tuple[int, int, int]] = {}  # engine job -> (token, first, count)
-        self._batches: dict[int, dict[str, Any]] = {}
-        self._finished: list[int] = []  # tokens whose completion poll() returns next
         self._events: list[TierEvent] = []
-        # Timed-out jobs still running on the device: engine job -> (records,
-        # host slots) it may still write or read, freed when it really ends.
-        self._held: dict[int, tuple[list[int], list[int]]] = {}
-        self._released: list[int] = []
+        self._released: list[int] = []  # host slots of timed-out jobs that ended
         self._seq = 0
         self._journal_buf = bytearray()
         self._journal_entries = 0
@@ -189,25 +157,11 @@ class DiskTier(LowerTier):
         self.engine: Any = None
         self.store: Any = None
         self.pool = None
-        self.counters = {
-            k: 0
-            for k in (
-                "stores",
-                "loads",
-                "load_failures",
-                "corrupt",
-                "io_errors",
-                "evictions",
-                "budget_skips",
-                "not_admitted",
-                "busy_drops",
-                "nospace",
-                "bytes_written",
-                "bytes_read",
-                "recovered",
-                "timeouts",
-            )
-        }
+        self.counters = new_counters(
+            "load_failures", "corrupt", "io_errors", "evictions", "budget_skips",
+            "not_admitted", "nospace", "recovered",
+        )  # fmt: skip
+        self.jobs = TierJobs(None, self.counters)  # an engine once attach() has a pool
         self._recover()
         self._journal_fd = os.open(
             self.dir / "index.journal", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600
@@ -217,13 +171,11 @@ class DiskTier(LowerTier):
     @classmethod
     def from_spec(cls, spec: str, block_bytes: int, **kw: Any) -> DiskTier:
         """``DIR:SIZE`` as given on the command line (``/mnt/nvme/kv:100GiB``)."""
-        from kvtier.bench.harness import parse_size
+        from kvtier.tiers.factory import parse_disk_spec
 
-        path, sep, size = spec.rpartition(":")
-        if not sep or not path:
-            raise InvalidArgument(f"--disk wants DIR:SIZE, got {spec!r}")
+        path, size = parse_disk_spec(spec)
         Path(path).mkdir(mode=0o700, parents=True, exist_ok=True)
-        return cls(path, parse_size(size), block_bytes, **kw)
+        return cls(path, size, block_bytes, **kw)
 
     @staticmethod
     def slot_bytes_for(block_bytes: int) -> int:
@@ -270,6 +222,7 @@ class DiskTier(LowerTier):
         # records and host slots it touches stay out of use until it ends).
         self.engine = Engine(o["num_threads"], [(o["inflight_bytes"], False, o["timeout_s"])])
         self.engine.register_pool(pool)
+        self.jobs.engine = self.engine
 
     @property
     def backend(self) -> str:
@@ -358,13 +311,7 @@ class DiskTier(LowerTier):
         if time.monotonic() < self._nospace_until:
             self.counters["nospace"] += 1
             return False
-        if not self.admission.offer(key):
-            self.counters["not_admitted"] += 1
-            return False
-        if not self.budget.take(self.record_bytes):
-            self.counters["budget_skips"] += 1
-            return False
-        return True
+        return self.gate.admit(key, self.record_bytes, self.counters)
 
     def _allocate(self, evicted: list[bytes]) -> int | None:
         """A free record, else the policy's first victim that is neither
@@ -394,42 +341,32 @@ class DiskTier(LowerTier):
     def _locate(self, rec: int) -> tuple[int, int]:
         return rec // self.per_file, (rec % self.per_file) * self.record_bytes
 
-    def _submit(
-        self, write: bool, token: int, recs: list[int], slots: list[int], digs: list[bytes]
-    ) -> bool:
+    def _submit(self, write: bool, batch: Batch) -> bool:
         """Engine jobs for one batch, split so both worker threads get work."""
         assert self.pool is not None
-        n = len(recs)
+        d = batch.data
+        n = batch.n
         arr = np.empty((n, 4), np.int64)
-        r = np.asarray(recs, np.int64)
-        arr[:, 0] = self.pool.address + np.asarray(slots, np.int64) * self.pool.slot_bytes
+        r = np.asarray(d["io_recs"], np.int64)
+        arr[:, 0] = self.pool.address + np.asarray(d["io_slots"], np.int64) * self.pool.slot_bytes
         arr[:, 1] = r // self.per_file
         arr[:, 2] = (r % self.per_file) * self.record_bytes
         arr[:, 3] = self.block_bytes
-        keys = np.frombuffer(b"".join(digs), np.uint8).reshape(n, 16)
-        per = max(1, min(self.job_records, -(-n // self.opts["num_threads"])))
-        submitted: list[int] = []
-        try:
-            for i in range(0, n, per):
-                jid = self.engine._engine.submit_disk(
-                    self.store, write, arr[i : i + per], keys[i : i + per], 0
-                )
-                submitted.append(jid)
-                self._jobs[jid] = (token, i, min(per, n - i))
-        except Busy:
-            if not submitted:
-                return False
-            # Part of the batch is queued: the rest fails as busy, per item.
-            self._batches[token]["busy_from"] = submitted and (len(submitted) * per)
-        self._batches[token]["jobs"] = len(submitted)
-        return True
+        digs = d["digs"]
+        keys = np.frombuffer(b"".join(digs[i] for i in d["io_idx"]), np.uint8).reshape(n, 16)
+        per = min(self.job_records, -(-n // self.opts["num_threads"]))
+        disk = self.engine._engine
+
+        def submit_one(first: int, count: int) -> int:
+            end = first + count
+            return int(disk.submit_disk(self.store, write, arr[first:end], keys[first:end], 0))
+
+        return self.jobs.submit(batch, per, submit_one)
 
     def _check(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         if len(keys) != len(slots):
             raise InvalidArgument(f"{len(keys)} keys but {len(slots)} slots")
         if self._closed:
-            from kvtier.errors import ClosedError
-
             raise ClosedError(f"{self.name} tier is closed")
         if self.pool is not None and not self.no_data:
             n = self.pool.num_slots
@@ -437,54 +374,40 @@ class DiskTier(LowerTier):
             if bad:
                 raise InvalidArgument(f"host slot {bad[0]} out of range [0, {n})")
 
-    def _new_batch(
-        self, kind: str, keys: Sequence[bytes], slots: Sequence[int]
-    ) -> tuple[int, dict[str, Any]]:
-        """A token and the per-key bookkeeping of one store or load batch."""
-        self._check(keys, slots)
-        n = len(keys)
-        return next(self._tokens), {
-            "kind": kind,
-            "keys": list(keys),
-            "digs": [key_digest(k) for k in keys],
-            "ok": [False] * n,
-            "recs": [None] * n,
-            "slots": list(slots),
-            "held": [False] * n,
-        }
-
     def _launch(
         self,
-        write: bool,
-        token: int,
-        batch: dict[str, Any],
+        kind: str,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        digs: list[bytes],
+        recs: list[int | None],
         io_idx: list[int],
-        recs: list[int],
-        io_slots: list[int],
-    ) -> bool:
-        """Registers the batch and queues its I/O (finished at once when there
-        is none). False when the engine was busy: nothing queued, the batch
-        is forgotten and the caller undoes its bookkeeping."""
-        batch["io_idx"] = io_idx
-        self._batches[token] = batch
-        if self.no_data or not io_idx:
-            batch["jobs"] = 0
-            self._finish(token, [0] * len(io_idx))
-            return True
-        if not self._submit(write, token, recs, io_slots, [batch["digs"][i] for i in io_idx]):
-            del self._batches[token]
-            return False
-        batch["items"] = [0] * len(io_idx)
-        return True
+        ok: list[bool],
+    ) -> Batch | None:
+        """One batch over ``keys``: items ``io_idx`` move data (record
+        ``recs[i]`` <-> host slot ``slots[i]``); it ends at once when there
+        is no I/O. None when the engine was busy: nothing queued, the caller
+        undoes its bookkeeping."""
+        batch = self.jobs.batch(
+            kind, 0 if self.no_data else len(io_idx),
+            keys=list(keys), digs=digs, recs=recs, slots=list(slots), ok=ok, io_idx=io_idx,
+            io_recs=[recs[i] for i in io_idx], io_slots=[slots[i] for i in io_idx],
+        )  # fmt: skip
+        if batch.n == 0:
+            self.jobs.end_now(batch)
+            return batch
+        return batch if self._submit(kind == "store", batch) else None
 
     def submit_store(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
-        token, batch = self._new_batch("store", keys, slots)
-        digs = batch["digs"]
-        io_idx, recs, io_slots = [], [], []
+        self._check(keys, slots)
+        digs = [key_digest(k) for k in keys]
+        ok = [False] * len(keys)
+        recs: list[int | None] = [None] * len(keys)
+        io_idx: list[int] = []
         evicted: list[bytes] = []
-        for i, (d, s) in enumerate(zip(digs, slots)):
+        for i, d in enumerate(digs):
             if d in self.index:
-                batch["ok"][i] = True  # already stored (or being stored)
+                ok[i] = True  # already stored (or being stored)
                 continue
             rec = self._allocate(evicted)
             if rec is None:
@@ -493,98 +416,80 @@ class DiskTier(LowerTier):
             self.keys[d] = keys[i]
             self.rec_digest[rec] = d
             self.rec_state[rec] = _WRITING
-            batch["recs"][i] = rec
+            recs[i] = rec
             io_idx.append(i)
-            recs.append(rec)
-            io_slots.append(s)
         if evicted:
             self._events.append(TierEvent(evicted, self.name, removed=True))
-        if not self._launch(True, token, batch, io_idx, recs, io_slots):
+        batch = self._launch("store", keys, slots, digs, recs, io_idx, ok)
+        if batch is None:
             for i in io_idx:  # backpressure: undo, nothing was queued
-                rec = batch["recs"][i]
+                rec = recs[i]
+                assert rec is not None
                 self._forget(digs[i], rec)
                 self.free.append(rec)
             self.counters["busy_drops"] += len(keys)
             return None
-        return token
+        return batch.token
 
     def submit_load(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
-        token, batch = self._new_batch("load", keys, slots)
-        digs = batch["digs"]
-        io_idx, recs, io_slots = [], [], []
-        for i, (d, s) in enumerate(zip(digs, slots)):
+        self._check(keys, slots)
+        digs = [key_digest(k) for k in keys]
+        recs: list[int | None] = [None] * len(keys)
+        io_idx: list[int] = []
+        for i, d in enumerate(digs):
             rec = self.index.get(d)
             if rec is None or self.rec_state[rec] != _READY:
                 continue
-            batch["recs"][i] = rec
+            recs[i] = rec
             self.rec_loading[rec] += 1
             io_idx.append(i)
-            recs.append(rec)
-            io_slots.append(s)
-        if not self._launch(False, token, batch, io_idx, recs, io_slots):
+        batch = self._launch("load", keys, slots, digs, recs, io_idx, [False] * len(keys))
+        if batch is None:
             for i in io_idx:
-                self.rec_loading[batch["recs"][i]] -= 1
+                self.rec_loading[recs[i]] -= 1
             return None
-        return token
+        return batch.token
 
     def poll(self) -> list[TierCompletion]:
-        if self.engine is not None:
-            for r in self.engine.poll():
-                if r.released:  # a timed-out job really ended: its memory is free
-                    recs, slots = self._held.pop(r.job_id, ([], []))
-                    self.free.extend(recs)
-                    self._released.extend(slots)
-                    continue
-                token, first, n = self._jobs.pop(r.job_id)
-                b = self._batches[token]
-                items = list(r.items)
-                if not items and not r.ok:  # cancelled or timed out: every record failed
-                    items = [110 if r.timed_out else 125] * n  # ETIMEDOUT / ECANCELED
-                    self.counters["timeouts"] += n if r.timed_out else 0
-                    if r.held:
-                        idx = b["io_idx"][first : first + n]
-                        for i in idx:
-                            b["held"][i] = True
-                        # A late write may still land in these records.
-                        recs = [b["recs"][i] for i in idx] if b["kind"] == "store" else []
-                        self._held[r.job_id] = (recs, [b["slots"][i] for i in idx])
-                b["items"][first : first + len(items)] = items
-                b["jobs"] -= 1
-                if b["jobs"] == 0:
-                    busy_from = b.get("busy_from")
-                    if busy_from:
-                        for k in range(busy_from, len(b["io_idx"])):
-                            b["items"][k] = 16  # EBUSY: never submitted
-                    self._finish(token, b["items"])
-        out = [self._batches.pop(t)["completion"] for t in self._finished]
-        self._finished.clear()
+        ended, released = self.jobs.poll()
+        for rel in released:  # a timed-out job really ended: its memory is free
+            d = rel.batch.data
+            idx = d["io_idx"][rel.first : rel.first + rel.count]
+            if rel.batch.kind == "store":  # a late write may have landed in these records
+                self.free.extend(d["recs"][i] for i in idx)
+            self._released.extend(d["slots"][i] for i in idx)
+        out = [self._finish(b) for b in ended]
         self._flush_journal()
         return out
 
-    def _finish(self, token: int, items: list[int]) -> None:
-        b = self._batches[token]
+    def _finish(self, b: Batch) -> TierCompletion:
+        d = b.data
+        keys, digs, recs, ok = d["keys"], d["digs"], d["recs"], d["ok"]
+        held = [False] * len(keys)
         stored: list[bytes] = []
         loaded = 0
-        for k, i in enumerate(b["io_idx"]):
-            rec, dig, code = b["recs"][i], b["digs"][i], items[k]
-            if b["kind"] == "store":
+        for k, i in enumerate(d["io_idx"]):
+            rec, dig = recs[i], digs[i]
+            code = b.items[k] if b.n else 0  # no-data mode: the index only
+            held[i] = b.held[k] if b.n else False
+            if b.kind == "store":
                 if code == 0:
                     self.rec_state[rec] = _READY
                     self.policy.insert(dig)
                     self._journal(_PUT, rec, dig)
-                    b["ok"][i] = True
-                    stored.append(b["keys"][i])
+                    ok[i] = True
+                    stored.append(keys[i])
                 else:
-                    if code == 28:  # ENOSPC: stop admitting for a while
+                    if code == ItemStatus.NO_SPACE:  # stop admitting for a while
                         self._nospace_until = time.monotonic() + 1.0
                     self.counters["io_errors"] += 1
                     self._forget(dig, rec)
-                    if not b["held"][i]:  # else freed when the job ends
+                    if not held[i]:  # else freed when the job ends
                         self.free.append(rec)
             else:
                 self.rec_loading[rec] -= 1
                 if code == 0:
-                    b["ok"][i] = True
+                    ok[i] = True
                     self.policy.touch(dig)
                     loaded += 1
                 else:
@@ -595,22 +500,13 @@ class DiskTier(LowerTier):
                         self._forget(dig, rec)
                         self._journal(_DEL, rec, dig)
                         self.free.append(rec)
-                        self._events.append(TierEvent([b["keys"][i]], self.name, removed=True))
-        c = self.counters
-        c["stores"] += len(stored)
-        c["bytes_written"] += len(stored) * self.record_bytes
-        c["loads"] += loaded
-        c["bytes_read"] += loaded * self.record_bytes
+                        self._events.append(TierEvent([keys[i]], self.name, removed=True))
+        count_moved(self.counters, "store", len(stored), self.record_bytes)
+        count_moved(self.counters, "load", loaded, self.record_bytes)
         if stored:
             self._events.append(TierEvent(stored, self.name, removed=False))
-        self._finished.append(token)
-        b["completion"] = TierCompletion(
-            token,
-            all(b["ok"]),
-            b["kind"],
-            b["keys"],
-            key_ok=list(b["ok"]),
-            held=list(b["held"]) if any(b["held"]) else None,
+        return TierCompletion(
+            b.token, all(ok), b.kind, keys, key_ok=list(ok), held=held if any(held) else None
         )
 
     def take_events(self) -> list[TierEvent]:
@@ -618,7 +514,7 @@ class DiskTier(LowerTier):
         return ev
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs) or bool(self._finished) or bool(self._held)
+        return self.jobs.busy()
 
     def take_released_slots(self) -> list[int]:
         out, self._released = self._released, []
@@ -636,9 +532,8 @@ class DiskTier(LowerTier):
         if self._closed:
             return
         self._closed = True
-        if self.engine is not None:
-            self.engine.close()
-            self.poll()
+        self.jobs.close()
+        self.poll()
         self._flush_journal()
         os.close(self._journal_fd)
         # The native store holds the extent files open: let go of them now,
@@ -651,7 +546,7 @@ class DiskTier(LowerTier):
             "direct": getattr(self, "_direct", None),
             "blocks": len(self.index),
             "capacity_blocks": self.num_records,
-            "held_jobs": len(self._held),
+            "held_jobs": self.jobs.held_jobs,
             **self.counters,
         }
 

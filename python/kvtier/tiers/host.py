@@ -114,6 +114,32 @@ class HostTier:
         self.entries[key] = e
         return e
 
+    # -- references (pins by loads, copies to lower tiers) ----------------------
+    def pin(self, key: bytes) -> str:
+        """Pin a ready ``key`` for a load (it is not evicted until
+        :meth:`unpin`) and count it as used; returns the tier its bytes came
+        from (``"host"``, or the lower tier that promoted them)."""
+        e = self.entries[key]
+        e.ref += 1
+        self.policy.touch(key)
+        return e.source
+
+    def unpin(self, key: bytes) -> None:
+        """End one load's pin of ``key`` (no-op when not pinned). Its bytes
+        count as the host tier's from now on."""
+        e = self.entries.get(key)
+        if e is not None and e.ref > 0:
+            e.ref -= 1
+            e.source = "host"
+
+    def begin_cascade(self, key: bytes) -> None:
+        """A lower tier will copy ``key``'s slot: hold it until :meth:`end_cascade`."""
+        self.entries[key].cascading += 1
+
+    def end_cascade(self, key: bytes) -> None:
+        """One copy of ``key``'s slot to a lower tier ended (or was dropped)."""
+        self.entries[key].cascading -= 1
+
     def mark_ready(self, key: bytes) -> None:
         e = self.entries[key]
         e.ref = 0

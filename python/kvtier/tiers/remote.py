@@ -15,7 +15,6 @@ key vanished (the server's maxmemory eviction, a TTL), is a counted miss.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -24,12 +23,14 @@ from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
-from kvtier.errors import Busy, ClosedError, InvalidArgument
-from kvtier.policy import AdmissionFilter
+from kvtier.codes import ItemStatus
+from kvtier.errors import ClosedError, InvalidArgument
+from kvtier.policy.admission import WriteGate
 from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent
-from kvtier.tiers.disk import _TokenBucket, key_digest, namespace_digest
+from kvtier.tiers.jobs import Batch, TierJobs, count_moved, new_counters
+from kvtier.tiers.records import key_digest, namespace_digest
 
-MISSING, BAD_LENGTH = -5, -6
+_EXISTS_PER_JOB = 1024  # an EXISTS pipeline moves no payload: large jobs are cheap
 
 
 def parse_url(url: str) -> dict[str, Any]:
@@ -126,39 +127,21 @@ class RemoteTier(LowerTier):
         )
         self.engine = Engine(num_threads, [(inflight_bytes, False)])
         self.job_items = job_items
-        self.admission = AdmissionFilter(admit_after)
-        self.budget = _TokenBucket(write_budget_bps)
+        self.gate = WriteGate(admit_after, write_budget_bps)
         self.negative_ttl_s = negative_ttl_s
         self.known_capacity = known_capacity
         # digest -> (exists, when); bounded LRU
         self.known: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
         self._exists_queue: dict[bytes, bytes] = {}  # digest -> server key
         self._exists_inflight: set[bytes] = set()
-        self._tokens = itertools.count(1)
-        self._jobs: dict[int, tuple[int, int]] = {}  # engine job -> (token, first index)
-        self._batches: dict[int, dict[str, Any]] = {}
-        self._finished: list[int] = []  # tokens whose completion poll() returns next
         self._events: list[TierEvent] = []
         self._closed = False
         self.pool = None
-        self.counters = {
-            k: 0
-            for k in (
-                "stores",
-                "loads",
-                "load_failures",
-                "vanished",
-                "corrupt",
-                "io_errors",
-                "server_errors",
-                "exists_checks",
-                "budget_skips",
-                "not_admitted",
-                "busy_drops",
-                "bytes_written",
-                "bytes_read",
-            )
-        }
+        self.counters = new_counters(
+            "load_failures", "vanished", "corrupt", "io_errors", "server_errors",
+            "exists_checks", "budget_skips", "not_admitted",
+        )  # fmt: skip
+        self.jobs = TierJobs(self.engine, self.counters)
 
     # -- helpers -------------------------------------------------------------
     def server_key(self, key: bytes) -> bytes:
@@ -200,43 +183,26 @@ class RemoteTier(LowerTier):
         return LookupResult.RETRY
 
     def admit(self, key: bytes) -> bool:
-        if not self.admission.offer(key):
-            self.counters["not_admitted"] += 1
-            return False
-        if not self.budget.take(self.block_bytes):
-            self.counters["budget_skips"] += 1
-            return False
-        return True
+        return self.gate.admit(key, self.block_bytes, self.counters)
 
-    def _submit(self, kind: str, keys: list[bytes], slots: Sequence[int], token: int) -> bool:
-        n = len(keys)
-        digs = self._batches[token]["digs"] = [key_digest(k) for k in keys]
-        skeys = [self._prefix + d.hex().encode() for d in digs]
-        if self.pool is not None and kind != "exists":
-            addr = self.pool.address + np.asarray(slots, np.int64) * self.pool.slot_bytes
-        else:
-            addr = np.zeros(n, np.int64)
+    def _submit(
+        self, batch: Batch, skeys: list[bytes], digs: list[bytes], addr: np.ndarray, per_job: int
+    ) -> bool:
+        """Jobs of at most ``per_job`` keys for ``batch`` (see TierJobs.submit)."""
+        n = len(digs)
         dig_arr = np.frombuffer(b"".join(digs), np.uint8).reshape(n, 16)
-        submitted = 0
-        try:
-            for i in range(0, n, self.job_items):
-                jid = self.engine._engine.submit_remote(
-                    self.store,
-                    kind,
-                    skeys[i : i + self.job_items],
-                    addr[i : i + self.job_items],
-                    self.block_bytes,
-                    dig_arr[i : i + self.job_items],
-                    0,
+        remote = self.engine._engine
+
+        def submit_one(first: int, count: int) -> int:
+            end = first + count
+            return int(
+                remote.submit_remote(
+                    self.store, batch.kind, skeys[first:end], addr[first:end],
+                    self.block_bytes, dig_arr[first:end], 0,
                 )
-                self._jobs[jid] = (token, i)
-                submitted += 1
-        except Busy:
-            if submitted == 0:
-                return False
-            self._batches[token]["busy_from"] = submitted * self.job_items
-        self._batches[token]["jobs"] = submitted
-        return True
+            )  # fmt: skip
+
+        return self.jobs.submit(batch, per_job, submit_one)
 
     def _check(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         if self._closed:
@@ -252,18 +218,20 @@ class RemoteTier(LowerTier):
 
     def _start(self, kind: str, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
         self._check(keys, slots)
-        token = next(self._tokens)
-        self._batches[token] = {"kind": kind, "keys": list(keys), "items": [0] * len(keys)}
+        digs = [key_digest(k) for k in keys]
+        batch = self.jobs.batch(
+            kind, 0 if self.pool is None else len(keys), keys=list(keys), digs=digs
+        )
         if self.pool is None:  # no-data mode: the index only
-            self._batches[token]["jobs"] = 0
-            self._finish(token)
-            return token
-        if not self._submit(kind, list(keys), slots, token):
-            del self._batches[token]
+            self.jobs.end_now(batch)
+            return batch.token
+        skeys = [self._prefix + d.hex().encode() for d in digs]
+        addr = self.pool.address + np.asarray(slots, np.int64) * self.pool.slot_bytes
+        if not self._submit(batch, skeys, digs, addr, self.job_items):
             if kind == "store":
                 self.counters["busy_drops"] += len(keys)
             return None
-        return token
+        return batch.token
 
     def submit_store(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
         return self._start("store", keys, slots)
@@ -271,108 +239,69 @@ class RemoteTier(LowerTier):
     def submit_load(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
         return self._start("load", keys, slots)
 
+    def _check_exists(self) -> None:
+        """One pipelined EXISTS batch for the keys lookups asked about since
+        the last step; under backpressure they wait for the next one."""
+        digs = list(self._exists_queue)
+        skeys = [self._exists_queue[d] for d in digs]
+        self._exists_queue.clear()
+        batch = self.jobs.batch(
+            "exists", len(digs), digs=digs, skeys=skeys, issued=time.monotonic()
+        )
+        if not self._submit(batch, skeys, digs, np.zeros(len(digs), np.int64), _EXISTS_PER_JOB):
+            self._exists_queue.update(zip(digs, skeys))
+            return
+        self._exists_inflight.update(digs)
+        self.counters["exists_checks"] += len(digs)
+
     def poll(self) -> list[TierCompletion]:
         if self._exists_queue and not self._closed:
-            digs = list(self._exists_queue)
-            skeys = [self._exists_queue[d] for d in digs]
-            self._exists_queue.clear()
-            token = next(self._tokens)
-            self._batches[token] = {
-                "kind": "exists",
-                "keys": skeys,
-                "digs": digs,
-                "items": [0] * len(digs),
-                "issued": time.monotonic(),
-            }
-            try:
-                n = len(digs)
-                arr = np.frombuffer(b"".join(digs), np.uint8).reshape(n, 16)
-                for i in range(0, n, 1024):
-                    jid = self.engine._engine.submit_remote(
-                        self.store,
-                        "exists",
-                        skeys[i : i + 1024],
-                        np.zeros(len(skeys[i : i + 1024]), np.int64),
-                        self.block_bytes,
-                        arr[i : i + 1024],
-                        0,
-                    )
-                    self._jobs[jid] = (token, i)
-                self._batches[token]["jobs"] = -(-n // 1024)
-                self._exists_inflight.update(digs)
-                self.counters["exists_checks"] += n
-            except Busy:
-                del self._batches[token]
-                for d, k in zip(digs, skeys):
-                    self._exists_queue[d] = k
-        for r in self.engine.poll():
-            token, first = self._jobs.pop(r.job_id)
-            b = self._batches[token]
-            items = list(r.items)
-            if not items and not r.ok:  # cancelled before it ran
-                items = [125] * min(len(b["items"]) - first, self.job_items)
-            b["items"][first : first + len(items)] = items
-            b["jobs"] -= 1
-            if b["jobs"] == 0:
-                busy_from = b.get("busy_from")
-                if busy_from:
-                    b["items"][busy_from:] = [16] * (len(b["items"]) - busy_from)
-                self._finish(token)
-        out = []
-        for token in self._finished:
-            c = self._batches.pop(token)["completion"]
-            if c is not None:
-                out.append(c)
-        self._finished.clear()
+            self._check_exists()
+        ended, _ = self.jobs.poll()  # no deadlines here: no job is ever held
+        out: list[TierCompletion] = []
+        for b in ended:
+            if b.kind == "exists":
+                self._finish_exists(b)
+            else:
+                out.append(self._finish(b))
         return out
 
-    def _finish(self, token: int) -> None:
-        b = self._batches[token]
-        kind, items = b["kind"], b["items"]
-        if kind == "exists":
-            known, issued = self.known, b["issued"]
-            for d, code in zip(b["digs"], items):
-                self._exists_inflight.discard(d)
-                seen = known.get(d)
-                if seen is not None and seen[1] > issued:
-                    # A store or load that ended after this check was sent
-                    # knows better (the check may have run before its SET).
-                    continue
-                # A failed check (server down) counts as absent for a while.
-                self._remember(d, code == 0)
-            b["completion"] = None
-            self._finished.append(token)
-            return
-        keys = b["keys"]
+    def _finish_exists(self, b: Batch) -> None:
+        known, issued = self.known, b.data["issued"]
+        for d, skey, code in zip(b.data["digs"], b.data["skeys"], b.items):
+            self._exists_inflight.discard(d)
+            if code == ItemStatus.BUSY:  # never sent: ask again at the next step
+                self._exists_queue[d] = skey
+                continue
+            seen = known.get(d)
+            if seen is not None and seen[1] > issued:
+                # A store or load that ended after this check was sent
+                # knows better (the check may have run before its SET).
+                continue
+            # A failed check (server down) counts as absent for a while.
+            self._remember(d, code == 0)
+
+    def _finish(self, b: Batch) -> TierCompletion:
+        kind, keys, digs = b.kind, b.data["keys"], b.data["digs"]
+        items = b.items if b.n else [0] * len(keys)  # no-data mode: every key as asked
         ok = [code == 0 for code in items]
-        digs = b.get("digs") or [key_digest(k) for k in keys]
         if all(ok):  # the common case, kept cheap: it runs for every block moved
             self._remember_all(digs, True)
-            n = len(keys)
-            self.counters["stores" if kind == "store" else "loads"] += n
-            self.counters["bytes_written" if kind == "store" else "bytes_read"] += (
-                n * self.block_bytes
-            )
+            count_moved(self.counters, kind, len(keys), self.block_bytes)
             if kind == "store":
                 self._events.append(TierEvent(list(keys), self.name, removed=False))
-            b["completion"] = TierCompletion(token, True, kind, keys, key_ok=ok)
-            self._finished.append(token)
-            return
+            return TierCompletion(b.token, True, kind, keys, key_ok=ok)
         done: list[bytes] = []
         for key, dig, code in zip(keys, digs, items):
             if code == 0:
                 self._remember(dig, True)
                 done.append(key)
-                self.counters["stores" if kind == "store" else "loads"] += 1
-                self.counters["bytes_written" if kind == "store" else "bytes_read"] += (
-                    self.block_bytes
-                )
                 continue
             if kind == "load":
                 self.counters["load_failures"] += 1
-                if code in (MISSING,):
+                if code == ItemStatus.MISSING:  # evicted by the server, expired
                     self.counters["vanished"] += 1
-                elif code < 0 and code != -7:
+                elif code < 0 and code != ItemStatus.SERVER_ERROR:
                     self.counters["corrupt"] += 1
                 if code < 0:
                     self._remember(dig, False)  # gone or not ours: a miss from now on
@@ -381,19 +310,19 @@ class RemoteTier(LowerTier):
                     self.known.pop(dig, None)
             if code > 0:
                 self.counters["io_errors"] += 1
-            elif code == -7:
+            elif code == ItemStatus.SERVER_ERROR:
                 self.counters["server_errors"] += 1
+        count_moved(self.counters, kind, len(done), self.block_bytes)
         if kind == "store" and done:
             self._events.append(TierEvent(done, self.name, removed=False))
-        b["completion"] = TierCompletion(token, all(ok), kind, keys, key_ok=ok)
-        self._finished.append(token)
+        return TierCompletion(b.token, all(ok), kind, keys, key_ok=ok)
 
     def take_events(self) -> list[TierEvent]:
         ev, self._events = self._events, []
         return ev
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs) or bool(self._exists_queue) or bool(self._finished)
+        return self.jobs.busy() or bool(self._exists_queue)
 
     def reset(self) -> None:
         self.known.clear()
@@ -402,7 +331,7 @@ class RemoteTier(LowerTier):
         if self._closed:
             return
         self._closed = True
-        self.engine.close()
+        self.jobs.close()
         self.poll()
 
     def stats(self) -> dict[str, Any]:

@@ -1,0 +1,128 @@
+"""The tier factory: lower tiers built from one configuration shape.
+
+Every front end (``kvtier replay`` through the CLI, the vLLM shim's
+``kv_connector_extra_config`` and its secondary tiers) fills a
+:class:`TierConfig` and asks here for tiers, so a setting means the same
+thing wherever it is given and a new tier option is added in one place.
+
+Who calls: :mod:`kvtier.replay`, :mod:`kvtier.integrations.vllm`. Building a
+tier blocks (a disk tier checks and preallocates its directory, a remote
+tier connects); nothing else does.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.errors import InvalidArgument
+from kvtier.tiers.base import LowerTier
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.remote import RemoteTier
+from kvtier.units import parse_size
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """The lower tiers to build and their settings (None: no such tier).
+
+    Sizes are in bytes and durations in seconds (parse text with
+    :mod:`kvtier.units` first). ``no_data``: index only, no bytes move.
+    """
+
+    disk_path: str | None = None
+    disk_bytes: int = 100 << 30
+    disk_policy: str = "lru"
+    disk_admit_after: int = 1
+    disk_write_budget_bps: float | None = None
+    disk_backend: str = "auto"
+    disk_queue_depth: int = 32
+    disk_timeout_s: float = 30.0
+    remote_url: str | None = None
+    remote_ttl_s: float | None = None
+    remote_timeout_s: float = 2.0
+    remote_admit_after: int = 1
+    remote_degraded_ok: bool = False
+    no_data: bool = False
+
+
+def parse_disk_spec(spec: str) -> tuple[str, int]:
+    """``DIR:SIZE`` as given on the command line (``/mnt/nvme/kv:100GiB``)."""
+    path, sep, size = spec.rpartition(":")
+    if not sep or not path:
+        raise InvalidArgument(f"--disk wants DIR:SIZE, got {spec!r}")
+    return path, parse_size(size)
+
+
+def configured(cfg: TierConfig) -> list[str]:
+    """The kinds of lower tier ``cfg`` asks for, fastest first."""
+    return [k for k, on in (("disk", cfg.disk_path), ("remote", cfg.remote_url)) if on is not None]
+
+
+def build_tier(
+    kind: str, cfg: TierConfig, block_bytes: int, namespace: str, name: str | None = None
+) -> LowerTier:
+    """One lower tier, ``"disk"`` (in ``cfg.disk_path``, created 0700 when
+    missing) or ``"remote"`` (on ``cfg.remote_url``), named ``name`` (default:
+    the kind). Blocks while the disk tier preallocates or the remote one connects.
+
+    ``namespace`` names what makes this engine's bytes compatible
+    (:func:`kvtier.tiers.records.namespace_name`).
+    """
+    if kind not in configured(cfg):
+        raise InvalidArgument(f"no {kind} tier configured (its path or URL is None)")
+    if kind == "disk":
+        assert cfg.disk_path is not None
+        os.makedirs(cfg.disk_path, mode=0o700, exist_ok=True)
+        return DiskTier(
+            Path(cfg.disk_path),
+            cfg.disk_bytes,
+            block_bytes,
+            namespace=namespace,
+            name=name or kind,
+            policy=cfg.disk_policy,
+            admit_after=cfg.disk_admit_after,
+            write_budget_bps=cfg.disk_write_budget_bps,
+            backend=cfg.disk_backend,
+            queue_depth=cfg.disk_queue_depth,
+            timeout_s=cfg.disk_timeout_s,
+            no_data=cfg.no_data,
+        )
+    assert cfg.remote_url is not None
+    return RemoteTier(
+        cfg.remote_url,
+        block_bytes,
+        namespace=namespace,
+        name=name or kind,
+        ttl_s=cfg.remote_ttl_s,
+        timeout_s=cfg.remote_timeout_s,
+        admit_after=cfg.remote_admit_after,
+        degraded_ok=cfg.remote_degraded_ok,
+    )
+
+
+def build_lower_tiers(cfg: TierConfig, block_bytes: int, namespace: str) -> list[LowerTier]:
+    """Every configured lower tier, fastest first (disk, then remote). Blocks.
+
+    If building one fails, those already built are closed before the error
+    propagates.
+    """
+    tiers: list[LowerTier] = []
+    try:
+        for kind in configured(cfg):
+            # One at a time, not extend(): those built before a failure must be closed.
+            tiers.append(build_tier(kind, cfg, block_bytes, namespace))  # noqa: PERF401
+    except BaseException:
+        for t in tiers:
+            t.close()
+        raise
+    return tiers
+
+
+def host_slot_bytes(block_bytes: int, cfg: TierConfig) -> int:
+    """Bytes per host slot so every configured tier can use the slot as is
+    (a disk record needs room for its trailer beside the block)."""
+    if cfg.disk_path is not None:
+        return DiskTier.slot_bytes_for(block_bytes)
+    return block_bytes

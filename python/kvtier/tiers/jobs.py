@@ -1,0 +1,182 @@
+"""The tier-job layer: how every tier that moves data through the native
+engine submits, polls, times out and accounts its work.
+
+A tier's store or load of N keys is one :class:`Batch`. The tier splits its
+I/O items into engine jobs through :meth:`TierJobs.submit` (its own callback
+builds the medium's descriptors); :meth:`TierJobs.poll` drains the engine's
+completions, writes each job's per-item codes into its batch, and hands back
+the batches whose last job ended. What differs per medium (descriptors,
+index, record states) stays in the tier; what is the same (job ids to
+batches, Busy part way through a batch, cancelled and timed-out jobs, jobs
+still holding memory after their deadline, byte counters) lives here once.
+
+Who calls: :class:`kvtier.tiers.disk.DiskTier` and
+:class:`kvtier.tiers.remote.RemoteTier`, under the manager's lock. Nothing
+here blocks except :meth:`TierJobs.close`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.codes import ItemStatus
+from kvtier.errors import Busy
+
+COUNTERS = ("stores", "loads", "bytes_written", "bytes_read", "busy_drops", "timeouts")
+"""Counters every data-moving tier keeps (a tier adds its own to these)."""
+
+
+def new_counters(*extra: str) -> dict[str, int]:
+    """Zeroed counters: the shared ones, then the tier's ``extra`` ones."""
+    return dict.fromkeys((*COUNTERS, *extra), 0)
+
+
+def count_moved(counters: dict[str, int], kind: str, n: int, unit_bytes: int) -> None:
+    """Account ``n`` blocks of ``unit_bytes`` stored or loaded (``kind``)."""
+    if kind == "store":
+        counters["stores"] += n
+        counters["bytes_written"] += n * unit_bytes
+    else:
+        counters["loads"] += n
+        counters["bytes_read"] += n * unit_bytes
+
+
+@dataclass(eq=False)
+class Batch:
+    """One store, load or existence check of a tier: ``n`` I/O items.
+
+    ``items[i]`` is item i's code once the batch ended, a plain int to compare
+    with :class:`kvtier.codes.ItemStatus` (0 ok, > 0 errno, < 0 integrity or
+    protocol failure). ``held[i]`` is True when item i's job
+    timed out while the device may still touch its memory. ``data`` is the
+    tier's own bookkeeping for the batch.
+    """
+
+    token: int
+    kind: str
+    n: int
+    data: dict[str, Any] = field(default_factory=dict)
+    items: list[int] = field(default_factory=list)
+    held: list[bool] = field(default_factory=list)
+    pending: int = 0
+    busy_from: int | None = None
+
+    def __post_init__(self) -> None:
+        self.items = [0] * self.n
+        self.held = [False] * self.n
+
+
+@dataclass(frozen=True)
+class Released:
+    """Items ``[first, first + count)`` of ``batch`` whose timed-out job really
+    ended: the memory they touched may be reused now."""
+
+    batch: Batch
+    first: int
+    count: int
+
+
+class TierJobs:
+    """The engine jobs of one tier, each mapped to its batch and item range.
+
+    ``engine`` is a :class:`kvtier.engine.Engine` the tier owns (its queues'
+    budgets and deadlines are the tier's; None before the tier has one:
+    batches then only end at once); ``counters`` the tier's counters
+    (see :func:`new_counters`). Batches come back from
+    :meth:`poll` in the order they ended.
+    """
+
+    def __init__(self, engine: Any, counters: dict[str, int]) -> None:
+        self.engine = engine
+        self.counters = counters  # the tier's; this layer counts "timeouts"
+        self._tokens = itertools.count(1)
+        self._jobs: dict[int, tuple[Batch, int, int]] = {}  # engine job -> batch, first, count
+        self._held: dict[int, tuple[Batch, int, int]] = {}  # timed out, still running
+        self._ended: list[Batch] = []
+
+    def batch(self, kind: str, n: int, **data: Any) -> Batch:
+        """A new batch of ``n`` I/O items with a fresh token (nothing submitted)."""
+        return Batch(next(self._tokens), kind, n, dict(data))
+
+    def end_now(self, batch: Batch) -> None:
+        """A batch with nothing to submit: the next :meth:`poll` returns it."""
+        self._ended.append(batch)
+
+    def submit(self, batch: Batch, per_job: int, submit_one: Callable[[int, int], int]) -> bool:
+        """Submit ``batch``'s items as jobs of at most ``per_job`` items each.
+
+        ``submit_one(first, count)`` queues items ``[first, first + count)``
+        and returns the engine's job id, or raises :class:`kvtier.Busy`. When
+        Busy comes before any job, nothing is queued and this returns False
+        (the tier undoes its bookkeeping); after some jobs, the remaining items
+        end with ``ItemStatus.BUSY`` and the batch goes on. A batch of no items ends at once.
+        Never blocks.
+        """
+        per_job = max(1, per_job)
+        for first in range(0, batch.n, per_job):
+            count = min(per_job, batch.n - first)
+            try:
+                jid = submit_one(first, count)
+            except Busy:
+                if batch.pending == 0:
+                    return False
+                batch.busy_from = first
+                break
+            self._jobs[jid] = (batch, first, count)
+            batch.pending += 1
+        if batch.pending == 0:
+            self.end_now(batch)
+        return True
+
+    def poll(self) -> tuple[list[Batch], list[Released]]:
+        """Drain the engine: batches that ended since the last poll (in the
+        order they ended) and the item ranges of timed-out jobs that really
+        ended since then. Non-blocking."""
+        released: list[Released] = []
+        for r in self.engine.poll() if self.engine is not None else ():
+            if r.released:  # a timed-out job really ended: its memory is free
+                held = self._held.pop(r.job_id, None)
+                if held is not None:
+                    released.append(Released(*held))
+                continue
+            batch, first, count = self._jobs.pop(r.job_id)
+            items = list(r.items)
+            if not items and not r.ok:  # the whole job failed: every item with it
+                code = ItemStatus.TIMED_OUT if r.timed_out else ItemStatus.CANCELLED
+                items = [int(code)] * count
+                if r.timed_out:
+                    self.counters["timeouts"] += count
+                if r.held:  # a late write or read may still land in its memory
+                    batch.held[first : first + count] = [True] * count
+                    self._held[r.job_id] = (batch, first, count)
+            batch.items[first : first + len(items)] = items
+            batch.pending -= 1
+            if batch.pending == 0:
+                if batch.busy_from is not None:
+                    rest = batch.n - batch.busy_from
+                    batch.items[batch.busy_from :] = [int(ItemStatus.BUSY)] * rest
+                self._ended.append(batch)
+        ended, self._ended = self._ended, []
+        return ended, released
+
+    def busy(self) -> bool:
+        """True while a job is queued or running, a batch waits for
+        :meth:`poll`, or a timed-out job still holds memory."""
+        return bool(self._jobs) or bool(self._ended) or bool(self._held)
+
+    def in_flight(self) -> set[int]:
+        """Engine job ids queued or running (not yet drained by :meth:`poll`)."""
+        return set(self._jobs)
+
+    @property
+    def held_jobs(self) -> int:
+        """Timed-out jobs that may still touch their memory."""
+        return len(self._held)
+
+    def close(self) -> None:
+        """Let queued jobs finish and join the engine's threads. Blocks; idempotent."""
+        if self.engine is not None:
+            self.engine.close()

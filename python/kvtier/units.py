@@ -1,0 +1,72 @@
+"""Sizes and durations as people write them (``256KiB``, ``30s``).
+
+Who calls: every configuration surface (the CLI, ``replay``, the planner, the
+vLLM shim's ``kv_connector_extra_config``, the tier factory). Pure functions:
+nothing blocks, nothing is imported beyond the error types.
+"""
+
+from __future__ import annotations
+
+from kvtier.errors import InvalidArgument
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kb": 1000, "kib": 1024,
+    "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+    "g": 1 << 30, "gb": 10**9, "gib": 1 << 30,
+    "t": 1 << 40, "tb": 10**12, "tib": 1 << 40,
+}  # fmt: skip
+
+_SECONDS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def _split(text: str) -> tuple[str, str]:
+    """``"2.5GiB"`` -> ``("2.5", "gib")``: the number and its lower-case unit."""
+    s = text.strip().lower()
+    i = len(s)
+    while i > 0 and not (s[i - 1].isdigit() or s[i - 1] == "."):
+        i -= 1
+    return s[:i], s[i:].strip()
+
+
+def parse_size(text: str) -> int:
+    """``"256KiB"``, ``"2MiB"``, ``"1GB"``, ``"65536"`` -> bytes (> 0). Raises InvalidArgument."""
+    num, unit = _split(text)
+    if not num or unit not in _SIZE_UNITS:
+        raise InvalidArgument(f"cannot parse size {text!r} (examples: 65536, 256KiB, 2MiB, 1GiB)")
+    try:
+        value = float(num)
+    except ValueError:
+        raise InvalidArgument(f"cannot parse size {text!r}") from None
+    n = int(value * _SIZE_UNITS[unit])
+    if n <= 0:
+        raise InvalidArgument(f"size must be > 0, got {text!r}")
+    return n
+
+
+def to_bytes(key: str, value: object) -> int:
+    """A size given either as an int of bytes or as text (``"64GiB"``), > 0.
+
+    ``key`` names the setting in the error (configuration dictionaries, where
+    a YAML or JSON value may arrive as either type). Raises InvalidArgument.
+    """
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{key}: expected a size, got {value!r}")
+    n = value if isinstance(value, int) else parse_size(str(value))
+    if n <= 0:
+        raise InvalidArgument(f"{key}: must be > 0, got {value!r}")
+    return n
+
+
+def parse_duration(text: str) -> float:
+    """``"30"``, ``"30s"``, ``"250ms"``, ``"2min"`` -> seconds (> 0). Raises InvalidArgument."""
+    num, unit = _split(text)
+    if not num or unit not in _SECONDS:
+        raise InvalidArgument(f"cannot parse duration {text!r} (examples: 30, 30s, 250ms, 2min)")
+    try:
+        value = float(num) * _SECONDS[unit]
+    except ValueError:
+        raise InvalidArgument(f"cannot parse duration {text!r}") from None
+    if not value > 0:
+        raise InvalidArgument(f"duration must be > 0, got {text!r}")
+    return value
