@@ -175,28 +175,11 @@ def plan_per_device(
             f"kv_memory: stage {s} has {budgets[s]} bytes, less than one block ({bb[s]} bytes)"
         )
     blocks = min(own)
-    stages = [
-        StagePlan(n, blocks * b, blocks, blocks * block_tokens, b) for n, b in zip(partition, bb)
-    ]
-    uniform = [
-        StagePlan(n, m, o, o * block_tokens, b) for n, m, o, b in zip(partition, budgets, own, bb)
-    ]
+    stages = _proportional(partition, bb, blocks, block_tokens)
     saved = sum(budgets) - sum(s.kv_bytes for s in stages)
+    uniform = _uniform(partition, budgets, own, bb, block_tokens, blocks, saved)
     return Plan(
-        block_tokens,
-        partition,
-        stages,
-        {
-            "stages": [asdict(s) for s in uniform],
-            "usable_blocks": blocks,
-            "usable_tokens": blocks * block_tokens,
-            "kv_bytes": sum(budgets),
-            "wasted_bytes": saved,
-        },
-        saved,
-        1.0,
-        "per-device",
-        _settings(stages),
+        block_tokens, partition, stages, uniform, saved, 1.0, "per-device", _settings(stages)
     )
 
 
@@ -214,27 +197,45 @@ def plan_total(model: ModelKV, partition: list[int], block_tokens: int, total: i
     even = total // len(partition)
     own = [even // b for b in bb]
     u_blocks = min(own)
-    stages = [
+    stages = _proportional(partition, bb, blocks, block_tokens)
+    wasted = sum(even - u_blocks * b for b in bb)
+    evens = [even] * len(partition)
+    uniform = _uniform(partition, evens, own, bb, block_tokens, u_blocks, wasted)
+    saved = total - sum(s.kv_bytes for s in stages)
+    gain = blocks / u_blocks if u_blocks else float("inf")
+    return Plan(block_tokens, partition, stages, uniform, saved, gain, "total", _settings(stages))
+
+
+def _proportional(
+    partition: list[int], bb: list[int], blocks: int, block_tokens: int
+) -> list[StagePlan]:
+    """Every stage holds ``blocks`` blocks of its own size ``bb[i]``."""
+    return [
         StagePlan(n, blocks * b, blocks, blocks * block_tokens, b) for n, b in zip(partition, bb)
     ]
-    uniform = [StagePlan(n, even, o, o * block_tokens, b) for n, o, b in zip(partition, own, bb)]
-    wasted = sum(even - u_blocks * b for b in bb)
-    return Plan(
-        block_tokens,
-        partition,
-        stages,
-        {
-            "stages": [asdict(s) for s in uniform],
-            "usable_blocks": u_blocks,
-            "usable_tokens": u_blocks * block_tokens,
-            "kv_bytes": even * len(partition),
-            "wasted_bytes": wasted,
-        },
-        total - sum(s.kv_bytes for s in stages),
-        blocks / u_blocks if u_blocks else float("inf"),
-        "total",
-        _settings(stages),
-    )
+
+
+def _uniform(
+    partition: list[int],
+    budgets: list[int],
+    own: list[int],
+    bb: list[int],
+    block_tokens: int,
+    usable: int,
+    wasted: int,
+) -> dict[str, Any]:
+    """What engines do: stage i takes ``budgets[i]`` (``own[i]`` blocks), but
+    only ``usable`` blocks (the tightest stage's) serve requests."""
+    stages = [
+        StagePlan(n, m, o, o * block_tokens, b) for n, m, o, b in zip(partition, budgets, own, bb)
+    ]
+    return {
+        "stages": [asdict(s) for s in stages],
+        "usable_blocks": usable,
+        "usable_tokens": usable * block_tokens,
+        "kv_bytes": sum(budgets),
+        "wasted_bytes": wasted,
+    }
 
 
 def _settings(stages: list[StagePlan]) -> list[dict[str, Any]]:

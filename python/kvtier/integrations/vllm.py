@@ -751,15 +751,11 @@ class KVTierDiskTier(_KVTierSecondary):
 
         self.locality = Locality.LOCAL
         cfg = TierConfig(
-            disk_path=path,
-            disk_bytes=to_bytes("capacity_bytes", capacity_bytes),
-            disk_policy=policy,
-            disk_admit_after=admit_after,
-            disk_write_budget_bps=write_budget_bps,
-            disk_backend=backend,
-            disk_queue_depth=queue_depth,
-            disk_timeout_s=timeout_s,
-        )
+            disk_path=path, disk_bytes=to_bytes("capacity_bytes", capacity_bytes),
+            disk_policy=policy, disk_admit_after=admit_after,
+            disk_write_budget_bps=write_budget_bps, disk_backend=backend,
+            disk_queue_depth=queue_depth, disk_timeout_s=timeout_s,
+        )  # fmt: skip
         ns = _tier_namespace(offloading_spec, namespace)
         self._attach(build_tier("disk", cfg, self.block_size_bytes, ns, name=tier_type))
 
@@ -787,11 +783,8 @@ class KVTierRedisTier(_KVTierSecondary):
 
         self.locality = Locality.REMOTE
         cfg = TierConfig(
-            remote_url=url,
-            remote_ttl_s=ttl_s,
-            remote_timeout_s=timeout_s,
-            remote_admit_after=admit_after,
-            remote_degraded_ok=degraded_ok,
-        )
+            remote_url=url, remote_ttl_s=ttl_s, remote_timeout_s=timeout_s,
+            remote_admit_after=admit_after, remote_degraded_ok=degraded_ok,
+        )  # fmt: skip
         ns = _tier_namespace(offloading_spec, namespace)
         self._attach(build_tier("remote", cfg, self.block_size_bytes, ns, name=tier_type))

@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 
 from kvtier.codes import ItemStatus
-from kvtier.errors import ClosedError, InvalidArgument, IoError
+from kvtier.errors import InvalidArgument, IoError
 from kvtier.policy import make_policy
 from kvtier.policy.admission import WriteGate
-from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent
-from kvtier.tiers.jobs import Batch, TierJobs, count_moved, new_counters
+from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
+from kvtier.tiers.jobs import Batch, JobTier, count_moved
 from kvtier.tiers.records import TRAILER_BYTES, key_digest, namespace_digest, record_bytes
 
 __all__ = [
@@ -73,7 +73,7 @@ def check_directory(path: Path) -> None:
         raise IoError(errno.EACCES, f"disk tier directory {path} is not writable")
 
 
-class DiskTier(LowerTier):
+class DiskTier(JobTier):
     """Disk tier over ``capacity_bytes`` of preallocated slab files in ``path``.
 
     ``namespace`` names what makes bytes compatible (model, dtype, layout,
@@ -107,7 +107,10 @@ class DiskTier(LowerTier):
             raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
         if backend not in ("auto", "io_uring", "pread"):
             raise InvalidArgument(f"backend must be auto, io_uring or pread, not {backend!r}")
-        self.name = name
+        self._tier_init(
+            name, "load_failures", "corrupt", "io_errors", "evictions", "budget_skips",
+            "not_admitted", "nospace", "recovered",
+        )  # fmt: skip
         self.block_bytes = block_bytes
         self.record_bytes = record_bytes(block_bytes)
         self.num_records = capacity_bytes // self.record_bytes
@@ -147,21 +150,13 @@ class DiskTier(LowerTier):
         self.rec_state = np.zeros(self.num_records, np.uint8)
         self.rec_loading = np.zeros(self.num_records, np.int32)
         self.free: list[int] = []
-        self._events: list[TierEvent] = []
         self._released: list[int] = []  # host slots of timed-out jobs that ended
         self._seq = 0
         self._journal_buf = bytearray()
         self._journal_entries = 0
         self._nospace_until = 0.0
-        self._closed = False
         self.engine: Any = None
         self.store: Any = None
-        self.pool = None
-        self.counters = new_counters(
-            "load_failures", "corrupt", "io_errors", "evictions", "budget_skips",
-            "not_admitted", "nospace", "recovered",
-        )  # fmt: skip
-        self.jobs = TierJobs(None, self.counters)  # an engine once attach() has a pool
         self._recover()
         self._journal_fd = os.open(
             self.dir / "index.journal", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600
@@ -363,17 +358,6 @@ class DiskTier(LowerTier):
 
         return self.jobs.submit(batch, per, submit_one)
 
-    def _check(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
-        if len(keys) != len(slots):
-            raise InvalidArgument(f"{len(keys)} keys but {len(slots)} slots")
-        if self._closed:
-            raise ClosedError(f"{self.name} tier is closed")
-        if self.pool is not None and not self.no_data:
-            n = self.pool.num_slots
-            bad = [s for s in slots if not 0 <= s < n]
-            if bad:
-                raise InvalidArgument(f"host slot {bad[0]} out of range [0, {n})")
-
     def _launch(
         self,
         kind: str,
@@ -509,10 +493,6 @@ class DiskTier(LowerTier):
             b.token, all(ok), b.kind, keys, key_ok=list(ok), held=held if any(held) else None
         )
 
-    def take_events(self) -> list[TierEvent]:
-        ev, self._events = self._events, []
-        return ev
-
     def has_pending_work(self) -> bool:
         return self.jobs.busy()
 
@@ -528,12 +508,7 @@ class DiskTier(LowerTier):
                 self.free.append(rec)
         self._flush_journal()
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.jobs.close()
-        self.poll()
+    def _release(self) -> None:
         self._flush_journal()
         os.close(self._journal_fd)
         # The native store holds the extent files open: let go of them now,

@@ -76,30 +76,17 @@ def build_tier(
         assert cfg.disk_path is not None
         os.makedirs(cfg.disk_path, mode=0o700, exist_ok=True)
         return DiskTier(
-            Path(cfg.disk_path),
-            cfg.disk_bytes,
-            block_bytes,
-            namespace=namespace,
-            name=name or kind,
-            policy=cfg.disk_policy,
-            admit_after=cfg.disk_admit_after,
-            write_budget_bps=cfg.disk_write_budget_bps,
-            backend=cfg.disk_backend,
-            queue_depth=cfg.disk_queue_depth,
-            timeout_s=cfg.disk_timeout_s,
-            no_data=cfg.no_data,
-        )
+            Path(cfg.disk_path), cfg.disk_bytes, block_bytes, namespace=namespace,
+            name=name or kind, policy=cfg.disk_policy, admit_after=cfg.disk_admit_after,
+            write_budget_bps=cfg.disk_write_budget_bps, backend=cfg.disk_backend,
+            queue_depth=cfg.disk_queue_depth, timeout_s=cfg.disk_timeout_s, no_data=cfg.no_data,
+        )  # fmt: skip
     assert cfg.remote_url is not None
     return RemoteTier(
-        cfg.remote_url,
-        block_bytes,
-        namespace=namespace,
-        name=name or kind,
-        ttl_s=cfg.remote_ttl_s,
-        timeout_s=cfg.remote_timeout_s,
-        admit_after=cfg.remote_admit_after,
-        degraded_ok=cfg.remote_degraded_ok,
-    )
+        cfg.remote_url, block_bytes, namespace=namespace, name=name or kind,
+        ttl_s=cfg.remote_ttl_s, timeout_s=cfg.remote_timeout_s,
+        admit_after=cfg.remote_admit_after, degraded_ok=cfg.remote_degraded_ok,
+    )  # fmt: skip
 
 
 def build_lower_tiers(cfg: TierConfig, block_bytes: int, namespace: str) -> list[LowerTier]:

@@ -18,12 +18,13 @@ here blocks except :meth:`TierJobs.close`.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.codes import ItemStatus
-from kvtier.errors import Busy
+from kvtier.errors import Busy, ClosedError, InvalidArgument
+from kvtier.tiers.base import LowerTier, TierEvent
 
 COUNTERS = ("stores", "loads", "bytes_written", "bytes_read", "busy_drops", "timeouts")
 """Counters every data-moving tier keeps (a tier adds its own to these)."""
@@ -180,3 +181,61 @@ class TierJobs:
         """Let queued jobs finish and join the engine's threads. Blocks; idempotent."""
         if self.engine is not None:
             self.engine.close()
+
+
+class JobTier(LowerTier):
+    """What a lower tier moving data through the native engine shares: its
+    :class:`TierJobs`, counters, events, argument checks and closing.
+
+    A subclass sets ``name``, ``counters`` and ``jobs`` in its constructor
+    and says what its medium needs in ``submit_store``/``submit_load``/
+    ``poll``; :meth:`_release` lets go of the medium's own handles at close.
+    Who calls: the manager, under its lock. Only :meth:`close` blocks.
+    """
+
+    counters: dict[str, int]
+    jobs: TierJobs
+    _closed: bool = False
+
+    def _tier_init(self, name: str, *counters: str) -> None:
+        """Called first by the subclass constructor: ``counters`` are the
+        tier's own beyond the shared ones (:data:`COUNTERS`)."""
+        self.name = name
+        self.pool = None
+        self.counters = new_counters(*counters)
+        self.jobs = TierJobs(None, self.counters)
+        self._events: list[TierEvent] = []
+
+    def _check(self, keys: Sequence[bytes], slots: Sequence[int], block_bytes: int = 0) -> None:
+        """Clear errors at the boundary: closed tier, keys and slots of
+        different lengths, a slot outside the pool or smaller than
+        ``block_bytes``."""
+        if self._closed:
+            raise ClosedError(f"{self.name} tier is closed")
+        if len(keys) != len(slots):
+            raise InvalidArgument(f"{len(keys)} keys but {len(slots)} slots")
+        pool = self.pool
+        if pool is None or getattr(self, "no_data", False):
+            return
+        if pool.slot_bytes < block_bytes:
+            raise InvalidArgument("host slots are smaller than the tier's blocks")
+        bad = [s for s in slots if not 0 <= s < pool.num_slots]
+        if bad:
+            raise InvalidArgument(f"host slot {bad[0]} out of range [0, {pool.num_slots})")
+
+    def take_events(self) -> list[TierEvent]:
+        ev, self._events = self._events, []
+        return ev
+
+    def _release(self) -> None:
+        """Let go of the medium's handles after the last job ended (close)."""
+
+    def close(self) -> None:
+        """Let every queued job finish, report them, release the medium.
+        Blocks until the engine's threads are joined; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.jobs.close()
+        self.poll()
+        self._release()

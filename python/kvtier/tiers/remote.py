@@ -24,10 +24,10 @@ from urllib.parse import unquote, urlsplit
 import numpy as np
 
 from kvtier.codes import ItemStatus
-from kvtier.errors import ClosedError, InvalidArgument
+from kvtier.errors import InvalidArgument
 from kvtier.policy.admission import WriteGate
-from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent
-from kvtier.tiers.jobs import Batch, TierJobs, count_moved, new_counters
+from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
+from kvtier.tiers.jobs import Batch, JobTier, count_moved
 from kvtier.tiers.records import key_digest, namespace_digest
 
 _EXISTS_PER_JOB = 1024  # an EXISTS pipeline moves no payload: large jobs are cheap
@@ -75,7 +75,7 @@ def parse_url(url: str) -> dict[str, Any]:
     }
 
 
-class RemoteTier(LowerTier):
+class RemoteTier(JobTier):
     """Remote tier over a Redis/Valkey URL; blocks of ``block_bytes``."""
 
     def __init__(
@@ -106,8 +106,11 @@ class RemoteTier(LowerTier):
         from kvtier.engine import Engine
 
         cfg = parse_url(url)
+        self._tier_init(
+            name, "load_failures", "vanished", "corrupt", "io_errors", "server_errors",
+            "exists_checks", "budget_skips", "not_admitted",
+        )  # fmt: skip
         self.url = url
-        self.name = name
         self.block_bytes = block_bytes
         self.ns = namespace_digest(namespace, block_bytes)
         self._prefix = b"kvt:" + self.ns.hex()[:16].encode() + b":"
@@ -134,14 +137,7 @@ class RemoteTier(LowerTier):
         self.known: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
         self._exists_queue: dict[bytes, bytes] = {}  # digest -> server key
         self._exists_inflight: set[bytes] = set()
-        self._events: list[TierEvent] = []
-        self._closed = False
-        self.pool = None
-        self.counters = new_counters(
-            "load_failures", "vanished", "corrupt", "io_errors", "server_errors",
-            "exists_checks", "budget_skips", "not_admitted",
-        )  # fmt: skip
-        self.jobs = TierJobs(self.engine, self.counters)
+        self.jobs.engine = self.engine
 
     # -- helpers -------------------------------------------------------------
     def server_key(self, key: bytes) -> bytes:
@@ -203,18 +199,6 @@ class RemoteTier(LowerTier):
             )  # fmt: skip
 
         return self.jobs.submit(batch, per_job, submit_one)
-
-    def _check(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
-        if self._closed:
-            raise ClosedError(f"{self.name} tier is closed")
-        if len(keys) != len(slots):
-            raise InvalidArgument(f"{len(keys)} keys but {len(slots)} slots")
-        if self.pool is not None:
-            if self.pool.slot_bytes < self.block_bytes:
-                raise InvalidArgument("host slots are smaller than the tier's blocks")
-            bad = [s for s in slots if not 0 <= s < self.pool.num_slots]
-            if bad:
-                raise InvalidArgument(f"host slot {bad[0]} out of range [0, {self.pool.num_slots})")
 
     def _start(self, kind: str, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
         self._check(keys, slots)
@@ -317,22 +301,11 @@ class RemoteTier(LowerTier):
             self._events.append(TierEvent(done, self.name, removed=False))
         return TierCompletion(b.token, all(ok), kind, keys, key_ok=ok)
 
-    def take_events(self) -> list[TierEvent]:
-        ev, self._events = self._events, []
-        return ev
-
     def has_pending_work(self) -> bool:
         return self.jobs.busy() or bool(self._exists_queue)
 
     def reset(self) -> None:
         self.known.clear()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.jobs.close()
-        self.poll()
 
     def stats(self) -> dict[str, Any]:
         return {
