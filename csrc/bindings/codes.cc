@@ -1,6 +1,7 @@
-// StatusCode and ItemStatus (core/codes.h) as enum.IntEnum classes, so Python
-// compares names (kvtier.codes re-exports them) and still gets plain ints
-// where it stores codes (JobResult.items, journals).
+// The named codes (core/codes.h) as enum.IntEnum classes, so Python compares
+// names (kvtier.codes re-exports them) and still gets plain ints where it
+// stores codes (JobResult.items, journals); and the one translator of
+// kvtier::Error into the kvtier.errors hierarchy.
 #include "../core/codes.h"
 
 #include <pybind11/native_enum.h>
@@ -11,38 +12,58 @@
 
 namespace kvtier::bindings {
 
-void bind_codes(py::module_& m) {
-  py::native_enum<StatusCode>(
-      m, "StatusCode", "enum.IntEnum",
-      "What a native call failed with (each maps to a kvtier.errors class).")
-      .value("OK", StatusCode::kOk)
-      .value("INVALID_ARGUMENT", StatusCode::kInvalidArgument, "kvtier.InvalidArgument")
-      .value("IO_ERROR", StatusCode::kIoError, "kvtier.IoError")
-      .value("BUSY", StatusCode::kBusy, "kvtier.Busy")
-      .value("CUDA", StatusCode::kCuda, "kvtier.CudaError")
-      .value("CLOSED", StatusCode::kClosed, "kvtier.ClosedError")
-      .value("TIMEOUT", StatusCode::kTimeout, "kvtier.Timeout")
-      .value("CANCELLED", StatusCode::kCancelled)
-      .value("INTERNAL", StatusCode::kInternal)
-      .finalize();
+namespace {
 
-  py::native_enum<ItemStatus>(
+struct StatusInfo {
+  StatusCode value;
+  const char* name;
+  const char* error_class;  // in kvtier.errors
+};
+constexpr StatusInfo kStatuses[] = {
+    {StatusCode::kOk, "OK", "KvtierError"},
+    {StatusCode::kInvalidArgument, "INVALID_ARGUMENT", "InvalidArgument"},
+    {StatusCode::kIoError, "IO_ERROR", "IoError"},
+    {StatusCode::kBusy, "BUSY", "Busy"},
+    {StatusCode::kCuda, "CUDA", "CudaError"},
+    {StatusCode::kClosed, "CLOSED", "ClosedError"},
+    {StatusCode::kTimeout, "TIMEOUT", "Timeout"},
+    {StatusCode::kCancelled, "CANCELLED", "KvtierError"},
+    {StatusCode::kInternal, "INTERNAL", "KvtierError"},
+};
+
+void translate(const Error& e) {
+  const char* name = "KvtierError";
+  for (const auto& s : kStatuses)
+    if (s.value == e.code()) name = s.error_class;
+  py::object cls = py::module_::import("kvtier.errors").attr(name);
+  // IoError is also an OSError: (errno, message) sets its errno attribute.
+  py::object exc = e.code() == StatusCode::kIoError ? cls(e.sys_errno(), e.what()) : cls(e.what());
+  PyErr_SetObject(cls.ptr(), exc.ptr());
+}
+
+}  // namespace
+
+void bind_codes(py::module_& m) {
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      translate(e);
+    }
+  });
+
+  py::native_enum<StatusCode> status(
+      m, "StatusCode", "enum.IntEnum",
+      "What a native call failed with (each maps to a kvtier.errors class).");
+  for (const auto& s : kStatuses) status.value(s.name, s.value);
+  status.finalize();
+
+  py::native_enum<ItemStatus> item(
       m, "ItemStatus", "enum.IntEnum",
       "Outcome of one item of a job (JobResult.items): 0 ok, > 0 an errno, < 0 an integrity "
-      "or protocol failure. Other errnos than those named here may appear.")
-      .value("OK", ItemStatus::kOk)
-      .value("BUSY", ItemStatus::kBusy, "EBUSY: never submitted, the queue was full")
-      .value("NO_SPACE", ItemStatus::kNoSpace, "ENOSPC: the medium is full")
-      .value("TIMED_OUT", ItemStatus::kTimedOut, "ETIMEDOUT: past the queue's deadline")
-      .value("CANCELLED", ItemStatus::kCancelled, "ECANCELED: cancelled before it ran")
-      .value("BAD_TRAILER", ItemStatus::kBadTrailer, "torn or foreign record")
-      .value("WRONG_KEY", ItemStatus::kWrongKey, "another key, namespace or length")
-      .value("BAD_CHECKSUM", ItemStatus::kBadChecksum, "payload crc32c differs")
-      .value("SHORT_READ", ItemStatus::kShortRead, "end of file inside the record")
-      .value("MISSING", ItemStatus::kMissing, "no such key")
-      .value("BAD_LENGTH", ItemStatus::kBadLength, "value of another length")
-      .value("SERVER_ERROR", ItemStatus::kServerError, "the server answered an error")
-      .finalize();
+      "or protocol failure. Other errnos than those named here may appear.");
+  for (const auto& s : kItemStatuses) item.value(s.name, s.value);
+  item.finalize();
 
   m.def(
       "item_error", [](std::int32_t code) { return std::string(kvtier::item_error(code)); },

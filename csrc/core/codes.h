@@ -52,6 +52,29 @@ static_assert(EBUSY == 16 && ENOSPC == 28 && ETIMEDOUT == 110 && ECANCELED == 12
 
 constexpr std::int32_t item_code(ItemStatus s) { return static_cast<std::int32_t>(s); }
 
+// Every named item status with its Python name and message (nullptr: the
+// errno's strerror), for item_error() and the binding: one table, so a new
+// code is named once.
+struct ItemStatusInfo {
+  ItemStatus value;
+  const char* name;
+  const char* message;
+};
+inline constexpr ItemStatusInfo kItemStatuses[] = {
+    {ItemStatus::kOk, "OK", "ok"},
+    {ItemStatus::kBusy, "BUSY", nullptr},
+    {ItemStatus::kNoSpace, "NO_SPACE", nullptr},
+    {ItemStatus::kTimedOut, "TIMED_OUT", nullptr},
+    {ItemStatus::kCancelled, "CANCELLED", nullptr},
+    {ItemStatus::kBadTrailer, "BAD_TRAILER", "bad record trailer (torn or foreign record)"},
+    {ItemStatus::kWrongKey, "WRONG_KEY", "record belongs to another key, namespace or length"},
+    {ItemStatus::kBadChecksum, "BAD_CHECKSUM", "payload checksum mismatch"},
+    {ItemStatus::kShortRead, "SHORT_READ", "short read at end of file"},
+    {ItemStatus::kMissing, "MISSING", "no such key"},
+    {ItemStatus::kBadLength, "BAD_LENGTH", "value too short or of another length"},
+    {ItemStatus::kServerError, "SERVER_ERROR", "the server answered an error"},
+};
+
 // A message for any item code: the named integrity failures, else strerror.
 const char* item_error(std::int32_t code);
 

@@ -1,5 +1,209 @@
-# Type stub for the compiled core (csrc/bindings/module.cc); its names are
-# used through the typed Python wrappers, so they are left as Any here.
-from typing import Any
+# Type stub of the compiled core, kept by hand beside csrc/bindings/ (one
+# section per binding file); mypy checks every call into the core against it.
+import enum
+from collections.abc import Iterator, Sequence
+from typing import Final
 
-def __getattr__(name: str) -> Any: ...
+import numpy as np
+import numpy.typing as npt
+from typing_extensions import Buffer
+
+# codes.cc (csrc/core/codes.h)
+class StatusCode(enum.IntEnum):
+    OK = 0
+    INVALID_ARGUMENT = 1
+    IO_ERROR = 2
+    BUSY = 3
+    CUDA = 4
+    CLOSED = 5
+    TIMEOUT = 6
+    CANCELLED = 7
+    INTERNAL = 8
+
+class ItemStatus(enum.IntEnum):
+    OK = 0
+    BUSY = 16
+    NO_SPACE = 28
+    TIMED_OUT = 110
+    CANCELLED = 125
+    BAD_TRAILER = -1
+    WRONG_KEY = -2
+    BAD_CHECKSUM = -3
+    SHORT_READ = -4
+    MISSING = -5
+    BAD_LENGTH = -6
+    SERVER_ERROR = -7
+
+def item_error(code: int) -> str: ...
+
+# pool.cc
+class HostPool:
+    @staticmethod
+    def create(
+        num_slots: int, slot_bytes: int, name: str = "", mlock: bool = False, prefault: bool = True
+    ) -> HostPool: ...
+    @staticmethod
+    def attach(name: str) -> HostPool: ...
+    @staticmethod
+    def reap_stale() -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def num_slots(self) -> int: ...
+    @property
+    def slot_bytes(self) -> int: ...
+    @property
+    def owner(self) -> bool: ...
+    @property
+    def locked(self) -> bool: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def address(self) -> int: ...
+    def slot_address(self, index: int) -> int: ...
+    def array(self, first: int, count: int) -> npt.NDArray[np.uint8]: ...
+    def close(self) -> None: ...
+
+# engine.cc
+class JobResult:
+    @property
+    def job_id(self) -> int: ...
+    @property
+    def ok(self) -> bool: ...
+    @property
+    def error(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def items(self) -> list[int]: ...
+    @property
+    def timed_out(self) -> bool: ...
+    @property
+    def held(self) -> bool: ...
+    @property
+    def released(self) -> bool: ...
+    def __iter__(self) -> Iterator[int | bool | str | float]: ...
+
+class Engine:
+    def __init__(
+        self,
+        num_threads: int,
+        queues: Sequence[tuple[int, bool] | tuple[int, bool, float]],
+    ) -> None: ...
+    def submit_sleep(
+        self, seconds: float, nbytes: int = 0, fail: str = "", queue: int = 0
+    ) -> int: ...
+    def poll(self) -> list[JobResult]: ...
+    def wait(self, job_ids: Sequence[int], timeout: float = -1.0) -> None: ...
+    def close(self, cancel: bool = False) -> None: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def num_threads(self) -> int: ...
+    def in_flight_bytes(self, queue: int = 0) -> int: ...
+    def register_region(self, address: int, nbytes: int) -> None: ...
+    def unregister_region(self, address: int) -> None: ...
+    # copy.cc
+    def submit_copy(self, descs: npt.NDArray[np.int64], queue: int = 0) -> int: ...
+    def copy_inline(self, descs: npt.NDArray[np.int64]) -> None: ...
+    # disk.cc
+    def submit_disk(
+        self,
+        store: DiskStore,
+        write: bool,
+        records: npt.NDArray[np.int64],
+        keys: npt.NDArray[np.uint8],
+        queue: int = 0,
+    ) -> int: ...
+    # remote.cc
+    def submit_remote(
+        self,
+        store: RemoteStore,
+        kind: str,
+        keys: Sequence[bytes],
+        slots: npt.NDArray[np.int64],
+        payload_len: int,
+        digests: npt.NDArray[np.uint8],
+        queue: int = 0,
+    ) -> int: ...
+
+# copy.cc
+def cuda_runtime() -> tuple[str, int, bool]: ...
+
+class CudaCopier:
+    def __init__(
+        self, device: int, host_regions: Sequence[tuple[int, int]], use_batch: bool = True
+    ) -> None: ...
+    def submit(
+        self,
+        queue: int,
+        descs: npt.NDArray[np.int64],
+        wait_stream: int = 0,
+        deps: Sequence[int] = ...,
+    ) -> int: ...
+    def poll(self) -> list[JobResult]: ...
+    def wait(self, job_ids: Sequence[int]) -> None: ...
+    def pending(self, job_id: int) -> bool: ...
+    def stats(self) -> dict[str, int]: ...
+    @property
+    def runtime_path(self) -> str: ...
+    @property
+    def runtime_version(self) -> int: ...
+
+# disk.cc
+class DiskStore:
+    def __init__(
+        self,
+        paths: Sequence[str],
+        file_bytes: int,
+        backend: str = "auto",
+        queue_depth: int = 32,
+        max_io_bytes: int = 1048576,
+        direct: bool = True,
+        sync: bool = False,
+        ns: bytes = ...,
+        buffers: Sequence[tuple[int, int]] = ...,
+        trailer_in_slot: bool = True,
+    ) -> None: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def direct(self) -> bool: ...
+    @property
+    def note(self) -> str: ...
+
+DISK_TRAILER_BYTES: Final[int]
+
+def disk_record_bytes(payload_len: int) -> int: ...
+def uring_compiled_in() -> bool: ...
+
+# remote.cc
+class RemoteStore:
+    def __init__(
+        self,
+        seeds: Sequence[tuple[str, int]],
+        cluster: bool,
+        user: str,
+        password: str,
+        db: int,
+        connect_timeout_ms: int,
+        io_timeout_ms: int,
+        pipeline: int,
+        ttl_ms: int,
+        lazy: bool,
+        ns: bytes,
+        window_bytes: int = ...,
+    ) -> None: ...
+    @property
+    def nodes(self) -> list[str]: ...
+    @property
+    def redirects(self) -> int: ...
+
+REMOTE_HEADER_BYTES: Final[int]
+
+# module.cc
+def crc32c(data: Buffer, crc: int = 0) -> int: ...
+def crc32c_backend() -> str: ...
+def build_info() -> dict[str, str]: ...

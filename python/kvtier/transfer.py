@@ -17,13 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvtier.engine import Engine
-from kvtier.errors import Busy, InvalidArgument
+from kvtier.errors import Busy, ClosedError, InvalidArgument
 from kvtier.pool import HostPool
+
+if TYPE_CHECKING:
+    from kvtier import _native
 
 STORE_QUEUE, LOAD_QUEUE, EXPEDITED_QUEUE = 0, 1, 2
 
@@ -175,18 +178,25 @@ class _CudaBackend:
     def __init__(self, pool: HostPool, device: int, use_batch: bool) -> None:
         from kvtier import _native
 
-        self.copier = _native.CudaCopier(device, [(pool.address, pool.nbytes)], use_batch)
+        self.copier: _native.CudaCopier | None = _native.CudaCopier(
+            device, [(pool.address, pool.nbytes)], use_batch
+        )
+
+    def _live(self) -> _native.CudaCopier:
+        if self.copier is None:
+            raise ClosedError("device transfer is shut down")
+        return self.copier
 
     def submit(
         self, queue: int, descs: np.ndarray, wait_stream: int, conflicts: dict[int, int]
     ) -> tuple[int, int] | None:
-        return self.copier.submit(queue, descs, wait_stream, list(conflicts)), queue
+        return self._live().submit(queue, descs, wait_stream, list(conflicts)), queue
 
     def poll(self) -> list[Any]:
-        return self.copier.poll()
+        return list(self._live().poll())
 
     def wait(self, ids: list[int], timeout: float | None) -> None:
-        self.copier.wait(ids)
+        self._live().wait(ids)
 
     def close(self) -> None:
         self.copier = None

@@ -19,7 +19,6 @@
 #include <vector>
 
 #include "../disk/record.h"
-#include "../disk/store.h"
 #include "../engine.h"
 #include "resp.h"
 

@@ -1,0 +1,79 @@
+// Copies: Engine.submit_copy and copy_inline (host memcpy on worker threads
+// or on the caller), and the CUDA copier (dlopen'ed runtime).
+#include <cstring>
+
+#include "../core/copy/cuda.h"
+#include "../core/copy/host_copy.h"
+#include "bindings.h"
+
+namespace kvtier::bindings {
+
+namespace cu = kvtier::cuda;
+
+void bind_copy(py::module_& m, EngineClass& engine) {
+  engine
+      .def(
+          "submit_copy",
+          [](Engine& e, const py::object& descs, std::size_t queue) {
+            return submit_or_busy(e, make_host_copy_job(descs_from_array(descs)), queue);
+          },
+          py::arg("descs"), py::arg("queue") = 0)
+      // The baseline every copy benchmark is measured against: the same
+      // descriptors memcpy'd on the calling thread, GIL released.
+      .def(
+          "copy_inline",
+          [](Engine& e, const py::object& descs) {
+            auto d = descs_from_array(descs);
+            e.check_ranges(d);
+            py::gil_scoped_release nogil;
+            for (const auto& x : d)
+              std::memcpy(reinterpret_cast<void*>(x.dst), reinterpret_cast<const void*>(x.src),
+                          x.nbytes);
+          },
+          py::arg("descs"));
+
+  m.def("cuda_runtime", [] {
+    const cu::Api& a = cu::load_api();
+    return py::make_tuple(a.path, a.version, a.MemcpyBatchAsync != nullptr);
+  });
+  py::class_<cu::Copier>(m, "CudaCopier")
+      .def(py::init([](int device,
+                       const std::vector<std::pair<std::uintptr_t, std::size_t>>& regions,
+                       bool use_batch) {
+             py::gil_scoped_release nogil;  // host registration pins memory: slow
+             return std::make_unique<cu::Copier>(device, regions, use_batch);
+           }),
+           py::arg("device"), py::arg("host_regions"), py::arg("use_batch") = true)
+      .def(
+          "submit",
+          [](cu::Copier& c, int queue, const py::object& descs, std::uintptr_t wait_stream,
+             const std::vector<std::uint64_t>& deps) {
+            auto d = descs_from_array(descs);
+            py::gil_scoped_release nogil;
+            return c.submit(queue, d, wait_stream, deps);
+          },
+          py::arg("queue"), py::arg("descs"), py::arg("wait_stream") = 0,
+          py::arg("deps") = std::vector<std::uint64_t>{})
+      .def("poll", &cu::Copier::poll)
+      .def(
+          "wait",
+          [](cu::Copier& c, const std::vector<std::uint64_t>& ids) {
+            py::gil_scoped_release nogil;
+            c.wait(ids);
+          },
+          py::arg("job_ids"))
+      .def("pending", &cu::Copier::pending, py::arg("job_id"))
+      .def("stats",
+           [](const cu::Copier& c) {
+             auto s = c.stats();
+             py::dict d;
+             d["batch_calls"] = s.batch_calls;
+             d["memcpy_calls"] = s.memcpy_calls;
+             d["registered_bytes"] = s.registered_bytes;
+             return d;
+           })
+      .def_property_readonly("runtime_path", &cu::Copier::runtime_path)
+      .def_property_readonly("runtime_version", &cu::Copier::runtime_version);
+}
+
+}  // namespace kvtier::bindings

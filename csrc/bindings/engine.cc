@@ -1,0 +1,96 @@
+// Engine: job queues, budgets, deadlines, poll/wait, memory regions; and
+// JobResult, the one completion record of every job (host copy, disk,
+// remote, CUDA). The submit_* of each medium are added by its own file.
+#include "../core/engine.h"
+
+#include "bindings.h"
+
+namespace kvtier::bindings {
+
+namespace {
+QueueOptions queue_options(const py::tuple& t) {
+  // (budget_bytes, serial[, deadline_seconds])
+  if (t.size() != 2 && t.size() != 3)
+    throw Error(StatusCode::kInvalidArgument,
+                "a queue is (budget_bytes, serial[, deadline_seconds])");
+  QueueOptions o;
+  o.budget_bytes = t[0].cast<std::uint64_t>();
+  o.serial = t[1].cast<bool>();
+  if (t.size() == 3) {
+    const double d = t[2].cast<double>();
+    if (!(d >= 0)) throw Error(StatusCode::kInvalidArgument, "deadline must be >= 0");
+    o.deadline = std::chrono::milliseconds(static_cast<std::int64_t>(d * 1000));
+  }
+  return o;
+}
+}  // namespace
+
+EngineClass bind_engine(py::module_& m) {
+  py::class_<JobResult>(m, "JobResult")
+      .def_readonly("job_id", &JobResult::job_id)
+      .def_readonly("ok", &JobResult::ok)
+      .def_readonly("error", &JobResult::error)
+      .def_readonly("nbytes", &JobResult::nbytes)
+      .def_readonly("seconds", &JobResult::seconds)
+      .def_readonly("items", &JobResult::items)
+      .def_readonly("timed_out", &JobResult::timed_out)
+      .def_readonly("held", &JobResult::held)
+      .def_readonly("released", &JobResult::released)
+      .def("__iter__",
+           [](const JobResult& r) {
+             return py::iter(py::make_tuple(r.job_id, r.ok, r.error, r.nbytes, r.seconds));
+           })
+      .def("__repr__", [](const JobResult& r) {
+        return "JobResult(job_id=" + std::to_string(r.job_id) +
+               ", ok=" + (r.ok ? "True" : "False") + ", error='" + r.error +
+               "', nbytes=" + std::to_string(r.nbytes) + ", seconds=" + std::to_string(r.seconds) +
+               ")";
+      });
+
+  EngineClass engine(m, "Engine");
+  engine
+      .def(py::init([](std::size_t num_threads, const std::vector<py::tuple>& qs) {
+             std::vector<QueueOptions> opts;
+             for (const auto& t : qs) opts.push_back(queue_options(t));
+             return std::make_unique<Engine>(num_threads, std::move(opts));
+           }),
+           py::arg("num_threads"), py::arg("queues"))
+      .def(
+          "submit_sleep",
+          [](Engine& e, double seconds, std::uint64_t nbytes, const std::string& fail,
+             std::size_t queue) {
+            if (seconds < 0) throw Error(StatusCode::kInvalidArgument, "seconds must be >= 0");
+            auto ms = std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000));
+            return submit_or_busy(e, make_sleep_job(ms, nbytes, fail), queue);
+          },
+          py::arg("seconds"), py::arg("nbytes") = 0, py::arg("fail") = "", py::arg("queue") = 0)
+      .def("poll", &Engine::poll)
+      .def(
+          "wait",
+          [](Engine& e, const std::vector<std::uint64_t>& ids, double timeout) {
+            wait_interruptibly([&](std::chrono::milliseconds s) { return e.wait_for(ids, s); },
+                               timeout, "wait: " + std::to_string(ids.size()) + " job(s)");
+          },
+          py::arg("job_ids"), py::arg("timeout") = -1.0)
+      .def(
+          "close",
+          [](Engine& e, bool cancel) {
+            py::gil_scoped_release nogil;
+            e.close(cancel);
+          },
+          py::arg("cancel") = false)
+      .def_property_readonly("closed", &Engine::closed)
+      .def_property_readonly("num_threads", &Engine::num_threads)
+      .def("in_flight_bytes", &Engine::in_flight_bytes, py::arg("queue") = 0)
+      .def("register_region", &Engine::register_region, py::arg("address"), py::arg("nbytes"))
+      .def(
+          "unregister_region",
+          [](Engine& e, std::uintptr_t addr) {
+            py::gil_scoped_release nogil;
+            e.unregister_region(addr);
+          },
+          py::arg("address"));
+  return engine;
+}
+
+}  // namespace kvtier::bindings

@@ -1,0 +1,71 @@
+// HostPool: the shared-memory slots every tier and transfer reads and writes.
+#include "../core/pool.h"
+
+#include "bindings.h"
+
+namespace kvtier::bindings {
+
+namespace {
+const HostPool& open_pool(const std::shared_ptr<HostPool>& p) {
+  if (p->closed()) throw Error(StatusCode::kClosed, "host pool is closed");
+  return *p;
+}
+}  // namespace
+
+void bind_pool(py::module_& m) {
+  py::class_<HostPool, std::shared_ptr<HostPool>>(m, "HostPool")
+      .def_static(
+          "create",
+          [](std::size_t num_slots, std::size_t slot_bytes, const std::string& name, bool mlock,
+             bool prefault) {
+            PoolOptions o;
+            o.mlock = mlock;
+            o.prefault = prefault;
+            py::gil_scoped_release nogil;  // pre-faulting a large pool takes a while
+            return std::make_shared<HostPool>(HostPool::create(num_slots, slot_bytes, name, o));
+          },
+          py::arg("num_slots"), py::arg("slot_bytes"), py::arg("name") = "",
+          py::arg("mlock") = false, py::arg("prefault") = true)
+      .def_static(
+          "attach",
+          [](const std::string& name) {
+            py::gil_scoped_release nogil;
+            return std::make_shared<HostPool>(HostPool::attach(name));
+          },
+          py::arg("name"))
+      .def_static("reap_stale", &HostPool::reap_stale)
+      .def_property_readonly("name", &HostPool::name)
+      .def_property_readonly("num_slots", &HostPool::num_slots)
+      .def_property_readonly("slot_bytes", &HostPool::slot_bytes)
+      .def_property_readonly("owner", &HostPool::owner)
+      .def_property_readonly("locked", &HostPool::locked)
+      .def_property_readonly("closed", &HostPool::closed)
+      .def_property_readonly("address",
+                             [](const std::shared_ptr<HostPool>& p) {
+                               return reinterpret_cast<std::uintptr_t>(open_pool(p).data());
+                             })
+      .def(
+          "slot_address",
+          [](const std::shared_ptr<HostPool>& p, std::size_t i) {
+            return reinterpret_cast<std::uintptr_t>(open_pool(p).slot(i));
+          },
+          py::arg("index"))
+      // A zero-copy uint8 array over slots [first, first+count); it keeps the
+      // mapping alive even after close().
+      .def(
+          "array",
+          [](const std::shared_ptr<HostPool>& p, std::size_t first, std::size_t count) {
+            const HostPool& pool = open_pool(p);
+            if (count == 0 || first >= pool.num_slots() || count > pool.num_slots() - first)
+              throw Error(StatusCode::kInvalidArgument,
+                          "slots [" + std::to_string(first) + ", " + std::to_string(first + count) +
+                              ") out of range [0, " + std::to_string(pool.num_slots()) + ")");
+            return py::array_t<std::uint8_t>(
+                {static_cast<py::ssize_t>(count), static_cast<py::ssize_t>(pool.slot_bytes())},
+                pool.slot(first), py::cast(p));
+          },
+          py::arg("first"), py::arg("count"))
+      .def("close", &HostPool::close);
+}
+
+}  // namespace kvtier::bindings

@@ -1,0 +1,75 @@
+// The remote tier's Redis / Valkey store and Engine.submit_remote.
+#include <cstring>
+
+#include "../core/remote/client.h"
+#include "bindings.h"
+
+namespace kvtier::bindings {
+
+namespace rm = kvtier::remote;
+
+void bind_remote(py::module_& m, EngineClass& engine) {
+  // kind: "store" | "load" | "exists"; keys: list of bytes (server keys);
+  // slots: int64 addresses; digests: uint8 (N, 16).
+  engine.def(
+      "submit_remote",
+      [](Engine& e, const std::shared_ptr<rm::Store>& store, const std::string& kind,
+         const std::vector<py::bytes>& keys, const py::object& slots, std::uint64_t payload_len,
+         const py::object& digests, std::size_t queue) {
+        rm::Kind k;
+        if (kind == "store")
+          k = rm::Kind::kStore;
+        else if (kind == "load")
+          k = rm::Kind::kLoad;
+        else if (kind == "exists")
+          k = rm::Kind::kExists;
+        else
+          throw Error(StatusCode::kInvalidArgument, "kind must be store, load or exists");
+        const auto n = static_cast<py::ssize_t>(keys.size());
+        auto sv = rows_of<std::int64_t>(slots, n, 0, "slots").unchecked<1>();
+        auto dv = rows_of<std::uint8_t>(digests, n, 16, "digests").unchecked<2>();
+        std::vector<rm::Item> items(keys.size());
+        for (py::ssize_t i = 0; i < n; ++i) {
+          auto& it = items[static_cast<std::size_t>(i)];
+          it.key = keys[static_cast<std::size_t>(i)];
+          it.slot = static_cast<std::uintptr_t>(sv(i));
+          it.payload_len = payload_len;
+          std::memcpy(it.digest.b, dv.data(i, 0), 16);
+        }
+        return submit_or_busy(e, store->make_job(k, std::move(items)), queue);
+      },
+      py::arg("store"), py::arg("kind"), py::arg("keys"), py::arg("slots"), py::arg("payload_len"),
+      py::arg("digests"), py::arg("queue") = 0);
+
+  py::class_<rm::Store, std::shared_ptr<rm::Store>>(m, "RemoteStore")
+      .def(py::init([](const std::vector<std::pair<std::string, int>>& seeds, bool cluster,
+                       const std::string& user, const std::string& password, int db,
+                       int connect_timeout_ms, int io_timeout_ms, unsigned pipeline,
+                       std::uint64_t ttl_ms, bool lazy, const py::bytes& ns,
+                       std::uint64_t window_bytes) {
+             rm::Options o;
+             for (const auto& [h, p] : seeds) o.seeds.push_back({h, p});
+             o.cluster = cluster;
+             o.user = user;
+             o.password = password;
+             o.db = db;
+             o.connect_timeout_ms = connect_timeout_ms;
+             o.io_timeout_ms = io_timeout_ms;
+             o.pipeline = pipeline;
+             o.window_bytes = window_bytes;
+             o.ttl_ms = ttl_ms;
+             o.lazy = lazy;
+             o.ns = namespace_digest(ns);
+             py::gil_scoped_release nogil;  // connects to the servers
+             return rm::Store::open(std::move(o));
+           }),
+           py::arg("seeds"), py::arg("cluster"), py::arg("user"), py::arg("password"),
+           py::arg("db"), py::arg("connect_timeout_ms"), py::arg("io_timeout_ms"),
+           py::arg("pipeline"), py::arg("ttl_ms"), py::arg("lazy"), py::arg("ns"),
+           py::arg("window_bytes") = rm::Options{}.window_bytes)
+      .def_property_readonly("nodes", &rm::Store::nodes)
+      .def_property_readonly("redirects", &rm::Store::redirects);
+  m.attr("REMOTE_HEADER_BYTES") = sizeof(disk::Trailer);
+}
+
+}  // namespace kvtier::bindings
