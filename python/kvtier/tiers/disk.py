@@ -163,15 +163,6 @@ class DiskTier(JobTier):
         )
 
     # -- construction helpers ------------------------------------------------
-    @classmethod
-    def from_spec(cls, spec: str, block_bytes: int, **kw: Any) -> DiskTier:
-        """``DIR:SIZE`` as given on the command line (``/mnt/nvme/kv:100GiB``)."""
-        from kvtier.tiers.factory import parse_disk_spec
-
-        path, size = parse_disk_spec(spec)
-        Path(path).mkdir(mode=0o700, parents=True, exist_ok=True)
-        return cls(path, size, block_bytes, **kw)
-
     @staticmethod
     def slot_bytes_for(block_bytes: int) -> int:
         """Host slot size a pool needs for this tier (payload + trailer)."""
