@@ -9,7 +9,9 @@ request's time to first token is its prefill (or load) alone.
 Configurations, in run order (a run is all of them; ratios are taken within a
 run, then the median over runs is reported):
 
-- ``none``: no prefix cache: every prompt recomputed (the baseline);
+- ``none``: no offloading, vLLM's prefix cache reset after every request:
+  every prompt recomputed (the baseline; the same engine settings as the
+  kvtier configurations, so the same kernels run);
 - ``prefix``: vLLM's own prefix cache, never reset (the reference to match);
 - ``host``: kvtier's host tier holding the whole working set;
 - ``host+disk`` / ``host+redis`` / ``host+disk+redis``: a host tier of a third
@@ -19,8 +21,8 @@ run, then the median over runs is reported):
   ``host+redis`` filled: its first turns are loaded from Redis;
 - ``vllm-cpu-offload``: vLLM's own CPU offloading, where the platform allows.
 
-In every kvtier configuration vLLM's prefix cache is reset after each
-request, so a returning prefix can only come from offloading.
+In ``none`` and every kvtier configuration vLLM's prefix cache is reset
+after each request, so a returning prefix can only come from offloading.
 """
 
 from __future__ import annotations
@@ -114,6 +116,15 @@ def summarize(result: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, A
             t: int(kv.get(f"loaded_{t}", 0)) * TOKENS_PER_BLOCK for t in ("host", "disk", "remote")
         },
         "startup_s": result["startup_s"],
+        "requests": [
+            {
+                "id": r["id"],
+                "turn": r["turn"],
+                "ttft_ms": round(1e3 * r["ttft_s"], 2),
+                "cached_tokens": r["cached_tokens"],
+            }
+            for r in reqs
+        ],
     }
     if ref is not None and "requests" in ref:
         want = {r["id"]: r["output"] for r in ref["requests"]}
@@ -210,8 +221,10 @@ def run_serve(
             raw: dict[str, dict[str, Any]] = {}
             for name in configs:
                 bar.set_postfix_str(f"run {rep + 1}/{repeats}: {name}")
-                if redis is not None and name != "second-engine":
-                    redis.cli("FLUSHALL")  # each configuration starts cold
+                if redis is not None and "redis" in name:
+                    # Each Redis configuration starts cold; second-engine reads
+                    # what the last one stored.
+                    redis.cli("FLUSHALL")
                 url = redis.url if redis is not None else None
                 spec = {**base, **_config_spec(name, str(model_dir), sizes, work, url)}
                 raw[name] = _run_child(python, spec, work, name)
