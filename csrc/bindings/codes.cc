@@ -14,27 +14,20 @@ namespace kvtier::bindings {
 
 namespace {
 
-struct StatusInfo {
-  StatusCode value;
-  const char* name;
-  const char* error_class;  // in kvtier.errors
-};
-constexpr StatusInfo kStatuses[] = {
-    {StatusCode::kOk, "OK", "KvtierError"},
-    {StatusCode::kInvalidArgument, "INVALID_ARGUMENT", "InvalidArgument"},
-    {StatusCode::kIoError, "IO_ERROR", "IoError"},
-    {StatusCode::kBusy, "BUSY", "Busy"},
-    {StatusCode::kCuda, "CUDA", "CudaError"},
-    {StatusCode::kClosed, "CLOSED", "ClosedError"},
-    {StatusCode::kTimeout, "TIMEOUT", "Timeout"},
-    {StatusCode::kCancelled, "CANCELLED", "KvtierError"},
-    {StatusCode::kInternal, "INTERNAL", "KvtierError"},
-};
+// Indexed by StatusCode (0..8): its Python name, and its class in kvtier.errors.
+constexpr const char* kStatusNames[] = {"OK",      "INVALID_ARGUMENT", "IO_ERROR", "BUSY",
+                                        "CUDA",    "CLOSED",           "TIMEOUT",  "CANCELLED",
+                                        "INTERNAL"};
+constexpr const char* kErrorClasses[] = {"KvtierError", "InvalidArgument", "IoError",
+                                         "Busy",        "CudaError",       "ClosedError",
+                                         "Timeout",     "KvtierError",     "KvtierError"};
+constexpr std::size_t kNumStatus = sizeof kStatusNames / sizeof kStatusNames[0];
+static_assert(static_cast<std::size_t>(StatusCode::kInternal) + 1 == kNumStatus &&
+              sizeof kErrorClasses == sizeof kStatusNames);
 
 void translate(const Error& e) {
-  const char* name = "KvtierError";
-  for (const auto& s : kStatuses)
-    if (s.value == e.code()) name = s.error_class;
+  const auto i = static_cast<std::size_t>(e.code());
+  const char* name = i < kNumStatus ? kErrorClasses[i] : "KvtierError";
   py::object cls = py::module_::import("kvtier.errors").attr(name);
   // IoError is also an OSError: (errno, message) sets its errno attribute.
   py::object exc = e.code() == StatusCode::kIoError ? cls(e.sys_errno(), e.what()) : cls(e.what());
@@ -55,7 +48,8 @@ void bind_codes(py::module_& m) {
   py::native_enum<StatusCode> status(
       m, "StatusCode", "enum.IntEnum",
       "What a native call failed with (each maps to a kvtier.errors class).");
-  for (const auto& s : kStatuses) status.value(s.name, s.value);
+  for (std::size_t i = 0; i < kNumStatus; ++i)
+    status.value(kStatusNames[i], static_cast<StatusCode>(i));
   status.finalize();
 
   py::native_enum<ItemStatus> item(

@@ -55,13 +55,15 @@ void bind_copy(py::module_& m, EngineClass& engine) {
           py::arg("queue"), py::arg("descs"), py::arg("wait_stream") = 0,
           py::arg("deps") = std::vector<std::uint64_t>{})
       .def("poll", &cu::Copier::poll)
+      // Blocks until the jobs' copies are complete: interruptible (Ctrl-C),
+      // kvtier.Timeout after `timeout` seconds (< 0: no limit).
       .def(
           "wait",
-          [](cu::Copier& c, const std::vector<std::uint64_t>& ids) {
-            py::gil_scoped_release nogil;
-            c.wait(ids);
+          [](cu::Copier& c, const std::vector<std::uint64_t>& ids, double timeout) {
+            wait_interruptibly([&](std::chrono::milliseconds s) { return c.wait_for(ids, s); },
+                               timeout, "wait: " + std::to_string(ids.size()) + " copy job(s)");
           },
-          py::arg("job_ids"))
+          py::arg("job_ids"), py::arg("timeout") = -1.0)
       .def("pending", &cu::Copier::pending, py::arg("job_id"))
       .def("stats",
            [](const cu::Copier& c) {

@@ -38,16 +38,9 @@ void bind_disk(py::module_& m, EngineClass& engine) {
                        bool direct, bool sync, const py::bytes& ns,
                        const std::vector<std::pair<std::uintptr_t, std::size_t>>& buffers,
                        bool trailer_in_slot) {
-             disk::StoreOptions o;
-             o.paths = std::move(paths);
-             o.file_bytes = file_bytes;
-             o.backend = backend;
-             o.queue_depth = queue_depth;
-             o.max_io_bytes = max_io_bytes;
-             o.direct = direct;
-             o.sync = sync;
-             o.trailer_in_slot = trailer_in_slot;
-             o.ns = namespace_digest(ns);
+             disk::StoreOptions o{std::move(paths),     file_bytes, backend, queue_depth,
+                                  max_io_bytes,         direct,     sync,    trailer_in_slot,
+                                  namespace_digest(ns), {}};
              for (const auto& [a, n] : buffers)
                o.buffers.emplace_back(reinterpret_cast<std::uint8_t*>(a), n);
              py::gil_scoped_release nogil;  // preallocation and ring setup take time

@@ -8,6 +8,19 @@
 namespace kvtier::bindings {
 
 namespace {
+
+template <typename M>
+struct field {
+  const char* name;
+  M JobResult::*member;
+};
+template <typename M>
+field(const char*, M JobResult::*) -> field<M>;
+template <typename... M>
+void readonly(py::class_<JobResult>& cls, field<M>... f) {
+  (cls.def_readonly(f.name, f.member), ...);
+}
+
 QueueOptions queue_options(const py::tuple& t) {
   // (budget_bytes, serial[, deadline_seconds])
   if (t.size() != 2 && t.size() != 3)
@@ -26,16 +39,13 @@ QueueOptions queue_options(const py::tuple& t) {
 }  // namespace
 
 EngineClass bind_engine(py::module_& m) {
-  py::class_<JobResult>(m, "JobResult")
-      .def_readonly("job_id", &JobResult::job_id)
-      .def_readonly("ok", &JobResult::ok)
-      .def_readonly("error", &JobResult::error)
-      .def_readonly("nbytes", &JobResult::nbytes)
-      .def_readonly("seconds", &JobResult::seconds)
-      .def_readonly("items", &JobResult::items)
-      .def_readonly("timed_out", &JobResult::timed_out)
-      .def_readonly("held", &JobResult::held)
-      .def_readonly("released", &JobResult::released)
+  py::class_<JobResult> result(m, "JobResult");
+  readonly(result, field{"job_id", &JobResult::job_id}, field{"ok", &JobResult::ok},
+           field{"error", &JobResult::error}, field{"nbytes", &JobResult::nbytes},
+           field{"seconds", &JobResult::seconds}, field{"items", &JobResult::items},
+           field{"timed_out", &JobResult::timed_out}, field{"held", &JobResult::held},
+           field{"released", &JobResult::released});
+  result
       .def("__iter__",
            [](const JobResult& r) {
              return py::iter(py::make_tuple(r.job_id, r.ok, r.error, r.nbytes, r.seconds));

@@ -47,19 +47,19 @@ void bind_remote(py::module_& m, EngineClass& engine) {
                        int connect_timeout_ms, int io_timeout_ms, unsigned pipeline,
                        std::uint64_t ttl_ms, bool lazy, const py::bytes& ns,
                        std::uint64_t window_bytes) {
-             rm::Options o;
+             rm::Options o{{},
+                           cluster,
+                           user,
+                           password,
+                           db,
+                           connect_timeout_ms,
+                           io_timeout_ms,
+                           pipeline,
+                           window_bytes,
+                           ttl_ms,
+                           lazy,
+                           namespace_digest(ns)};
              for (const auto& [h, p] : seeds) o.seeds.push_back({h, p});
-             o.cluster = cluster;
-             o.user = user;
-             o.password = password;
-             o.db = db;
-             o.connect_timeout_ms = connect_timeout_ms;
-             o.io_timeout_ms = io_timeout_ms;
-             o.pipeline = pipeline;
-             o.window_bytes = window_bytes;
-             o.ttl_ms = ttl_ms;
-             o.lazy = lazy;
-             o.ns = namespace_digest(ns);
              py::gil_scoped_release nogil;  // connects to the servers
              return rm::Store::open(std::move(o));
            }),

@@ -30,6 +30,13 @@ int g_store_delay_us = 0;  // extra delay for copies into registered host memory
 int g_fail_copies = 0, g_fail_copies_err = 1;
 int g_fail_queries = 0, g_fail_queries_err = 700;
 std::map<void*, std::size_t> g_registered;
+// Leak checks: live streams and events, and a countdown that fails the nth
+// resource-creating call (set device, stream, event, host registration).
+long g_live_streams = 0, g_live_events = 0;
+int g_fail_setup_in = 0;
+bool setup_fails() {  // under g_mu
+  return g_fail_setup_in > 0 && --g_fail_setup_in == 0;
+}
 std::uint64_t g_memcpy_calls = 0, g_batch_calls = 0;
 
 struct FakeStream {
@@ -91,6 +98,25 @@ void copy_op(void* dst, const void* src, std::size_t n) {
   std::memmove(dst, src, n);
 }
 
+// Streams and events: counted, and creation fails when the countdown says so.
+template <typename T>
+int create(void** out, long* live) {
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    if (setup_fails()) return 2;  // cudaErrorMemoryAllocation
+    ++*live;
+  }
+  *out = new T();
+  return 0;
+}
+template <typename T>
+int destroy(void* p, long* live) {
+  delete static_cast<T*>(p);  // outside g_mu: a stream joins its thread, which may take it
+  std::lock_guard<std::mutex> g(g_mu);
+  --*live;
+  return 0;
+}
+
 int version() {
   const char* v = std::getenv("FAKE_CUDA_VERSION");
   return v ? std::atoi(v) : 13000;
@@ -122,27 +148,16 @@ int cudaRuntimeGetVersion(int* v) {
   return 0;
 }
 
-int cudaSetDevice(int d) { return d == 0 ? 0 : 101; }
-
-int cudaStreamCreateWithFlags(void** s, unsigned) {
-  *s = new FakeStream();
-  return 0;
+int cudaSetDevice(int d) {
+  std::lock_guard<std::mutex> g(g_mu);
+  if (setup_fails()) return 2;  // cudaErrorMemoryAllocation
+  return d == 0 ? 0 : 101;
 }
 
-int cudaStreamDestroy(void* s) {
-  delete static_cast<FakeStream*>(s);
-  return 0;
-}
-
-int cudaEventCreateWithFlags(void** e, unsigned) {
-  *e = new FakeEvent();
-  return 0;
-}
-
-int cudaEventDestroy(void* e) {
-  delete static_cast<FakeEvent*>(e);
-  return 0;
-}
+int cudaStreamCreateWithFlags(void** s, unsigned) { return create<FakeStream>(s, &g_live_streams); }
+int cudaStreamDestroy(void* s) { return destroy<FakeStream>(s, &g_live_streams); }
+int cudaEventCreateWithFlags(void** e, unsigned) { return create<FakeEvent>(e, &g_live_events); }
+int cudaEventDestroy(void* e) { return destroy<FakeEvent>(e, &g_live_events); }
 
 int cudaEventRecord(void* e, void* s) {
   auto* ev = static_cast<FakeEvent*>(e);
@@ -242,6 +257,7 @@ int cudaMemcpyBatchAsync(void* const* dsts, const void* const* srcs, const std::
 
 int cudaHostRegister(void* p, std::size_t n, unsigned) {
   std::lock_guard<std::mutex> g(g_mu);
+  if (setup_fails()) return 2;
   if (g_registered.count(p)) return 712;  // cudaErrorHostMemoryAlreadyRegistered
   g_registered[p] = n;
   return 0;
@@ -276,6 +292,16 @@ std::size_t fake_cuda_registered_bytes() {
   std::size_t t = 0;
   for (auto& [p, n] : g_registered) t += n;
   return t;
+}
+// The nth resource-creating call from now fails (0: none).
+void fake_cuda_fail_setup(int nth) {
+  std::lock_guard<std::mutex> g(g_mu);
+  g_fail_setup_in = nth;
+}
+// Streams, events and host registrations alive.
+long fake_cuda_live_objects() {
+  std::lock_guard<std::mutex> g(g_mu);
+  return g_live_streams + g_live_events + static_cast<long>(g_registered.size());
 }
 std::uint64_t fake_cuda_memcpy_calls() {
   std::lock_guard<std::mutex> g(g_mu);

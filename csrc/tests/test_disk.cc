@@ -35,6 +35,16 @@ disk::Digest digest(int i) {
   return d;
 }
 
+// Records 0..n-1 of file 0, from slots first.., each asking for key digest(i).
+std::vector<disk::RecordRef> records(kvtier::HostPool& pool, int first, int n, std::size_t rec,
+                                     std::size_t payload) {
+  std::vector<disk::RecordRef> v;
+  for (int i = 0; i < n; ++i)
+    v.push_back(
+        {reinterpret_cast<std::uintptr_t>(pool.slot(first + i)), 0, i * rec, payload, digest(i)});
+  return v;
+}
+
 TEST_P(DiskTest, StoreLoadVerifyAndDetectCorruption) {
   constexpr std::size_t kPayload = 16384;
   const std::size_t rec = disk::record_bytes(kPayload);
@@ -51,19 +61,14 @@ TEST_P(DiskTest, StoreLoadVerifyAndDetectCorruption) {
   EXPECT_STREQ(store->backend_name(), GetParam().c_str());
 
   std::mt19937 rng(5);
-  std::vector<disk::RecordRef> w;
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < 8; ++i)
     for (std::size_t b = 0; b < kPayload; ++b) pool.slot(i)[b] = static_cast<std::uint8_t>(rng());
-    w.push_back({reinterpret_cast<std::uintptr_t>(pool.slot(i)), 0, i * rec, kPayload, digest(i)});
-  }
+  std::vector<disk::RecordRef> w = records(pool, 0, 8, rec, kPayload);
   std::vector<std::int32_t> items;
   store->run(true, w, items);
   for (auto x : items) EXPECT_EQ(x, 0);
 
-  std::vector<disk::RecordRef> r;
-  for (int i = 0; i < 8; ++i)
-    r.push_back(
-        {reinterpret_cast<std::uintptr_t>(pool.slot(8 + i)), 0, i * rec, kPayload, digest(i)});
+  std::vector<disk::RecordRef> r = records(pool, 8, 8, rec, kPayload);
   r[3].key = digest(1234);  // asks for the wrong key
   store->run(false, r, items);
   for (int i = 0; i < 8; ++i) {
@@ -107,18 +112,12 @@ TEST_P(DiskTest, TrailerOutsideTheSlot) {
   o.buffers = {{pool.data(), pool.data_bytes()}};
   auto store = disk::Store::open(o);
   const std::size_t rec = disk::record_bytes(kPayload);
-  std::vector<disk::RecordRef> w;
-  for (int i = 0; i < 4; ++i) {
-    std::memset(pool.slot(i), 0x30 + i, kPayload);
-    w.push_back({reinterpret_cast<std::uintptr_t>(pool.slot(i)), 0, i * rec, kPayload, digest(i)});
-  }
+  for (int i = 0; i < 4; ++i) std::memset(pool.slot(i), 0x30 + i, kPayload);
+  std::vector<disk::RecordRef> w = records(pool, 0, 4, rec, kPayload);
   std::vector<std::int32_t> items;
   store->run(true, w, items);
   for (auto x : items) EXPECT_EQ(x, 0);
-  std::vector<disk::RecordRef> r;
-  for (int i = 0; i < 4; ++i)
-    r.push_back(
-        {reinterpret_cast<std::uintptr_t>(pool.slot(4 + i)), 0, i * rec, kPayload, digest(i)});
+  std::vector<disk::RecordRef> r = records(pool, 4, 4, rec, kPayload);
   r[2].key = digest(99);
   store->run(false, r, items);
   EXPECT_EQ(items[0], 0);

@@ -196,7 +196,7 @@ class _CudaBackend:
         return list(self._live().poll())
 
     def wait(self, ids: list[int], timeout: float | None) -> None:
-        self._live().wait(ids)
+        self._live().wait(ids, -1.0 if timeout is None else float(timeout))
 
     def close(self) -> None:
         self.copier = None

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <memory>
+#include <thread>
 
 #include "../status.h"
 
@@ -78,6 +79,32 @@ const Api& load_api() {
   return *api;
 }
 
+namespace {
+[[noreturn]] void fail(const Api& api, const char* what, Err e) {
+  throw Error(StatusCode::kCuda, std::string(what) + ": " + api.GetErrorString(e) +
+                                     " (cuda error " + std::to_string(e) + ")");
+}
+}  // namespace
+
+Handle make_stream(const Api& api, unsigned flags) {
+  Stream s = nullptr;
+  if (Err e = api.StreamCreateWithFlags(&s, flags); e != kSuccess)
+    fail(api, "cudaStreamCreateWithFlags", e);
+  return Handle(s, Release{api.StreamDestroy});
+}
+
+Handle make_event(const Api& api, unsigned flags) {
+  Event ev = nullptr;
+  if (Err e = api.EventCreateWithFlags(&ev, flags); e != kSuccess)
+    fail(api, "cudaEventCreateWithFlags", e);
+  return Handle(ev, Release{api.EventDestroy});
+}
+
+Handle register_host(const Api& api, void* p, std::size_t n) {
+  if (Err e = api.HostRegister(p, n, 0); e != kSuccess) fail(api, "cudaHostRegister", e);
+  return Handle(p, Release{api.HostUnregister});
+}
+
 std::string Copier::msg(const char* what, Err e) const {
   return std::string(what) + ": " + api_.GetErrorString(e) + " (cuda error " + std::to_string(e) +
          ")";
@@ -87,53 +114,47 @@ Copier::Copier(int device, const std::vector<std::pair<std::uintptr_t, std::size
                bool use_batch)
     : api_(load_api()), device_(device) {
   use_batch_ = use_batch && api_.MemcpyBatchAsync != nullptr && api_.version >= 12080;
-  Err e = api_.SetDevice(device_);
-  if (e != kSuccess) throw Error(StatusCode::kCuda, msg("cudaSetDevice", e));
-  for (auto& s : streams_) {
-    e = api_.StreamCreateWithFlags(&s, kStreamNonBlocking);
-    if (e != kSuccess) throw Error(StatusCode::kCuda, msg("cudaStreamCreateWithFlags", e));
-  }
+  for (const auto& [addr, n] : regions) host_.add(addr, n);  // InvalidArgument on overlap
+  if (Err e = api_.SetDevice(device_); e != kSuccess) fail(api_, "cudaSetDevice", e);
+  for (auto& s : streams_) s = make_stream(api_, kStreamNonBlocking);
   // cudaEventDisableTiming (2): the event only orders the copy streams.
-  e = api_.EventCreateWithFlags(&compute_ev_, 2);
-  if (e != kSuccess) throw Error(StatusCode::kCuda, msg("cudaEventCreateWithFlags", e));
+  compute_ev_ = make_event(api_, 2);
   // Page-lock the host pool in chunks so DMA runs at full speed.
   for (const auto& [addr, n] : regions) {
     for (std::size_t off = 0; off < n; off += kRegisterChunk) {
-      void* p = reinterpret_cast<void*>(addr + off);
       const std::size_t len = std::min(kRegisterChunk, n - off);
-      e = api_.HostRegister(p, len, 0);
-      if (e != kSuccess) throw Error(StatusCode::kCuda, msg("cudaHostRegister", e));
-      registered_.push_back(p);
+      registered_.push_back(register_host(api_, reinterpret_cast<void*>(addr + off), len));
       stats_.registered_bytes += len;
     }
   }
 }
 
 Copier::~Copier() {
+  // No DMA may outlive the registrations and events released after this.
   for (auto& q : queues_)
-    for (auto& j : q) api_.EventSynchronize(j.end);  // no DMA may outlive us
-  for (auto& q : queues_)
-    for (auto& j : q) {
-      api_.EventDestroy(j.start);
-      api_.EventDestroy(j.end);
-    }
-  for (Event ev : free_events_) api_.EventDestroy(ev);
-  if (compute_ev_) api_.EventDestroy(compute_ev_);
-  for (Stream s : streams_)
-    if (s) api_.StreamDestroy(s);
-  for (void* p : registered_) api_.HostUnregister(p);
+    for (auto& j : q) api_.EventSynchronize(j.end.get());
 }
 
-Event Copier::take_event() {
+Handle Copier::take_event() {
   if (!free_events_.empty()) {
-    Event ev = free_events_.back();
+    auto ev = std::move(free_events_.back());
     free_events_.pop_back();
     return ev;
   }
-  Event ev = nullptr;
-  Err e = api_.EventCreateWithFlags(&ev, 0);
-  if (e != kSuccess) throw Error(StatusCode::kCuda, msg("cudaEventCreateWithFlags", e));
-  return ev;
+  return make_event(api_, 0);
+}
+
+std::string Copier::check(int queue, const std::vector<CopyDesc>& descs) const {
+  // Stores write host memory, loads read it: that side must be pinned pool
+  // memory (the device side is the engine's KV cache, not ours to check).
+  for (std::size_t i = 0; i < descs.size(); ++i) {
+    const CopyDesc& d = descs[i];
+    const std::uintptr_t host = queue == 0 ? d.dst : d.src;
+    if (d.nbytes == 0) return "descriptor " + std::to_string(i) + ": size must be > 0";
+    if (!host_.covers(host, d.nbytes))
+      return "descriptor " + std::to_string(i) + ": host range outside the registered pool";
+  }
+  return {};
 }
 
 Err Copier::copy(Stream s, const std::vector<CopyDesc>& d) {
@@ -169,16 +190,18 @@ Err Copier::copy(Stream s, const std::vector<CopyDesc>& d) {
 std::uint64_t Copier::submit(int queue, const std::vector<CopyDesc>& descs,
                              std::uintptr_t wait_stream, const std::vector<std::uint64_t>& deps) {
   if (queue < 0 || queue > 2) throw_invalid("queue must be 0 (store), 1 (load) or 2 (expedited)");
+  if (std::string why = check(queue, descs); !why.empty()) throw_invalid(why);
   std::lock_guard<std::mutex> g(mu_);
-  Stream s = streams_[queue];
-  Job j{next_id_++, take_event(), take_event(), 0, {}};
+  Stream s = streams_[queue].get();
+  Job j{0, take_event(), take_event(), 0, {}, -1};
+  j.id = next_id_++;
   for (const auto& d : descs) j.bytes += d.nbytes;
   Err e = api_.SetDevice(device_);
   if (e != kSuccess) j.error = msg("cudaSetDevice", e);
   if (j.error.empty() && wait_stream != 0) {
     // Stores must read finished KV: wait for the compute stream's work so far.
-    e = api_.EventRecord(compute_ev_, reinterpret_cast<Stream>(wait_stream));
-    if (e == kSuccess) e = api_.StreamWaitEvent(s, compute_ev_, 0);
+    e = api_.EventRecord(compute_ev_.get(), reinterpret_cast<Stream>(wait_stream));
+    if (e == kSuccess) e = api_.StreamWaitEvent(s, compute_ev_.get(), 0);
     if (e != kSuccess) j.error = msg("waiting for the compute stream", e);
   }
   for (std::uint64_t dep : deps) {
@@ -186,17 +209,17 @@ std::uint64_t Copier::submit(int queue, const std::vector<CopyDesc>& descs,
     if (it == where_.end() || !j.error.empty()) continue;
     for (const Job& other : queues_[it->second])
       if (other.id == dep) {
-        e = api_.StreamWaitEvent(s, other.end, 0);
+        e = api_.StreamWaitEvent(s, other.end.get(), 0);
         if (e != kSuccess) j.error = msg("cudaStreamWaitEvent", e);
       }
   }
-  if (j.error.empty() && (e = api_.EventRecord(j.start, s)) != kSuccess)
+  if (j.error.empty() && (e = api_.EventRecord(j.start.get(), s)) != kSuccess)
     j.error = msg("cudaEventRecord", e);
   if (j.error.empty() && (e = copy(s, descs)) != kSuccess)
     j.error = msg(use_batch_ && descs.size() > 1 ? "cudaMemcpyBatchAsync" : "cudaMemcpyAsync", e);
   // The end event is recorded even after a failed enqueue so that the job
   // completes in stream order behind what was already queued.
-  e = api_.EventRecord(j.end, s);
+  e = api_.EventRecord(j.end.get(), s);
   if (e != kSuccess && j.error.empty()) j.error = msg("cudaEventRecord", e);
   where_[j.id] = queue;
   const std::uint64_t id = j.id;
@@ -210,7 +233,7 @@ std::vector<JobResult> Copier::poll() {
   for (auto& q : queues_) {
     while (!q.empty()) {
       Job& j = q.front();
-      Err e = api_.EventQuery(j.end);
+      Err e = j.outcome >= 0 ? j.outcome : api_.EventQuery(j.end.get());
       if (e == kNotReady) break;
       JobResult r;
       r.job_id = j.id;
@@ -219,9 +242,10 @@ std::vector<JobResult> Copier::poll() {
       if (r.error.empty() && e != kSuccess) r.error = msg("copy failed on the GPU", e);
       r.ok = r.error.empty();
       float ms = 0;
-      if (r.ok && api_.EventElapsedTime(&ms, j.start, j.end) == kSuccess) r.seconds = ms / 1e3;
-      free_events_.push_back(j.start);
-      free_events_.push_back(j.end);
+      if (r.ok && api_.EventElapsedTime(&ms, j.start.get(), j.end.get()) == kSuccess)
+        r.seconds = ms / 1e3;
+      free_events_.push_back(std::move(j.start));
+      free_events_.push_back(std::move(j.end));
       where_.erase(j.id);
       out.push_back(std::move(r));
       q.pop_front();
@@ -230,20 +254,34 @@ std::vector<JobResult> Copier::poll() {
   return out;
 }
 
-void Copier::wait(const std::vector<std::uint64_t>& ids) {
-  std::vector<Event> evs;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    for (std::uint64_t id : ids) {
-      auto it = where_.find(id);
-      if (it == where_.end()) continue;  // already reported: complete
-      for (const Job& j : queues_[it->second])
-        if (j.id == id) evs.push_back(j.end);
+bool Copier::wait_for(const std::vector<std::uint64_t>& ids, std::chrono::milliseconds slice) {
+  const auto until = std::chrono::steady_clock::now() + slice;
+  for (;;) {
+    bool done = true;
+    {
+      // Events are looked up afresh each pass: poll() on another thread may
+      // have reported (and recycled) a job in between.
+      std::lock_guard<std::mutex> g(mu_);
+      for (std::uint64_t id : ids) {
+        auto it = where_.find(id);
+        if (it == where_.end()) continue;  // already reported: complete
+        for (Job& j : queues_[it->second]) {
+          if (j.id != id || j.outcome >= 0) continue;
+          const Err e = api_.EventQuery(j.end.get());
+          if (e == kNotReady)
+            done = false;
+          else
+            j.outcome = e;
+        }
+        if (!done) break;
+      }
     }
+    if (done) return true;
+    if (std::chrono::steady_clock::now() >= until) return false;
+    // Polled rather than blocking in cudaEventSynchronize, which could not be
+    // interrupted nor bounded; 50 us is far below a copy's duration.
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
-  // Events stay valid: they return to the free list only in poll(), which
-  // the single caller thread is not running now.
-  for (Event ev : evs) api_.EventSynchronize(ev);
 }
 
 bool Copier::pending(std::uint64_t id) const {

@@ -4,15 +4,18 @@
 // (the tests' fake runtime) loaded through the same path.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "../engine.h"
+#include "../regions.h"
 #include "host_copy.h"
 
 namespace kvtier::cuda {
@@ -64,9 +67,23 @@ struct Stats {
   std::uint64_t registered_bytes = 0;
 };
 
+// The owner of one runtime object (stream, event, page-locked range): it is
+// released through the runtime call that frees it when the owner goes, so a
+// constructor failing half way (or any early return) leaks nothing.
+struct Release {
+  Err (*fn)(void*) = nullptr;
+  void operator()(void* p) const { fn(p); }
+};
+using Handle = std::unique_ptr<void, Release>;
+// Each throws Error(kCuda) when the runtime refuses.
+Handle make_stream(const Api& api, unsigned flags);
+Handle make_event(const Api& api, unsigned flags);
+Handle register_host(const Api& api, void* p, std::size_t n);
+
 // Three streams: store (device->host), load (host->device), expedited load.
 // A job is enqueued on one stream between a start and an end event; jobs of
-// one stream complete in submission order.
+// one stream complete in submission order. The host side of every
+// descriptor must lie in the registered host regions (InvalidArgument).
 class Copier {
  public:
   Copier(int device, const std::vector<std::pair<std::uintptr_t, std::size_t>>& host_regions,
@@ -81,8 +98,10 @@ class Copier {
   std::uint64_t submit(int queue, const std::vector<CopyDesc>& descs, std::uintptr_t wait_stream,
                        const std::vector<std::uint64_t>& deps);
   std::vector<JobResult> poll();
-  // Blocks until the asked jobs' copies are complete.
-  void wait(const std::vector<std::uint64_t>& ids);
+  // Waits up to `slice` for the asked jobs' copies to complete (complete =
+  // its end event passed, or already reported by poll). True when all have.
+  // Callers loop over slices (the binding checks Ctrl-C and the timeout).
+  bool wait_for(const std::vector<std::uint64_t>& ids, std::chrono::milliseconds slice);
   bool pending(std::uint64_t id) const;
   Stats stats() const;
   const char* runtime_path() const { return api_.path.c_str(); }
@@ -91,26 +110,34 @@ class Copier {
  private:
   struct Job {
     std::uint64_t id;
-    Event start;
-    Event end;
+    Handle start;  // events
+    Handle end;
     std::uint64_t bytes;
     std::string error;  // set at enqueue time
+    // What the end event's query answered once it was no longer "not
+    // ready", kept for poll(): a query error is reported once, by whichever
+    // of wait_for() and poll() saw it first.
+    Err outcome = -1;
   };
   std::string msg(const char* what, Err e) const;
-  Event take_event();
+  Handle take_event();
   Err copy(Stream s, const std::vector<CopyDesc>& d);
+  std::string check(int queue, const std::vector<CopyDesc>& descs) const;
 
   const Api& api_;
   int device_;
   bool use_batch_;
-  Stream streams_[3] = {nullptr, nullptr, nullptr};
-  Event compute_ev_ = nullptr;
+  RegionSet host_;  // the registered host memory
+  Stats stats_;
+  // Declared so that they are destroyed in the reverse order: events, then
+  // streams, then the registrations (no DMA may touch unpinned memory).
+  std::vector<Handle> registered_;
+  Handle streams_[3];
+  Handle compute_ev_;
+  std::vector<Handle> free_events_;
   std::deque<Job> queues_[3];
   std::unordered_map<std::uint64_t, int> where_;  // job -> queue, while pending
-  std::vector<Event> free_events_;
-  std::vector<void*> registered_;
   std::uint64_t next_id_ = 1;
-  Stats stats_;
   mutable std::mutex mu_;
 };
 

@@ -32,48 +32,6 @@ int open_extent(const std::string& path, bool direct, bool* got_direct) {
   return fd;
 }
 
-class DiskJob final : public Job {
- public:
-  DiskJob(std::shared_ptr<const Store> store, bool write, std::vector<RecordRef> recs)
-      : store_(std::move(store)), write_(write), recs_(std::move(recs)) {
-    for (const auto& r : recs_) bytes_ += record_bytes(r.payload_len);
-  }
-  std::uint64_t bytes() const override { return bytes_; }
-  std::string check(const RegionSet& regions) const override {
-    for (std::size_t i = 0; i < recs_.size(); ++i) {
-      const RecordRef& r = recs_[i];
-      const std::size_t n = record_bytes(r.payload_len);
-      if (r.payload_len == 0) return "record " + std::to_string(i) + ": payload length is 0";
-      if (r.file >= store_->num_files())
-        return "record " + std::to_string(i) + ": file index out of range";
-      if (r.offset % 4096 != 0 || r.offset + n > store_->file_bytes())
-        return "record " + std::to_string(i) + ": offset " + std::to_string(r.offset) +
-               " not 4 KiB aligned or past the extent";
-      if (store_->direct() && r.slot % 4096 != 0)
-        return "record " + std::to_string(i) + ": host slot is not 4 KiB aligned";
-      if (!store_->trailer_in_slot() && r.payload_len % 4096 != 0)
-        return "record " + std::to_string(i) +
-               ": without trailer room in the slot the payload must be a multiple of 4 KiB";
-      if (!regions.covers(r.slot, store_->trailer_in_slot() ? n : r.payload_len))
-        return "record " + std::to_string(i) +
-               ": host slot (payload + trailer) is outside every registered region";
-    }
-    return {};
-  }
-  std::string run() override {
-    store_->run(write_, recs_, items_);
-    return item_summary(items_, "record(s)");
-  }
-  std::vector<std::int32_t> take_items() override { return std::move(items_); }
-
- private:
-  std::shared_ptr<const Store> store_;
-  bool write_;
-  std::vector<RecordRef> recs_;
-  std::vector<std::int32_t> items_;
-  std::uint64_t bytes_ = 0;
-};
-
 }  // namespace
 
 std::shared_ptr<Store> Store::open(StoreOptions opts) {
@@ -120,9 +78,22 @@ Store::~Store() {
   for (int fd : fds_) ::close(fd);
 }
 
-std::unique_ptr<Job> Store::make_job(bool write, std::vector<RecordRef> recs) {
-  if (recs.empty()) throw_invalid("a disk job needs at least one record");
-  return std::make_unique<DiskJob>(shared_from_this(), write, std::move(recs));
+std::uint64_t Store::item_bytes(bool, const RecordRef& r) const {
+  return record_bytes(r.payload_len);
+}
+
+std::string Store::check_item(bool, const RecordRef& r, const RegionSet& regions) const {
+  const std::size_t n = record_bytes(r.payload_len);
+  if (r.payload_len == 0) return "payload length is 0";
+  if (r.file >= num_files()) return "file index out of range";
+  if (r.offset % 4096 != 0 || r.offset + n > file_bytes())
+    return "offset " + std::to_string(r.offset) + " not 4 KiB aligned or past the extent";
+  if (direct() && r.slot % 4096 != 0) return "host slot is not 4 KiB aligned";
+  if (!trailer_in_slot() && r.payload_len % 4096 != 0)
+    return "without trailer room in the slot the payload must be a multiple of 4 KiB";
+  if (!regions.covers(r.slot, trailer_in_slot() ? n : r.payload_len))
+    return "host slot (payload + trailer) is outside every registered region";
+  return {};
 }
 
 namespace {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../engine.h"
+#include "../item_job.h"
 #include "io.h"
 #include "record.h"
 
@@ -38,16 +39,11 @@ struct RecordRef {
   Digest key;
 };
 
-class Store : public std::enable_shared_from_this<Store> {
+// make_job(write, records): a store (write=true) or load job (item_job.h).
+class Store : public ItemStore<Store, bool, RecordRef> {
  public:
   static std::shared_ptr<Store> open(StoreOptions opts);
   ~Store();
-  Store(const Store&) = delete;
-  Store& operator=(const Store&) = delete;
-
-  // A store (write=true) or load job over `recs`; range checks happen when
-  // the engine validates the job at submit.
-  std::unique_ptr<Job> make_job(bool write, std::vector<RecordRef> recs);
 
   const char* backend_name() const { return backend_->name(); }
   bool direct() const { return direct_; }
@@ -56,7 +52,11 @@ class Store : public std::enable_shared_from_this<Store> {
   std::size_t num_files() const { return fds_.size(); }
   std::string backend_note() const { return note_; }
 
-  // Used by jobs on worker threads.
+  // The medium's part of its jobs (see item_job.h); run() on worker threads.
+  static constexpr const char* kItemNoun = "record";
+  std::uint64_t item_bytes(bool write, const RecordRef& r) const;
+  std::string check_item(bool write, const RecordRef& r, const RegionSet& regions) const;
+  ItemStatus not_a_failure(bool) const { return ItemStatus::kOk; }
   void run(bool write, std::vector<RecordRef>& recs, std::vector<std::int32_t>& items) const;
 
  private:

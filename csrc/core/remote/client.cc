@@ -256,39 +256,14 @@ class Connection {
   std::size_t rpos_ = 0, rlen_ = 0;
 };
 
-namespace {
+std::uint64_t Store::item_bytes(Kind, const Item& it) const { return it.payload_len + kHeader; }
 
-class RemoteJob final : public Job {
- public:
-  RemoteJob(std::shared_ptr<Store> s, Kind k, std::vector<Item> items)
-      : store_(std::move(s)), kind_(k), items_(std::move(items)) {
-    for (const auto& i : items_) bytes_ += i.payload_len + kHeader;
-  }
-  std::uint64_t bytes() const override { return bytes_; }
-  std::string check(const RegionSet& regions) const override {
-    if (kind_ == Kind::kExists) return {};
-    for (std::size_t i = 0; i < items_.size(); ++i)
-      if (items_[i].payload_len == 0 || !regions.covers(items_[i].slot, items_[i].payload_len))
-        return "item " + std::to_string(i) + ": host slot is outside every registered region";
-    return {};
-  }
-  std::string run() override {
-    store_->run(kind_, items_, items_out_);
-    // An existence check that finds nothing has not failed.
-    return item_summary(items_out_, "item(s)",
-                        kind_ == Kind::kExists ? ItemStatus::kMissing : ItemStatus::kOk);
-  }
-  std::vector<std::int32_t> take_items() override { return std::move(items_out_); }
-
- private:
-  std::shared_ptr<Store> store_;
-  Kind kind_;
-  std::vector<Item> items_;
-  std::vector<std::int32_t> items_out_;
-  std::uint64_t bytes_ = 0;
-};
-
-}  // namespace
+std::string Store::check_item(Kind kind, const Item& it, const RegionSet& regions) const {
+  if (kind == Kind::kExists) return {};
+  if (it.payload_len == 0 || !regions.covers(it.slot, it.payload_len))
+    return "host slot is outside every registered region";
+  return {};
+}
 
 Store::Store(Options o) : opts_(std::move(o)) {}
 
@@ -596,11 +571,6 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
     mark_down(node);
     for (std::size_t j = k; j < idx.size(); ++j) out[idx[j]] = e;
   }
-}
-
-std::unique_ptr<Job> Store::make_job(Kind kind, std::vector<Item> items) {
-  if (items.empty()) throw_invalid("a remote job needs at least one item");
-  return std::make_unique<RemoteJob>(shared_from_this(), kind, std::move(items));
 }
 
 }  // namespace kvtier::remote

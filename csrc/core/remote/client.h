@@ -20,6 +20,7 @@
 
 #include "../disk/record.h"
 #include "../engine.h"
+#include "../item_job.h"
 #include "resp.h"
 
 namespace kvtier::remote {
@@ -56,14 +57,20 @@ struct Item {
 
 class Connection;
 
-class Store : public std::enable_shared_from_this<Store> {
+// make_job(kind, items): a store, load or existence check (item_job.h).
+class Store : public ItemStore<Store, Kind, Item> {
  public:
   static std::shared_ptr<Store> open(Options opts);
   ~Store();
-  Store(const Store&) = delete;
-  Store& operator=(const Store&) = delete;
 
-  std::unique_ptr<Job> make_job(Kind kind, std::vector<Item> items);
+  // The medium's part of its jobs (see item_job.h); run() on worker threads.
+  static constexpr const char* kItemNoun = "item";
+  std::uint64_t item_bytes(Kind kind, const Item& it) const;
+  std::string check_item(Kind kind, const Item& it, const RegionSet& regions) const;
+  // An existence check that finds nothing has not failed.
+  ItemStatus not_a_failure(Kind kind) const {
+    return kind == Kind::kExists ? ItemStatus::kMissing : ItemStatus::kOk;
+  }
   void run(Kind kind, std::vector<Item>& items, std::vector<std::int32_t>& out);
   std::vector<std::string> nodes() const;
   std::uint64_t redirects() const { return redirects_.load(); }
