@@ -141,8 +141,9 @@ def test_manager_semantics_through_vllm_types() -> None:
         spec_load = m.prepare_load([K(2), K(3)], CTX)
         slot = dict(zip(out.keys_to_store, out.store_spec.slots.tolist()))
         assert spec_load.slots.tolist() == [slot[K(2)], slot[K(3)]]
-        # 1 free slot; K(2), K(3) pinned, K(1) in the offer: no room for two new keys
-        assert m.prepare_store([K(1), K(7), K(8)], CTX) is None
+        # 1 free slot; K(2), K(3) pinned, K(1) in the offer: room for the first new key
+        part = m.prepare_store([K(1), K(7), K(8)], CTX)
+        assert part is not None and part.keys_to_store == [K(7)] and part.evicted_keys == []
         m.complete_load([K(2), K(3)], CTX)
         out2 = m.prepare_store([K(7), K(8)], CTX)
         assert out2 is not None and len(out2.evicted_keys) == 1
