@@ -8,7 +8,7 @@ SYS_PACKAGES := liburing-dev libisal-dev libgtest-dev redis-server redis-tools f
 TORCH_SPEC := torch==2.13.0
 JOBS ?= 2
 
-.PHONY: all sysdeps venv engine-venv install demo test test-py test-cpp wheel bench bench-serve lint format clean
+.PHONY: all sysdeps venv engine-venv install demo test test-py test-cpp wheel wheel-all bench bench-serve lint format clean
 
 all: install
 
@@ -118,6 +118,10 @@ wheel: $(VENV)/.wheeltools
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" auditwheel repair -w dist build/wheel/kvtier-$(VERSION)-*.whl
 	for w in dist/kvtier-$(VERSION)-*.whl; do $(VENV)/bin/auditwheel show $$w || exit 1; done
 
+# One manylinux wheel for every CPython 3.10+ this machine has on PATH.
+wheel-all:
+	$(MAKE) wheel WHEEL_PYTHONS="$$(for v in 3.10 3.11 3.12 3.13 3.14; do command -v python$$v; done | tr '\n' ' ')"
+
 bench: install
 	$(PY) bench/run.py
 
@@ -125,12 +129,12 @@ lint: venv
 	$(VENV)/bin/ruff check python tests bench
 	$(VENV)/bin/ruff format --check python tests bench
 	$(VENV)/bin/mypy
-	clang-format --dry-run --Werror csrc/core/*.h csrc/core/*.cc csrc/core/*/*.h csrc/core/*/*.cc csrc/bindings/*.cc csrc/tests/*.cc
+	clang-format --dry-run --Werror csrc/core/*.h csrc/core/*.cc csrc/core/*/*.h csrc/core/*/*.cc csrc/bindings/*.h csrc/bindings/*.cc csrc/tests/*.cc
 
 format: venv
 	$(VENV)/bin/ruff format python tests bench
 	$(VENV)/bin/ruff check --fix python tests bench
-	clang-format -i csrc/core/*.h csrc/core/*.cc csrc/core/*/*.h csrc/core/*/*.cc csrc/bindings/*.cc csrc/tests/*.cc
+	clang-format -i csrc/core/*.h csrc/core/*.cc csrc/core/*/*.h csrc/core/*/*.cc csrc/bindings/*.h csrc/bindings/*.cc csrc/tests/*.cc
 
 clean:
 	rm -rf build dist $(VENV)
