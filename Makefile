@@ -118,9 +118,14 @@ wheel: $(VENV)/.wheeltools
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" auditwheel repair -w dist build/wheel/kvtier-$(VERSION)-*.whl
 	for w in dist/kvtier-$(VERSION)-*.whl; do $(VENV)/bin/auditwheel show $$w || exit 1; done
 
-# One manylinux wheel for every CPython 3.10+ this machine has on PATH.
+# One manylinux wheel for every CPython 3.10+ this machine has (on PATH or
+# installed by pyenv), one interpreter per minor version.
+ALL_PYTHONS = $(shell for p in $$(command -v python3.10 python3.11 python3.12 python3.13 python3.14) \
+  $$(ls -d $$(pyenv root 2>/dev/null)/versions/3.*/bin/python3 2>/dev/null); do \
+  $$p -c 'import sys; assert sys.version_info >= (3, 10); print("%d.%d" % sys.version_info[:2], sys.executable)' 2>/dev/null; \
+  done | sort -u -k1,1 | cut -d' ' -f2)
 wheel-all:
-	$(MAKE) wheel WHEEL_PYTHONS="$$(for v in 3.10 3.11 3.12 3.13 3.14; do command -v python$$v; done | tr '\n' ' ')"
+	$(MAKE) wheel WHEEL_PYTHONS="$(ALL_PYTHONS)"
 
 bench: install
 	$(PY) bench/run.py
