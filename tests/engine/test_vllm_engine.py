@@ -173,7 +173,9 @@ def _assert_clean(e: Engine) -> None:
 
 
 def _kvtier_spec(model: str, **kv: Any) -> dict[str, Any]:
-    return {"mode": "kvtier", "model": model, "requests": REQUESTS, "kvtier": kv}
+    # A pause after each request lets its cascades to disk or Redis finish, so
+    # what a later request finds does not depend on this machine's load.
+    return {"mode": "kvtier", "model": model, "requests": REQUESTS, "kvtier": kv, "pause_s": 0.3}
 
 
 def _run_with_disk(engine_python: str, model: str, tmp: Path, host_slots: int) -> Engine:

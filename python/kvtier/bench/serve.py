@@ -206,7 +206,10 @@ def run_serve(
     working = per_token * w.distinct_tokens
     one_request = per_token * w.system_tokens
     sizes = {"large": max(2 * working, 64 << 20), "small": working // 3, "tiny": one_request // 2}
-    base = {"model": str(model_dir), "requests": requests, "max_tokens": max_tokens}
+    base = {
+        "model": str(model_dir), "requests": requests, "max_tokens": max_tokens,
+        "warmup_requests": 2,
+    }  # fmt: skip
 
     from tqdm import tqdm
 

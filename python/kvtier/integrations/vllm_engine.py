@@ -189,13 +189,15 @@ def _serve(llm: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
     params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0, ignore_eos=True)
     reset = spec["mode"] in ("kvtier", "none") and spec.get("reset_prefix_cache", True)
     # A fresh engine's first forward passes are slower (measured: 560 ms against
-    # 290 ms for the same prompt later); a warm-up prompt sharing no block with
-    # the workload keeps that out of the first request's time to first token.
-    warm = random.Random(-1)
-    for _ in range(spec.get("warmup_requests", 2)):
+    # 290 ms for the same prompt later); warm-up prompts keep that out of the
+    # first request's time to first token. Their tokens are random per process,
+    # so no other engine (sharing Redis or a disk directory) can hit them.
+    warm = random.Random(os.urandom(16))
+    for _ in range(spec.get("warmup_requests", 0)):
         prompt = [warm.randrange(1000, 2000) for _ in range(len(spec["requests"][0]["prompt"]))]
         llm.generate([_tokens(prompt)], params, use_tqdm=False)
     llm.reset_prefix_cache()
+    pause = float(spec.get("pause_s", 0.0))
     done = []
     for req in spec["requests"]:
         t0 = time.perf_counter()
@@ -213,6 +215,10 @@ def _serve(llm: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
         if reset:
             # Only vLLM's own (GPU-side) cache: kvtier keeps its tiers.
             llm.reset_prefix_cache()
+        if pause:
+            # The engine core keeps stepping while kvtier has jobs in flight:
+            # a pause lets this request's cascades finish before the next one.
+            time.sleep(pause)
     return done
 
 
