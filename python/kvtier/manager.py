@@ -34,10 +34,27 @@ __all__ = [
 
 
 @dataclass
+class StreamSpec:
+    """Keys of a load read by the engine's worker straight from a lower tier
+    (their slot in :class:`HostSpec` is -1): ``index[i]`` is the key's
+    position in the load, read from tier ``tiers[i]`` at ``locations[i]``
+    (record, file, offset) and checked against ``digests`` (16 bytes each);
+    ``readers`` says how to open each tier's reader."""
+
+    index: np.ndarray  # int64
+    tiers: list[str]
+    locations: np.ndarray  # int64 (n, 3)
+    digests: bytes
+    readers: dict[str, dict[str, Any]]
+
+
+@dataclass
 class HostSpec:
-    """Host pool slots, co-indexed with the keys of the call that made it."""
+    """Host pool slots, co-indexed with the keys of the call that made it;
+    -1 for keys the worker streams from a lower tier (``stream``)."""
 
     slots: np.ndarray  # int64
+    stream: StreamSpec | None = None
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -70,10 +87,17 @@ class _Stats:
     stores: int = 0
     store_failures: int = 0
     loads: int = 0
+    streamed: int = 0  # loaded blocks the engine's worker read from a lower tier
+    streamed_stores: int = 0  # stored blocks it wrote to a lower tier itself
     not_admitted: int = 0
     allocation_failures: int = 0
     # Blocks handed to the engine by prepare_load, by the tier they came from.
     loaded_from: dict[str, int] = field(default_factory=dict)
+
+
+def _req_id(req_context: Any) -> Any:
+    """The request a call is for (vLLM's ReqContext.req_id; None without one)."""
+    return getattr(req_context, "req_id", None)
 
 
 def _check_keys(keys: Iterable[bytes]) -> list[bytes]:
@@ -85,11 +109,30 @@ def _check_keys(keys: Iterable[bytes]) -> list[bytes]:
 
 
 class TieredOffloadingManager:
-    """Host tier plus an ordered list of lower tiers (e.g. disk, then remote)."""
+    """Host tier plus an ordered list of lower tiers (e.g. disk, then remote).
 
-    def __init__(self, host: HostTier, lower: Sequence[LowerTier] = ()) -> None:
+    ``streaming``: a hit in a lower tier that can be read by another process
+    (``pin_for_read``) and that finds no room in the host tier is reported
+    HIT and handed to the engine's worker to read itself (a :class:`StreamSpec`
+    in the load), instead of MISS: a prefix longer than the host tier still
+    loads whole. ``streaming_stores``: likewise, offered blocks that find no
+    host slot are written by the worker straight to such a tier (only where
+    one worker holds a whole block: no tensor parallelism). Only for engines
+    whose worker streams (the vLLM shim).
+    """
+
+    def __init__(
+        self,
+        host: HostTier,
+        lower: Sequence[LowerTier] = (),
+        *,
+        streaming: bool = False,
+        streaming_stores: bool = False,
+    ) -> None:
         self.host = host
         self.lower = list(lower)
+        self.streaming = streaming
+        self.streaming_stores = streaming_stores
         names = [host.name] + [t.name for t in self.lower]
         if len(set(names)) != len(names):
             raise InvalidArgument(f"tier names must be unique, got {names}")
@@ -108,6 +151,11 @@ class TieredOffloadingManager:
         # pinned by prepare_load, or are looked up again next step.
         self._scanned: set[bytes] = set()
         self._polled = False  # tiers polled by a lookup since the last step end
+        # Lower-tier hits reported HIT without a host slot this step (key -> tier),
+        # and the records pinned for loads in flight ((request, key) -> [(tier, record)]).
+        self._streamable: dict[bytes, int] = {}
+        self._stream_pins: dict[tuple[Any, bytes], list[tuple[int, int]]] = {}
+        self._stream_writes: dict[bytes, tuple[int, int]] = {}  # key -> (tier, record)
         self._closed = False
         self.stats = _Stats()
 
@@ -146,6 +194,9 @@ class TieredOffloadingManager:
             if r is not LookupResult.HIT:
                 return r  # RETRY / HIT_PENDING: ask again next step
             got = self.host.allocate(1, protected=self._scanned)
+            if got is None and self.streaming and tier.reader_spec() is not None:
+                self._streamable[key] = i  # the worker reads it from the tier itself
+                return LookupResult.HIT
             if got is None:  # the host tier is full of this step's hits: load those
                 self.stats.allocation_failures += 1
                 return LookupResult.MISS
@@ -159,29 +210,69 @@ class TieredOffloadingManager:
     def get_load_source(self, key: bytes, req_context: Any = None) -> str:
         """Tier the bytes of a HIT key came from ("host" once loaded from host)."""
         e = self.host.get(key)
+        if e is None and key in self._streamable:
+            return self.lower[self._streamable[key]].name
         return e.source if e is not None else "host"
 
     def prepare_load(self, keys: Collection[bytes], req_context: Any = None) -> HostSpec:
-        """Pin ``keys`` (all HIT this step) until :meth:`complete_load`; slots in key order."""
+        """Pin ``keys`` (all HIT this step) until :meth:`complete_load`; slots
+        in key order, -1 with a :class:`StreamSpec` for streamed keys."""
         self._check_open()
         keys = _check_keys(keys)
         slots = np.empty(len(keys), np.int64)
+        streamed: dict[int, list[int]] = {}  # tier -> positions in keys
         for i, k in enumerate(keys):
             e = self.host.get(k)
-            if e is None or e.ref < 0:
+            if e is not None and e.ref >= 0:
+                slots[i] = e.slot
+            elif k in self._streamable:  # (a store of it may have begun since)
+                slots[i] = -1
+                streamed.setdefault(self._streamable[k], []).append(i)
+            else:
                 raise InvalidArgument(f"prepare_load of a key that is not a HIT: {k.hex()[:16]}")
-            slots[i] = e.slot
         loaded_from = self.stats.loaded_from
-        for k in keys:
-            source = self.host.pin(k)
+        for i, k in enumerate(keys):
+            source = self.host.pin(k) if slots[i] >= 0 else self.lower[self._streamable[k]].name
             loaded_from[source] = loaded_from.get(source, 0) + 1
         self.stats.loads += len(keys)
-        return HostSpec(slots)
+        if not streamed:
+            return HostSpec(slots)
+        return HostSpec(slots, self._pin_streams(keys, streamed, _req_id(req_context)))
+
+    def _pin_streams(
+        self, keys: list[bytes], streamed: dict[int, list[int]], req: Any
+    ) -> StreamSpec:
+        index: list[int] = []
+        tiers: list[str] = []
+        locs, digs, readers = [], [], {}
+        for t, pos in streamed.items():
+            tier = self.lower[t]
+            loc, dig = tier.pin_for_read([keys[i] for i in pos])
+            for i, rec in zip(pos, loc[:, 0].tolist()):
+                self._stream_pins.setdefault((req, keys[i]), []).append((t, rec))
+            spec = tier.reader_spec()
+            assert spec is not None
+            readers[tier.name] = spec
+            index += pos
+            tiers += [tier.name] * len(pos)
+            locs.append(loc)
+            digs.append(dig)
+        self.stats.streamed += len(index)
+        return StreamSpec(np.asarray(index, np.int64), tiers, np.concatenate(locs), b"".join(digs),
+                          readers)  # fmt: skip
 
     def complete_load(self, keys: Collection[bytes], req_context: Any = None) -> None:
-        """Unpin keys of a finished load."""
+        """Unpin keys of a finished load (host slots, or streamed records)."""
+        req = _req_id(req_context)
         for k in keys:
-            self.host.unpin(k)
+            pins = self._stream_pins.get((req, k))
+            if pins:
+                t, rec = pins.pop()
+                if not pins:
+                    del self._stream_pins[(req, k)]
+                self.lower[t].unpin_read([rec])
+            else:
+                self.host.unpin(k)
 
     def touch(self, keys: Collection[bytes], req_context: Any = None) -> None:
         for k in keys:
@@ -218,17 +309,45 @@ class TieredOffloadingManager:
             if to_store
             else ([], [])
         )
-        if got is None:
+        slots, evicted = got if got is not None else ([], [])
+        host_keys, rest = to_store[: len(slots)], to_store[len(slots) :]
+        streamed, stream = (
+            self._reserve_writes(rest, len(host_keys))
+            if rest and self.streaming_stores
+            else ([], None)
+        )
+        if len(host_keys) + len(streamed) < len(to_store):
             self.stats.allocation_failures += 1
+        if got is None and not streamed:
             return None
-        slots, evicted = got
-        if len(slots) < len(to_store):
-            self.stats.allocation_failures += 1
-            to_store = to_store[: len(slots)]
-        for k, s in zip(to_store, slots):
+        for k, s in zip(host_keys, slots):
             self.host.add_writing(k, s)
         self._removed(evicted)
-        return PrepareStoreResult(to_store, HostSpec(np.asarray(slots, np.int64)), evicted)
+        all_slots = np.asarray(list(slots) + [-1] * len(streamed), np.int64)
+        return PrepareStoreResult(host_keys + streamed, HostSpec(all_slots, stream), evicted)
+
+    def _reserve_writes(
+        self, keys: list[bytes], first: int
+    ) -> tuple[list[bytes], StreamSpec | None]:
+        """Records of the first lower tier another process can write, for
+        ``keys`` (positions from ``first`` in the store): what got one."""
+        for t, tier in enumerate(self.lower):
+            spec = tier.reader_spec()
+            if spec is None:
+                continue
+            got = tier.reserve_for_write(keys)
+            out = [keys[i] for i, _, _ in got]
+            for k, (_, loc, _) in zip(out, got):
+                self._stream_writes[k] = (t, int(loc[0]))
+            self.stats.streamed_stores += len(out)
+            if not out:
+                return [], None
+            return out, StreamSpec(
+                np.arange(first, first + len(out), dtype=np.int64), [tier.name] * len(out),
+                np.stack([loc for _, loc, _ in got]), b"".join(d for _, _, d in got),
+                {tier.name: spec},
+            )  # fmt: skip
+        return [], None
 
     def complete_store(
         self, keys: Collection[bytes], req_context: Any = None, success: bool = True
@@ -236,6 +355,10 @@ class TieredOffloadingManager:
         """Stored blocks become readable (or are dropped on failure); starts the cascade."""
         stored = []
         for k in keys:
+            w = self._stream_writes.pop(k, None)
+            if w is not None:  # written by the worker straight to a lower tier
+                self.lower[w[0]].commit_write(k, w[1], success)
+                continue
             e = self.host.get(k)
             if e is None or e.ref != -1 or e.source != "host":
                 continue  # not ours to complete (reset, or a promotion)
@@ -264,6 +387,7 @@ class TieredOffloadingManager:
         """Drain tier completions, then submit this step's batched cascades and promotions."""
         self._check_open()
         self._scanned.clear()
+        self._streamable.clear()
         self._polled = False
         self._poll_tiers()
         self._flush()
@@ -288,6 +412,7 @@ class TieredOffloadingManager:
             "cascading": sum(1 for e in entries if e.cascading),
             "held": self.host.held_slots,
             "stale": len(self._stale),
+            "streaming": sum(len(p) for p in self._stream_pins.values()) + len(self._stream_writes),
             "tier_jobs": len(self._inflight),
         }
 
@@ -317,6 +442,7 @@ class TieredOffloadingManager:
                 self.host.release_slot(e.slot)
         self._cascade = [[] for _ in self.lower]
         self._scanned.clear()
+        self._streamable.clear()
         for batch in self._promote:
             batch.clear()
         self._removed(removed)

@@ -56,8 +56,9 @@ from kvtier.tiers.records import TRAILER_BYTES, namespace_name
 from kvtier.units import to_bytes
 
 if TYPE_CHECKING:
-    from kvtier.manager import TieredOffloadingManager
+    from kvtier.manager import StreamSpec, TieredOffloadingManager
     from kvtier.pool import HostPool
+    from kvtier.streaming import StreamChunk, StreamLoader
     from kvtier.tiers.base import LowerTier
 
 __all__ = ["KVTierDiskTier", "KVTierOffloadingSpec", "KVTierRedisTier", "KVTierSpec"]
@@ -89,6 +90,11 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "kvtier_stats_path": (
         str,
         "write kvtier's counters and host occupancy here as JSON at shutdown",
+    ),
+    "kvtier_stream_slots": (
+        int,
+        "staging slots per worker for hits read straight from disk when the host tier has no "
+        "room (default 32; 0 turns streaming off)",
     ),
 }
 _GAUGES = ("host_usage_perc", "host_busy", "tier_jobs")
@@ -132,11 +138,13 @@ def parse_extra_config(extra: dict[str, Any] | Any) -> dict[str, Any]:
 
 
 class KVTierSpec(LoadStoreSpec):
-    """Host pool slots, co-indexed with the keys of the manager call that made it."""
+    """Host pool slots, co-indexed with the keys of the manager call that
+    made it; -1 for keys the worker streams from a lower tier (``stream``)."""
 
-    def __init__(self, slots: np.ndarray) -> None:
+    def __init__(self, slots: np.ndarray, stream: StreamSpec | None = None) -> None:
         self.slots = np.asarray(slots, np.int64)
         self.block_ids = self.slots  # vLLM's BlockIDsLoadStoreSpec spelling
+        self.stream = stream
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -318,8 +326,16 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 policy=k.get("kvtier_policy", "lru"),
                 admit_after=k.get("kvtier_admit_after", 1),
             )
+            # Streaming needs one tier per record (no pipeline stages), and
+            # stores a worker holding whole blocks (no tensor parallelism).
+            streaming = self.pp_size == 1 and k.get("kvtier_stream_slots", 32) > 0
             self._manager = KVTierManager(
-                TieredOffloadingManager(host, lower),
+                TieredOffloadingManager(
+                    host,
+                    lower,
+                    streaming=streaming,
+                    streaming_stores=streaming and self.world_size == 1,
+                ),
                 stats_path=k.get("kvtier_stats_path"),
                 shared_tiers=[t.name for t in lower],
             )
@@ -365,7 +381,8 @@ class KVTierManager(OffloadingManager):
             source, CacheHitSource.EXTERNAL_UNSPECIFIED)  # fmt: skip
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        return KVTierSpec(self.m.prepare_load([bytes(k) for k in keys], req_context).slots)
+        spec = self.m.prepare_load([bytes(k) for k in keys], req_context)
+        return KVTierSpec(spec.slots, spec.stream)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.m.complete_load([bytes(k) for k in keys], req_context)
@@ -381,7 +398,7 @@ class KVTierManager(OffloadingManager):
             return None
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(k) for k in out.keys_to_store],
-            store_spec=KVTierSpec(out.store_spec.slots),
+            store_spec=KVTierSpec(out.store_spec.slots, out.store_spec.stream),
             evicted_keys=[OffloadKey(k) for k in out.evicted_keys],
         )
 
@@ -496,6 +513,9 @@ def _warn_unshared_hashes(shared_tiers: Sequence[str]) -> None:
     )
 
 
+_STREAM = -1  # the "group" of a load's streamed part in KVTierWorker._parts
+
+
 class KVTierWorker(OffloadingWorker):
     """vLLM's OffloadingWorker over kvtier's DeviceTransfer: one transfer per
     KV-cache group (each group's chunks have their own slots)."""
@@ -507,15 +527,21 @@ class KVTierWorker(OffloadingWorker):
         rank_in_pool = spec.rank % spec.tp_size if spec.pp_size > 1 else spec.rank
         writer = not (spec.replicated_layout and rank_in_pool != 0)
         self.transfers = []
+        self._groups: list[tuple[list[Any], list[int]]] = []  # per group: tensors, page bytes
         for refs in kv_caches.group_data_refs:
             seen: dict[int, int] = {}
             for r in refs:  # layers aliasing one tensor are copied once
                 seen.setdefault(r.tensor_idx, r.page_size_bytes)
             tensors = [kv_caches.tensors[i].tensor for i in seen]
+            self._groups.append((tensors, list(seen.values())))
             self.transfers.append(DeviceTransfer(
                 tensors, pool, blocks_per_chunk=spec.blocks_per_chunk, page_bytes=list(seen.values()),
                 is_writer=writer, slot_offset=rank_in_pool * spec.cell_bytes))  # fmt: skip
         self.bpc = spec.blocks_per_chunk
+        # For loads streamed from a lower tier: a staging ring made at first use.
+        self._stream_args = (spec.slot_bytes, rank_in_pool * spec.cell_bytes,
+                             int(spec.kvtier.get("kvtier_stream_slots", 32)))  # fmt: skip
+        self._stream: StreamLoader | None = None
         self._next = 0
         self._parts: dict[int, list[tuple[int, int]]] = {}  # job -> [(group, sub job)]
         self._done: dict[int, list[Any]] = {}
@@ -541,6 +567,8 @@ class KVTierWorker(OffloadingWorker):
         store: bool,
         expedited: bool = False,
     ) -> bool:
+        if host.stream is not None:
+            return self._submit_streamed(job_id, gpu, host, host.stream, store, expedited)
         parts = []
         for g, blocks, slots, first in self._split(gpu, host.slots):
             if len(blocks) == 0:
@@ -555,6 +583,64 @@ class KVTierWorker(OffloadingWorker):
             if not ok:
                 return False
             parts.append((g, self._next))
+        self._parts[job_id] = parts
+        self._done[job_id] = []
+        return True
+
+    def _submit_streamed(
+        self,
+        job_id: int,
+        gpu: GPULoadStoreSpec,
+        host: KVTierSpec,
+        st: StreamSpec,
+        store: bool,
+        expedited: bool,
+    ) -> bool:
+        """A load or store of which some chunks (slot -1) move between the KV
+        cache and a lower tier through the stream loader: runs of host chunks
+        go as usual, one sub-job each; the streamed chunks make one stream job."""
+        from kvtier.streaming import StreamChunk, StreamLoader
+
+        row = {int(i): n for n, i in enumerate(st.index.tolist())}  # key position -> stream row
+        parts: list[tuple[int, int]] = []
+        chunks: list[StreamChunk] = []
+        pos0 = 0  # key position of the group's first chunk
+        for g, blocks, slots, first in self._split(gpu, host.slots):
+            skip = first % self.bpc
+            bounds = [(max(0, c * self.bpc - skip), min(len(blocks), (c + 1) * self.bpc - skip))
+                      for c in range(len(slots))]  # fmt: skip
+            c = 0
+            while c < len(slots):
+                if slots[c] < 0:
+                    n = row[pos0 + c]
+                    lo, hi = bounds[c]
+                    chunks.append(StreamChunk(g, blocks[lo:hi], first + lo, st.tiers[n],
+                                              st.locations[n], st.digests[16 * n : 16 * n + 16]))  # fmt: skip
+                    c += 1
+                    continue
+                end = c
+                while end < len(slots) and slots[end] >= 0:
+                    end += 1
+                lo, hi = bounds[c][0], bounds[end - 1][1]
+                self._next += 1
+                t = self.transfers[g]
+                if not (
+                    t.submit_store(self._next, blocks[lo:hi], slots[c:end], first_block_index=first + lo)
+                    if store
+                    else t.submit_load(self._next, slots[c:end], blocks[lo:hi], expedited,
+                                       first_block_index=first + lo)
+                ):  # fmt: skip
+                    return False
+                parts.append((g, self._next))
+                c = end
+            pos0 += len(slots)
+        if self._stream is None:
+            slot_bytes, offset, num = self._stream_args
+            self._stream = StreamLoader(self._groups, blocks_per_chunk=self.bpc,
+                                        slot_bytes=slot_bytes, slot_offset=offset, num_slots=num)  # fmt: skip
+        self._next += 1
+        self._stream.submit(self._next, chunks, st.readers, store=store)
+        parts.append((_STREAM, self._next))
         self._parts[job_id] = parts
         self._done[job_id] = []
         return True
@@ -580,6 +666,8 @@ class KVTierWorker(OffloadingWorker):
         for t in self.transfers:
             for r in t.get_finished():
                 self._done[owner[r.job_id]].append(r)
+        for r in self._stream.get_finished() if self._stream is not None else ():
+            self._done[owner[r.job_id]].append(r)
         out = []
         for job in [j for j, parts in self._parts.items() if len(self._done[j]) == len(parts)]:
             rs = self._done.pop(job)
@@ -597,9 +685,15 @@ class KVTierWorker(OffloadingWorker):
     def wait(self, job_ids: set[int]) -> None:
         for job in job_ids:
             for g, sub in self._parts.get(job, []):
-                self.transfers[g].wait([sub])
+                if g == _STREAM:
+                    assert self._stream is not None
+                    self._stream.wait([sub])
+                else:
+                    self.transfers[g].wait([sub])
 
     def shutdown(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         for t in self.transfers:
             t.shutdown()
 

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     from kvtier.pool import HostPool
 
@@ -95,6 +97,31 @@ class LowerTier(ABC):
 
     def reset(self) -> None:
         """Forget everything (the manager's reset_cache does not call this)."""
+
+    # -- reads by another process: tiers whose blocks an engine worker can
+    # read itself (streaming a hit larger than the host tier) override these.
+    def reader_spec(self) -> dict[str, Any] | None:
+        """What a reader in another process needs to open this tier (None:
+        it cannot be read elsewhere, hits go through host slots)."""
+        return None
+
+    def pin_for_read(self, keys: Sequence[bytes]) -> tuple[np.ndarray, bytes]:
+        """Locations and 16-byte digests of ``keys`` (all HIT), kept valid
+        until :meth:`unpin_read`. Only when :meth:`reader_spec` is not None."""
+        raise NotImplementedError(f"tier {self.name} cannot be read by another process")
+
+    def unpin_read(self, records: Sequence[int]) -> None:
+        """The reads pinned by :meth:`pin_for_read` (column 0 of its locations) ended."""
+        raise NotImplementedError(f"tier {self.name} cannot be read by another process")
+
+    def reserve_for_write(self, keys: Sequence[bytes]) -> list[tuple[int, np.ndarray, bytes]]:
+        """Locations another process writes ``keys`` to: ``(position, location,
+        digest)`` per key reserved, unreadable until :meth:`commit_write`."""
+        raise NotImplementedError(f"tier {self.name} cannot be written by another process")
+
+    def commit_write(self, key: bytes, record: int, ok: bool) -> None:
+        """The write reserved for ``key`` at ``record`` ended (``ok``: it is readable)."""
+        raise NotImplementedError(f"tier {self.name} cannot be written by another process")
 
     def close(self) -> None:
         """Release files, connections and threads. Idempotent."""

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.codes import ItemStatus
-from kvtier.errors import InvalidArgument, IoError
+from kvtier.errors import ClosedError, InvalidArgument, IoError
 from kvtier.policy import make_policy
 from kvtier.policy.admission import WriteGate
 from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
@@ -39,6 +39,7 @@ from kvtier.tiers.records import TRAILER_BYTES, key_digest, namespace_digest, re
 
 __all__ = [
     "TRAILER_BYTES",
+    "DiskIO",
     "DiskTier",
     "check_directory",
     "directory_mode_ok",
@@ -425,6 +426,79 @@ class DiskTier(JobTier):
             return None
         return batch.token
 
+    # -- reads by another process (an engine worker streaming a hit) ----------
+    def reader_spec(self) -> dict[str, Any] | None:
+        """What a :class:`DiskReader` in another process needs to read this
+        tier's records (None without data: nothing to read)."""
+        if self.no_data or self.store is None:
+            return None
+        return {"kind": "disk", "paths": list(self.paths), "file_bytes": self.file_bytes,
+                "ns": self.ns, "block_bytes": self.block_bytes, "backend": self.opts["backend"],
+                "timeout_s": self.opts["timeout_s"]}  # fmt: skip
+
+    def pin_for_read(self, keys: Sequence[bytes]) -> tuple[np.ndarray, bytes]:
+        """Locations of ``keys`` (all HIT) as ``(n, 3)`` int64 of record,
+        file, offset, and their digests (16 bytes each, concatenated). The
+        records are neither evicted nor reused until :meth:`unpin_read` of the
+        same record numbers. Counts as a use for the eviction policy."""
+        out = np.empty((len(keys), 3), np.int64)
+        digs = [key_digest(k) for k in keys]
+        for i, d in enumerate(digs):
+            rec = self.index.get(d)
+            if rec is None or self.rec_state[rec] != _READY:
+                raise InvalidArgument(f"pin_for_read of a key that is not a HIT: {d.hex()[:16]}")
+            out[i] = (rec, *self._locate(rec))
+        for i, d in enumerate(digs):
+            self.rec_loading[out[i, 0]] += 1
+            self.policy.touch(d)
+        return out, b"".join(digs)
+
+    def unpin_read(self, records: Sequence[int]) -> None:
+        """The reads of ``records`` pinned by :meth:`pin_for_read` ended."""
+        for rec in records:
+            self.rec_loading[rec] -= 1
+
+    def reserve_for_write(self, keys: Sequence[bytes]) -> list[tuple[int, np.ndarray, bytes]]:
+        """Records for ``keys`` that another process writes itself (an engine
+        worker storing blocks the host tier has no room for): per key that
+        is admitted, not stored yet and gets a record, ``(position in keys,
+        location (record, file, offset), digest)``. Each stays unreadable
+        until :meth:`commit_write`; may evict (reported as events)."""
+        out: list[tuple[int, np.ndarray, bytes]] = []
+        evicted: list[bytes] = []
+        for i, k in enumerate(keys):
+            d = key_digest(k)
+            if d in self.index or not self.admit(k):
+                continue
+            rec = self._allocate(evicted)
+            if rec is None:
+                break
+            self.index[d] = rec
+            self.keys[d] = k
+            self.rec_digest[rec] = d
+            self.rec_state[rec] = _WRITING
+            out.append((i, np.array([rec, *self._locate(rec)], np.int64), d))
+        if evicted:
+            self._events.append(TierEvent(evicted, self.name, removed=True))
+        return out
+
+    def commit_write(self, key: bytes, record: int, ok: bool) -> None:
+        """The write of ``record`` reserved for ``key`` ended: readable (and
+        journaled) when ``ok``, else the record is free again."""
+        d = key_digest(key)
+        if self.rec_digest[record] != d or self.rec_state[record] != _WRITING:
+            return  # not ours any more (reset)
+        if ok:
+            self.rec_state[record] = _READY
+            self.policy.insert(d)
+            self._journal(_PUT, record, d)
+            count_moved(self.counters, "store", 1, self.record_bytes)
+            self._events.append(TierEvent([key], self.name, removed=False))
+        else:
+            self.counters["io_errors"] += 1
+            self._forget(d, record)
+            self.free.append(record)
+
     def poll(self) -> list[TierCompletion]:
         ended, released = self.jobs.poll()
         for rel in released:  # a timed-out job really ended: its memory is free
@@ -515,6 +589,59 @@ class DiskTier(JobTier):
             "held_jobs": self.jobs.held_jobs,
             **self.counters,
         }
+
+
+class DiskIO:
+    """Reads and writes records of a :class:`DiskTier` owned by another
+    process (the engine's scheduler) from and to slots of ``pool``: an engine
+    worker streaming blocks between its KV cache and the disk. The owner pins
+    the records (:meth:`DiskTier.pin_for_read`, :meth:`DiskTier.reserve_for_write`)
+    for as long as the I/O may run; every read re-checks the record's
+    trailer (namespace, key digest, length, crc32c), so a record that changed
+    under it fails rather than serving wrong bytes; a write builds the
+    trailer in the slot.
+
+    Who calls: one thread of the worker. :meth:`submit` never blocks; results
+    come from ``engine.poll()`` in completion order, one status per record.
+    """
+
+    def __init__(self, spec: dict[str, Any], pool: Any, num_threads: int = 2) -> None:
+        from kvtier import _native
+        from kvtier.engine import Engine
+
+        if pool.slot_bytes < record_bytes(int(spec["block_bytes"])) or pool.slot_bytes % 4096:
+            raise InvalidArgument(
+                f"reader slots of {pool.slot_bytes} B cannot hold a record of "
+                f"{record_bytes(int(spec['block_bytes']))} B"
+            )
+        self.block_bytes = int(spec["block_bytes"])
+        self.pool = pool
+        self.store: _native.DiskStore | None = _native.DiskStore(
+            list(spec["paths"]), int(spec["file_bytes"]), str(spec["backend"]), 32, 1 << 20,
+            True, False, bytes(spec["ns"]), [(pool.address, pool.nbytes)], True,
+        )  # fmt: skip
+        self.engine = Engine(num_threads, [(256 << 20, False, float(spec["timeout_s"]))])
+        self.engine.register_pool(pool)
+
+    def submit(
+        self, slots: Sequence[int], locations: np.ndarray, digests: bytes, write: bool = False
+    ) -> int:
+        """One job reading record ``locations[i]`` (record, file, offset)
+        into slot ``slots[i]`` (or writing it from there); returns its engine job id."""
+        n = len(slots)
+        arr = np.empty((n, 4), np.int64)
+        arr[:, 0] = self.pool.address + np.asarray(slots, np.int64) * self.pool.slot_bytes
+        arr[:, 1:3] = locations[:, 1:3]
+        arr[:, 3] = self.block_bytes
+        keys = np.frombuffer(digests, np.uint8).reshape(n, 16)
+        if self.store is None:
+            raise ClosedError("disk reader is closed")
+        return int(self.engine._engine.submit_disk(self.store, write, arr, keys, 0))
+
+    def close(self) -> None:
+        """Drain the reads in flight and let go of the files. Blocks."""
+        self.engine.close()
+        self.store = None
 
 
 def directory_mode_ok(path: Path) -> bool:

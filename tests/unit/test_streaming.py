@@ -1,0 +1,222 @@
+"""Loads streamed from the disk tier by the worker (kvtier.streaming): the
+manager hands out disk hits that find no room in the host tier, and the
+StreamLoader reads them into the KV cache through its staging ring."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvtier.manager import TieredOffloadingManager
+from kvtier.pool import HostPool
+from kvtier.streaming import StreamChunk, StreamLoader
+from kvtier.tiers import HostTier, LookupResult
+from kvtier.tiers.disk import DiskTier
+
+BLOCK = 4096
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+
+
+def K(i: int) -> bytes:
+    return i.to_bytes(32, "big") + b"\0\0\0\0"
+
+
+def settle(m: TieredOffloadingManager) -> None:
+    deadline = time.monotonic() + 10
+    while m.has_pending_work():
+        assert time.monotonic() < deadline, "tier jobs did not finish"
+        m.on_schedule_end()
+        time.sleep(0.002)
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> Iterator[tuple[TieredOffloadingManager, DiskTier, HostPool]]:
+    """4 host slots over a 64-record disk tier; keys 0-11 on disk, 8-11 also in the host."""
+    pool = HostPool(4, DiskTier.slot_bytes_for(BLOCK))
+    disk = DiskTier(tmp_path, 64 * DiskTier.slot_bytes_for(BLOCK), BLOCK, backend="pread")
+    m = TieredOffloadingManager(HostTier(pool, 4), [disk], streaming=True)
+    for first in (0, 4, 8):
+        keys = [K(i) for i in range(first, first + 4)]
+        out = m.prepare_store(keys)
+        assert out is not None and out.keys_to_store == keys
+        for k, s in zip(keys, out.store_spec.slots):
+            pool.view(int(s))[:BLOCK] = k[31] + 1
+        m.complete_store(keys)
+        settle(m)
+    assert [disk.lookup(K(i)) for i in range(12)] == [HIT] * 12
+    yield m, disk, pool
+    m.shutdown()
+    pool.close()
+
+
+def scan(m: TieredOffloadingManager, keys: list[bytes]) -> list[LookupResult]:
+    return [m.lookup(k) for k in keys]
+
+
+def test_disk_hits_without_host_room_are_streamed(setup) -> None:  # type: ignore[no-untyped-def]
+    m, disk, _ = setup
+    prefix = [K(i) for i in (8, 9, 10, 11, *range(8))]
+    assert scan(m, prefix) == [HIT] * 12  # host full of this step's hits: the rest streams
+    assert m.get_load_source(K(0)) == "disk" and m.get_load_source(K(8)) == "host"
+    spec = m.prepare_load(prefix)
+    assert (spec.slots[:4] >= 0).all() and (spec.slots[4:] == -1).all()
+    st = spec.stream
+    assert st is not None
+    assert st.index.tolist() == list(range(4, 12)) and st.tiers == ["disk"] * 8
+    assert st.digests == b"".join(disk_digest(k) for k in prefix[4:])
+    assert m.stats.loaded_from == {"host": 4, "disk": 8} and m.stats.streamed == 8
+    assert m.occupancy()["streaming"] == 8 and m.occupancy()["pinned"] == 4
+    assert int(disk.rec_loading.sum()) == 8  # pinned: never evicted or reused meanwhile
+
+    kv = np.zeros((16, BLOCK), np.uint8)
+    loader = StreamLoader([([kv], [BLOCK])], blocks_per_chunk=1,
+                          slot_bytes=setup[2].slot_bytes, num_slots=3)  # fmt: skip
+    try:
+        chunks = [StreamChunk(0, np.array([2 + n]), 4 + n, "disk", st.locations[n],
+                              st.digests[16 * n : 16 * n + 16]) for n in range(8)]  # fmt: skip
+        loader.submit(7, chunks, st.readers)
+        loader.wait([7], timeout=10)
+        (r,) = loader.get_finished()
+        assert (r.job_id, r.success, r.transfer_size) == (7, True, 8 * BLOCK)
+        for n in range(8):  # every byte where it belongs, through a ring of 3 slots
+            assert (kv[2 + n] == n + 1).all()
+        assert not kv[:2].any() and not kv[10:].any()
+    finally:
+        loader.close()
+    m.complete_load(prefix)
+    assert int(disk.rec_loading.sum()) == 0
+    assert m.occupancy()["streaming"] == 0 and m.occupancy()["pinned"] == 0
+
+
+def disk_digest(k: bytes) -> bytes:
+    from kvtier.tiers.records import key_digest
+
+    return key_digest(k)
+
+
+def test_a_corrupt_record_fails_its_stream_job(setup) -> None:  # type: ignore[no-untyped-def]
+    m, disk, pool = setup
+    prefix = [K(i) for i in (8, 9, 10, 11, 0, 1)]
+    assert scan(m, prefix) == [HIT] * 6
+    spec = m.prepare_load(prefix)
+    st = spec.stream
+    assert st is not None
+    _, file, offset = st.locations[1].tolist()
+    fd = os.open(disk.paths[file], os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\xff" * 64, offset + 100)  # K(1)'s payload, behind the tier's back
+    finally:
+        os.close(fd)
+    kv = np.zeros((4, BLOCK), np.uint8)
+    loader = StreamLoader([([kv], [BLOCK])], blocks_per_chunk=1, slot_bytes=pool.slot_bytes)
+    try:
+        chunks = [StreamChunk(0, np.array([n]), n, "disk", st.locations[n],
+                              st.digests[16 * n : 16 * n + 16]) for n in range(2)]  # fmt: skip
+        loader.submit(1, chunks, st.readers)
+        loader.wait([1], timeout=10)
+        (r,) = loader.get_finished()
+        assert not r.success and "disk read failed" in r.error
+        assert (kv[0] == 1).all()  # K(0) copied
+        assert not kv[1].any()  # K(1) failed its check: never copied
+    finally:
+        loader.close()
+    m.complete_load(prefix)
+    assert int(disk.rec_loading.sum()) == 0
+
+
+def test_without_streaming_a_full_host_ends_the_hit(setup) -> None:  # type: ignore[no-untyped-def]
+    m, _, _ = setup
+    m.streaming = False
+    prefix = [K(i) for i in (8, 9, 10, 11, *range(8))]
+    assert scan(m, prefix)[:5] == [HIT] * 4 + [MISS]
+    assert m.stats.streamed == 0
+
+
+def test_a_streamed_key_prepared_twice_is_unpinned_per_request(setup) -> None:  # type: ignore[no-untyped-def]
+    """Two requests streaming the same record: each complete_load releases its own pin."""
+    m, disk, _ = setup
+
+    class Ctx:
+        def __init__(self, rid: str) -> None:
+            self.req_id = rid
+
+    prefix = [K(i) for i in (8, 9, 10, 11, 0)]
+    a, b = Ctx("a"), Ctx("b")
+    assert scan(m, prefix) == [HIT] * 5
+    m.prepare_load(prefix, a)
+    m.prepare_load(prefix, b)
+    assert int(disk.rec_loading.sum()) == 2
+    m.complete_load(prefix, a)
+    assert int(disk.rec_loading.sum()) == 1 and m.occupancy()["pinned"] == 4
+    m.complete_load(prefix, b)
+    assert int(disk.rec_loading.sum()) == 0 and m.occupancy()["pinned"] == 0
+
+
+def test_offered_blocks_without_host_room_are_written_by_the_worker(tmp_path: Path) -> None:
+    pool = HostPool(4, DiskTier.slot_bytes_for(BLOCK))
+    disk = DiskTier(tmp_path, 64 * DiskTier.slot_bytes_for(BLOCK), BLOCK, backend="pread")
+    m = TieredOffloadingManager(HostTier(pool, 4), [disk], streaming=True, streaming_stores=True)
+    kv = np.zeros((8, BLOCK), np.uint8)
+    for b in range(8):
+        kv[b] = 10 + b
+    loader = StreamLoader([([kv], [BLOCK])], blocks_per_chunk=1, slot_bytes=pool.slot_bytes,
+                          num_slots=1)  # fmt: skip
+    try:
+        keys = [K(i) for i in range(6)]
+        out = m.prepare_store(keys)
+        assert out is not None and out.keys_to_store == keys
+        spec = out.store_spec
+        assert spec.slots[:4].tolist() != [-1] * 4 and spec.slots[4:].tolist() == [-1, -1]
+        st = spec.stream
+        assert st is not None and st.index.tolist() == [4, 5]
+        assert disk.lookup(K(4)) is MISS  # reserved, not readable before the write ends
+        chunks = [StreamChunk(0, np.array([4 + n]), 4 + n, "disk", st.locations[n],
+                              st.digests[16 * n : 16 * n + 16]) for n in range(2)]  # fmt: skip
+        loader.submit(3, chunks, st.readers, store=True)
+        loader.wait([3], timeout=10)
+        (r,) = loader.get_finished()
+        assert (r.job_id, r.success) == (3, True)
+        m.complete_store(keys)
+        assert disk.lookup(K(4)) is HIT and disk.lookup(K(5)) is HIT
+        assert m.stats.streamed_stores == 2 and m.occupancy()["streaming"] == 0
+        assert m.host.get(K(4)) is None and m.host.get(K(0)) is not None
+
+        # Read back through the worker: the bytes of blocks 4 and 5.
+        back = np.zeros((2, BLOCK), np.uint8)
+        locs, digs = disk.pin_for_read([K(4), K(5)])
+        reader = StreamLoader([([back], [BLOCK])], blocks_per_chunk=1, slot_bytes=pool.slot_bytes)
+        try:
+            reader.submit(1, [StreamChunk(0, np.array([n]), n, "disk", locs[n],
+                                          digs[16 * n : 16 * n + 16]) for n in range(2)],
+                          st.readers)  # fmt: skip
+            reader.wait([1], timeout=10)
+            assert reader.get_finished()[0].success
+        finally:
+            reader.close()
+        disk.unpin_read(locs[:, 0].tolist())
+        assert (back[0] == 14).all() and (back[1] == 15).all()
+    finally:
+        loader.close()
+        m.shutdown()
+        pool.close()
+
+
+def test_a_failed_worker_write_frees_its_record(tmp_path: Path) -> None:
+    pool = HostPool(2, DiskTier.slot_bytes_for(BLOCK))
+    disk = DiskTier(tmp_path, 8 * DiskTier.slot_bytes_for(BLOCK), BLOCK, backend="pread")
+    m = TieredOffloadingManager(HostTier(pool, 2), [disk], streaming=True, streaming_stores=True)
+    try:
+        keys = [K(i) for i in range(3)]
+        out = m.prepare_store(keys)
+        assert out is not None and out.store_spec.slots.tolist()[2] == -1
+        free_before = len(disk.free)
+        m.complete_store(keys, success=False)
+        assert disk.lookup(K(2)) is MISS and len(disk.free) == free_before + 1
+        assert m.occupancy()["streaming"] == 0
+    finally:
+        m.shutdown()
+        pool.close()
