@@ -118,7 +118,10 @@ class TieredOffloadingManager:
     loads whole. ``streaming_stores``: likewise, offered blocks that find no
     host slot are written by the worker straight to such a tier (only where
     one worker holds a whole block: no tensor parallelism). Only for engines
-    whose worker streams (the vLLM shim).
+    whose worker streams (the vLLM shim). ``promote=False`` (with
+    ``streaming``): such hits are always streamed, never promoted into the
+    host tier first (one step sooner; the host tier keeps what the engine
+    stored).
     """
 
     def __init__(
@@ -128,10 +131,12 @@ class TieredOffloadingManager:
         *,
         streaming: bool = False,
         streaming_stores: bool = False,
+        promote: bool = True,
     ) -> None:
         self.host = host
         self.lower = list(lower)
         self.streaming = streaming
+        self.promote = promote
         self.streaming_stores = streaming_stores
         names = [host.name] + [t.name for t in self.lower]
         if len(set(names)) != len(names):
@@ -193,8 +198,12 @@ class TieredOffloadingManager:
                 continue
             if r is not LookupResult.HIT:
                 return r  # RETRY / HIT_PENDING: ask again next step
+            streamable = self.streaming and tier.reader_spec() is not None
+            if streamable and not self.promote:
+                self._streamable[key] = i
+                return LookupResult.HIT
             got = self.host.allocate(1, protected=self._scanned)
-            if got is None and self.streaming and tier.reader_spec() is not None:
+            if got is None and streamable:
                 self._streamable[key] = i  # the worker reads it from the tier itself
                 return LookupResult.HIT
             if got is None:  # the host tier is full of this step's hits: load those

@@ -247,17 +247,23 @@ def test_pipeline_stages_get_their_own_pools_sized_by_their_layers() -> None:
         OffloadingSpecFactory.create_spec(config(bad, world=2, rank=1, pp=2))
 
 
-@pytest.mark.parametrize("which", ["disk", "redis"])
-@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize(
+    ("which", "pp", "promote"),
+    [("disk", 1, True), ("disk", 1, False), ("disk", 2, True), ("redis", 1, True),
+     ("redis", 2, True)],
+)  # fmt: skip
 def test_whole_spec_with_a_lower_tier_round_trips_every_stage(
-    tmp_path: Path, pp: int, which: str, request: pytest.FixtureRequest
+    tmp_path: Path, pp: int, which: str, promote: bool, request: pytest.FixtureRequest
 ) -> None:
     """kvtier as the whole spec with a disk or Redis tier, without and with
     pipeline parallelism (uneven stages): store through the workers, cascade,
     reset_cache, lookup gives HIT_PENDING until the promotion lands in every
-    stage's pool, then the workers load the original bytes back."""
+    stage's pool, then the workers load the original bytes back. Without
+    promotion (disk, one stage) the lookup is a HIT at once and the worker
+    reads the blocks from disk itself."""
     eid = f"test-{which}-{uuid.uuid4().hex[:8]}"
-    extra: dict[str, Any] = {**SPEC, "kvtier_host_bytes": "1MiB", "kvtier_num_slots": 8}
+    extra: dict[str, Any] = {**SPEC, "kvtier_host_bytes": "1MiB", "kvtier_num_slots": 8,
+                             "kvtier_promote": promote}  # fmt: skip
     if which == "disk":
         extra.update(kvtier_disk_path=str(tmp_path / "disk"), kvtier_disk_bytes="4MiB")
     else:
@@ -301,19 +307,23 @@ def test_whole_spec_with_a_lower_tier_round_trips_every_stage(
     with m.lock:
         m.reset_cache()
         m.on_reset_flushed()
-        assert m.lookup(keys[0], CTX) is LookupResult.HIT_PENDING
+        want = LookupResult.HIT_PENDING if promote else LookupResult.HIT
+        assert m.lookup(keys[0], CTX) is want
     for _, layers in kv:
         for t in layers:
             t.zero_()
     steps_until(lambda: all(m.lookup(k, CTX) is LookupResult.HIT for k in keys), "promotion")
     with m.lock:
         load = m.prepare_load(keys, CTX)
+        assert (load.stream is None) == promote
+        assert m.m.stats.loaded_from == {("disk" if which == "disk" else "remote"): 3}
     run(2, lambda w: w.submit_load(2, load, GPULoadStoreSpec([0, 2, 3], [3], [0])))
     for (_, layers), b in zip(kv, before):
         for t, want in zip(layers, b):
             assert torch.equal(t[[0, 2, 3]], want)
     with m.lock:
         m.complete_load(keys, CTX)
+        assert m.m.occupancy()["streaming"] == 0 and m.m.occupancy()["pinned"] == 0
     for w in workers:
         w.shutdown()
     m.shutdown()

@@ -220,3 +220,17 @@ def test_a_failed_worker_write_frees_its_record(tmp_path: Path) -> None:
     finally:
         m.shutdown()
         pool.close()
+
+
+def test_without_promotion_every_disk_hit_streams(setup) -> None:  # type: ignore[no-untyped-def]
+    """promote=False: a disk hit is streamed even where promoting it would
+    have found a slot (by evicting ready host blocks), and nothing is evicted."""
+    m, _, _ = setup
+    m.promote = False
+    assert scan(m, [K(0), K(1)]) == [HIT, HIT]
+    assert m.get_load_source(K(0)) == "disk"
+    spec = m.prepare_load([K(0), K(1)])
+    assert spec.slots.tolist() == [-1, -1] and m.stats.promotions == 0
+    assert all(m.host.get(K(i)) is not None for i in (8, 9, 10, 11))
+    m.complete_load([K(0), K(1)])
+    assert m.occupancy()["streaming"] == 0

@@ -91,6 +91,11 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
         str,
         "write kvtier's counters and host occupancy here as JSON at shutdown",
     ),
+    "kvtier_promote": (
+        bool,
+        "copy a disk hit into the host tier before loading it (default false: the worker "
+        "streams it from disk into the engine's cache, one scheduler step sooner)",
+    ),
     "kvtier_stream_slots": (
         int,
         "staging slots per worker for hits read straight from disk when the host tier has no "
@@ -126,7 +131,7 @@ def parse_extra_config(extra: dict[str, Any] | Any) -> dict[str, Any]:
             known = ", ".join(sorted(CONFIG_KEYS))
             raise InvalidArgument(f"unknown kv_connector_extra_config key {key!r}; known: {known}")
         typ, _ = CONFIG_KEYS[key]
-        if isinstance(value, bool) or not isinstance(value, typ):
+        if (isinstance(value, bool) and typ is not bool) or not isinstance(value, typ):
             raise InvalidArgument(f"{key}: expected {typ}, got {value!r}")
         out[key] = value
     for key in ("kvtier_host_bytes", "kvtier_disk_bytes", "kvtier_disk_write_budget"):
@@ -335,6 +340,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
                     lower,
                     streaming=streaming,
                     streaming_stores=streaming and self.world_size == 1,
+                    promote=k.get("kvtier_promote", not streaming),
                 ),
                 stats_path=k.get("kvtier_stats_path"),
                 shared_tiers=[t.name for t in lower],
