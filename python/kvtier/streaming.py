@@ -94,6 +94,12 @@ class StreamLoader:
             for tensors, pages in groups
         ]  # fmt: skip
         self._readers: dict[str, Any] = {}
+        # Reads go in jobs of a quarter of the ring, so the first copies
+        # overlap the later reads (measured, 62 chunks of 128 KiB from this
+        # machine's disk: one job for all then one copy took 14.6 ms against
+        # 12.4 ms for the reads alone).
+        self._per_job = max(1, min(16, num_slots // 4))
+        self.bpc = blocks_per_chunk
         self._slice = wait_slice_s
         self._cv = threading.Condition()
         self._incoming: list[_Job] = []
@@ -253,7 +259,12 @@ class StreamLoader:
         while pending and free:
             tier, store = pending[0][1].tier, pending[0][0].store
             batch: list[tuple[_Job, StreamChunk, int]] = []
-            while pending and free and (pending[0][1].tier, pending[0][0].store) == (tier, store):
+            while (
+                pending
+                and free
+                and len(batch) < self._per_job
+                and (pending[0][1].tier, pending[0][0].store) == (tier, store)
+            ):
                 job, c = pending.popleft()
                 batch.append((job, c, free.pop()))
             if store:  # KV cache -> slots; what failed to copy ends here
@@ -286,41 +297,54 @@ class StreamLoader:
         self, items: list[tuple[_Job, StreamChunk, int]], to_slots: bool
     ) -> list[tuple[_Job, StreamChunk, int]]:
         """Staging slots -> KV blocks (or back, ``to_slots``) for ``items``;
-        blocks until copied. Returns the items copied; the others' jobs are
-        failed (the caller ends their chunks)."""
-        subs: dict[tuple[int, int], tuple[_Job, StreamChunk, int]] = {}
+        blocks until copied. Returns the items copied (for loads, every item:
+        a failed copy fails its job and frees its slot all the same)."""
+        # Whole chunks of a group go in one copy job (a job per chunk cost
+        # about 0.05 ms each here); a chunk that starts part way gets its own.
+        parts: dict[tuple[int, bool, int], list[tuple[_Job, StreamChunk, int]]] = {}
+        for n, (job, c, slot) in enumerate(items):
+            whole = len(c.blocks) == self.bpc and c.first % self.bpc == 0
+            parts.setdefault((c.group, whole, 0 if whole else n), []).append((job, c, slot))
+        subs: dict[tuple[int, int], list[tuple[_Job, StreamChunk, int]]] = {}
         out: list[tuple[_Job, StreamChunk, int]] = []
-        for job, c, slot in items:
+        for (g, _, _), part in parts.items():
             self._next_sub += 1
-            t = self.transfers[c.group]
+            t = self.transfers[g]
+            blocks = np.concatenate([c.blocks for _, c, _ in part])
+            slots = [slot for _, _, slot in part]
+            first = part[0][1].first
             try:
                 ok = (
-                    t.submit_store(self._next_sub, c.blocks, [slot], first_block_index=c.first)
+                    t.submit_store(self._next_sub, blocks, slots, first_block_index=first)
                     if to_slots
-                    else t.submit_load(self._next_sub, [slot], c.blocks, first_block_index=c.first)
+                    else t.submit_load(self._next_sub, slots, blocks, first_block_index=first)
                 )
+                why = "copy queue full"
             except KvtierError as e:
-                ok = False
-                self._fail(job, f"copy not submitted: {e}")
+                ok, why = False, f"copy not submitted: {e}"
             if not ok:
-                self._fail(job, job.error or "copy queue full")
+                for job, _, _ in part:
+                    self._fail(job, why)
                 if not to_slots:
-                    out.append((job, c, slot))  # nothing in flight: the slot is free
+                    out += part  # nothing in flight: the slots are free
                 continue
-            subs[(c.group, self._next_sub)] = (job, c, slot)
+            subs[(g, self._next_sub)] = part
         for g, t in enumerate(self.transfers):
-            mine = [s for grp, s in subs if grp == g]
+            mine = [sub for grp, sub in subs if grp == g]
             if not mine:
                 continue
             t.wait(mine)
             for r in t.get_finished():
-                job, c, slot = subs[(g, r.job_id)]
-                if r.success:
-                    if not to_slots:
-                        job.nbytes += int(r.transfer_size or 0)
-                    out.append((job, c, slot))
-                else:
-                    self._fail(job, f"copy failed: {r.error}")
-                    if not to_slots:
+                part = subs[(g, r.job_id)]
+                for job, c, slot in part:
+                    if not r.success:
+                        self._fail(job, f"copy failed: {r.error}")
+                    elif not to_slots:
+                        job.nbytes += (
+                            len(c.blocks)
+                            * int(r.transfer_size or 0)
+                            // max(1, sum(len(x.blocks) for _, x, _ in part))
+                        )
+                    if r.success or not to_slots:
                         out.append((job, c, slot))
         return out

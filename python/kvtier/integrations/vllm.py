@@ -93,8 +93,8 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
     ),
     "kvtier_promote": (
         bool,
-        "copy a disk hit into the host tier before loading it (default false: the worker "
-        "streams it from disk into the engine's cache, one scheduler step sooner)",
+        "copy a disk hit into the host tier before loading it (default true; false: the worker "
+        "streams every disk hit into the engine's cache itself)",
     ),
     "kvtier_stream_slots": (
         int,
@@ -340,7 +340,10 @@ class KVTierOffloadingSpec(OffloadingSpec):
                     lower,
                     streaming=streaming,
                     streaming_stores=streaming and self.world_size == 1,
-                    promote=k.get("kvtier_promote", not streaming),
+                    # Measured (bench serve, host+disk): loading after a
+                    # promotion beat streaming every hit, 1.24x against 1.43x
+                    # of vLLM's prefix cache; streaming is for what has no room.
+                    promote=k.get("kvtier_promote", True),
                 ),
                 stats_path=k.get("kvtier_stats_path"),
                 shared_tiers=[t.name for t in lower],
