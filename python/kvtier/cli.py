@@ -38,6 +38,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.component == "serve":
         return _cmd_bench_serve(args)
+    if args.component == "soak":
+        return _cmd_bench_soak(args)
     args.repeats = args.repeats or 5
     if args.component == "copy":
         sizes = [parse_size(args.block_bytes)] if args.block_bytes else None
@@ -127,6 +129,27 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         print(table(result))
         print(f"  saved {path}\n  plot  {png}")
     return 0
+
+
+def _cmd_bench_soak(args: argparse.Namespace) -> int:
+    from kvtier.bench.harness import output_dir
+    from kvtier.bench.soak import SoakConfig, report, run_soak
+
+    if not 0.5 <= args.minutes <= 24 * 60:
+        raise InvalidArgument(f"--minutes must be in [0.5, 1440], got {args.minutes}")
+    result = run_soak(
+        SoakConfig(minutes=args.minutes, seed=args.seed),
+        output_dir(args.out, "bench/soak"),
+        progress=not args.json,
+        log=(lambda _: None) if args.json else print,
+    )
+    if args.json:
+        _print_json_last(result)
+    else:
+        print(report(result))
+        if "json_path" in result:
+            print(f"  saved {result['json_path']}\n  plot  {result['plot_path']}")
+    return 0 if result["passed"] else 1
 
 
 def _print_human(r: dict[str, Any]) -> None:
@@ -285,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_cmd_replay)
 
     b = sub.add_parser("bench", help="measure a component against its baseline")
-    b.add_argument("component", choices=["copy", "manager", "disk", "remote", "vllm", "serve"])
+    b.add_argument("component", choices=["copy", "manager", "disk", "remote", "vllm", "serve", "soak"])
     b.add_argument("--url", help="remote: redis://HOST:PORT (default: start a local server)")
     b.add_argument("--block-bytes", help="one size (default: 64KiB, 256KiB and 2MiB)")
     b.add_argument(
@@ -311,6 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace", help="vllm: Mooncake-format JSONL trace to replay (default: synthetic)"
     )
     b.add_argument("--policy", default="lru")
+    b.add_argument(
+        "--minutes",
+        type=float,
+        default=2.0,
+        help="soak: minutes of replay under faults (default 2; the README quotes 30)",
+    )
+    b.add_argument("--seed", type=int, default=0, help="soak: workload and fault seed")
     b.add_argument(
         "--python", help="serve: a Python with vLLM's engine and kvtier (default: this one)"
     )

@@ -32,6 +32,8 @@ class TierConfig:
     free space (:func:`kvtier.units.parse_capacity`, ``"80%"``), resolved
     when the tier opens its directory. ``disk_reserve_bytes``: free space the
     disk tier never takes (None: 5% of the file system, at most 4 GiB).
+    ``remote_known_capacity``: keys whose existence on the server the
+    remote tier remembers (about 230 B of the process's heap each).
     ``no_data``: index only, no bytes move.
     """
 
@@ -49,6 +51,7 @@ class TierConfig:
     remote_timeout_s: float = 2.0
     remote_admit_after: int = 1
     remote_degraded_ok: bool = False
+    remote_known_capacity: int = 1 << 20
     no_data: bool = False
 
 
@@ -98,6 +101,7 @@ def build_tier(
         cfg.remote_url, block_bytes, namespace=namespace, name=name or kind,
         ttl_s=cfg.remote_ttl_s, timeout_s=cfg.remote_timeout_s,
         admit_after=cfg.remote_admit_after, degraded_ok=cfg.remote_degraded_ok,
+        known_capacity=cfg.remote_known_capacity,
     )  # fmt: skip
 
 
