@@ -308,7 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_cmd_replay)
 
     b = sub.add_parser("bench", help="measure a component against its baseline")
-    b.add_argument("component", choices=["copy", "manager", "disk", "remote", "vllm", "serve", "soak"])
+    b.add_argument(
+        "component", choices=["copy", "manager", "disk", "remote", "vllm", "serve", "soak"]
+    )
     b.add_argument("--url", help="remote: redis://HOST:PORT (default: start a local server)")
     b.add_argument("--block-bytes", help="one size (default: 64KiB, 256KiB and 2MiB)")
     b.add_argument(

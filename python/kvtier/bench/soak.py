@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -135,10 +135,17 @@ def child_main(cfg_json: str) -> int:
     """The workload process: replay until SIGTERM, a sample line every
     ``sample_s``. Exit 0 after a clean shutdown, 1 when a request raised
     (the error is written as an ``error`` line first)."""
+    c = json.loads(cfg_json)
+    with Path(c["samples"]).open("a", buffering=1) as out:  # line-buffered: the driver tails it
+        return _child_run(c, out)
+
+
+def _child_run(c: dict[str, Any], out: TextIO) -> int:
     import faulthandler
 
     import numpy as np
 
+    from kvtier.errors import KvtierError
     from kvtier.manager import TieredOffloadingManager
     from kvtier.pool import HostPool
     from kvtier.replay import FakeKV, Replayer, synthetic_requests
@@ -146,8 +153,6 @@ def child_main(cfg_json: str) -> int:
     from kvtier.tiers.host import HostTier
     from kvtier.transfer import DeviceTransfer
 
-    c = json.loads(cfg_json)
-    out = Path(c["samples"]).open("a", buffering=1)
     faulthandler.enable()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -167,7 +172,7 @@ def child_main(cfg_json: str) -> int:
     name = f"kvtier-soak-{c['tag']}-{c['inc']}"
     try:
         pool = HostPool(c["host_blocks"], host_slot_bytes(block, tier_cfg), name, mlock=True)
-    except Exception:  # no RLIMIT_MEMLOCK for it: unlocked, and the samples say so (lck 0)
+    except (KvtierError, OSError):  # no RLIMIT_MEMLOCK for it: unlocked (the samples show lck 0)
         pool = HostPool(c["host_blocks"], host_slot_bytes(block, tier_cfg), name)
     kv = FakeKV(256, block, seed=int(c["seed"]))  # a prompt has at most 124 blocks
     transfer = DeviceTransfer(kv.layers, pool)
@@ -237,7 +242,6 @@ def child_main(cfg_json: str) -> int:
         transfer.shutdown()
         pool.close()
     sample(final=True)
-    out.close()
     return code
 
 
@@ -351,9 +355,7 @@ def flatness(
         return all(not (s <= t < s + SETTLE_S) for s in starts)
 
     judged = [
-        s
-        for s in samples
-        if s["t"] >= warmup_end and settled(s["t"]) and s.get("event") != "final"
+        s for s in samples if s["t"] >= warmup_end and settled(s["t"]) and s.get("event") != "final"
     ]
     if len(judged) < 3:
         return False, f"only {len(judged)} samples after warm-up to judge"
@@ -467,9 +469,7 @@ class Recorder:
         t = rec["tiers"]
 
         def d(tier: str, *keys: str) -> int:
-            return sum(
-                t.get(tier, {}).get(k, 0) - pt.get(tier, {}).get(k, 0) for k in keys
-            )
+            return sum(t.get(tier, {}).get(k, 0) - pt.get(tier, {}).get(k, 0) for k in keys)
 
         row = {
             **rec,
@@ -511,7 +511,10 @@ def minute_rows(
                 "wrong_blocks": sum(s["d_wrong"] for s in ss),
                 "corrupt_caught": sum(s["d_corrupt"] for s in ss),
                 "step_max_s": max((s["step_max_s"] for s in ss), default=0.0),
-                **{k: last.get(k, 0) for k in ("rss_kib", "fds", "threads", "shm", "lck_kib", "pin_kib")},
+                **{
+                    k: last.get(k, 0)
+                    for k in ("rss_kib", "fds", "threads", "shm", "lck_kib", "pin_kib")
+                },
                 "faults": [f.kind for f in faults if lo <= f.start < hi],
             }
         )
@@ -657,7 +660,9 @@ def run_soak(
                 key = redis.cli("RANDOMKEY").strip()
                 length = int(redis.cli("STRLEN", key).strip() or 0) if key else 0
                 if length > 16:
-                    redis.cli("SETRANGE", key, str(rng.randrange(length - 16)), rng.randbytes(8).hex())
+                    redis.cli(
+                        "SETRANGE", key, str(rng.randrange(length - 16)), rng.randbytes(8).hex()
+                    )
                     n += 1
             f.detail = f"SETRANGE of 16 random bytes in {n} random values"
             f.end = f.start
@@ -737,7 +742,11 @@ def run_soak(
             f.felt = f"{sum(s[felt[0]] for s in window)} {felt[1]}"
         else:
             disk_hits = sum(s["d_hits_by"].get("disk", 0) for s in window)
-            f.felt = f"restarted child served {disk_hits} disk hits before the next fault"
+            recovered = window[0]["tiers"].get("disk", {}).get("recovered", 0) if window else 0
+            f.felt = (
+                f"the restarted child recovered {recovered} disk records from the journal "
+                f"and served {disk_hits} verified disk hits before the next fault"
+            )
     crits = verdict(rec.samples, faults, t0 + cfg.warmup_s, starts, rec.hangs, crashes, t0)
     counts = {k: sum(f.kind == k and not f.skipped for f in faults) for k in FAULT_KINDS}
     result: dict[str, Any] = {
@@ -777,15 +786,23 @@ def report(result: dict[str, Any]) -> str:
     """The fault log and the verdict as text (after the per-minute table)."""
     lines = ["faults:"]
     for f in result["faults"]:
-        rec = "skipped: " + f["skipped"] if f["skipped"] else (
-            f"recovered in {f['recovered_s']} s" if f["recovered_s"] is not None else "NOT recovered"
+        rec = (
+            "skipped: " + f["skipped"]
+            if f["skipped"]
+            else (
+                f"recovered in {f['recovered_s']} s"
+                if f["recovered_s"] is not None
+                else "NOT recovered"
+            )
         )
         lines.append(f"  {f['at_s']:>7.1f} s  {f['kind']:<13} {rec}; {f['detail']}; {f['felt']}")
     counts = ", ".join(f"{k} {n}" for k, n in result["fault_counts"].items())
     lines.append(f"fault counts: {counts}; child starts {result['child_starts']}")
     lines.append("verdict:")
-    for c in result["verdict"]:
-        lines.append(f"  {'PASS' if c['passed'] else 'FAIL'}  {c['name']}: {c['detail']}")
+    lines.extend(
+        f"  {'PASS' if c['passed'] else 'FAIL'}  {c['name']}: {c['detail']}"
+        for c in result["verdict"]
+    )
     lines.append(f"soak {'PASSED' if result['passed'] else 'FAILED'}")
     return "\n".join(lines)
 
@@ -804,7 +821,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     series = [
         ("RSS (MiB)", [s["rss_kib"] / 1024 for s in ss]),
         ("open fds / threads", None),
-        ("hit rate per interval (%)", [100 * s["d_hits"] / s["d_refs"] if s["d_refs"] else 0 for s in ss]),
+        (
+            "hit rate per interval (%)",
+            [100 * s["d_hits"] / s["d_refs"] if s["d_refs"] else 0 for s in ss],
+        ),
         ("/dev/shm pools", [s["shm"] for s in ss]),
     ]
     for ax, (label, ys) in zip(axes, series, strict=True):
@@ -816,14 +836,28 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.plot(xs, ys, ".-")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        colors = dict(zip(FAULT_KINDS, ("tab:red", "tab:blue", "tab:orange", "tab:green", "black"), strict=True))
+        colors = dict(
+            zip(
+                FAULT_KINDS,
+                ("tab:red", "tab:blue", "tab:orange", "tab:green", "black"),
+                strict=True,
+            )
+        )
         for f in result["faults"]:
             if not f["skipped"]:
                 ax.axvline(f["at_s"] / 60, color=colors[f["kind"]], alpha=0.5, lw=1)
-    axes[-1].set_xlabel("minutes (vertical lines: faults; " + ", ".join(
-        f"{c}: {k}" for k, c in zip(FAULT_KINDS, ("red", "blue", "orange", "green", "black"), strict=True)) + ")")
-    axes[0].set_title(f"kvtier bench soak, {result['config']['minutes']:g} min: "
-                      + ("PASSED" if result["passed"] else "FAILED"))
+    axes[-1].set_xlabel(
+        "minutes (vertical lines: faults; "
+        + ", ".join(
+            f"{c}: {k}"
+            for k, c in zip(FAULT_KINDS, ("red", "blue", "orange", "green", "black"), strict=True)
+        )
+        + ")"
+    )
+    axes[0].set_title(
+        f"kvtier bench soak, {result['config']['minutes']:g} min: "
+        + ("PASSED" if result["passed"] else "FAILED")
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
