@@ -686,6 +686,9 @@ def run_soak(
                     log(f"  child {r['inc']} failed: {r['error']}")
             if child.poll() is not None:
                 crashes += 1
+                if crashes >= 3 and not any(s["inc"] >= len(starts) - 3 for s in rec.samples):
+                    log("  three children in a row ended before their first sample: stopping")
+                    break
                 log(f"  child {len(starts) - 1} exited with {child.returncode}: restarted")
                 child = launch()
                 silent_since = time.monotonic()
