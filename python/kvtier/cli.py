@@ -273,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host-blocks", type=int, help="host tier capacity in blocks")
     r.add_argument("--policy", default="lru", help="lru | arc | dotted.path.Class")
     r.add_argument("--admit-after", type=int, default=1, help="store a key after N offers")
-    r.add_argument("--disk", help="disk tier DIR:SIZE, e.g. /mnt/nvme/kv:100GiB")
+    r.add_argument(
+        "--disk", help="disk tier DIR:SIZE, e.g. /mnt/nvme/kv:100GiB, or DIR:80%% of the free space"
+    )
     r.add_argument("--remote", help="remote tier: redis://HOST:PORT or redis-cluster://H:P,H:P")
     r.add_argument("--no-data", action="store_true", help="policy only: no pool, no bytes")
     r.add_argument("--max-requests", type=int, help="stop after this many requests")

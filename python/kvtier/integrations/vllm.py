@@ -312,7 +312,8 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 remote_url=k.get("kvtier_remote_url"),
                 remote_ttl_s=k.get("kvtier_remote_ttl_s"),
             )
-            if cfg.disk_path is not None:
+            disk_path = cfg.disk_path
+            if disk_path is not None:
                 # Each stage its own directory, and a share of the bytes in
                 # proportion to its part of a block.
                 if self.pp_size > 1 and isinstance(cfg.disk_bytes, FreeFraction):
@@ -322,14 +323,14 @@ class KVTierOffloadingSpec(OffloadingSpec):
 
                     from kvtier.tiers.disk import resolve_capacity
 
-                    root = Path(cfg.disk_path)
+                    root = Path(disk_path)
                     root.mkdir(mode=0o700, parents=True, exist_ok=True)
                     own = root.glob("stage*/kvtier-*/slab-*.dat")
                     cfg = replace(cfg, disk_bytes=resolve_capacity(cfg.disk_bytes, root, own))
                 total = cfg.disk_bytes if isinstance(cfg.disk_bytes, int) else 0  # pp == 1
                 stage_cfgs = [
                     cfg if self.pp_size == 1 else replace(
-                        cfg, disk_path=os.path.join(cfg.disk_path, f"stage{st}"),
+                        cfg, disk_path=os.path.join(disk_path, f"stage{st}"),
                         disk_bytes=total * payloads[st] // sum(payloads))
                     for st in range(self.pp_size)
                 ]  # fmt: skip
