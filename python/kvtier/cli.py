@@ -20,8 +20,20 @@ def _print_json_last(obj: dict[str, Any]) -> None:
     print(json.dumps(obj, sort_keys=False))
 
 
+def _scratch_dir(args: argparse.Namespace) -> str:
+    """``--dir``, else ``build/bench-disk`` of the repo (or a printed temporary
+    directory): a bench never writes into the current directory unasked."""
+    from kvtier.bench.harness import default_output_dir
+
+    if args.dir:
+        return str(args.dir)
+    d = default_output_dir("bench-disk")
+    d.mkdir(parents=True, exist_ok=True)
+    return str(d)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from kvtier.bench.harness import save_result
+    from kvtier.bench.harness import output_dir, save_result
     from kvtier.units import parse_size
 
     if args.component == "serve":
@@ -43,7 +55,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         sizes = [parse_size(args.block_bytes)] if args.block_bytes else [262144, 2 << 20]
         results = [
             run_disk(
-                args.dir, s, args.queue_depth, parse_size(args.total), args.repeats, args.backend
+                _scratch_dir(args),
+                s,
+                args.queue_depth,
+                parse_size(args.total),
+                args.repeats,
+                args.backend,
             )
             for s in sizes
         ]
@@ -59,15 +76,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kvtier.integrations.vllm_bench import run_vllm
 
         chunks = (parse_size(args.block_bytes),) if args.block_bytes else (262144, 2 << 20)
-        results = [run_vllm(args.dir, chunks, args.repeats or 3, trace_path=args.trace)]
+        results = [run_vllm(_scratch_dir(args), chunks, args.repeats or 3, trace_path=args.trace)]
     elif args.component == "manager":
         from kvtier.bench.manager import run_manager
 
         results = [run_manager(num_keys=args.keys, policy=args.policy)]
     else:  # pragma: no cover - argparse restricts choices
         raise KvtierError(f"unknown component {args.component}")
+    out = output_dir(args.out, "bench")
     for r in results:
-        path = save_result(r, args.results_dir)
+        path = save_result(r, out)
         if not args.json:
             _print_human(r)
             if path:
@@ -255,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host-blocks", type=int, help="host tier capacity in blocks")
     r.add_argument("--policy", default="lru", help="lru | arc | dotted.path.Class")
     r.add_argument("--admit-after", type=int, default=1, help="store a key after N offers")
-    r.add_argument("--disk", help="disk tier DIR:SIZE, e.g. /mnt/nvme/kv:100GiB")
+    r.add_argument(
+        "--disk", help="disk tier DIR:SIZE, e.g. /mnt/nvme/kv:100GiB, or DIR:80%% of the free space"
+    )
     r.add_argument("--remote", help="remote tier: redis://HOST:PORT or redis-cluster://H:P,H:P")
     r.add_argument("--no-data", action="store_true", help="policy only: no pool, no bytes")
     r.add_argument("--max-requests", type=int, help="stop after this many requests")
@@ -277,7 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="host: pool<->buffer copies; cpu: DeviceTransfer with a CPU KV cache",
     )
     b.add_argument("--repeats", type=int, help="repeats (default 5; serve: 3)")
-    b.add_argument("--dir", default=".", help="disk: directory on the device to measure")
+    b.add_argument(
+        "--dir",
+        help="disk, vllm: directory on the device to measure "
+        "(default: build/bench-disk of the repo, else a temporary directory)",
+    )
     b.add_argument("--queue-depth", type=int, default=32)
     b.add_argument(
         "--connections", type=int, default=2, help="remote: connections (worker threads), also -c"
@@ -296,13 +320,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sessions", type=int, default=6, help="serve: chat sessions")
     b.add_argument("--system-tokens", type=int, default=2000, help="serve: system prompt tokens")
     b.add_argument("--turns", type=int, default=3, help="serve: turns per session")
-    b.add_argument("--out", help="serve: output directory (default: build/bench-serve of the repo)")
-    b.add_argument("--json", action="store_true", help="print JSON (last line)")
     b.add_argument(
-        "--results-dir",
-        default="bench/results",
-        help="also save results with machine facts here ('' to skip)",
+        "--out",
+        help="save results with machine facts in this directory ('' to skip; default: "
+        "build/bench, serve: build/bench-serve, of the repo, else a printed temporary directory)",
     )
+    b.add_argument("--results-dir", dest="out", help=argparse.SUPPRESS)  # the old name of --out
+    b.add_argument("--json", action="store_true", help="print JSON (last line)")
     b.set_defaults(func=_cmd_bench)
 
     pl = sub.add_parser("plan", help="pipeline-parallel KV memory planner")

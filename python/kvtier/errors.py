@@ -21,6 +21,16 @@ class IoError(KvtierError, OSError):
     """A system call failed; ``errno`` holds the error number."""
 
 
+class NoSpace(IoError):
+    """A file system lacks the space asked of it (errno ENOSPC): a disk tier
+    larger than the free space, or a file system that filled up."""
+
+
+class InUse(IoError):
+    """Another process owns the resource (errno EBUSY): a disk tier directory
+    held open by a live process."""
+
+
 class CudaError(KvtierError):
     """The CUDA runtime reported an error (or could not be loaded)."""
 
@@ -41,8 +51,10 @@ __all__ = [
     "Busy",
     "ClosedError",
     "CudaError",
+    "InUse",
     "InvalidArgument",
     "IoError",
     "KvtierError",
+    "NoSpace",
     "Timeout",
 ]

@@ -138,7 +138,10 @@ def even_partition(layers: int, stages: int) -> list[int]:
 
 
 def parse_partition(text: str | list[int], layers: int) -> list[int]:
-    parts = [int(x) for x in text.split(",")] if isinstance(text, str) else list(text)
+    try:
+        parts = [int(x) for x in text.split(",")] if isinstance(text, str) else list(text)
+    except ValueError:
+        raise InvalidArgument(f"partition: layers per stage like 48,16, got {text!r}") from None
     if not parts or any(p <= 0 for p in parts):
         raise InvalidArgument(f"partition: every stage needs > 0 layers, got {parts}")
     if sum(parts) != layers:

@@ -9,6 +9,7 @@ block is verified byte-for-byte against bytes derived from its hash.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import math
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.errors import InvalidArgument
+from kvtier.errors import InvalidArgument, IoError
 from kvtier.manager import TieredOffloadingManager
 from kvtier.tiers.base import LookupResult
 from kvtier.tiers.factory import TierConfig, build_lower_tiers, host_slot_bytes, parse_disk_spec
@@ -29,26 +30,43 @@ from kvtier.tiers.host import HostTier
 from kvtier.units import parse_size
 
 MAX_PENDING_STEPS = 1000
+_MAX_HASH_ID = 1 << 63  # key_of packs a signed 64-bit int
 
 
 # -- traces ---------------------------------------------------------------
 def read_trace(path: str | Path, max_requests: int | None = None) -> list[list[int]]:
-    """Mooncake-format JSONL: one object per line with ``hash_ids`` (prefix block hashes)."""
+    """Mooncake-format JSONL: one object per line with ``hash_ids`` (prefix
+    block hashes, ints in [0, 2**63)). Raises InvalidArgument naming the file
+    and line of the first bad record, IoError when the file cannot be read."""
     p = Path(path)
+    if p.is_dir():
+        raise InvalidArgument(f"trace file {p} is a directory")
     if not p.is_file():
         raise InvalidArgument(f"trace file not found: {p}")
     out: list[list[int]] = []
-    with p.open() as f:
+    try:
+        f = p.open("rb")
+    except OSError as e:
+        raise IoError(e.errno or errno.EIO, f"cannot read trace {p}: {e.strerror}") from None
+    with f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
                 ids = obj["hash_ids"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError, IndexError) as e:  # ValueError: bad UTF-8 too
                 raise InvalidArgument(f"{p}:{lineno}: not a trace record ({e})") from None
-            if not isinstance(ids, list) or not all(isinstance(h, int) for h in ids):
-                raise InvalidArgument(f"{p}:{lineno}: hash_ids must be a list of ints")
+            except RecursionError:
+                raise InvalidArgument(
+                    f"{p}:{lineno}: not a trace record (nested too deep)"
+                ) from None
+            if not isinstance(ids, list) or not all(
+                type(h) is int and 0 <= h < _MAX_HASH_ID for h in ids
+            ):
+                raise InvalidArgument(
+                    f"{p}:{lineno}: hash_ids must be a list of ints in [0, 2**63)"
+                )
             out.append(ids)
             if max_requests is not None and len(out) >= max_requests:
                 break
@@ -398,6 +416,10 @@ def main_replay(args: ReplayOptions) -> int:
     table (and write the JSON and plot asked for). Blocks until the trace is
     done; returns the exit status (1 when a loaded block failed verification)."""
     block_bytes = parse_size(args.block_bytes)
+    if args.max_requests is not None and args.max_requests < 1:
+        raise InvalidArgument(f"--max-requests must be >= 1, got {args.max_requests}")
+    if args.seed < 0:
+        raise InvalidArgument(f"--seed must be >= 0, got {args.seed}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise InvalidArgument("--plot needs matplotlib: pip install 'kvtier[bench]'")
     if args.trace:

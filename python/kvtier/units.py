@@ -7,6 +7,9 @@ nothing blocks, nothing is imported beyond the error types.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from kvtier.errors import InvalidArgument
 
 _SIZE_UNITS = {
@@ -35,13 +38,23 @@ def parse_size(text: str) -> int:
     if not num or unit not in _SIZE_UNITS:
         raise InvalidArgument(f"cannot parse size {text!r} (examples: 65536, 256KiB, 2MiB, 1GiB)")
     try:
-        value = float(num)
+        value = float(num) * _SIZE_UNITS[unit]
     except ValueError:
         raise InvalidArgument(f"cannot parse size {text!r}") from None
-    n = int(value * _SIZE_UNITS[unit])
+    if not math.isfinite(value):  # "1e999": int() of it would raise OverflowError
+        raise InvalidArgument(f"size {text!r} is out of range")
+    n = int(value)
     if n <= 0:
         raise InvalidArgument(f"size must be > 0, got {text!r}")
     return n
+
+
+def format_size(n: int) -> str:
+    """``16777216`` -> ``"16.0 MiB"``: a size for a message (binary units)."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
 
 
 def to_bytes(key: str, value: object) -> int:
@@ -58,6 +71,50 @@ def to_bytes(key: str, value: object) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class FreeFraction:
+    """A capacity given as a share of a file system's free space (``"80%"``).
+
+    It stays a fraction until the tier that uses it knows its directory
+    (:func:`kvtier.tiers.disk.resolve_capacity`), so one setting means the
+    same thing wherever it is given.
+    """
+
+    fraction: float  # in (0, 1]
+
+    def __str__(self) -> str:
+        return f"{self.fraction * 100:g}%"
+
+
+def parse_capacity(text: str) -> int | FreeFraction:
+    """A disk capacity: a size (``"100GiB"``, bytes > 0) or a share of the
+    free space (``"80%"``, in (0, 100]). Raises InvalidArgument."""
+    s = text.strip()
+    if not s.endswith("%"):
+        return parse_size(s)
+    try:
+        pct = float(s[:-1])
+    except ValueError:
+        raise InvalidArgument(f"cannot parse capacity {text!r} (examples: 100GiB, 80%)") from None
+    if not 0 < pct <= 100:  # also rejects nan
+        raise InvalidArgument(
+            f"a capacity in percent of free space must be in (0, 100], got {text!r}"
+        )
+    return FreeFraction(pct / 100)
+
+
+def to_capacity(key: str, value: object) -> int | FreeFraction:
+    """:func:`to_bytes` that also takes a share of free space (``"80%"``)."""
+    if isinstance(value, FreeFraction):
+        return value
+    if isinstance(value, str):
+        try:
+            return parse_capacity(value)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"{key}: {e}") from None
+    return to_bytes(key, value)
+
+
 def parse_duration(text: str) -> float:
     """``"30"``, ``"30s"``, ``"250ms"``, ``"2min"`` -> seconds (> 0). Raises InvalidArgument."""
     num, unit = _split(text)
@@ -67,6 +124,6 @@ def parse_duration(text: str) -> float:
         value = float(num) * _SECONDS[unit]
     except ValueError:
         raise InvalidArgument(f"cannot parse duration {text!r}") from None
-    if not value > 0:
-        raise InvalidArgument(f"duration must be > 0, got {text!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise InvalidArgument(f"duration must be finite and > 0, got {text!r}")
     return value

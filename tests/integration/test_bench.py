@@ -43,7 +43,7 @@ def test_bench_disk_json_and_summary(
     res = tmp_path / "results"
     d = _bench(
         capsys, "disk", "--dir", str(tmp_path), "--block-bytes", "256KiB",
-        "--total", "16MiB", "--repeats", "3", "--results-dir", str(res),
+        "--total", "16MiB", "--repeats", "3", "--out", str(res),
     )  # fmt: skip
     assert d["component"] == "disk" and d["block_bytes"] == 256 << 10
     assert d["backend"] in ("io_uring", "pread")
@@ -64,7 +64,7 @@ def test_bench_remote_json(
 ) -> None:
     d = _bench(
         capsys, "remote", "--url", redis_standalone.url, "--block-bytes", "64KiB",
-        "--total", "8MiB", "--repeats", "2", "--results-dir", str(tmp_path),
+        "--total", "8MiB", "--repeats", "2", "--out", str(tmp_path),
     )  # fmt: skip
     assert d["component"] == "remote" and d["block_bytes"] == 64 << 10
     assert d["checksums"].startswith("crc32c")
@@ -83,3 +83,64 @@ def test_bench_remote_json(
     assert [
         k for k in left if k.startswith("kvt:" + namespace_digest("bench", 65536).hex()[:16])
     ] == []
+
+
+def _fake_kvtier_file(monkeypatch: pytest.MonkeyPatch, root: Path, repo: bool) -> None:
+    """Make kvtier look installed from ``root``: a source checkout or not."""
+    import kvtier
+
+    pkg = root / "python" / "kvtier" if repo else root / "site-packages" / "kvtier"
+    pkg.mkdir(parents=True)
+    if repo:
+        (root / "pyproject.toml").write_text("")
+    monkeypatch.setattr(kvtier, "__file__", str(pkg / "__init__.py"))
+
+
+@pytest.mark.parametrize("repo", [True, False], ids=["from-checkout", "installed"])
+def test_bench_writes_only_where_asked(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    repo: bool,
+) -> None:
+    import tempfile
+
+    cwd, root, tmp = tmp_path / "cwd", tmp_path / "root", tmp_path / "tmp"
+    for d in (cwd, root, tmp):
+        d.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    _fake_kvtier_file(monkeypatch, root, repo)
+    assert main(["bench", "manager", "--keys", "2000", "--json"]) == 0
+    out = capsys.readouterr()
+    assert list(cwd.iterdir()) == []  # nothing where the user stood
+    if repo:
+        (saved,) = (root / "build" / "bench").iterdir()
+        assert list(tmp.iterdir()) == []
+    else:
+        (where,) = tmp.iterdir()
+        assert out.err == f"kvtier bench: writing to {where}\n"
+        (saved,) = where.iterdir()
+    assert saved.name.startswith("manager-all-") and saved.suffix == ".json"
+    assert json.loads(saved.read_text())["component"] == "manager"
+    # --out DIR: there and nowhere else; --out '': nowhere at all.
+    assert main(["bench", "manager", "--keys", "2000", "--json", "--out", str(tmp_path / "o")]) == 0
+    assert len(list((tmp_path / "o").iterdir())) == 1
+    before = sorted(p for p in tmp_path.rglob("*"))
+    assert main(["bench", "manager", "--keys", "2000", "--json", "--out", ""]) == 0
+    assert sorted(p for p in tmp_path.rglob("*")) == before
+
+
+def test_bench_disk_scratch_defaults_outside_the_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.cli import _scratch_dir, build_parser
+
+    root = tmp_path / "root"
+    _fake_kvtier_file(monkeypatch, root, repo=True)
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["bench", "disk"])
+    assert _scratch_dir(args) == str(root / "build" / "bench-disk")
+    assert (root / "build" / "bench-disk").is_dir()
+    args = build_parser().parse_args(["bench", "disk", "--dir", "elsewhere"])
+    assert _scratch_dir(args) == "elsewhere"

@@ -92,27 +92,6 @@ def test_files_are_private(tmp_path: Path) -> None:
         t.close()
 
 
-def test_enospc_at_construction_is_clear(tmp_path: Path) -> None:
-    d = tmp_path / "small"
-    d.mkdir()
-    if (
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True
-        ).returncode
-        != 0
-    ):
-        pytest.skip("cannot mount a small tmpfs here")
-    try:
-        t = DiskTier(d, 64 * SLOT, BLOCK)
-        with HostPool(2, SLOT) as p, pytest.raises(kvtier.IoError) as e:
-            t.attach(p)
-        assert e.value.errno == 28
-        assert "preallocate" in str(e.value)
-        t.close()
-    finally:
-        subprocess.run(["umount", str(d)], check=False)
-
-
 def test_namespaces_never_mix(tmp_path: Path) -> None:
     with HostPool(8, SLOT) as p:
         a = DiskTier(tmp_path, 8 * SLOT, BLOCK, namespace="model-a/bf16/tp0")

@@ -408,3 +408,56 @@ def test_vllm_tiering_with_kvtier_secondary_tiers(
             assert np.array_equal(got, want[k]), "promoted bytes differ"
         m.complete_load(keys, ctx2)
     m.shutdown()
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Any:
+    """An 8 MiB tmpfs mounted for this test alone (root only): no test fills a real disk."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    d = tmp_path / "small"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(d)],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode != 0:
+        pytest.skip(f"mount -t tmpfs refused here: {r.stderr.strip()}")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_disk_capacity_as_a_share_of_free_space_split_over_stages(small_fs: Path) -> None:
+    """``kvtier_disk_bytes: "50%"`` with two pipeline stages: one share of the
+    free space, taken before either stage allocates, split by their part of a
+    block; a size the file system cannot give is refused before anything is
+    allocated."""
+    from kvtier.tiers.disk import DiskTier
+
+    eid = f"test-pct-{uuid.uuid4().hex[:8]}"
+    extra: dict[str, Any] = {**SPEC, "kvtier_host_bytes": "1MiB", "kvtier_num_slots": 4,
+                             "kvtier_disk_path": str(small_fs), "kvtier_disk_bytes": "50%"}  # fmt: skip
+    specs = [
+        OffloadingSpecFactory.create_spec(
+            config(extra, world=2, rank=r, pp=2, kv_bytes=PAGE * (r + 1), engine_id=eid)
+        )
+        for r in range(2)
+    ]
+    kv = [_kv_caches(4, n_layers=2 * (r + 1)) for r in range(2)]
+    workers = [s.get_worker(c) for s, (c, _) in zip(specs, kv)]
+    m = specs[0].get_manager()
+    tiers = m.m.lower[0].tiers
+    assert all(isinstance(t, DiskTier) for t in tiers)
+    total = sum(t.num_records * t.record_bytes for t in tiers)
+    assert (4 << 20) - 2 * tiers[1].record_bytes < total <= 4 << 20
+    assert tiers[1].num_records * tiers[1].block_bytes > tiers[0].num_records * tiers[0].block_bytes
+    m.shutdown()
+    for w in workers:
+        w.shutdown()
+    too_big = {**extra, "kvtier_disk_bytes": "64MiB", "kvtier_disk_path": str(small_fs / "b")}
+    spec = OffloadingSpecFactory.create_spec(config(too_big))
+    worker = spec.get_worker(_kv_caches(4, n_layers=2)[0])
+    with pytest.raises(kvtier.NoSpace, match=r"capacity 67108864 B .* 4\.0 MiB free"):
+        spec.get_manager()
+    worker.shutdown()
+    assert list((small_fs / "b").iterdir()) == []

@@ -11,6 +11,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -227,8 +228,9 @@ def machine_facts() -> dict[str, Any]:
     }
 
 
-def save_result(result: dict[str, Any], results_dir: str | None) -> Path | None:
-    """Write ``result`` plus machine facts as JSON under ``results_dir`` (None: skip)."""
+def save_result(result: dict[str, Any], results_dir: str | Path | None) -> Path | None:
+    """Write ``result`` plus machine facts as JSON under ``results_dir``
+    (None or '': skip); returns the file's path."""
     if not results_dir:
         return None
     d = Path(results_dir)
@@ -242,7 +244,8 @@ def save_result(result: dict[str, Any], results_dir: str | None) -> Path | None:
 def default_output_dir(name: str) -> Path:
     """Where a benchmark writes when not told: ``build/<name>`` of the source
     tree kvtier runs from (an editable install), else a new temporary
-    directory. Never the current directory."""
+    directory, whose path is printed (to stderr: stdout may carry JSON).
+    Never the current directory."""
     import tempfile
 
     import kvtier
@@ -250,4 +253,16 @@ def default_output_dir(name: str) -> Path:
     repo = Path(kvtier.__file__).resolve().parents[2]
     if (repo / "pyproject.toml").exists() and (repo / "python" / "kvtier").is_dir():
         return repo / "build" / name
-    return Path(tempfile.mkdtemp(prefix=f"kvtier-{name}-"))
+    d = Path(tempfile.mkdtemp(prefix=f"kvtier-{name}-"))
+    print(f"kvtier bench: writing to {d}", file=sys.stderr)
+    return d
+
+
+def output_dir(out: str | None, name: str) -> Path | None:
+    """The directory a benchmark writes to: ``out`` when given ('' means
+    nowhere: None), else :func:`default_output_dir`. Who calls: every
+    ``kvtier bench`` component and ``bench/run.py``, so none writes anywhere
+    it was not told except under ``build/`` or a printed temporary path."""
+    if out is None:
+        return default_output_dir(name)
+    return Path(out) if out else None

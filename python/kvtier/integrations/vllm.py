@@ -24,7 +24,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -53,7 +53,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvtier.errors import InvalidArgument
 from kvtier.planner import host_pool_for_chunks
 from kvtier.tiers.records import TRAILER_BYTES, namespace_name
-from kvtier.units import to_bytes
+from kvtier.units import FreeFraction, to_bytes, to_capacity
 
 if TYPE_CHECKING:
     from kvtier.manager import StreamSpec, TieredOffloadingManager
@@ -74,7 +74,14 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "kvtier_policy": (str, "eviction policy: lru, arc or a dotted class path (default lru)"),
     "kvtier_admit_after": (int, "store a block after it was offered N times (default 1)"),
     "kvtier_disk_path": (str, "directory of the disk tier (optional)"),
-    "kvtier_disk_bytes": ((int, str), "disk tier size (default 100GiB when a path is set)"),
+    "kvtier_disk_bytes": (
+        (int, str),
+        "disk tier size, e.g. 100GiB, or a share of the free space, e.g. 80% (default 100GiB)",
+    ),
+    "kvtier_disk_reserve": (
+        (int, str),
+        "free space the disk tier never takes (default 5% of the file system, at most 4GiB)",
+    ),
     "kvtier_disk_write_budget": (
         (int, str),
         "disk write budget in bytes per second (default none)",
@@ -123,8 +130,14 @@ KVTIER_METRICS = {
 def parse_extra_config(extra: dict[str, Any] | Any) -> dict[str, Any]:
     """Validate kvtier's keys of ``kv_connector_extra_config``; clear errors for
     unknown or mistyped ones. Returns the kvtier keys with sizes in bytes."""
+    if not isinstance(extra, Mapping):
+        raise InvalidArgument(
+            f"kv_connector_extra_config must be a mapping, got {type(extra).__name__}"
+        )
     out: dict[str, Any] = {}
-    for key, value in dict(extra).items():
+    for key, value in extra.items():
+        if not isinstance(key, str):
+            raise InvalidArgument(f"kv_connector_extra_config keys must be strings, got {key!r}")
         if not key.startswith("kvtier_"):
             continue
         if key not in CONFIG_KEYS:
@@ -134,9 +147,11 @@ def parse_extra_config(extra: dict[str, Any] | Any) -> dict[str, Any]:
         if (isinstance(value, bool) and typ is not bool) or not isinstance(value, typ):
             raise InvalidArgument(f"{key}: expected {typ}, got {value!r}")
         out[key] = value
-    for key in ("kvtier_host_bytes", "kvtier_disk_bytes", "kvtier_disk_write_budget"):
+    for key in ("kvtier_host_bytes", "kvtier_disk_reserve", "kvtier_disk_write_budget"):
         if key in out:
             out[key] = to_bytes(key, out[key])
+    if "kvtier_disk_bytes" in out:
+        out["kvtier_disk_bytes"] = to_capacity("kvtier_disk_bytes", out["kvtier_disk_bytes"])
     if out.get("kvtier_admit_after", 1) < 1:
         raise InvalidArgument("kvtier_admit_after: must be >= 1")
     return out
@@ -303,19 +318,33 @@ class KVTierOffloadingSpec(OffloadingSpec):
             cfg = TierConfig(
                 disk_path=k.get("kvtier_disk_path"),
                 disk_bytes=k.get("kvtier_disk_bytes", 100 << 30),
+                disk_reserve_bytes=k.get("kvtier_disk_reserve"),
                 disk_policy=k.get("kvtier_policy", "lru"),
                 disk_write_budget_bps=k.get("kvtier_disk_write_budget"),
                 disk_timeout_s=k.get("kvtier_disk_timeout_s", 30.0),
                 remote_url=k.get("kvtier_remote_url"),
                 remote_ttl_s=k.get("kvtier_remote_ttl_s"),
             )
-            if cfg.disk_path is not None:
+            disk_path = cfg.disk_path
+            if disk_path is not None:
                 # Each stage its own directory, and a share of the bytes in
                 # proportion to its part of a block.
+                if self.pp_size > 1 and isinstance(cfg.disk_bytes, FreeFraction):
+                    # One share of the free space for all stages, taken before
+                    # the first one allocates (their slabs count as free).
+                    from pathlib import Path
+
+                    from kvtier.tiers.disk import resolve_capacity
+
+                    root = Path(disk_path)
+                    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+                    own = root.glob("stage*/kvtier-*/slab-*.dat")
+                    cfg = replace(cfg, disk_bytes=resolve_capacity(cfg.disk_bytes, root, own))
+                total = cfg.disk_bytes if isinstance(cfg.disk_bytes, int) else 0  # pp == 1
                 stage_cfgs = [
                     cfg if self.pp_size == 1 else replace(
-                        cfg, disk_path=os.path.join(cfg.disk_path, f"stage{st}"),
-                        disk_bytes=cfg.disk_bytes * payloads[st] // sum(payloads))
+                        cfg, disk_path=os.path.join(disk_path, f"stage{st}"),
+                        disk_bytes=total * payloads[st] // sum(payloads))
                     for st in range(self.pp_size)
                 ]  # fmt: skip
                 lower.append(self._staged([
@@ -854,7 +883,7 @@ class KVTierDiskTier(_KVTierSecondary):
 
         self.locality = Locality.LOCAL
         cfg = TierConfig(
-            disk_path=path, disk_bytes=to_bytes("capacity_bytes", capacity_bytes),
+            disk_path=path, disk_bytes=to_capacity("capacity_bytes", capacity_bytes),
             disk_policy=policy, disk_admit_after=admit_after,
             disk_write_budget_bps=write_budget_bps, disk_backend=backend,
             disk_queue_depth=queue_depth, disk_timeout_s=timeout_s,

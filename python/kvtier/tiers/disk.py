@@ -16,36 +16,41 @@ blocks but never serve wrong bytes.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import stat
 import struct
 import time
 import warnings
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from kvtier.codes import ItemStatus
-from kvtier.errors import ClosedError, InvalidArgument, IoError
+from kvtier.errors import ClosedError, InUse, InvalidArgument, IoError, NoSpace
 from kvtier.policy import make_policy
 from kvtier.policy.admission import WriteGate
 from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
 from kvtier.tiers.records import TRAILER_BYTES, key_digest, namespace_digest, record_bytes
+from kvtier.units import FreeFraction, format_size, to_capacity
 
 __all__ = [
     "TRAILER_BYTES",
     "DiskIO",
     "DiskTier",
+    "OwnerLock",
     "check_directory",
     "directory_mode_ok",
     "key_digest",
     "namespace_digest",
     "record_bytes",
+    "resolve_capacity",
 ]
 
 _JOURNAL = struct.Struct("<4sBxxxQ16sQQI")  # magic, op, record, digest, length, seq, crc
@@ -55,6 +60,121 @@ _J_MAGIC = b"KVJ1"
 _PUT, _DEL = 1, 2
 _EXTENT_MAX = 8 << 30
 _READY, _WRITING = 1, 2
+_LOCK_FILE = "owner.lock"
+_SIZE_OPTIONS = "DiskTier(capacity_bytes=...), --disk DIR:SIZE or kvtier_disk_bytes"
+_T = TypeVar("_T")
+
+
+def _sys(what: str, path: Path | str, call: Callable[..., _T], *args: Any) -> _T:
+    """``call(*args)`` with an OSError turned into the error a user reads:
+    :class:`NoSpace` for ENOSPC/EDQUOT, else :class:`IoError`, naming ``path``."""
+    try:
+        return call(*args)
+    except OSError as e:
+        code = e.errno or errno.EIO
+        cls = NoSpace if code in (errno.ENOSPC, errno.EDQUOT) else IoError
+        raise cls(code, f"disk tier: {what} {path}: {os.strerror(code)}") from None
+
+
+def _allocated(path: Path) -> int:
+    """Bytes the file system has allocated to ``path`` (0 when missing)."""
+    try:
+        return path.stat().st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
+def _fs_space(path: Path) -> tuple[int, int]:
+    """(bytes free to unprivileged users, total bytes) of ``path``'s file system."""
+    st = _sys("statvfs", path, os.statvfs, path)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def resolve_capacity(
+    value: int | str | FreeFraction, path: str | os.PathLike[str], own: Iterable[Path] = ()
+) -> int:
+    """A disk capacity in bytes: ``value`` as is, or a share of the free space
+    of ``path``'s file system (``"80%"``). The files in ``own`` (the tier's
+    slabs from an earlier run) count as free, so a restart asks for the same
+    capacity again. Who calls: :class:`DiskTier`, the vLLM shim (pipeline
+    stages share one capacity). Blocks on one ``statvfs``.
+    """
+    cap = to_capacity("disk capacity", value)
+    if not isinstance(cap, FreeFraction):
+        return cap
+    free, _ = _fs_space(Path(path))
+    return int(cap.fraction * (free + sum(_allocated(p) for p in own)))
+
+
+class OwnerLock:
+    """One owner per directory: an exclusive ``flock`` on ``DIR/owner.lock``
+    holding the owner's pid, taken without waiting.
+
+    The kernel drops an flock when its holder dies (kill -9 included), so a
+    directory left by a killed process is simply taken over. Who calls:
+    :class:`DiskTier` at construction and close. Never blocks.
+    """
+
+    fd = -1
+
+    def __init__(self, directory: Path, what: str = "disk tier directory") -> None:
+        self.path = directory / _LOCK_FILE
+        while True:
+            fd = _sys(
+                "open", self.path, os.open, self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+            )
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self._holder(fd)
+                os.close(fd)
+                raise InUse(
+                    errno.EBUSY,
+                    f"{what} {directory} is in use by pid {holder} (it holds {self.path}); "
+                    "give each process its own directory, or close the other first",
+                ) from None
+            except OSError as e:
+                os.close(fd)
+                raise IoError(e.errno or errno.EIO, f"flock {self.path}: {e.strerror}") from None
+            # An owner that failed while creating the directory unlinks the
+            # file it locked: hold the file that is on the path, not that one.
+            try:
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        self.fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass  # a full file system: the lock holds without the pid in it
+
+    @staticmethod
+    def _holder(fd: int) -> str:
+        try:
+            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        except OSError:
+            text = ""
+        return text if text.isdigit() else "unknown"
+
+    def release(self, unlink: bool = False) -> None:
+        """Let go (idempotent); ``unlink``: remove the file first (the
+        directory is being removed)."""
+        if self.fd < 0:
+            return
+        if unlink:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = -1
+
+    def __del__(self) -> None:
+        # A tier dropped without close (its constructor's caller failed
+        # later) must not keep the directory locked for the process's life.
+        with contextlib.suppress(Exception):
+            self.release()
 
 
 def check_directory(path: Path) -> None:
@@ -77,16 +197,25 @@ def check_directory(path: Path) -> None:
 class DiskTier(JobTier):
     """Disk tier over ``capacity_bytes`` of preallocated slab files in ``path``.
 
-    ``namespace`` names what makes bytes compatible (model, dtype, layout,
-    rank); two namespaces sharing ``path`` never read each other's blocks.
+    ``capacity_bytes``: bytes, a size string (``"100GiB"``) or a share of the
+    file system's free space (``"80%"``, see :func:`resolve_capacity`). The
+    slabs are allocated here, at construction, and only when the file system
+    keeps ``reserve_bytes`` free beside them (default: 5% of its size, at
+    most 4 GiB); else :class:`~kvtier.errors.NoSpace`, with nothing left
+    behind. ``namespace`` names what makes bytes compatible (model, dtype,
+    layout, rank); two namespaces sharing ``path`` never read each other's
+    blocks. One process at a time owns a namespace's directory (an ``flock``
+    held until :meth:`close`; a second opener gets :class:`~kvtier.errors.InUse`
+    naming the owner's pid).
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
-        capacity_bytes: int,
+        capacity_bytes: int | str | FreeFraction,
         block_bytes: int,
         *,
+        reserve_bytes: int | None = None,
         namespace: str | bytes = "default",
         name: str = "disk",
         policy: str = "lru",
@@ -114,56 +243,156 @@ class DiskTier(JobTier):
         )  # fmt: skip
         self.block_bytes = block_bytes
         self.record_bytes = record_bytes(block_bytes)
+        root = Path(path)
+        check_directory(root)
+        self.ns = namespace_digest(namespace, block_bytes)
+        self.dir = root / f"kvtier-{self.ns.hex()[:16]}"
+        self.no_data = no_data
+        self._journal_fd = -1
+        self._owner: OwnerLock | None = None
+        # What this constructor creates, removed again if it fails.
+        self._created: list[Path] = []
+        self._grown: list[tuple[Path, int]] = []
+        try:
+            self._open_directory(capacity_bytes, reserve_bytes)
+            self.opts: dict[str, Any] = dict(
+                backend=backend,
+                queue_depth=queue_depth,
+                max_io_bytes=max_io_bytes,
+                sync=sync,
+                num_threads=num_threads,
+                inflight_bytes=inflight_bytes,
+                timeout_s=timeout_s,
+            )
+            self.job_records = max(1, job_bytes // self.record_bytes)
+            self.policy = make_policy(policy, self.num_records)
+            self.gate = WriteGate(admit_after, write_budget_bps)
+            # index: digest -> record; per record: digest and state
+            self.index: dict[bytes, int] = {}
+            self.keys: dict[bytes, bytes] = {}  # digest -> key, for keys stored by this process
+            self.rec_digest: list[bytes | None] = [None] * self.num_records
+            self.rec_state = np.zeros(self.num_records, np.uint8)
+            self.rec_loading = np.zeros(self.num_records, np.int32)
+            self.free: list[int] = []
+            self._released: list[int] = []  # host slots of timed-out jobs that ended
+            self._seq = 0
+            self._journal_buf = bytearray()
+            self._journal_entries = 0
+            self._journal_size = 0  # bytes known good: a failed append is cut back to it
+            self._journal_lost = False  # entries dropped (disk full): checkpoint when possible
+            self._nospace_until = 0.0
+            self.engine: Any = None
+            self.store: Any = None
+            self._recover()
+            jpath = self.dir / "index.journal"
+            self._journal_fd = _sys(
+                "open",
+                jpath,
+                os.open,
+                jpath,
+                os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                0o600,
+            )
+            self._journal_size = os.fstat(self._journal_fd).st_size
+        except BaseException:
+            self._undo_open()
+            raise
+        self._created, self._grown = [], []
+
+    # -- construction helpers ------------------------------------------------
+    def _open_directory(self, capacity: int | str | FreeFraction, reserve: int | None) -> None:
+        """Make and own ``self.dir``, size the tier, allocate its slabs.
+
+        Every path it creates is listed in ``_created`` (files grown, with
+        their old size, in ``_grown``) for :meth:`_undo_open`.
+        """
+        if not self.dir.exists():
+            _sys("mkdir", self.dir, self.dir.mkdir, 0o700)
+            self._created.append(self.dir)
+        _sys("chmod", self.dir, os.chmod, self.dir, 0o700)
+        if self.dir.stat().st_uid != os.geteuid():
+            raise IoError(errno.EPERM, f"{self.dir} is owned by another user: refusing it")
+        self._owner = OwnerLock(self.dir)
+        own = sorted(self.dir.glob("slab-*.dat"))
+        capacity_bytes = resolve_capacity(capacity, self.dir, own)
         self.num_records = capacity_bytes // self.record_bytes
         if self.num_records < 1:
             raise InvalidArgument(
                 f"disk capacity {capacity_bytes} B holds no record of {self.record_bytes} B"
             )
-        root = Path(path)
-        check_directory(root)
-        self.ns = namespace_digest(namespace, block_bytes)
-        self.dir = root / f"kvtier-{self.ns.hex()[:16]}"
-        self.dir.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(self.dir, 0o700)
-        if self.dir.stat().st_uid != os.geteuid():
-            raise IoError(errno.EPERM, f"{self.dir} is owned by another user: refusing it")
         self.per_file = max(1, _EXTENT_MAX // self.record_bytes)
         nfiles = -(-self.num_records // self.per_file)
         self.paths = [str(self.dir / f"slab-{i:03d}.dat") for i in range(nfiles)]
         self.file_bytes = min(self.num_records, self.per_file) * self.record_bytes
-        self.no_data = no_data
-        self.opts: dict[str, Any] = dict(
-            backend=backend,
-            queue_depth=queue_depth,
-            max_io_bytes=max_io_bytes,
-            sync=sync,
-            num_threads=num_threads,
-            inflight_bytes=inflight_bytes,
-            timeout_s=timeout_s,
-        )
-        self.job_records = max(1, job_bytes // self.record_bytes)
-        self.policy = make_policy(policy, self.num_records)
-        self.gate = WriteGate(admit_after, write_budget_bps)
-        # index: digest -> record; per record: digest and state
-        self.index: dict[bytes, int] = {}
-        self.keys: dict[bytes, bytes] = {}  # digest -> key, for keys stored by this process
-        self.rec_digest: list[bytes | None] = [None] * self.num_records
-        self.rec_state = np.zeros(self.num_records, np.uint8)
-        self.rec_loading = np.zeros(self.num_records, np.int32)
-        self.free: list[int] = []
-        self._released: list[int] = []  # host slots of timed-out jobs that ended
-        self._seq = 0
-        self._journal_buf = bytearray()
-        self._journal_entries = 0
-        self._nospace_until = 0.0
-        self.engine: Any = None
-        self.store: Any = None
-        self._recover()
-        self._journal_fd = os.open(
-            self.dir / "index.journal", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600
-        )
+        if not self.no_data:  # an index-only tier moves no bytes: no slabs
+            self._preallocate(capacity, reserve)
 
-    # -- construction helpers ------------------------------------------------
+    def _preallocate(self, capacity: int | str | FreeFraction, reserve: int | None) -> None:
+        """Allocate every slab now, after checking the file system has room.
+
+        Why preallocate rather than grow slabs as records arrive: the write
+        path then never allocates extents (direct I/O into allocated space,
+        no ENOSPC in the middle of a record, no per-write free-space check),
+        and the one check here, at start, refuses a capacity the machine
+        cannot give before anything is written. The reserve keeps other
+        programs (and this tier's own journal) running beside a full tier.
+        """
+        paths = [Path(p) for p in self.paths]
+        need = sum(max(0, self.file_bytes - _allocated(p)) for p in paths)
+        if reserve is not None and reserve < 0:
+            raise InvalidArgument(f"reserve_bytes must be >= 0, got {reserve}")
+        free, total = _fs_space(self.dir)
+        keep = min(total // 20, 4 << 30) if reserve is None else reserve
+        if need > free - keep:
+            raise NoSpace(
+                errno.ENOSPC,
+                f"disk tier in {self.dir}: capacity "
+                f"{f'{capacity} B' if isinstance(capacity, int) else capacity} "
+                f"({format_size(self.num_records * self.record_bytes)}) needs "
+                f"{format_size(need)} more, but the file system has {format_size(free)} free "
+                f"and {format_size(keep)} of it stays free: give a smaller capacity "
+                f"({_SIZE_OPTIONS}; e.g. '80%' of the free space)",
+            )
+        for p in paths:
+            existed = p.exists()
+            fd = _sys("create", p, os.open, p, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                if not existed:
+                    self._created.append(p)
+                size = os.fstat(fd).st_size
+                if existed and size < self.file_bytes:
+                    self._grown.append((p, size))
+                _sys("preallocate", p, os.posix_fallocate, fd, 0, self.file_bytes)
+            finally:
+                os.close(fd)
+
+    def _undo_open(self) -> None:
+        """Remove what a failed construction created (newest first), shrink
+        what it grew, let go of the directory."""
+        if self._journal_fd >= 0:
+            os.close(self._journal_fd)
+            self._journal_fd = -1
+        for p, size in self._grown:
+            with contextlib.suppress(OSError):
+                os.truncate(p, size)
+        made_dir = self.dir in self._created
+        if made_dir:  # ours alone: nothing of anyone else's can be inside
+            for p in self.dir.iterdir():
+                if p.name != _LOCK_FILE:
+                    with contextlib.suppress(OSError):
+                        p.unlink()
+        else:
+            for p in reversed(self._created):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+        if self._owner is not None:
+            self._owner.release(unlink=made_dir)
+            self._owner = None
+        if made_dir:
+            with contextlib.suppress(OSError):
+                self.dir.rmdir()
+        self._created, self._grown = [], []
+
     @staticmethod
     def slot_bytes_for(block_bytes: int) -> int:
         """Host slot size a pool needs for this tier (payload + trailer)."""
@@ -223,7 +452,7 @@ class DiskTier(JobTier):
             p = self.dir / fname
             if not p.exists():
                 continue
-            data = p.read_bytes()
+            data = _sys("read", p, p.read_bytes)
             good = 0
             for off in range(0, len(data) - _JOURNAL.size + 1, _JOURNAL.size):
                 chunk = data[off : off + _JOURNAL.size]
@@ -239,7 +468,7 @@ class DiskTier(JobTier):
                 elif op == _DEL:
                     entries.pop(rec, None)
             if fname == "index.journal" and good < len(data):
-                os.truncate(p, good)
+                _sys("truncate", p, os.truncate, p, good)
         for rec, (dig, _) in sorted(entries.items()):
             old = self.index.get(dig)
             if old is not None:  # the later record wins
@@ -253,39 +482,78 @@ class DiskTier(JobTier):
         self.counters["recovered"] = len(self.index)
 
     def _journal(self, op: int, rec: int, dig: bytes) -> None:
-        self._seq += 1
+        # Wraps: a journal from elsewhere may end at seq 2**64-1 (only order in the file counts).
+        self._seq = (self._seq + 1) & 0xFFFF_FFFF_FFFF_FFFF
         body = _J_BODY.pack(_J_MAGIC, op, rec, dig, self.block_bytes, self._seq)
         self._journal_buf += body
         self._journal_buf += _J_CRC.pack(zlib.crc32(body))
         self._journal_entries += 1
 
     def _flush_journal(self) -> None:
+        """Append the buffered entries. A failed append (the file system
+        full) is cut back to the last whole entry and the entries dropped:
+        the index in memory stays right and every load re-checks its record,
+        so what a restart would miss is only recent blocks; a checkpoint
+        written once there is room again brings the files up to date."""
+        if self._journal_lost:
+            self._journal_buf = bytearray()
+            if time.monotonic() >= self._nospace_until or self._closed:
+                with contextlib.suppress(NoSpace, IoError):
+                    self.checkpoint()  # clears _journal_lost once it is written
+                self._nospace_until = time.monotonic() + 1.0
+            return
         if not self._journal_buf:
             return
-        os.write(self._journal_fd, self._journal_buf)
-        if self.opts["sync"]:
-            os.fdatasync(self._journal_fd)
+        try:
+            n = os.write(self._journal_fd, self._journal_buf)
+            if n != len(self._journal_buf):
+                raise OSError(errno.ENOSPC, "short write")
+            if self.opts["sync"]:
+                os.fdatasync(self._journal_fd)
+        except OSError:
+            self.counters["nospace"] += 1
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._journal_fd, self._journal_size)
+            self._journal_buf = bytearray()
+            self._journal_lost = True
+            self._nospace_until = time.monotonic() + 1.0  # stop admitting for a while
+            return
+        self._journal_size += n
         self._journal_buf = bytearray()
         if self._journal_entries > max(100_000, 4 * self.num_records):
-            self.checkpoint()
+            with contextlib.suppress(NoSpace, IoError):
+                self.checkpoint()
 
     def checkpoint(self) -> None:
-        """Snapshot the index and truncate the journal (crash safe at every point)."""
+        """Snapshot the index and truncate the journal (crash safe at every
+        point). Raises NoSpace or IoError, leaving the files as they were."""
         tmp = self.dir / "index.ckpt.tmp"
         out = bytearray()
         for dig, rec in self.index.items():
             if self.rec_state[rec] == _READY:
                 body = _JOURNAL.pack(_J_MAGIC, _PUT, rec, dig, self.block_bytes, self._seq, 0)[:-4]
                 out += body + struct.pack("<I", zlib.crc32(body))
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+
+        def write() -> None:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                if os.write(fd, out) != len(out):
+                    raise OSError(errno.ENOSPC, "short write")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.dir / "index.ckpt")
+
         try:
-            os.write(fd, out)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.dir / "index.ckpt")
+            _sys("checkpoint", tmp, write)
+        except IoError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         os.ftruncate(self._journal_fd, 0)
+        self._journal_size = 0
         self._journal_entries = 0
+        self._journal_lost = False
 
     # -- tier interface --------------------------------------------------------
     def lookup(self, key: bytes) -> LookupResult:
@@ -576,9 +844,13 @@ class DiskTier(JobTier):
     def _release(self) -> None:
         self._flush_journal()
         os.close(self._journal_fd)
+        self._journal_fd = -1
         # The native store holds the extent files open: let go of them now,
         # not whenever the tier object is collected (an unmount waits on it).
         self.store = None
+        if self._owner is not None:  # after the files: the next owner may start now
+            self._owner.release()
+            self._owner = None
 
     def stats(self) -> dict[str, Any]:
         return {

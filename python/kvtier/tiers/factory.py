@@ -20,7 +20,7 @@ from kvtier.errors import InvalidArgument
 from kvtier.tiers.base import LowerTier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.remote import RemoteTier
-from kvtier.units import parse_size
+from kvtier.units import FreeFraction, parse_capacity
 
 
 @dataclass(frozen=True)
@@ -28,11 +28,16 @@ class TierConfig:
     """The lower tiers to build and their settings (None: no such tier).
 
     Sizes are in bytes and durations in seconds (parse text with
-    :mod:`kvtier.units` first). ``no_data``: index only, no bytes move.
+    :mod:`kvtier.units` first); the disk capacity may also be a share of the
+    free space (:func:`kvtier.units.parse_capacity`, ``"80%"``), resolved
+    when the tier opens its directory. ``disk_reserve_bytes``: free space the
+    disk tier never takes (None: 5% of the file system, at most 4 GiB).
+    ``no_data``: index only, no bytes move.
     """
 
     disk_path: str | None = None
-    disk_bytes: int = 100 << 30
+    disk_bytes: int | FreeFraction = 100 << 30
+    disk_reserve_bytes: int | None = None
     disk_policy: str = "lru"
     disk_admit_after: int = 1
     disk_write_budget_bps: float | None = None
@@ -47,12 +52,18 @@ class TierConfig:
     no_data: bool = False
 
 
-def parse_disk_spec(spec: str) -> tuple[str, int]:
-    """``DIR:SIZE`` as given on the command line (``/mnt/nvme/kv:100GiB``)."""
+def parse_disk_spec(spec: str) -> tuple[str, int | FreeFraction]:
+    """``DIR:SIZE`` as given on the command line (``/mnt/nvme/kv:100GiB``,
+    ``/mnt/nvme/kv:80%`` for a share of the free space)."""
     path, sep, size = spec.rpartition(":")
     if not sep or not path:
-        raise InvalidArgument(f"--disk wants DIR:SIZE, got {spec!r}")
-    return path, parse_size(size)
+        raise InvalidArgument(
+            f"--disk wants DIR:SIZE (e.g. /mnt/nvme/kv:100GiB or DIR:80%), got {spec!r}"
+        )
+    try:
+        return path, parse_capacity(size)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"--disk {spec!r}: {e}") from None
 
 
 def configured(cfg: TierConfig) -> list[str]:
@@ -77,6 +88,7 @@ def build_tier(
         os.makedirs(cfg.disk_path, mode=0o700, exist_ok=True)
         return DiskTier(
             Path(cfg.disk_path), cfg.disk_bytes, block_bytes, namespace=namespace,
+            reserve_bytes=cfg.disk_reserve_bytes,
             name=name or kind, policy=cfg.disk_policy, admit_after=cfg.disk_admit_after,
             write_budget_bps=cfg.disk_write_budget_bps, backend=cfg.disk_backend,
             queue_depth=cfg.disk_queue_depth, timeout_s=cfg.disk_timeout_s, no_data=cfg.no_data,

@@ -36,7 +36,11 @@ _EXISTS_PER_JOB = 1024  # an EXISTS pipeline moves no payload: large jobs are ch
 def parse_url(url: str) -> dict[str, Any]:
     """``redis://[user[:password]@]host:port[/db]`` or
     ``redis-cluster://[user[:password]@]host:port[,host:port...]``."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        path = parts.path
+    except ValueError as e:  # e.g. an unclosed [IPv6 address
+        raise InvalidArgument(f"cannot parse remote URL {url!r}: {e}") from None
     if parts.scheme not in ("redis", "redis-cluster"):
         raise InvalidArgument(
             f"remote URL must start with redis:// or redis-cluster://, got {url!r}"
@@ -55,17 +59,22 @@ def parse_url(url: str) -> dict[str, Any]:
         if not host:
             host, port = hp, "6379"
         try:
-            seeds.append((host.strip("[]"), int(port)))
+            n = int(port)
         except ValueError:
-            raise InvalidArgument(f"bad port in remote URL {url!r}") from None
-    if not seeds or not seeds[0][0]:
-        raise InvalidArgument(f"no server in remote URL {url!r}")
+            n = 0
+        if not 0 < n < 65536:
+            raise InvalidArgument(f"bad port {port!r} in remote URL {url!r} (1-65535)")
+        if not host.strip("[]"):
+            raise InvalidArgument(f"no server in remote URL {url!r}")
+        seeds.append((host.strip("[]"), n))
     db = 0
-    if parts.path.strip("/"):
+    if path.strip("/"):
         try:
-            db = int(parts.path.strip("/"))
+            db = int(path.strip("/"))
         except ValueError:
-            raise InvalidArgument(f"bad database number in remote URL {url!r}") from None
+            db = -1
+        if db < 0:
+            raise InvalidArgument(f"bad database number in remote URL {url!r}")
     return {
         "seeds": seeds,
         "cluster": parts.scheme == "redis-cluster",
