@@ -101,3 +101,15 @@ def valkey_cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no
     c = RedisCluster(tmp_path_factory.mktemp("vcluster"), binary=valkey_binary())
     yield c
     c.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_tls(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A redis-server with a plain port and a TLS port (``tls_url``) that
+    asks for a client certificate; its certificates, made here, in ``.tls``."""
+    from kvtier.bench.redis_server import RedisServer, make_certificates
+
+    certs = make_certificates(tmp_path_factory.mktemp("certs"))
+    s = RedisServer(tmp_path_factory.mktemp("rtls"), tls=certs)
+    yield s
+    s.stop()
