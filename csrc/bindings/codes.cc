@@ -15,13 +15,12 @@ namespace kvtier::bindings {
 namespace {
 
 // Indexed by StatusCode (0..9): its Python name, and its class in kvtier.errors.
-constexpr const char* kStatusNames[] = {"OK",      "INVALID_ARGUMENT", "IO_ERROR", "BUSY",
-                                        "CUDA",    "CLOSED",           "TIMEOUT",  "CANCELLED",
-                                        "INTERNAL", "TLS"};
-constexpr const char* kErrorClasses[] = {"KvtierError", "InvalidArgument", "IoError",
-                                         "Busy",        "CudaError",       "ClosedError",
-                                         "Timeout",     "KvtierError",     "KvtierError",
-                                         "TlsError"};
+constexpr const char* kStatusNames[] = {
+    "OK",     "INVALID_ARGUMENT", "IO_ERROR",  "BUSY",     "CUDA",
+    "CLOSED", "TIMEOUT",          "CANCELLED", "INTERNAL", "TLS"};
+constexpr const char* kErrorClasses[] = {"KvtierError", "InvalidArgument", "IoError", "Busy",
+                                         "CudaError",   "ClosedError",     "Timeout", "KvtierError",
+                                         "KvtierError", "TlsError"};
 constexpr std::size_t kNumStatus = sizeof kStatusNames / sizeof kStatusNames[0];
 static_assert(static_cast<std::size_t>(StatusCode::kTls) + 1 == kNumStatus &&
               sizeof kErrorClasses == sizeof kStatusNames);

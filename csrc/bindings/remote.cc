@@ -70,8 +70,8 @@ void bind_remote(py::module_& m, EngineClass& engine) {
            py::arg("db"), py::arg("connect_timeout_ms"), py::arg("io_timeout_ms"),
            py::arg("pipeline"), py::arg("ttl_ms"), py::arg("lazy"), py::arg("ns"),
            py::arg("window_bytes") = rm::Options{}.window_bytes, py::arg("tls") = false,
-           py::arg("tls_ca_file") = "", py::arg("tls_cert_file") = "",
-           py::arg("tls_key_file") = "", py::arg("tls_server_name") = "")
+           py::arg("tls_ca_file") = "", py::arg("tls_cert_file") = "", py::arg("tls_key_file") = "",
+           py::arg("tls_server_name") = "")
       .def_property_readonly("nodes", &rm::Store::nodes)
       .def_property_readonly("redirects", &rm::Store::redirects);
   m.attr("REMOTE_HEADER_BYTES") = sizeof(disk::Trailer);

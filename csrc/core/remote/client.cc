@@ -124,8 +124,9 @@ class Connection {
           tls_failed_ = true;
           *msg = "TLS with " + where + " failed: " + tls_->error();
           if (e == ECONNRESET || e == EPIPE)
-            *msg += " right after the handshake: a server that wants a client certificate "
-                    "closes so when none or an unknown one is given (tls_cert_file, tls_key_file)";
+            *msg +=
+                " right after the handshake: a server that wants a client certificate "
+                "closes so when none or an unknown one is given (tls_cert_file, tls_key_file)";
         } else {
           *msg = "redis at " + ep.host + ":" + port + ": " + std::strerror(e);
         }

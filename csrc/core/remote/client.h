@@ -95,7 +95,7 @@ class Store : public ItemStore<Store, Kind, Item> {
 
   Options opts_;
   std::shared_ptr<TlsContext> tls_;  // null without TLS
-  mutable std::mutex mu_;  // nodes_, slots_, conns_
+  mutable std::mutex mu_;            // nodes_, slots_, conns_
   std::vector<std::unique_ptr<Node>> nodes_;
   std::array<std::uint16_t, 16384> slots_{};
   std::map<std::pair<std::thread::id, std::size_t>, std::unique_ptr<Connection>> conns_;

@@ -94,8 +94,7 @@ TlsSession::TlsSession(const std::shared_ptr<TlsContext>& ctx, int fd, const std
     return;
   }
   ssl_ = s;
-  const std::string& name =
-      ctx->options().server_name.empty() ? host : ctx->options().server_name;
+  const std::string& name = ctx->options().server_name.empty() ? host : ctx->options().server_name;
   // An address is checked against the certificate's IP entries; a name
   // against its DNS entries, and sent as SNI.
   if (X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(s), name.c_str()) != 1) {
