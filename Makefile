@@ -103,7 +103,8 @@ test-cpp: sysdeps
 # The wheel users install, in dist/: an sdist, a wheel built from that sdist
 # by pip in a clean isolated environment (for each of WHEEL_PYTHONS), then
 # repaired by auditwheel into a manylinux wheel (liburing is linked in
-# statically, libisal is bundled). tests/integration/test_wheel.py installs it.
+# statically; libisal, libssl and libcrypto are bundled).
+# tests/integration/test_wheel.py installs it.
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' python/kvtier/__init__.py)
 WHEEL_PYTHONS ?= $(PY)
 $(VENV)/.wheeltools: $(VENV)/.deps
