@@ -250,7 +250,7 @@ def test_pipeline_stages_get_their_own_pools_sized_by_their_layers() -> None:
 @pytest.mark.parametrize(
     ("which", "pp", "promote"),
     [("disk", 1, True), ("disk", 1, False), ("disk", 2, True), ("redis", 1, True),
-     ("redis", 2, True)],
+     ("redis", 2, True), ("redis-tls", 1, True), ("redis-tls", 2, True)],
 )  # fmt: skip
 def test_whole_spec_with_a_lower_tier_round_trips_every_stage(
     tmp_path: Path, pp: int, which: str, promote: bool, request: pytest.FixtureRequest
@@ -266,8 +266,17 @@ def test_whole_spec_with_a_lower_tier_round_trips_every_stage(
                              "kvtier_promote": promote}  # fmt: skip
     if which == "disk":
         extra.update(kvtier_disk_path=str(tmp_path / "disk"), kvtier_disk_bytes="4MiB")
-    else:
+    elif which == "redis":
         extra.update(kvtier_remote_url=request.getfixturevalue("redis_standalone").url)
+    else:
+        srv = request.getfixturevalue("redis_tls")
+        extra.update(
+            kvtier_remote_url=srv.tls_url,
+            kvtier_remote_tls_ca_file=str(srv.tls.ca),
+            kvtier_remote_tls_cert_file=str(srv.tls.client_cert),
+            kvtier_remote_tls_key_file=str(srv.tls.client_key),
+            kvtier_remote_tls_server_name="localhost",
+        )
     specs = [
         OffloadingSpecFactory.create_spec(
             config(extra, world=pp, rank=r, pp=pp, kv_bytes=PAGE * (r + 1), engine_id=eid)
@@ -344,7 +353,7 @@ def _tiering(tmp_path: Path, tier: dict[str, Any]) -> Any:
     return spec, spec.get_manager()
 
 
-@pytest.mark.parametrize("which", ["disk", "redis"])
+@pytest.mark.parametrize("which", ["disk", "redis", "redis-tls"])
 def test_vllm_tiering_with_kvtier_secondary_tiers(
     which: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -356,13 +365,18 @@ def test_vllm_tiering_with_kvtier_secondary_tiers(
             "capacity_bytes": "16MiB",
         }
     else:
-        srv = request.getfixturevalue("redis_standalone")
+        srv = request.getfixturevalue("redis_standalone" if which == "redis" else "redis_tls")
         tier = {
             "type": "KVTierRedisTier",
             "module_path": "kvtier.integrations.vllm",
             "url": srv.url,
             "namespace": str(uuid.uuid4()),
         }
+        if which == "redis-tls":
+            tier.update(
+                url=srv.tls_url, tls_ca_file=str(srv.tls.ca),
+                tls_cert_file=str(srv.tls.client_cert), tls_key_file=str(srv.tls.client_key),
+            )  # fmt: skip
     spec, m = _tiering(tmp_path, tier)
     view = np.frombuffer(m.primary_tier.get_kv_memoryview(), np.uint8)
     row = len(view) // spec.num_chunks

@@ -49,6 +49,12 @@ class TierConfig:
     remote_timeout_s: float = 2.0
     remote_admit_after: int = 1
     remote_degraded_ok: bool = False
+    # TLS (rediss://): PEM trust anchors (default: the system's), a client
+    # certificate and its key, the name the server's certificate must carry.
+    remote_tls_ca_file: str | None = None
+    remote_tls_cert_file: str | None = None
+    remote_tls_key_file: str | None = None
+    remote_tls_server_name: str | None = None
     no_data: bool = False
 
 
@@ -98,6 +104,8 @@ def build_tier(
         cfg.remote_url, block_bytes, namespace=namespace, name=name or kind,
         ttl_s=cfg.remote_ttl_s, timeout_s=cfg.remote_timeout_s,
         admit_after=cfg.remote_admit_after, degraded_ok=cfg.remote_degraded_ok,
+        tls_ca_file=cfg.remote_tls_ca_file, tls_cert_file=cfg.remote_tls_cert_file,
+        tls_key_file=cfg.remote_tls_key_file, tls_server_name=cfg.remote_tls_server_name,
     )  # fmt: skip
 
 
