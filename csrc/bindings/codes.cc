@@ -14,23 +14,25 @@ namespace kvtier::bindings {
 
 namespace {
 
-// Indexed by StatusCode (0..8): its Python name, and its class in kvtier.errors.
-constexpr const char* kStatusNames[] = {"OK",      "INVALID_ARGUMENT", "IO_ERROR", "BUSY",
-                                        "CUDA",    "CLOSED",           "TIMEOUT",  "CANCELLED",
-                                        "INTERNAL"};
-constexpr const char* kErrorClasses[] = {"KvtierError", "InvalidArgument", "IoError",
-                                         "Busy",        "CudaError",       "ClosedError",
-                                         "Timeout",     "KvtierError",     "KvtierError"};
+// Indexed by StatusCode (0..9): its Python name, and its class in kvtier.errors.
+constexpr const char* kStatusNames[] = {
+    "OK",     "INVALID_ARGUMENT", "IO_ERROR",  "BUSY",     "CUDA",
+    "CLOSED", "TIMEOUT",          "CANCELLED", "INTERNAL", "TLS"};
+constexpr const char* kErrorClasses[] = {"KvtierError", "InvalidArgument", "IoError", "Busy",
+                                         "CudaError",   "ClosedError",     "Timeout", "KvtierError",
+                                         "KvtierError", "TlsError"};
 constexpr std::size_t kNumStatus = sizeof kStatusNames / sizeof kStatusNames[0];
-static_assert(static_cast<std::size_t>(StatusCode::kInternal) + 1 == kNumStatus &&
+static_assert(static_cast<std::size_t>(StatusCode::kTls) + 1 == kNumStatus &&
               sizeof kErrorClasses == sizeof kStatusNames);
 
 void translate(const Error& e) {
   const auto i = static_cast<std::size_t>(e.code());
   const char* name = i < kNumStatus ? kErrorClasses[i] : "KvtierError";
   py::object cls = py::module_::import("kvtier.errors").attr(name);
-  // IoError is also an OSError: (errno, message) sets its errno attribute.
-  py::object exc = e.code() == StatusCode::kIoError ? cls(e.sys_errno(), e.what()) : cls(e.what());
+  // IoError (and TlsError, one of them) is also an OSError: (errno, message)
+  // sets its errno attribute.
+  const bool os_error = e.code() == StatusCode::kIoError || e.code() == StatusCode::kTls;
+  py::object exc = os_error ? cls(e.sys_errno(), e.what()) : cls(e.what());
   PyErr_SetObject(cls.ptr(), exc.ptr());
 }
 

@@ -12,6 +12,9 @@
 #ifndef KVTIER_ISAL_BUILD
 #define KVTIER_ISAL_BUILD "unknown"
 #endif
+#ifndef KVTIER_SSL_BUILD
+#define KVTIER_SSL_BUILD "unknown"
+#endif
 
 namespace kvtier::bindings {
 
@@ -135,6 +138,7 @@ PYBIND11_MODULE(_native, m) {
     py::dict d;
     d["io_uring"] = KVTIER_URING_BUILD;
     d["isa_l"] = KVTIER_ISAL_BUILD;
+    d["tls"] = KVTIER_SSL_BUILD;
     return d;
   });
 }

@@ -46,27 +46,32 @@ void bind_remote(py::module_& m, EngineClass& engine) {
                        const std::string& user, const std::string& password, int db,
                        int connect_timeout_ms, int io_timeout_ms, unsigned pipeline,
                        std::uint64_t ttl_ms, bool lazy, const py::bytes& ns,
-                       std::uint64_t window_bytes) {
-             rm::Options o{{},
-                           cluster,
-                           user,
-                           password,
-                           db,
-                           connect_timeout_ms,
-                           io_timeout_ms,
-                           pipeline,
-                           window_bytes,
-                           ttl_ms,
-                           lazy,
-                           namespace_digest(ns)};
+                       std::uint64_t window_bytes, bool tls, const std::string& tls_ca_file,
+                       const std::string& tls_cert_file, const std::string& tls_key_file,
+                       const std::string& tls_server_name) {
+             rm::Options o;
              for (const auto& [h, p] : seeds) o.seeds.push_back({h, p});
+             o.cluster = cluster;
+             o.user = user;
+             o.password = password;
+             o.db = db;
+             o.connect_timeout_ms = connect_timeout_ms;
+             o.io_timeout_ms = io_timeout_ms;
+             o.pipeline = pipeline;
+             o.window_bytes = window_bytes;
+             o.ttl_ms = ttl_ms;
+             o.lazy = lazy;
+             o.ns = namespace_digest(ns);
+             o.tls = {tls, tls_ca_file, tls_cert_file, tls_key_file, tls_server_name};
              py::gil_scoped_release nogil;  // connects to the servers
              return rm::Store::open(std::move(o));
            }),
            py::arg("seeds"), py::arg("cluster"), py::arg("user"), py::arg("password"),
            py::arg("db"), py::arg("connect_timeout_ms"), py::arg("io_timeout_ms"),
            py::arg("pipeline"), py::arg("ttl_ms"), py::arg("lazy"), py::arg("ns"),
-           py::arg("window_bytes") = rm::Options{}.window_bytes)
+           py::arg("window_bytes") = rm::Options{}.window_bytes, py::arg("tls") = false,
+           py::arg("tls_ca_file") = "", py::arg("tls_cert_file") = "", py::arg("tls_key_file") = "",
+           py::arg("tls_server_name") = "")
       .def_property_readonly("nodes", &rm::Store::nodes)
       .def_property_readonly("redirects", &rm::Store::redirects);
   m.attr("REMOTE_HEADER_BYTES") = sizeof(disk::Trailer);

@@ -22,6 +22,7 @@ enum class StatusCode : int {
   kTimeout = 6,
   kCancelled = 7,
   kInternal = 8,
+  kTls = 9,  // a TLS handshake or certificate failed (an IoError too)
 };
 
 // Outcome of one item of a job (a disk record, a remote key), as reported in

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "core/remote/resp.h"
+#include "core/remote/tls.h"
 #include "core/status.h"
 
 namespace rm = kvtier::remote;
@@ -49,4 +50,36 @@ TEST(Resp, ClusterKeySlots) {
   EXPECT_EQ(rm::key_slot("{user1000}.following"), rm::key_slot("user1000"));
   EXPECT_EQ(rm::key_slot("foo{}{bar}"), rm::key_slot("foo{}{bar}"));  // empty tag: whole key
   EXPECT_NE(rm::key_slot("foo{}{bar}"), rm::key_slot("bar"));
+}
+
+// The TLS context's errors at construction (the handshake's are tested in
+// Python against a TLS server: tests/integration/test_remote_tls.py).
+TEST(Tls, ContextErrorsNameTheFileAndTheReason) {
+  rm::TlsOptions o;
+  o.enabled = true;
+  o.ca_file = "/nonexistent/ca.pem";
+  try {
+    rm::TlsContext::create(o);
+    FAIL() << "a missing CA file was accepted";
+  } catch (const kvtier::Error& e) {
+    EXPECT_EQ(e.code(), kvtier::StatusCode::kTls);
+#if KVTIER_TEST_SSL
+    EXPECT_EQ(std::string(e.what()).rfind("cannot load TLS CA file /nonexistent/ca.pem: ", 0), 0u)
+        << e.what();
+#else
+    EXPECT_NE(std::string(e.what()).find("has no TLS"), std::string::npos) << e.what();
+#endif
+  }
+#if KVTIER_TEST_SSL
+  rm::TlsOptions key_only;
+  key_only.key_file = "/nonexistent/key.pem";
+  try {
+    rm::TlsContext::create(key_only);
+    FAIL() << "a key without a certificate was accepted";
+  } catch (const kvtier::Error& e) {
+    EXPECT_EQ(e.code(), kvtier::StatusCode::kInvalidArgument);
+  }
+  // The system's trust store, no client certificate: nothing to refuse.
+  EXPECT_NE(rm::TlsContext::create(rm::TlsOptions{true, "", "", "", ""}), nullptr);
+#endif
 }

@@ -20,6 +20,7 @@ from kvtier.errors import (
     KvtierError,
     NoSpace,
     Timeout,
+    TlsError,
 )
 
 __version__ = "0.1.0"
@@ -60,5 +61,6 @@ __all__ = [
     "NoSpace",
     "TieredOffloadingManager",
     "Timeout",
+    "TlsError",
     "crc32c",
 ]

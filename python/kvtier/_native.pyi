@@ -19,6 +19,7 @@ class StatusCode(enum.IntEnum):
     TIMEOUT = 6
     CANCELLED = 7
     INTERNAL = 8
+    TLS = 9
 
 class ItemStatus(enum.IntEnum):
     OK = 0
@@ -181,6 +182,11 @@ class RemoteStore:
         lazy: bool,
         ns: bytes,
         window_bytes: int = ...,
+        tls: bool = False,
+        tls_ca_file: str = "",
+        tls_cert_file: str = "",
+        tls_key_file: str = "",
+        tls_server_name: str = "",
     ) -> None: ...
     @property
     def nodes(self) -> list[str]: ...

@@ -67,13 +67,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             for s in sizes
         ]
     elif args.component == "remote":
-        from kvtier.bench.remote import run_remote
+        from kvtier.bench.remote import run_remote, run_remote_tls
 
         sizes = [parse_size(args.block_bytes)] if args.block_bytes else [262144, 2 << 20]
-        results = [
-            run_remote(args.url, s, parse_size(args.total) // 2, args.repeats, args.connections)
-            for s in sizes
-        ]
+        tls = {k: getattr(args, k) for k in ("tls_ca", "tls_cert", "tls_key", "tls_server_name")}
+        if args.tls and args.url:
+            raise InvalidArgument(
+                "--tls measures TLS on a local server; for a server of yours give a rediss:// --url"
+            )
+        if args.tls:
+            results = [
+                run_remote_tls(s, parse_size(args.total) // 2, args.repeats, args.connections)
+                for s in sizes
+            ]
+        else:
+            results = [
+                run_remote(
+                    args.url, s, parse_size(args.total) // 2, args.repeats, args.connections, tls
+                )
+                for s in sizes
+            ]
     elif args.component == "vllm":
         from kvtier.integrations.vllm_bench import run_vllm
 
@@ -281,6 +294,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_tls_arguments(p: argparse.ArgumentParser, prefix: str) -> None:
+    """The remote tier's TLS files and name (for rediss:// URLs)."""
+    p.add_argument(f"{prefix}-ca", help="rediss: PEM CA file (default: the system's trust store)")
+    p.add_argument(f"{prefix}-cert", help="rediss: PEM client certificate")
+    p.add_argument(f"{prefix}-key", help="rediss: PEM key of the client certificate")
+    p.add_argument(f"{prefix}-server-name", help="rediss: name the server's certificate must carry")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvtier import __version__
 
@@ -296,8 +317,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host-blocks", type=int, help="host tier capacity in blocks")
     r.add_argument("--policy", default="lru", help="lru | arc | dotted.path.Class")
     r.add_argument("--admit-after", type=int, default=1, help="store a key after N offers")
-    r.add_argument("--disk", help="disk tier DIR:SIZE, e.g. /mnt/nvme/kv:100GiB")
-    r.add_argument("--remote", help="remote tier: redis://HOST:PORT or redis-cluster://H:P,H:P")
+    r.add_argument(
+        "--disk", help="disk tier DIR:SIZE, e.g. /mnt/nvme/kv:100GiB, or DIR:80%% of the free space"
+    )
+    r.add_argument(
+        "--remote",
+        help="remote tier: redis://[USER:PASS@]HOST:PORT or redis-cluster://H:P,H:P "
+        "(rediss:// and rediss-cluster:// for TLS)",
+    )
+    _add_tls_arguments(r, "--remote-tls")
     r.add_argument("--no-data", action="store_true", help="policy only: no pool, no bytes")
     r.add_argument("--max-requests", type=int, help="stop after this many requests")
     r.add_argument("--synthetic-requests", type=int, default=4000)
@@ -312,6 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
         "component", choices=["copy", "manager", "disk", "remote", "vllm", "serve", "soak"]
     )
     b.add_argument("--url", help="remote: redis://HOST:PORT (default: start a local server)")
+    b.add_argument(
+        "--tls",
+        action="store_true",
+        help="remote: without --url, the local server also serves TLS; kvtier's runs alternate "
+        "between its plain and TLS ports (the ratio is TLS's cost)",
+    )
+    _add_tls_arguments(b, "--tls")
     b.add_argument("--block-bytes", help="one size (default: 64KiB, 256KiB and 2MiB)")
     b.add_argument(
         "--device",

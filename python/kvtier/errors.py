@@ -31,6 +31,13 @@ class InUse(IoError):
     held open by a live process."""
 
 
+class TlsError(IoError):
+    """A TLS connection failed: a certificate that does not verify (wrong CA,
+    wrong name, expired), a client certificate refused, a CA, certificate or
+    key file that cannot be loaded. The message names the server and
+    OpenSSL's reason."""
+
+
 class CudaError(KvtierError):
     """The CUDA runtime reported an error (or could not be loaded)."""
 
@@ -57,4 +64,5 @@ __all__ = [
     "KvtierError",
     "NoSpace",
     "Timeout",
+    "TlsError",
 ]

@@ -409,6 +409,10 @@ class ReplayOptions:
     admit_after: int = 1
     disk: str | None = None
     remote: str | None = None
+    remote_tls_ca: str | None = None
+    remote_tls_cert: str | None = None
+    remote_tls_key: str | None = None
+    remote_tls_server_name: str | None = None
     no_data: bool = False
     max_requests: int | None = None
     synthetic_requests: int = 4000
@@ -425,6 +429,10 @@ class ReplayOptions:
             disk_bytes=disk_bytes,
             disk_policy=self.policy,
             remote_url=self.remote,
+            remote_tls_ca_file=self.remote_tls_ca,
+            remote_tls_cert_file=self.remote_tls_cert,
+            remote_tls_key_file=self.remote_tls_key,
+            remote_tls_server_name=self.remote_tls_server_name,
             no_data=self.no_data,
         )
 

@@ -1,5 +1,5 @@
 """One conformance suite that every lower tier passes (memory, disk on both backends,
-disk split over pipeline stages, remote standalone and cluster)."""
+disk split over pipeline stages, remote standalone and cluster on Redis and on Valkey)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def _remote(fixture: str) -> Callable[..., TierUnderTest]:
         from redis.cluster import RedisCluster
 
         t = RemoteTier(server.url, BLOCK, namespace=f"conformance-{uuid.uuid4()}")
-        if fixture == "redis_cluster":
+        if fixture.endswith("_cluster"):
             client: Any = RedisCluster(host="127.0.0.1", port=server.nodes[0].port)
         else:
             client = redis.Redis(host="127.0.0.1", port=server.port)
@@ -105,6 +105,8 @@ FACTORIES: dict[str, Callable[..., TierUnderTest]] = {
     "disk-pread": _disk("pread"),
     "remote": _remote("redis_standalone"),
     "remote-cluster": _remote("redis_cluster"),
+    "remote-valkey": _remote("valkey_standalone"),
+    "remote-valkey-cluster": _remote("valkey_cluster"),
 }
 
 

@@ -1,4 +1,5 @@
-"""Remote tier against real redis-server processes: faults, bad input, sharing."""
+"""Remote tier against real redis-server and valkey-server processes: faults,
+bad input, sharing."""
 
 from __future__ import annotations
 
@@ -14,13 +15,21 @@ import kvtier
 import numpy as np
 import pytest
 import redis
+from conftest import valkey_binary
 from kvtier.bench.redis_server import RedisCluster, RedisServer, free_port
 from kvtier.pool import HostPool
 from kvtier.tiers import LookupResult
-from kvtier.tiers.remote import RemoteTier, parse_url
+from kvtier.tiers.remote import RemoteTier, parse_url, redact_url
 
 BLOCK = 16384
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+
+
+SERVERS = ["redis", "valkey"]
+
+
+def binary(server: str) -> str:
+    return "redis-server" if server == "redis" else valkey_binary()
 
 
 def K(i: int) -> bytes:
@@ -65,10 +74,18 @@ def test_url_parsing() -> None:
         "user": "u",
         "password": "p@ss",
         "db": 2,
+        "tls": False,
     }
     assert parse_url("redis://:secret@h:1")["password"] == "secret"
     assert parse_url("redis-cluster://a:1,b:2")["seeds"] == [("a", 1), ("b", 2)]
-    for bad in ("http://h:1", "redis://h:port", "redis://h:1/db"):
+    tls = parse_url("rediss://kv:pw@h:6380")
+    assert (tls["tls"], tls["cluster"], tls["user"], tls["password"]) == (True, False, "kv", "pw")
+    tls = parse_url("rediss-cluster://a:1,b:2")
+    assert (tls["tls"], tls["cluster"], tls["seeds"]) == (True, True, [("a", 1), ("b", 2)])
+    assert redact_url("rediss://kv:p%40ss@h:1/2") == "rediss://kv:***@h:1/2"
+    assert redact_url("redis://secret@h:1") == "redis://***@h:1"
+    assert redact_url("redis-cluster://a:1,b:2") == "redis-cluster://a:1,b:2"
+    for bad in ("http://h:1", "redis://h:port", "redis://h:1/db", "redisss://h:1"):
         with pytest.raises(kvtier.InvalidArgument):
             parse_url(bad)
 
@@ -97,8 +114,9 @@ def test_unreachable_server_is_a_clear_error_or_a_degraded_tier(tmp_path: Path) 
             server.stop()
 
 
-def test_wrong_password_is_a_clear_error(tmp_path: Path) -> None:
-    s = RedisServer(tmp_path, password="right")
+@pytest.mark.parametrize("server", SERVERS)
+def test_wrong_password_is_a_clear_error(server: str, tmp_path: Path) -> None:
+    s = RedisServer(tmp_path, password="right", binary=binary(server))
     try:
         with pytest.raises(kvtier.IoError, match=r"WRONGPASS|invalid password") as e:
             RemoteTier(f"redis://:wrong@127.0.0.1:{s.port}", BLOCK)
@@ -188,10 +206,14 @@ def test_pipelined_windows_round_trip_and_detect_damage(  # type: ignore[no-unty
         RemoteTier(redis_standalone.url, block, window_bytes=0)
 
 
-def test_vanished_and_corrupted_values_are_misses(redis_standalone) -> None:  # type: ignore[no-untyped-def]
-    client = redis.Redis(host="127.0.0.1", port=redis_standalone.port)
+@pytest.mark.parametrize("fixture", ["redis_standalone", "valkey_standalone"])
+def test_vanished_and_corrupted_values_are_misses(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    server = request.getfixturevalue(fixture)
+    client = redis.Redis(host="127.0.0.1", port=server.port)
     with HostPool(16, BLOCK) as pool:
-        t = RemoteTier(redis_standalone.url, BLOCK, namespace=str(uuid.uuid4()))
+        t = RemoteTier(server.url, BLOCK, namespace=str(uuid.uuid4()))
         t.attach(pool)
         ids = list(range(8))
         assert all(store_range(t, pool, ids))
@@ -225,8 +247,9 @@ def test_ttl_expires_values(redis_standalone) -> None:  # type: ignore[no-untype
         t.close()
 
 
-def test_maxmemory_eviction_means_misses_not_errors(tmp_path: Path) -> None:
-    s = RedisServer(tmp_path, maxmemory="3mb")
+@pytest.mark.parametrize("server", SERVERS)
+def test_maxmemory_eviction_means_misses_not_errors(server: str, tmp_path: Path) -> None:
+    s = RedisServer(tmp_path, maxmemory="3mb", binary=binary(server))
     try:
         with HostPool(64, BLOCK) as pool:
             t = RemoteTier(s.url, BLOCK)
@@ -273,8 +296,9 @@ def _storm(t: RemoteTier, pool: HostPool, n: int, kill, seconds: float) -> tuple
     return ok, failed
 
 
-def test_server_killed_mid_storm_no_hang_then_recovery(tmp_path: Path) -> None:
-    s = RedisServer(tmp_path)
+@pytest.mark.parametrize("server", SERVERS)
+def test_server_killed_mid_storm_no_hang_then_recovery(server: str, tmp_path: Path) -> None:
+    s = RedisServer(tmp_path, binary=binary(server))
     try:
         with HostPool(32, BLOCK) as pool:
             t = RemoteTier(s.url, BLOCK, timeout_s=1.0)
@@ -293,8 +317,9 @@ def test_server_killed_mid_storm_no_hang_then_recovery(tmp_path: Path) -> None:
         s.stop()
 
 
-def test_cluster_master_killed_mid_storm(tmp_path: Path) -> None:
-    c = RedisCluster(tmp_path)
+@pytest.mark.parametrize("server", SERVERS)
+def test_cluster_master_killed_mid_storm(server: str, tmp_path: Path) -> None:
+    c = RedisCluster(tmp_path, binary=binary(server))
     try:
         with HostPool(48, BLOCK) as pool:
             t = RemoteTier(c.url, BLOCK, timeout_s=1.0)
@@ -332,7 +357,9 @@ CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("server", ["redis_standalone", "redis_cluster"])
+@pytest.mark.parametrize(
+    "server", ["redis_standalone", "redis_cluster", "valkey_standalone", "valkey_cluster"]
+)
 def test_two_processes_share_a_prefix(
     server: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:

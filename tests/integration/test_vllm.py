@@ -250,7 +250,7 @@ def test_pipeline_stages_get_their_own_pools_sized_by_their_layers() -> None:
 @pytest.mark.parametrize(
     ("which", "pp", "promote"),
     [("disk", 1, True), ("disk", 1, False), ("disk", 2, True), ("redis", 1, True),
-     ("redis", 2, True)],
+     ("redis", 2, True), ("redis-tls", 1, True), ("redis-tls", 2, True)],
 )  # fmt: skip
 def test_whole_spec_with_a_lower_tier_round_trips_every_stage(
     tmp_path: Path, pp: int, which: str, promote: bool, request: pytest.FixtureRequest
@@ -266,8 +266,17 @@ def test_whole_spec_with_a_lower_tier_round_trips_every_stage(
                              "kvtier_promote": promote}  # fmt: skip
     if which == "disk":
         extra.update(kvtier_disk_path=str(tmp_path / "disk"), kvtier_disk_bytes="4MiB")
-    else:
+    elif which == "redis":
         extra.update(kvtier_remote_url=request.getfixturevalue("redis_standalone").url)
+    else:
+        srv = request.getfixturevalue("redis_tls")
+        extra.update(
+            kvtier_remote_url=srv.tls_url,
+            kvtier_remote_tls_ca_file=str(srv.tls.ca),
+            kvtier_remote_tls_cert_file=str(srv.tls.client_cert),
+            kvtier_remote_tls_key_file=str(srv.tls.client_key),
+            kvtier_remote_tls_server_name="localhost",
+        )
     specs = [
         OffloadingSpecFactory.create_spec(
             config(extra, world=pp, rank=r, pp=pp, kv_bytes=PAGE * (r + 1), engine_id=eid)
@@ -344,7 +353,7 @@ def _tiering(tmp_path: Path, tier: dict[str, Any]) -> Any:
     return spec, spec.get_manager()
 
 
-@pytest.mark.parametrize("which", ["disk", "redis"])
+@pytest.mark.parametrize("which", ["disk", "redis", "redis-tls"])
 def test_vllm_tiering_with_kvtier_secondary_tiers(
     which: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -356,13 +365,18 @@ def test_vllm_tiering_with_kvtier_secondary_tiers(
             "capacity_bytes": "16MiB",
         }
     else:
-        srv = request.getfixturevalue("redis_standalone")
+        srv = request.getfixturevalue("redis_standalone" if which == "redis" else "redis_tls")
         tier = {
             "type": "KVTierRedisTier",
             "module_path": "kvtier.integrations.vllm",
             "url": srv.url,
             "namespace": str(uuid.uuid4()),
         }
+        if which == "redis-tls":
+            tier.update(
+                url=srv.tls_url, tls_ca_file=str(srv.tls.ca),
+                tls_cert_file=str(srv.tls.client_cert), tls_key_file=str(srv.tls.client_key),
+            )  # fmt: skip
     spec, m = _tiering(tmp_path, tier)
     view = np.frombuffer(m.primary_tier.get_kv_memoryview(), np.uint8)
     row = len(view) // spec.num_chunks
@@ -408,3 +422,56 @@ def test_vllm_tiering_with_kvtier_secondary_tiers(
             assert np.array_equal(got, want[k]), "promoted bytes differ"
         m.complete_load(keys, ctx2)
     m.shutdown()
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Any:
+    """An 8 MiB tmpfs mounted for this test alone (root only): no test fills a real disk."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    d = tmp_path / "small"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(d)],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode != 0:
+        pytest.skip(f"mount -t tmpfs refused here: {r.stderr.strip()}")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_disk_capacity_as_a_share_of_free_space_split_over_stages(small_fs: Path) -> None:
+    """``kvtier_disk_bytes: "50%"`` with two pipeline stages: one share of the
+    free space, taken before either stage allocates, split by their part of a
+    block; a size the file system cannot give is refused before anything is
+    allocated."""
+    from kvtier.tiers.disk import DiskTier
+
+    eid = f"test-pct-{uuid.uuid4().hex[:8]}"
+    extra: dict[str, Any] = {**SPEC, "kvtier_host_bytes": "1MiB", "kvtier_num_slots": 4,
+                             "kvtier_disk_path": str(small_fs), "kvtier_disk_bytes": "50%"}  # fmt: skip
+    specs = [
+        OffloadingSpecFactory.create_spec(
+            config(extra, world=2, rank=r, pp=2, kv_bytes=PAGE * (r + 1), engine_id=eid)
+        )
+        for r in range(2)
+    ]
+    kv = [_kv_caches(4, n_layers=2 * (r + 1)) for r in range(2)]
+    workers = [s.get_worker(c) for s, (c, _) in zip(specs, kv)]
+    m = specs[0].get_manager()
+    tiers = m.m.lower[0].tiers
+    assert all(isinstance(t, DiskTier) for t in tiers)
+    total = sum(t.num_records * t.record_bytes for t in tiers)
+    assert (4 << 20) - 2 * tiers[1].record_bytes < total <= 4 << 20
+    assert tiers[1].num_records * tiers[1].block_bytes > tiers[0].num_records * tiers[0].block_bytes
+    m.shutdown()
+    for w in workers:
+        w.shutdown()
+    too_big = {**extra, "kvtier_disk_bytes": "64MiB", "kvtier_disk_path": str(small_fs / "b")}
+    spec = OffloadingSpecFactory.create_spec(config(too_big))
+    worker = spec.get_worker(_kv_caches(4, n_layers=2)[0])
+    with pytest.raises(kvtier.NoSpace, match=r"capacity 67108864 B .* 4\.0 MiB free"):
+        spec.get_manager()
+    worker.shutdown()
+    assert list((small_fs / "b").iterdir()) == []

@@ -22,6 +22,7 @@ import sys
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -153,10 +154,13 @@ def test_wheel_is_manylinux_with_its_libraries_inside() -> None:
     assert tag, show.stdout
     assert wheel.name == f"kvtier-{VERSION}-{PY_TAG}-{PY_TAG}-{tag[1]}.whl"
     names = zipfile.ZipFile(wheel).namelist()
-    # ISA-L ships no static library on Debian: bundled. liburing is linked in.
-    libs = [n for n in names if n.startswith("kvtier.libs/") and not n.endswith("/")]
-    assert len(libs) == 1, libs
-    assert re.fullmatch(r"kvtier\.libs/libisal-[0-9a-f]{8}\.so\.2\.0\.\d+", libs[0])
+    # ISA-L ships no static library on Debian, and OpenSSL is linked shared
+    # on purpose: bundled. liburing is linked in.
+    libs = sorted(n for n in names if n.startswith("kvtier.libs/") and not n.endswith("/"))
+    assert len(libs) == 3, libs
+    assert re.fullmatch(r"kvtier\.libs/libcrypto-[0-9a-f]{8}\.so\.3", libs[0]), libs
+    assert re.fullmatch(r"kvtier\.libs/libisal-[0-9a-f]{8}\.so\.2\.0\.\d+", libs[1]), libs
+    assert re.fullmatch(r"kvtier\.libs/libssl-[0-9a-f]{8}\.so\.3", libs[2]), libs
     assert not [n for n in names if "liburing" in n]
 
 
@@ -217,6 +221,7 @@ def test_doctor_names_the_backends(hidden: Hidden, venv: Path) -> None:
     rep = json.loads(r.stdout)
     assert re.fullmatch(r"liburing 2\.\d+, static", rep["native"]["build"]["io_uring"])
     assert re.fullmatch(r"libisal 2\.\d+\.\d+, shared", rep["native"]["build"]["isa_l"])
+    assert re.fullmatch(r"openssl 3\.\d+\.\d+, shared", rep["native"]["build"]["tls"])
     assert rep["native"]["crc32c"] == "isa-l"
     [isal] = rep["native"]["loaded"]  # the wheel's copy, liburing being linked in
     assert isal.startswith(str(_site_packages(venv) / "kvtier.libs" / "libisal-"))
@@ -321,6 +326,46 @@ def _round_trip(venv: Path, hidden: Hidden, tmp: Path, backend: str) -> dict[str
     return out
 
 
+TLS_ROUND_TRIP = """
+import json, sys, time
+import numpy as np
+from kvtier.pool import HostPool
+from kvtier.tiers.remote import RemoteTier
+
+url, ca, cert, key = sys.argv[1:5]
+t = RemoteTier(url, 16384, namespace="wheel-tls", tls_ca_file=ca, tls_cert_file=cert,
+               tls_key_file=key)
+with HostPool(8, 16384) as p:
+    t.attach(p)
+    p.view(0, 4)[:] = np.arange(4 * 16384, dtype=np.uint32).astype(np.uint8).reshape(4, 16384)
+    out = []
+    for kind, slots in (("store", [0, 1, 2, 3]), ("load", [4, 5, 6, 7])):
+        token = getattr(t, "submit_" + kind)([b"k%d" % i for i in range(4)], slots)
+        t.engine.wait(sorted(t.jobs.in_flight()))
+        out += [c.key_ok for c in t.poll() if c.token == token]
+    out.append(bool((p.view(0, 4) == p.view(4, 4)).all()))
+    maps = open("/proc/self/maps").read().split()
+    out.append(sorted({m.rsplit("/", 1)[-1].split("-")[0] for m in maps if "kvtier.libs/" in m}))
+    print(json.dumps(out))
+    t.close()
+"""
+
+
+def test_tls_round_trip_with_the_bundled_openssl(
+    hidden: Hidden, venv: Path, redis_tls: Any
+) -> None:
+    c = redis_tls.tls
+    args = [redis_tls.tls_url, str(c.ca), str(c.client_cert), str(c.client_key)]
+    r = hidden.run(_python(venv, TLS_ROUND_TRIP) + args, cwd=venv)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [
+        [True] * 4,
+        [True] * 4,
+        True,
+        ["libcrypto", "libisal", "libssl"],
+    ]
+
+
 def test_disk_tier_round_trip_bytes(hidden: Hidden, venv: Path, tmp_path: Path) -> None:
     for backend in ("pread", "auto"):
         got = _round_trip(venv, hidden, tmp_path, backend)
@@ -344,6 +389,7 @@ def test_fallback_build_without_liburing_and_isal(
     assert rep["native"]["build"] == {
         "io_uring": "not built (liburing not found)",
         "isa_l": "not built (libisal not found)",
+        "tls": "not built (openssl not found)",
     }
     assert rep["native"]["loaded"] == []
     assert rep["backends"] == {
@@ -358,6 +404,20 @@ def test_fallback_build_without_liburing_and_isal(
 
     js = _replay(venv, hidden, tmp_path)
     assert js["verify_failures"] == 0
+
+    code = (
+        "import kvtier\n"
+        "from kvtier.tiers.remote import RemoteTier\n"
+        "try:\n"
+        "    RemoteTier('rediss://127.0.0.1:1', 4096)\n"
+        "except kvtier.TlsError as e:\n"
+        "    print(e)\n"
+    )
+    r = hidden.run(_python(venv, code), cwd=venv)
+    assert r.stdout == (
+        "[Errno 93] this build of kvtier has no TLS (OpenSSL was not found when it was built): "
+        "rediss:// is not available\n"
+    ), r.stderr
     got = _round_trip(venv, hidden, tmp_path, "auto")
     assert got["backend"] == "pread"
     assert got["stored"] == got["loaded"] == got["same"] == [True] * 8, got

@@ -35,21 +35,30 @@ constexpr std::int32_t kAskMark = -101;
 
 }  // namespace
 
-// One TCP connection, used by one worker thread at a time.
+// One TCP connection (with TLS over it when the store has a TLS context),
+// used by one worker thread at a time.
 class Connection {
  public:
-  explicit Connection(const Options& o) : o_(o) { rbuf_.resize(1 << 16); }
+  Connection(const Options& o, std::shared_ptr<TlsContext> tls) : o_(o), ctx_(std::move(tls)) {
+    rbuf_.resize(1 << 16);
+  }
   ~Connection() { close(); }
   bool open() const { return fd_ >= 0; }
   void close() {
+    tls_.reset();  // before the socket it writes close_notify to
     if (fd_ >= 0) ::close(fd_);
     fd_ = -1;
     rpos_ = rlen_ = 0;
   }
+  // Whether the last connect() failed in TLS (handshake, certificates), so
+  // that its error is a TlsError rather than a plain IoError.
+  bool tls_failed() const { return tls_failed_; }
 
-  // Connects, authenticates, selects the db. 0 or an errno; *msg explains.
+  // Connects, runs the TLS handshake, authenticates, selects the db. 0 or an
+  // errno; *msg explains.
   int connect(const Endpoint& ep, std::string* msg) {
     close();
+    tls_failed_ = false;
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -86,9 +95,16 @@ class Connection {
       break;
     }
     ::freeaddrinfo(res);
+    const std::string where = (ctx_ ? "rediss://" : "redis://") + ep.host + ":" + port;
     if (fd_ < 0) {
       *msg = "cannot connect to " + ep.host + ":" + port + ": " + std::strerror(err);
       return err;
+    }
+    if (ctx_) {
+      if (int e = handshake(ep, where, msg); e != 0) {
+        close();
+        return e;
+      }
     }
     std::vector<std::string> cmds;
     if (!o_.password.empty()) {
@@ -101,7 +117,19 @@ class Connection {
       Reply r;
       int e = command(c, &r);
       if (e != 0) {
-        *msg = "redis at " + ep.host + ":" + port + ": " + std::strerror(e);
+        // A server that refuses our client certificate says so in an alert
+        // after the handshake, at the first read.
+        // When it closes at once, our first command meets a reset instead.
+        if (tls_ && !tls_->error().empty()) {
+          tls_failed_ = true;
+          *msg = "TLS with " + where + " failed: " + tls_->error();
+          if (e == ECONNRESET || e == EPIPE)
+            *msg +=
+                " right after the handshake: a server that wants a client certificate "
+                "closes so when none or an unknown one is given (tls_cert_file, tls_key_file)";
+        } else {
+          *msg = "redis at " + ep.host + ":" + port + ": " + std::strerror(e);
+        }
         close();
         return e;
       }
@@ -122,6 +150,7 @@ class Connection {
   }
 
   int writev_all(iovec* v, int n) {
+    if (tls_) return write_tls(v, n);
     while (n > 0) {
       ssize_t w = ::writev(fd_, v, std::min(n, IOV_MAX));
       if (w < 0) {
@@ -157,7 +186,8 @@ class Connection {
       if (rlen_ + max > rbuf_.size()) rbuf_.resize(rlen_ + max);
     }
     for (;;) {
-      ssize_t n = ::recv(fd_, rbuf_.data() + rlen_, max, 0);
+      short ev = POLLIN;
+      ssize_t n = recv_some(rbuf_.data() + rlen_, max, &ev);
       if (n > 0) {
         rlen_ += static_cast<std::size_t>(n);
         return 0;
@@ -165,7 +195,7 @@ class Connection {
       if (n == 0) return ECONNRESET;
       if (errno == EINTR) continue;
       if (errno != EAGAIN) return errno;
-      if (int e = wait(POLLIN); e != 0) return e;
+      if (int e = wait(ev); e != 0) return e;
     }
   }
 
@@ -214,7 +244,8 @@ class Connection {
     std::size_t done = have;
     constexpr std::size_t kPiece = 256 << 10;  // well inside L2
     while (done < n) {
-      ssize_t r = ::recv(fd_, dst + done, std::min(n - done, kPiece), 0);
+      short ev = POLLIN;
+      ssize_t r = recv_some(dst + done, std::min(n - done, kPiece), &ev);
       if (r > 0) {
         if (crc) *crc = crc32c(dst + done, static_cast<std::size_t>(r), *crc);
         done += static_cast<std::size_t>(r);
@@ -223,7 +254,7 @@ class Connection {
       if (r == 0) return ECONNRESET;
       if (errno == EINTR) continue;
       if (errno != EAGAIN) return errno;
-      if (int e = wait(POLLIN); e != 0) return e;
+      if (int e = wait(ev); e != 0) return e;
     }
     return 0;
   }
@@ -240,6 +271,96 @@ class Connection {
   }
 
  private:
+  // recv(), through TLS when on: bytes, 0 at end of stream, or -1 with errno
+  // set (EAGAIN: poll for *ev first).
+  ssize_t recv_some(void* buf, std::size_t n, short* ev) {
+    if (!tls_) return ::recv(fd_, buf, n, 0);
+    TlsWant want = TlsWant::kRead;
+    int err = 0;
+    const ssize_t r = tls_->read(buf, n, &want, &err);
+    if (r < 0) {
+      errno = err;
+      *ev = want == TlsWant::kWrite ? POLLOUT : POLLIN;
+    }
+    return r;
+  }
+
+  // The handshake, within the connect timeout. 0 or an errno; *msg explains.
+  int handshake(const Endpoint& ep, const std::string& where, std::string* msg) {
+    tls_ = std::make_unique<TlsSession>(ctx_, fd_, ep.host);
+    const std::int64_t deadline = now_ms() + o_.connect_timeout_ms;
+    for (;;) {
+      TlsWant want = TlsWant::kNone;
+      const int e = tls_->handshake(&want);
+      if (e == 0) return 0;
+      if (e != EAGAIN) {
+        tls_failed_ = true;
+        *msg = "TLS handshake with " + where + " failed: " + tls_->error();
+        return e;
+      }
+      const std::int64_t left = deadline - now_ms();
+      pollfd p{fd_, static_cast<short>(want == TlsWant::kWrite ? POLLOUT : POLLIN), 0};
+      const int r = left > 0 ? ::poll(&p, 1, static_cast<int>(left)) : 0;
+      if (r == 0) {
+        tls_failed_ = true;
+        *msg = "TLS handshake with " + where + " timed out after " +
+               std::to_string(o_.connect_timeout_ms) + " ms (is it a TLS port?)";
+        return ETIMEDOUT;
+      }
+      if (r < 0 && errno != EINTR) {
+        *msg = "TLS handshake with " + where + ": " + std::strerror(errno);
+        return errno;
+      }
+    }
+  }
+
+  // writev_all over TLS. Small pieces (command heads, value headers) are
+  // gathered with the start of the next value into full 16 KiB records
+  // rather than sent as records of their own; the bulk of a value is
+  // encrypted straight from its slot.
+  int write_tls(const iovec* v, int n) {
+    constexpr std::size_t kRecord = 16 << 10;  // TLS's largest record
+    wbuf_.clear();
+    for (int i = 0; i < n; ++i) {
+      const char* p = static_cast<const char*>(v[i].iov_base);
+      std::size_t len = v[i].iov_len;
+      if (wbuf_.size() + len <= kRecord) {
+        wbuf_.append(p, len);
+        continue;
+      }
+      if (!wbuf_.empty()) {
+        const std::size_t k = kRecord - wbuf_.size();
+        wbuf_.append(p, k);
+        p += k;
+        len -= k;
+        if (int e = send_tls(wbuf_.data(), wbuf_.size()); e != 0) return e;
+        wbuf_.clear();
+      }
+      const std::size_t direct = len - len % kRecord;
+      if (direct > 0) {
+        if (int e = send_tls(p, direct); e != 0) return e;
+      }
+      wbuf_.append(p + direct, len - direct);
+    }
+    return wbuf_.empty() ? 0 : send_tls(wbuf_.data(), wbuf_.size());
+  }
+
+  int send_tls(const char* p, std::size_t n) {
+    while (n > 0) {
+      TlsWant want = TlsWant::kWrite;
+      int err = 0;
+      const ssize_t w = tls_->write(p, n, &want, &err);
+      if (w > 0) {
+        p += w;
+        n -= static_cast<std::size_t>(w);
+        continue;
+      }
+      if (err != EAGAIN) return err;
+      if (int e = wait(want == TlsWant::kRead ? POLLIN : POLLOUT); e != 0) return e;
+    }
+    return 0;
+  }
+
   int wait(short events) {
     pollfd p{fd_, events, 0};
     for (;;) {
@@ -251,6 +372,10 @@ class Connection {
   }
 
   const Options& o_;
+  std::shared_ptr<TlsContext> ctx_;  // null: plain TCP
+  std::unique_ptr<TlsSession> tls_;  // while connected with TLS
+  std::string wbuf_;                 // write_tls's gathered record
+  bool tls_failed_ = false;
   int fd_ = -1;
   std::vector<char> rbuf_;
   std::size_t rpos_ = 0, rlen_ = 0;
@@ -273,6 +398,7 @@ std::shared_ptr<Store> Store::open(Options o) {
   if (o.seeds.empty()) throw_invalid("a remote store needs at least one server");
   if (o.pipeline == 0) throw_invalid("pipeline depth must be > 0");
   std::shared_ptr<Store> s(new Store(std::move(o)));
+  if (s->opts_.tls.enabled) s->tls_ = TlsContext::create(s->opts_.tls);
   for (const auto& ep : s->opts_.seeds) s->node_index(ep);
   if (s->opts_.cluster) {
     try {
@@ -282,10 +408,10 @@ std::shared_ptr<Store> Store::open(Options o) {
       s->refresh_ = true;
     }
   } else if (!s->opts_.lazy) {
-    Connection c(s->opts_);
+    Connection c(s->opts_, s->tls_);
     std::string msg;
     if (int e = c.connect(s->opts_.seeds[0], &msg); e != 0)
-      throw Error(StatusCode::kIoError, msg, e);
+      throw Error(c.tls_failed() ? StatusCode::kTls : StatusCode::kIoError, msg, e);
   }
   return s;
 }
@@ -314,13 +440,15 @@ void Store::refresh_slots() {
   }
   std::string last = "no node answered";
   int last_err = ECONNREFUSED;
+  StatusCode code = StatusCode::kIoError;
   for (const auto& ep : candidates) {
-    Connection c(opts_);
+    Connection c(opts_, tls_);
     std::string msg;
     if (int e = c.connect(ep, &msg); e != 0) {
       last = msg;
       last_err = e;
-      if (e == EACCES) break;
+      code = c.tls_failed() ? StatusCode::kTls : StatusCode::kIoError;
+      if (e == EACCES || c.tls_failed()) break;  // every node would refuse alike
       continue;
     }
     Reply r;
@@ -328,6 +456,7 @@ void Store::refresh_slots() {
       last = "CLUSTER SLOTS failed at " + ep.host + ":" + std::to_string(ep.port) +
              (r.type == Reply::kError ? ": " + r.str : "");
       last_err = EPROTO;
+      code = StatusCode::kIoError;
       continue;
     }
     std::lock_guard<std::mutex> g(mu_);
@@ -342,7 +471,7 @@ void Store::refresh_slots() {
     refresh_ = false;
     return;
   }
-  throw Error(StatusCode::kIoError, "redis cluster: " + last, last_err);
+  throw Error(code, "redis cluster: " + last, last_err);
 }
 
 std::size_t Store::node_for(const std::string& key) {
@@ -369,7 +498,7 @@ Connection* Store::conn(std::size_t node, std::int32_t* err) {
   {
     std::lock_guard<std::mutex> g(mu_);
     auto& slot = conns_[{std::this_thread::get_id(), node}];
-    if (!slot) slot = std::make_unique<Connection>(opts_);
+    if (!slot) slot = std::make_unique<Connection>(opts_, tls_);
     c = slot.get();
     n = nodes_[node].get();
   }

@@ -22,6 +22,7 @@
 #include "../engine.h"
 #include "../item_job.h"
 #include "resp.h"
+#include "tls.h"
 
 namespace kvtier::remote {
 
@@ -44,6 +45,7 @@ struct Options {
   std::uint64_t ttl_ms = 0;                // 0: no expiry
   bool lazy = false;                       // do not fail construction when unreachable
   Digest ns{};
+  TlsOptions tls;  // rediss://: every connection, cluster redirects included
 };
 
 enum class Kind { kStore, kLoad, kExists };
@@ -92,7 +94,8 @@ class Store : public ItemStore<Store, Kind, Item> {
                  std::vector<std::pair<std::size_t, Endpoint>>* moved, bool asking);
 
   Options opts_;
-  mutable std::mutex mu_;  // nodes_, slots_, conns_
+  std::shared_ptr<TlsContext> tls_;  // null without TLS
+  mutable std::mutex mu_;            // nodes_, slots_, conns_
   std::vector<std::unique_ptr<Node>> nodes_;
   std::array<std::uint16_t, 16384> slots_{};
   std::map<std::pair<std::thread::id, std::size_t>, std::unique_ptr<Connection>> conns_;

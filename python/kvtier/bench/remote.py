@@ -153,7 +153,12 @@ def run_remote(
     total_bytes: int = 512 << 20,
     repeats: int = 3,
     connections: int = 2,
+    tls: dict[str, str | None] | None = None,
 ) -> dict[str, Any]:
+    """kvtier against the baselines on ``url`` (default: a local server);
+    ``tls``: the tier's TLS files and name (tls_ca, tls_cert, tls_key,
+    tls_server_name) for a rediss:// URL. The baselines speak plain TCP only:
+    over TLS they are left out. Blocks for the whole run."""
     server = None
     if url is None:  # a local server of our own, on loopback
         if shutil.which("redis-server") is None:
@@ -164,6 +169,7 @@ def run_remote(
         url = server.url
     cfg = parse_url(url)
     host, port = cfg["seeds"][0]
+    tls = tls or {}
     n = max(16, total_bytes // block_bytes)
     slots = min(n, max(16, (256 << 20) // block_bytes))
     pool = HostPool(slots, block_bytes)
@@ -175,6 +181,10 @@ def run_remote(
         num_threads=connections,
         inflight_bytes=1 << 40,
         job_items=max(1, (8 << 20) // block_bytes),
+        tls_ca_file=tls.get("tls_ca"),
+        tls_cert_file=tls.get("tls_cert"),
+        tls_key_file=tls.get("tls_key"),
+        tls_server_name=tls.get("tls_server_name"),
     )
     t.attach(pool)
     batch = max(1, min(256, (16 << 20) // block_bytes))
@@ -187,7 +197,8 @@ def run_remote(
     populated = False
     keys: list[bytes] = []
     py: dict[str, Any]
-    cpu = None if cfg["cluster"] else _server_cpu(host, port, cfg["password"])
+    plain = not cfg["tls"]  # redis-benchmark and redis-py are run over plain TCP only
+    cpu = None if cfg["cluster"] or not plain else _server_cpu(host, port, cfg["password"])
     per_gb: dict[str, list[float]] = {}  # the server's CPU seconds per GB, per run
 
     def timed(what: str, store: bool) -> float:
@@ -214,7 +225,7 @@ def run_remote(
             ]  # overwritten each run, as redis-benchmark does
             ks.append(timed("kvtier store", True))
             kl.append(timed("kvtier load", False))
-            if shutil.which("redis-benchmark") and not cfg["cluster"]:
+            if shutil.which("redis-benchmark") and not cfg["cluster"] and plain:
                 baseline("redis-benchmark", 0, (bs, bl))
                 populated = populated or _populate(host, port, cfg["password"], block_bytes, n)
                 if populated:
@@ -226,11 +237,14 @@ def run_remote(
             gone.append(b"key:__rand_int__")  # what redis-benchmark writes without -r
         if populated:
             gone += [b"key:%012d" % k for k in range(n)]
-        _delete(host, port, cfg["password"], cfg["cluster"], gone)
-        try:
-            py = _redis_py(host, port, cfg["password"], block_bytes, min(n, 2048))
-        except Exception as e:
-            py = {"error": str(e)}
+        if plain:
+            _delete(host, port, cfg["password"], cfg["cluster"], gone)
+            try:
+                py = _redis_py(host, port, cfg["password"], block_bytes, min(n, 2048))
+            except Exception as e:
+                py = {"error": str(e)}
+        else:
+            py = {"error": "not run over TLS"}
     finally:
         t.close()
         pool.close()
@@ -282,3 +296,78 @@ def run_remote(
             "load": round(med(kl) / float(py["load_gbps"]), 3),
         }
     return out
+
+
+def run_remote_tls(
+    block_bytes: int,
+    total_bytes: int = 512 << 20,
+    repeats: int = 3,
+    connections: int = 2,
+) -> dict[str, Any]:
+    """What TLS costs the remote tier: a local redis-server serving a plain
+    and a TLS port (certificates made for the run, a client certificate
+    asked for), kvtier's store and load through each port in turn, the order
+    alternating between repeats. The ratio is TLS over plain, paired per
+    repeat. Blocks for the whole run."""
+    from kvtier.bench.redis_server import RedisServer, make_certificates
+
+    if shutil.which("redis-server") is None:
+        raise InvalidArgument("bench remote --tls starts a local redis-server: it is not installed")
+    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-tls-"))
+    certs = make_certificates(work / "certs")
+    server = RedisServer(work, tls=certs)
+    n = max(16, total_bytes // block_bytes)
+    slots = min(n, max(16, (256 << 20) // block_bytes))
+    pool = HostPool(slots, block_bytes)
+    pool.view(0, slots)[:] = 0x5A
+    common: dict[str, Any] = {
+        "namespace": "bench-tls",
+        "num_threads": connections,
+        "inflight_bytes": 1 << 40,
+        "job_items": max(1, (8 << 20) // block_bytes),
+    }
+    tiers: dict[str, RemoteTier] = {}
+    runs: dict[str, dict[str, list[float]]] = {
+        m: {"store": [], "load": []} for m in ("plain", "tls")
+    }
+    batch = max(1, min(256, (16 << 20) // block_bytes))
+    try:
+        tiers["plain"] = RemoteTier(server.url, block_bytes, **common)
+        tiers["tls"] = RemoteTier(
+            server.tls_url, block_bytes, tls_ca_file=str(certs.ca),
+            tls_cert_file=str(certs.client_cert), tls_key_file=str(certs.client_key), **common,
+        )  # fmt: skip
+        for t in tiers.values():
+            t.attach(pool)
+        keys = [b"bench-tls-%d" % i for i in range(n)]
+        for r in range(repeats):
+            for mode in ("plain", "tls") if r % 2 == 0 else ("tls", "plain"):
+                for what in ("store", "load"):
+                    secs = drive_tier(tiers[mode], what == "store", keys, batch)
+                    runs[mode][what].append(n * block_bytes / secs / 1e9)
+    finally:
+        for t in tiers.values():
+            t.close()
+        pool.close()
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    med = statistics.median
+    return {
+        "component": "remote-tls",
+        "block_bytes": block_bytes,
+        "connections": connections,
+        "store_gbps": round(med(runs["tls"]["store"]), 3),
+        "load_gbps": round(med(runs["tls"]["load"]), 3),
+        "baseline": {
+            "name": "kvtier without TLS, same server (its plain port)",
+            "store_gbps": round(med(runs["plain"]["store"]), 3),
+            "load_gbps": round(med(runs["plain"]["load"]), 3),
+        },
+        "ratio": {
+            "store": paired_ratio(runs["tls"]["store"], runs["plain"]["store"]),
+            "load": paired_ratio(runs["tls"]["load"], runs["plain"]["load"]),
+        },
+        "ratio_method": "median over repeats of TLS / plain, the order alternating",
+        "tls": "TLS 1.3 (OpenSSL's default suite), EC P-256 certificates, client certificate",
+        "runs": {m: {k: [round(x, 3) for x in v] for k, v in r.items()} for m, r in runs.items()},
+    }

@@ -90,7 +90,14 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
         (int, float),
         "a disk job not done after this fails; its memory stays held until it ends (default 30)",
     ),
-    "kvtier_remote_url": (str, "redis://HOST:PORT or redis-cluster://H:P,H:P (optional)"),
+    "kvtier_remote_url": (
+        str,
+        "redis://[USER:PASS@]HOST:PORT or redis-cluster://H:P,H:P; rediss:// for TLS (optional)",
+    ),
+    "kvtier_remote_tls_ca_file": (str, "rediss: PEM CA file (default: the system's trust store)"),
+    "kvtier_remote_tls_cert_file": (str, "rediss: PEM client certificate (optional)"),
+    "kvtier_remote_tls_key_file": (str, "rediss: PEM key of the client certificate (optional)"),
+    "kvtier_remote_tls_server_name": (str, "rediss: name the server certificate must carry"),
     "kvtier_remote_ttl_s": ((int, float), "expiry of remote values in seconds (default none)"),
     "kvtier_namespace": (str, "extra namespace mixed into every key (default none)"),
     "kvtier_num_slots": (int, "host slots per rank; required with pipeline parallelism"),
@@ -324,8 +331,13 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 disk_timeout_s=k.get("kvtier_disk_timeout_s", 30.0),
                 remote_url=k.get("kvtier_remote_url"),
                 remote_ttl_s=k.get("kvtier_remote_ttl_s"),
+                remote_tls_ca_file=k.get("kvtier_remote_tls_ca_file"),
+                remote_tls_cert_file=k.get("kvtier_remote_tls_cert_file"),
+                remote_tls_key_file=k.get("kvtier_remote_tls_key_file"),
+                remote_tls_server_name=k.get("kvtier_remote_tls_server_name"),
             )
-            if cfg.disk_path is not None:
+            disk_path = cfg.disk_path
+            if disk_path is not None:
                 # Each stage its own directory, and a share of the bytes in
                 # proportion to its part of a block.
                 if self.pp_size > 1 and isinstance(cfg.disk_bytes, FreeFraction):
@@ -335,14 +347,14 @@ class KVTierOffloadingSpec(OffloadingSpec):
 
                     from kvtier.tiers.disk import resolve_capacity
 
-                    root = Path(cfg.disk_path)
+                    root = Path(disk_path)
                     root.mkdir(mode=0o700, parents=True, exist_ok=True)
                     own = root.glob("stage*/kvtier-*/slab-*.dat")
                     cfg = replace(cfg, disk_bytes=resolve_capacity(cfg.disk_bytes, root, own))
                 total = cfg.disk_bytes if isinstance(cfg.disk_bytes, int) else 0  # pp == 1
                 stage_cfgs = [
                     cfg if self.pp_size == 1 else replace(
-                        cfg, disk_path=os.path.join(cfg.disk_path, f"stage{st}"),
+                        cfg, disk_path=os.path.join(disk_path, f"stage{st}"),
                         disk_bytes=total * payloads[st] // sum(payloads))
                     for st in range(self.pp_size)
                 ]  # fmt: skip
@@ -908,6 +920,10 @@ class KVTierRedisTier(_KVTierSecondary):
         namespace: str = "",
         degraded_ok: bool = False,
         backpressure_detector: Any = None,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+        tls_server_name: str | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         from kvtier.tiers.factory import TierConfig, build_tier
@@ -916,6 +932,8 @@ class KVTierRedisTier(_KVTierSecondary):
         cfg = TierConfig(
             remote_url=url, remote_ttl_s=ttl_s, remote_timeout_s=timeout_s,
             remote_admit_after=admit_after, remote_degraded_ok=degraded_ok,
+            remote_tls_ca_file=tls_ca_file, remote_tls_cert_file=tls_cert_file,
+            remote_tls_key_file=tls_key_file, remote_tls_server_name=tls_server_name,
         )  # fmt: skip
         ns = _tier_namespace(offloading_spec, namespace)
         self._attach(build_tier("remote", cfg, self.block_size_bytes, ns, name=tier_type))

@@ -115,6 +115,8 @@ class OwnerLock:
     :class:`DiskTier` at construction and close. Never blocks.
     """
 
+    fd = -1
+
     def __init__(self, directory: Path, what: str = "disk tier directory") -> None:
         self.path = directory / _LOCK_FILE
         while True:
@@ -167,6 +169,12 @@ class OwnerLock:
                 os.unlink(self.path)
         os.close(self.fd)
         self.fd = -1
+
+    def __del__(self) -> None:
+        # A tier dropped without close (its constructor's caller failed
+        # later) must not keep the directory locked for the process's life.
+        with contextlib.suppress(Exception):
+            self.release()
 
 
 def check_directory(path: Path) -> None:

@@ -52,6 +52,12 @@ class TierConfig:
     remote_admit_after: int = 1
     remote_degraded_ok: bool = False
     remote_known_capacity: int = 1 << 20
+    # TLS (rediss://): PEM trust anchors (default: the system's), a client
+    # certificate and its key, the name the server's certificate must carry.
+    remote_tls_ca_file: str | None = None
+    remote_tls_cert_file: str | None = None
+    remote_tls_key_file: str | None = None
+    remote_tls_server_name: str | None = None
     no_data: bool = False
 
 
@@ -102,6 +108,8 @@ def build_tier(
         ttl_s=cfg.remote_ttl_s, timeout_s=cfg.remote_timeout_s,
         admit_after=cfg.remote_admit_after, degraded_ok=cfg.remote_degraded_ok,
         known_capacity=cfg.remote_known_capacity,
+        tls_ca_file=cfg.remote_tls_ca_file, tls_cert_file=cfg.remote_tls_cert_file,
+        tls_key_file=cfg.remote_tls_key_file, tls_server_name=cfg.remote_tls_server_name,
     )  # fmt: skip
 
 

@@ -8,6 +8,14 @@ Who calls: the manager, under its lock. Nothing blocks but construction
 answers RETRY, is checked with a pipelined EXISTS batch at the next step, and
 answers HIT or MISS after that.
 
+``rediss://`` (and ``rediss-cluster://``) connect with TLS: the server's
+certificate is verified against ``tls_ca_file`` (default: OpenSSL's system
+store) and must name the host (or ``tls_server_name``); ``tls_cert_file`` and
+``tls_key_file`` give a client certificate to servers that ask for one. A
+certificate that does not verify is a :class:`~kvtier.errors.TlsError` naming
+the URL and OpenSSL's reason. A user and password in the URL authenticate every
+connection (``AUTH user password``, an ACL user), cluster redirects included.
+
 Every value is a 64-byte header (magic, version, namespace and key digests,
 length, crc32c) followed by the block; a load that fails any check, or whose
 key vanished (the server's maxmemory eviction, a TTL), is a counted miss.
@@ -15,6 +23,7 @@ key vanished (the server's maxmemory eviction, a TTL), is a counted miss.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -33,17 +42,27 @@ from kvtier.tiers.records import key_digest, namespace_digest
 _EXISTS_PER_JOB = 1024  # an EXISTS pipeline moves no payload: large jobs are cheap
 
 
+_SCHEMES = {  # scheme -> (cluster, tls)
+    "redis": (False, False),
+    "rediss": (False, True),
+    "redis-cluster": (True, False),
+    "rediss-cluster": (True, True),
+}
+
+
 def parse_url(url: str) -> dict[str, Any]:
     """``redis://[user[:password]@]host:port[/db]`` or
-    ``redis-cluster://[user[:password]@]host:port[,host:port...]``."""
+    ``redis-cluster://[user[:password]@]host:port[,host:port...]``; ``rediss``
+    in place of ``redis`` for TLS."""
     try:
         parts = urlsplit(url)
         path = parts.path
     except ValueError as e:  # e.g. an unclosed [IPv6 address
         raise InvalidArgument(f"cannot parse remote URL {url!r}: {e}") from None
-    if parts.scheme not in ("redis", "redis-cluster"):
+    if parts.scheme not in _SCHEMES:
         raise InvalidArgument(
-            f"remote URL must start with redis:// or redis-cluster://, got {url!r}"
+            "remote URL must start with redis://, rediss://, redis-cluster:// or "
+            f"rediss-cluster://, got {url!r}"
         )
     netloc = parts.netloc
     user = password = ""
@@ -75,13 +94,25 @@ def parse_url(url: str) -> dict[str, Any]:
             db = -1
         if db < 0:
             raise InvalidArgument(f"bad database number in remote URL {url!r}")
+    cluster, tls = _SCHEMES[parts.scheme]
     return {
         "seeds": seeds,
-        "cluster": parts.scheme == "redis-cluster",
+        "cluster": cluster,
         "user": user,
         "password": password,
         "db": db,
+        "tls": tls,
     }
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for stats and reports)."""
+    parts = urlsplit(url)
+    cred, at, hosts = parts.netloc.rpartition("@")
+    if not at:
+        return url
+    user, sep, _ = cred.partition(":")
+    return parts._replace(netloc=(f"{user}:***" if sep else "***") + "@" + hosts).geturl()
 
 
 class RemoteTier(JobTier):
@@ -106,6 +137,10 @@ class RemoteTier(JobTier):
         degraded_ok: bool = False,
         negative_ttl_s: float = 1.0,
         known_capacity: int = 1 << 20,
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+        tls_server_name: str | None = None,
     ) -> None:
         if block_bytes <= 0:
             raise InvalidArgument(f"block_bytes must be > 0, got {block_bytes}")
@@ -115,11 +150,22 @@ class RemoteTier(JobTier):
         from kvtier.engine import Engine
 
         cfg = parse_url(url)
+        tls = {"tls_ca_file": tls_ca_file, "tls_cert_file": tls_cert_file,
+               "tls_key_file": tls_key_file, "tls_server_name": tls_server_name}  # fmt: skip
+        given = [k for k, v in tls.items() if v]
+        if given and not cfg["tls"]:
+            raise InvalidArgument(
+                f"{', '.join(given)} given for {redact_url(url)!r}: TLS needs a rediss:// "
+                "(or rediss-cluster://) URL"
+            )
+        for k in given:
+            if k.endswith("_file") and not os.path.isfile(str(tls[k])):
+                raise InvalidArgument(f"{k} {tls[k]!r} is not a file")
         self._tier_init(
             name, "load_failures", "vanished", "corrupt", "io_errors", "server_errors",
             "exists_checks", "budget_skips", "not_admitted",
         )  # fmt: skip
-        self.url = url
+        self.url = redact_url(url)
         self.block_bytes = block_bytes
         self.ns = namespace_digest(namespace, block_bytes)
         self._prefix = b"kvt:" + self.ns.hex()[:16].encode() + b":"
@@ -136,6 +182,8 @@ class RemoteTier(JobTier):
             degraded_ok,
             self.ns,
             window_bytes,
+            cfg["tls"],
+            *(tls[k] or "" for k in tls),
         )
         self.engine = Engine(num_threads, [(inflight_bytes, False)])
         self.job_items = job_items
