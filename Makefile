@@ -8,7 +8,7 @@ SYS_PACKAGES := liburing-dev libisal-dev libssl-dev openssl libgtest-dev redis-s
 TORCH_SPEC := torch==2.13.0
 JOBS ?= 2
 
-.PHONY: all sysdeps venv engine-venv install demo test test-py test-cpp wheel wheel-all bench bench-serve lint format clean
+.PHONY: all sysdeps venv engine-venv install demo test test-py test-cpp wheel wheel-all bench bench-serve soak lint format clean
 
 all: install
 
@@ -83,6 +83,10 @@ test: install lint test-cpp wheel test-py
 # fail, rather than skip, when it is missing.
 test-py: engine-venv
 	KVTIER_ENGINE_PYTHON=$(CURDIR)/$(EPY) $(PY) -m pytest -q tests
+
+# `kvtier bench soak`: 30 minutes of replay under faults (make test runs 2 minutes of it).
+soak: install
+	$(VENV)/bin/kvtier bench soak --minutes 30
 
 # `kvtier bench serve`: a live vLLM engine per configuration (about 5 minutes a run).
 bench-serve: install engine-venv
