@@ -148,8 +148,8 @@ def _cmd_bench_soak(args: argparse.Namespace) -> int:
     from kvtier.bench.harness import output_dir
     from kvtier.bench.soak import SoakConfig, report, run_soak
 
-    if not 0.5 <= args.minutes <= 24 * 60:
-        raise InvalidArgument(f"--minutes must be in [0.5, 1440], got {args.minutes}")
+    if not 1 <= args.minutes <= 24 * 60:  # (NaN fails too) a minute holds one round of faults
+        raise InvalidArgument(f"--minutes must be in [1, 1440], got {args.minutes}")
     result = run_soak(
         SoakConfig(minutes=args.minutes, seed=args.seed),
         output_dir(args.out, "bench/soak"),

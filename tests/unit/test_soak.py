@@ -23,6 +23,7 @@ from kvtier.bench.soak import (
     proc_status,
     verdict,
 )
+from kvtier.cli import main
 
 
 def _row(t: float, **kw: Any) -> dict[str, Any]:
@@ -142,3 +143,11 @@ def test_corrupt_files_changes_bytes_inside_the_records(tmp_path: Path) -> None:
     assert len(data) == 10 * 4096 and any(data)
     changed = [i for i in range(10) if any(data[i * 4096 : (i + 1) * 4096])]
     assert 1 <= len(changed) <= 8
+
+
+@pytest.mark.parametrize("minutes", ["0", "0.5", "nan", "1e9", "-2"])
+def test_minutes_out_of_range_is_a_clear_error(
+    minutes: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "soak", "--minutes", minutes]) == 2
+    assert f"--minutes must be in [1, 1440], got {float(minutes)}" in capsys.readouterr().err
