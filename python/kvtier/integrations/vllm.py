@@ -112,8 +112,8 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
     ),
     "kvtier_stream_slots": (
         int,
-        "staging slots per worker for hits read straight from disk when the host tier has no "
-        "room (default 32; 0 turns streaming off)",
+        "staging slots per worker for blocks moved straight between the engine and the disk "
+        "or Redis tier when the host tier has no room (default 32; 0 turns streaming off)",
     ),
 }
 _GAUGES = ("host_usage_perc", "host_busy", "tier_jobs")
