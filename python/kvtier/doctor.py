@@ -104,14 +104,16 @@ def _disk(directory: str) -> dict[str, Any]:
         for backend in ("io_uring", "pread"):
             try:
                 t = DiskTier(d, 16 * record_bytes(65536), 65536, backend=backend)
-                with HostPool(2, record_bytes(65536)) as p:
-                    t.attach(p)
-                    out[backend] = {
-                        "ok": True,
-                        "direct": bool(t.store.direct),
-                        "note": t.store.note,
-                    }
-                    t.close()
+                try:
+                    with HostPool(2, record_bytes(65536)) as p:
+                        t.attach(p)
+                        out[backend] = {
+                            "ok": True,
+                            "direct": bool(t.store.direct),
+                            "note": t.store.note,
+                        }
+                finally:
+                    t.close()  # the next backend opens the same directory
             except Exception as e:
                 out[backend] = {"ok": False, "error": str(e)}
         out["backend"] = "io_uring" if out["io_uring"]["ok"] else "pread"
