@@ -319,3 +319,27 @@ def test_killed_owner_is_taken_over(tmp_path: Path) -> None:
         with pytest.raises(kvtier.InUse, match=f"pid {os.getpid()} "):
             DiskTier(d, 32 * SLOT, BLOCK)
         t.close()
+
+
+def test_losing_a_new_directory_to_another_owner_removes_nothing_of_theirs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another process takes the directory between our mkdir and our flock:
+    # the refusal must leave its files alone.
+    import kvtier.tiers.disk as disk
+
+    real = disk.OwnerLock
+    theirs: list[disk.OwnerLock] = []
+
+    def race(directory: Path) -> disk.OwnerLock:
+        theirs.append(real(directory))
+        (directory / "slab-000.dat").write_bytes(b"their data")
+        return real(directory)
+
+    monkeypatch.setattr(disk, "OwnerLock", race)
+    with pytest.raises(kvtier.InUse, match=f"pid {os.getpid()} "):
+        DiskTier(tmp_path, 32 * SLOT, BLOCK)
+    (ns_dir,) = tmp_path.iterdir()
+    assert (ns_dir / "slab-000.dat").read_bytes() == b"their data"
+    assert (ns_dir / "owner.lock").exists()
+    theirs[0].release()

@@ -376,15 +376,18 @@ class DiskTier(JobTier):
             with contextlib.suppress(OSError):
                 os.truncate(p, size)
         made_dir = self.dir in self._created
-        if made_dir:  # ours alone: nothing of anyone else's can be inside
+        owned = self._owner is not None
+        if made_dir and owned:  # ours alone: nothing of anyone else's can be inside
             for p in self.dir.iterdir():
                 if p.name != _LOCK_FILE:
                     with contextlib.suppress(OSError):
                         p.unlink()
-        else:
+        elif owned:
             for p in reversed(self._created):
                 with contextlib.suppress(OSError):
                     p.unlink()
+        # Not owned (another process took the directory we had just made):
+        # everything in it is that process's; at most the empty directory goes.
         if self._owner is not None:
             self._owner.release(unlink=made_dir)
             self._owner = None
