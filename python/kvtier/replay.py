@@ -15,7 +15,7 @@ import json
 import math
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,6 +196,17 @@ class FakeKV:
 
 
 # -- the driver -------------------------------------------------------------
+def _write_out(path: str, write: Callable[[Path], object]) -> None:
+    """``write(path)`` after making its directory; an OSError (a path the
+    user cannot write) becomes IoError naming the path."""
+    p = Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        write(p)
+    except OSError as e:
+        raise IoError(e.errno or errno.EIO, f"cannot write {p}: {e.strerror or e}") from None
+
+
 class Replayer:
     """Drives a manager (and, with data, a DeviceTransfer) through a trace."""
 
@@ -498,12 +509,11 @@ def main_replay(args: ReplayOptions) -> int:
     )
     print(_format_table(res, js))
     if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(js, indent=2) + "\n")
+        _write_out(args.json_path, lambda p: p.write_text(json.dumps(js, indent=2) + "\n"))
         print(f"  wrote {args.json_path}")
     if args.plot:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        plot_series(res, args.plot, f"kvtier replay: {Path(source).name}, {cap_txt}, {args.policy}")
+        title = f"kvtier replay: {Path(source).name}, {cap_txt}, {args.policy}"
+        _write_out(args.plot, lambda p: plot_series(res, str(p), title))
         print(f"  wrote {args.plot}")
     if res.verify_failures:
         print(f"kvtier: {res.verify_failures} block(s) failed verification")

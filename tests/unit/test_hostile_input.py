@@ -468,3 +468,10 @@ def test_tier_files_that_are_directories(tmp_path: Path, name: str) -> None:
     with pytest.raises(KvtierError, match=name):
         DiskTier(tmp_path, 8 * 8192, BLOCK)
     assert sorted(p.name for p in t.dir.iterdir()) == before  # left as it was found
+
+
+def test_cli_output_path_that_cannot_be_written() -> None:
+    code, err = _run_cli(["replay", "--no-data", "--no-progress", "--max-requests", "1",
+                          "--json", "/proc/kvtier-nope/out.json"])  # fmt: skip
+    _assert_clean(code, err)
+    assert code == 2 and err.startswith("kvtier: error: ") and "cannot write /proc/" in err
