@@ -314,11 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = r.add_mutually_exclusive_group()
     g.add_argument("--host", help="host tier size, e.g. 2GiB (or 'inf' with --no-data)")
     g.add_argument("--host-blocks", type=int, help="host tier capacity in blocks")
-    r.add_argument("--policy", default="lru", help="lru | arc | dotted.path.Class")
+    r.add_argument("--policy", default="lru", help="host tier: lru | arc | dotted.path.Class")
     r.add_argument("--admit-after", type=int, default=1, help="store a key after N offers")
     r.add_argument(
         "--disk", help="disk tier DIR:SIZE, e.g. /mnt/nvme/kv:100GiB, or DIR:80%% of the free space"
     )
+    r.add_argument("--disk-policy", default="lru", help="disk tier (native): lru | clock | clock:N")
     r.add_argument(
         "--remote",
         help="remote tier: redis://[USER:PASS@]HOST:PORT or redis-cluster://H:P,H:P "
@@ -371,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--trace", help="vllm: Mooncake-format JSONL trace to replay (default: synthetic)"
     )
-    b.add_argument("--policy", default="lru")
+    b.add_argument("--policy", default="lru", help="manager: host policy; disk-index: disk policy")
     b.add_argument(
         "--python", help="serve: a Python with vLLM's engine and kvtier (default: this one)"
     )
