@@ -1,7 +1,6 @@
 #include "index.h"
 
 #include <cstring>
-#include <stdexcept>
 
 #include "../status.h"
 
@@ -24,14 +23,16 @@ std::size_t table_size_for(std::uint32_t n) {
 EvictPolicy parse_evict_policy(const std::string& name) {
   if (name == "lru") return EvictPolicy::kLru;
   if (name == "clock") return EvictPolicy::kClock;
-  throw Error(StatusCode::kInvalidArgument, "disk index policy must be lru or clock, not '" + name + "'");
+  throw Error(StatusCode::kInvalidArgument,
+              "disk index policy must be lru or clock, not '" + name + "'");
 }
 
 Index::Index(std::uint32_t num_records, EvictPolicy policy, std::uint8_t clock_max)
     : policy_(policy), clock_max_(clock_max), recs_(num_records) {
   if (num_records == 0 || num_records == kEmpty)
     throw Error(StatusCode::kInvalidArgument, "disk index: num_records must be in [1, 2^32 - 1)");
-  if (clock_max == 0) throw Error(StatusCode::kInvalidArgument, "disk index: clock_max must be >= 1");
+  if (clock_max == 0)
+    throw Error(StatusCode::kInvalidArgument, "disk index: clock_max must be >= 1");
   table_.assign(table_size_for(num_records), kEmpty);
   mask_ = table_.size() - 1;
   if (policy_ == EvictPolicy::kLru) {
@@ -146,10 +147,13 @@ std::int64_t Index::allocate(Digest* evicted, bool* was_evicted) {
 }
 
 void Index::insert(const Digest& d, std::uint32_t rec, RecState s) {
-  if (rec >= num_records()) throw Error(StatusCode::kInvalidArgument, "disk index: record out of range");
+  if (rec >= num_records())
+    throw Error(StatusCode::kInvalidArgument, "disk index: record out of range");
   if (recs_[rec].state != RecState::kFree)
-    throw Error(StatusCode::kInvalidArgument, "disk index: record " + std::to_string(rec) + " is in use");
-  if (find(d) != kNone) throw Error(StatusCode::kInvalidArgument, "disk index: digest already present");
+    throw Error(StatusCode::kInvalidArgument,
+                "disk index: record " + std::to_string(rec) + " is in use");
+  if (find(d) != kNone)
+    throw Error(StatusCode::kInvalidArgument, "disk index: digest already present");
   recs_[rec] = Rec{d, s, 0, 0};
   table_insert(rec);
   if (s == RecState::kReady && policy_ == EvictPolicy::kLru) lru_push_back(rec);
@@ -175,7 +179,8 @@ void Index::touch(std::uint32_t rec) {
 }
 
 void Index::pin(std::uint32_t rec) {
-  if (recs_[rec].loading == 0xffff) throw Error(StatusCode::kInvalidArgument, "disk index: too many loads of one record");
+  if (recs_[rec].loading == 0xffff)
+    throw Error(StatusCode::kInvalidArgument, "disk index: too many loads of one record");
   ++recs_[rec].loading;
 }
 

@@ -315,6 +315,7 @@ class DiskTier(JobTier):
             from kvtier import _native
 
             self.index = _native.DiskIndex(self.num_records, self.policy, clock_max)
+            self._ready = self.index.ready_fn()  # lookup's test, without pybind11's dispatch
             # digest -> key of the last event_keys stores, to name evicted keys
             self._event_keys: OrderedDict[bytes, bytes] = OrderedDict()
             self._event_keys_max = max(0, event_keys)
@@ -615,7 +616,7 @@ class DiskTier(JobTier):
 
     # -- tier interface --------------------------------------------------------
     def lookup(self, key: bytes) -> LookupResult:
-        return LookupResult.HIT if self.index.ready(key_digest(key)) else LookupResult.MISS
+        return LookupResult.HIT if self._ready(key_digest(key)) else LookupResult.MISS
 
     def admit(self, key: bytes) -> bool:
         if time.monotonic() < self._nospace_until:
