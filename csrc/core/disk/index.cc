@@ -10,12 +10,16 @@ namespace {
 
 bool same(const Digest& a, const Digest& b) { return std::memcmp(a.b, b.b, sizeof a.b) == 0; }
 
-std::size_t table_size_for(std::uint32_t n) {
-  // A power of two with a load factor of at most 0.8 when every record is used.
-  std::size_t want = static_cast<std::size_t>(n) + n / 4 + 1;
-  std::size_t s = 16;
-  while (s < want) s <<= 1;
-  return s;
+// A load factor of 0.8 when every record is used (probes compare tags in the
+// table, so a longer run costs little; no power of two: no rounding waste).
+std::size_t table_size_for(std::uint32_t n) { return static_cast<std::size_t>(n) + n / 4 + 8; }
+
+// A slot: the record number (low half) and bytes 8-11 of its digest (high),
+// so a probe dereferences a record only when the tags match.
+std::uint64_t tag_of(const Digest& d) {
+  std::uint32_t t;
+  std::memcpy(&t, d.b + 8, sizeof t);
+  return static_cast<std::uint64_t>(t) << 32;
 }
 
 }  // namespace
@@ -33,8 +37,7 @@ Index::Index(std::uint32_t num_records, EvictPolicy policy, std::uint8_t clock_m
     throw Error(StatusCode::kInvalidArgument, "disk index: num_records must be in [1, 2^32 - 1)");
   if (clock_max == 0)
     throw Error(StatusCode::kInvalidArgument, "disk index: clock_max must be >= 1");
-  table_.assign(table_size_for(num_records), kEmpty);
-  mask_ = table_.size() - 1;
+  table_.assign(table_size_for(num_records), kFreeSlot);
   if (policy_ == EvictPolicy::kLru) {
     prev_.assign(num_records + 1u, num_records);
     next_.assign(num_records + 1u, num_records);
@@ -42,43 +45,47 @@ Index::Index(std::uint32_t num_records, EvictPolicy policy, std::uint8_t clock_m
 }
 
 std::size_t Index::home(const Digest& d) const {
+  // Bytes 0-7 scaled to the table (blake2b: uniform), Lemire's multiply-shift.
   std::uint64_t h;
   std::memcpy(&h, d.b, sizeof h);
-  return static_cast<std::size_t>(h) & mask_;
+  return static_cast<std::size_t>((static_cast<unsigned __int128>(h) * table_.size()) >> 64);
 }
 
 std::int64_t Index::find(const Digest& d) const {
-  for (std::size_t i = home(d);; i = (i + 1) & mask_) {
-    std::uint32_t r = table_[i];
-    if (r == kEmpty) return kNone;
-    if (same(recs_[r].digest, d)) return r;
+  const std::uint64_t tag = tag_of(d);
+  for (std::size_t i = home(d);; i = next(i)) {
+    std::uint64_t e = table_[i];
+    if (e == kFreeSlot) return kNone;
+    auto r = static_cast<std::uint32_t>(e);
+    if ((e & ~0xffffffffull) == tag && same(recs_[r].digest, d)) return r;
   }
 }
 
 std::size_t Index::slot_of(std::uint32_t rec) const {
-  for (std::size_t i = home(recs_[rec].digest);; i = (i + 1) & mask_)
-    if (table_[i] == rec) return i;
+  for (std::size_t i = home(recs_[rec].digest);; i = next(i))
+    if (static_cast<std::uint32_t>(table_[i]) == rec) return i;
 }
 
 void Index::table_insert(std::uint32_t rec) {
   std::size_t i = home(recs_[rec].digest);
-  while (table_[i] != kEmpty) i = (i + 1) & mask_;
-  table_[i] = rec;
+  while (table_[i] != kFreeSlot) i = next(i);
+  table_[i] = tag_of(recs_[rec].digest) | rec;
   ++count_;
 }
 
 void Index::table_erase(std::uint32_t rec) {
   // Backward shift: move later members of the probe run into the hole when
   // their home does not lie cyclically in (hole, their slot].
+  const std::size_t n = table_.size();
   std::size_t hole = slot_of(rec);
-  for (std::size_t j = (hole + 1) & mask_; table_[j] != kEmpty; j = (j + 1) & mask_) {
-    std::size_t h = home(recs_[table_[j]].digest);
-    if (((j - h) & mask_) >= ((j - hole) & mask_)) {
+  for (std::size_t j = next(hole); table_[j] != kFreeSlot; j = next(j)) {
+    std::size_t h = home(recs_[static_cast<std::uint32_t>(table_[j])].digest);
+    if ((j + n - h) % n >= (j + n - hole) % n) {
       table_[hole] = table_[j];
       hole = j;
     }
   }
-  table_[hole] = kEmpty;
+  table_[hole] = kFreeSlot;
   --count_;
 }
 
@@ -233,7 +240,7 @@ void Index::apply(std::uint8_t op, std::uint32_t rec, const Digest& d) {
 }
 
 std::size_t Index::rebuild() {
-  table_.assign(table_.size(), kEmpty);
+  table_.assign(table_.size(), kFreeSlot);
   count_ = 0;
   free_.clear();
   const std::uint32_t n = num_records();

@@ -5,10 +5,11 @@
 //
 // A table of record numbers with open addressing (linear probing, backward
 // shift deletion, no tombstones), keyed by the record's 16-byte key digest
-// (blake2b, so its first 8 bytes are a uniform hash), sized from the capacity
-// at construction for a load factor of at most 0.8. Per record: the digest,
-// a state, a reference count for CLOCK and a count of loads in flight
-// (20 bytes); LRU adds two 4-byte links. Eviction is the policy's choice
+// (blake2b, so its bytes are uniform: 0-7 place it, 8-11 are a tag kept in the
+// slot so a probe rarely touches a record), sized from the capacity at
+// construction for a load factor of at most 0.8 (8 bytes a slot: 10 bytes per
+// record). Per record: the digest, a state, a reference count for CLOCK and a
+// count of loads in flight (20 bytes); LRU adds two 4-byte links. Eviction is the policy's choice
 // among records that are readable and not being loaded.
 //
 // Not thread-safe: the disk tier calls it under the manager's lock.
@@ -86,10 +87,12 @@ class Index {
     std::uint16_t loading;
   };
   static_assert(sizeof(Rec) == 20, "a record's entry must stay 20 bytes");
-  static constexpr std::uint32_t kEmpty = 0xffffffffu;
+  static constexpr std::uint32_t kEmpty = 0xffffffffu;  // never a record number
+  static constexpr std::uint64_t kFreeSlot = ~0ull;
 
   std::size_t home(const Digest& d) const;
   std::size_t slot_of(std::uint32_t rec) const;  // the table slot holding rec
+  std::size_t next(std::size_t i) const { return i + 1 == table_.size() ? 0 : i + 1; }
   void table_insert(std::uint32_t rec);
   void table_erase(std::uint32_t rec);
   void free_record(std::uint32_t rec);
@@ -104,8 +107,7 @@ class Index {
   EvictPolicy policy_;
   std::uint8_t clock_max_;
   std::vector<Rec> recs_;
-  std::vector<std::uint32_t> table_;  // record numbers, kEmpty when unused
-  std::size_t mask_ = 0;
+  std::vector<std::uint64_t> table_;  // tag << 32 | record, kFreeSlot when unused
   std::size_t count_ = 0;
   std::vector<std::uint32_t> prev_, next_;  // LRU only
   std::uint32_t hand_ = 0;                  // CLOCK only
