@@ -14,7 +14,7 @@ completed, and every load re-checks the trailer, so a crash can lose recent
 blocks but never serve wrong bytes.
 
 The index (digest -> record, each record's state and eviction state) is
-native (``_native.DiskIndex``, about 30 bytes per record): a disk holds
+native (``_native.DiskIndex``, 30-38 bytes per record): a disk holds
 hundreds of millions of records, too many for a Python object each. Its
 eviction policy (``lru`` or ``clock``) is chosen here; admission stays a
 Python decision per offered key (:class:`WriteGate`). The checkpoint is the
@@ -73,7 +73,7 @@ _PUT, _DEL = 1, 2
 _CKPT = struct.Struct("<4sIQQQQI4x")
 _C_MAGIC = b"KVC2"
 _EXTENT_MAX = 8 << 30
-_READY, _WRITING = 1, 2
+_READY, _WRITING, _HELD = 1, 2, 3  # record states of the native index
 _LOCK_FILE = "owner.lock"
 _SIZE_OPTIONS = "DiskTier(capacity_bytes=...), --disk DIR:SIZE or kvtier_disk_bytes"
 _T = TypeVar("_T")
@@ -319,6 +319,8 @@ class DiskTier(JobTier):
             # digest -> key of the last event_keys stores, to name evicted keys
             self._event_keys: OrderedDict[bytes, bytes] = OrderedDict()
             self._event_keys_max = max(0, event_keys)
+            self._held = 0  # records out of use until a timed-out write ends
+            self._ended_early: set[int] = set()  # such writes that ended before their batch
             self._released: list[int] = []  # host slots of timed-out jobs that ended
             self._seq = 0
             self._journal_buf = bytearray()
@@ -486,6 +488,11 @@ class DiskTier(JobTier):
         self.jobs.engine = self.engine
 
     @property
+    def free_records(self) -> int:
+        """Records neither indexed nor held by a timed-out job."""
+        return self.num_records - len(self.index) - self._held
+
+    @property
     def rec_loading(self) -> np.ndarray:
         """Loads in flight per record (a copy, for tests and diagnostics: O(records))."""
         return self.index.loading_counts()
@@ -648,6 +655,7 @@ class DiskTier(JobTier):
         """``rec`` leaves the index: free at once, or (``hold``) when its
         timed-out job ends."""
         self.index.remove(rec, hold)
+        self._held += hold
         self._event_keys.pop(dig, None)
 
     def _locate(self, rec: int) -> tuple[int, int]:
@@ -819,7 +827,13 @@ class DiskTier(JobTier):
             idx = d["io_idx"][rel.first : rel.first + rel.count]
             if rel.batch.kind == "store":  # a late write may have landed in these records
                 for i in idx:
-                    self.index.release(d["recs"][i])
+                    rec = d["recs"][i]
+                    state = self.index.state(rec)
+                    if state == _HELD:
+                        self.index.release(rec)
+                        self._held -= 1
+                    elif state == _WRITING:  # its batch has not ended: free it then
+                        self._ended_early.add(rec)
             self._released.extend(d["slots"][i] for i in idx)
         out = [self._finish(b) for b in ended]
         self._flush_journal()
@@ -845,7 +859,9 @@ class DiskTier(JobTier):
                     if code == ItemStatus.NO_SPACE:  # stop admitting for a while
                         self._nospace_until = time.monotonic() + 1.0
                     self.counters["io_errors"] += 1
-                    self._forget(dig, rec, hold=held[i])  # held: freed when the job ends
+                    hold = held[i] and rec not in self._ended_early  # freed when the job ends
+                    self._ended_early.discard(rec)
+                    self._forget(dig, rec, hold=hold)
             else:
                 self.index.unpin(rec)
                 if code == 0:
