@@ -189,6 +189,16 @@ void bind_disk_index(py::module_& m) {
           [](Index& ix, std::int64_t rec, bool hold) { ix.remove(rec_of(ix, rec), hold); },
           py::arg("record"), py::arg("hold") = false)
       .def("release", [](Index& ix, std::int64_t rec) { ix.release(rec_of(ix, rec)); })
+      // The records in the table (readable or being written), in record order.
+      .def("values",
+           [](const Index& ix) {
+             py::list out;
+             for (std::uint32_t r = 0; r < ix.num_records(); ++r) {
+               RecState st = ix.state(r);
+               if (st == RecState::kReady || st == RecState::kWriting) out.append(r);
+             }
+             return out;
+           })
       .def("loading_counts",
            [](const Index& ix) {
              py::array_t<std::uint16_t> out(static_cast<py::ssize_t>(ix.num_records()));
