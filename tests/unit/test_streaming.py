@@ -213,9 +213,9 @@ def test_a_failed_worker_write_frees_its_record(tmp_path: Path) -> None:
         keys = [K(i) for i in range(3)]
         out = m.prepare_store(keys)
         assert out is not None and out.store_spec.slots.tolist()[2] == -1
-        free_before = len(disk.free)
+        free_before = disk.free_records
         m.complete_store(keys, success=False)
-        assert disk.lookup(K(2)) is MISS and len(disk.free) == free_before + 1
+        assert disk.lookup(K(2)) is MISS and disk.free_records == free_before + 1
         assert m.occupancy()["streaming"] == 0
     finally:
         m.shutdown()

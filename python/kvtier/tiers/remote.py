@@ -136,6 +136,7 @@ class RemoteTier(JobTier):
         write_budget_bps: float | None = None,
         degraded_ok: bool = False,
         negative_ttl_s: float = 1.0,
+        known_ttl_s: float = 2.0,
         known_capacity: int = 1 << 20,
         tls_ca_file: str | None = None,
         tls_cert_file: str | None = None,
@@ -146,6 +147,8 @@ class RemoteTier(JobTier):
             raise InvalidArgument(f"block_bytes must be > 0, got {block_bytes}")
         if timeout_s <= 0 or pipeline <= 0 or job_items <= 0 or window_bytes <= 0:
             raise InvalidArgument("timeout_s, pipeline, window_bytes and job_items must be > 0")
+        if not known_ttl_s > 0:
+            raise InvalidArgument(f"known_ttl_s must be > 0, got {known_ttl_s}")
         from kvtier import _native
         from kvtier.engine import Engine
 
@@ -182,8 +185,13 @@ class RemoteTier(JobTier):
         self.job_items = job_items
         self.gate = WriteGate(admit_after, write_budget_bps)
         self.negative_ttl_s = negative_ttl_s
+        self.known_ttl_s = known_ttl_s
         self.known_capacity = known_capacity
-        # digest -> (exists, when); bounded LRU
+        # digest -> (exists, when), oldest first: what live requests learnt
+        # (an EXISTS answer between a lookup's RETRY and its repeat, a store
+        # or load that just ended), kept known_ttl_s (absent: negative_ttl_s)
+        # and at most known_capacity entries. The server is the index: no
+        # state per stored key outlives the requests that touched it.
         self.known: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
         self._exists_queue: dict[bytes, bytes] = {}  # digest -> server key
         self._exists_inflight: set[bytes] = set()
@@ -202,7 +210,15 @@ class RemoteTier(JobTier):
         for dig in digs:
             known[dig] = (exists, now)
             known.move_to_end(dig)
-        while len(known) > self.known_capacity:
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        """Drop what no live request needs any more (entries are in time order)."""
+        known = self.known
+        horizon = now - max(self.known_ttl_s, self.negative_ttl_s)
+        while known and (
+            len(known) > self.known_capacity or next(iter(known.values()))[1] < horizon
+        ):
             known.popitem(last=False)
 
     def attach(self, pool: Any) -> None:
@@ -220,9 +236,10 @@ class RemoteTier(JobTier):
         hit = self.known.get(dig)
         if hit is not None:
             exists, when = hit
-            if exists:
+            age = time.monotonic() - when
+            if exists and age < self.known_ttl_s:
                 return LookupResult.HIT
-            if time.monotonic() - when < self.negative_ttl_s:
+            if not exists and age < self.negative_ttl_s:
                 return LookupResult.MISS
         if dig not in self._exists_inflight:
             self._exists_queue[dig] = self.server_key(key)
@@ -318,6 +335,8 @@ class RemoteTier(JobTier):
         self.counters["exists_checks"] += len(digs)
 
     def poll(self) -> list[TierCompletion]:
+        if self.known:
+            self._expire(time.monotonic())
         if self._exists_queue and not self._closed:
             self._check_exists()
         ended, _ = self.jobs.poll()  # no deadlines here: no job is ever held
