@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-SYS_PACKAGES := liburing-dev libisal-dev libssl-dev openssl libgtest-dev redis-server redis-tools fio pkg-config clang-format cmake ninja-build g++
+SYS_PACKAGES := liburing-dev libisal-dev libssl-dev openssl zlib1g-dev libgtest-dev redis-server redis-tools fio pkg-config clang-format cmake ninja-build g++
 TORCH_SPEC := torch==2.13.0
 JOBS ?= 2
 

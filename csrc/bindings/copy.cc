@@ -1,5 +1,6 @@
 // Copies: Engine.submit_copy and copy_inline (host memcpy on worker threads
-// or on the caller), and the CUDA copier (dlopen'ed runtime).
+// or on the caller), and Engine.submit_cuda with its CUDA copier (dlopen'ed
+// runtime).
 #include <cstring>
 
 #include "../core/copy/cuda.h"
@@ -36,35 +37,29 @@ void bind_copy(py::module_& m, EngineClass& engine) {
     const cu::Api& a = cu::load_api();
     return py::make_tuple(a.path, a.version, a.MemcpyBatchAsync != nullptr);
   });
-  py::class_<cu::Copier>(m, "CudaCopier")
+  // descs: (N, 3) int64 (src, dst, nbytes); direction 0 store (device ->
+  // host), 1 load, 2 expedited load. Enqueued on the copier's stream at
+  // submit; the job ends (poll/wait) once the GPU has passed it.
+  engine.def(
+      "submit_cuda",
+      [](Engine& e, const std::shared_ptr<cu::Copier>& copier, int direction,
+         const py::object& descs, std::uintptr_t wait_stream, std::vector<std::uint64_t> deps,
+         std::size_t queue) {
+        auto job =
+            copier->make_job(direction, descs_from_array(descs), wait_stream, std::move(deps));
+        py::gil_scoped_release nogil;  // enqueueing many copies takes the runtime a while
+        return submit_or_busy(e, std::move(job), queue);
+      },
+      py::arg("copier"), py::arg("direction"), py::arg("descs"), py::arg("wait_stream") = 0,
+      py::arg("deps") = std::vector<std::uint64_t>{}, py::arg("queue") = 0);
+  py::class_<cu::Copier, std::shared_ptr<cu::Copier>>(m, "CudaCopier")
       .def(py::init([](int device,
                        const std::vector<std::pair<std::uintptr_t, std::size_t>>& regions,
                        bool use_batch) {
              py::gil_scoped_release nogil;  // host registration pins memory: slow
-             return std::make_unique<cu::Copier>(device, regions, use_batch);
+             return std::make_shared<cu::Copier>(device, regions, use_batch);
            }),
            py::arg("device"), py::arg("host_regions"), py::arg("use_batch") = true)
-      .def(
-          "submit",
-          [](cu::Copier& c, int queue, const py::object& descs, std::uintptr_t wait_stream,
-             const std::vector<std::uint64_t>& deps) {
-            auto d = descs_from_array(descs);
-            py::gil_scoped_release nogil;
-            return c.submit(queue, d, wait_stream, deps);
-          },
-          py::arg("queue"), py::arg("descs"), py::arg("wait_stream") = 0,
-          py::arg("deps") = std::vector<std::uint64_t>{})
-      .def("poll", &cu::Copier::poll)
-      // Blocks until the jobs' copies are complete: interruptible (Ctrl-C),
-      // kvtier.Timeout after `timeout` seconds (< 0: no limit).
-      .def(
-          "wait",
-          [](cu::Copier& c, const std::vector<std::uint64_t>& ids, double timeout) {
-            wait_interruptibly([&](std::chrono::milliseconds s) { return c.wait_for(ids, s); },
-                               timeout, "wait: " + std::to_string(ids.size()) + " copy job(s)");
-          },
-          py::arg("job_ids"), py::arg("timeout") = -1.0)
-      .def("pending", &cu::Copier::pending, py::arg("job_id"))
       .def("stats",
            [](const cu::Copier& c) {
              auto s = c.stats();

@@ -115,6 +115,7 @@ PYBIND11_MODULE(_native, m) {
   auto engine = b::bind_engine(m);
   b::bind_copy(m, engine);
   b::bind_disk(m, engine);
+  b::bind_disk_index(m);
   b::bind_remote(m, engine);
 
   m.def(

@@ -48,7 +48,8 @@ std::uint64_t Engine::submit(std::unique_ptr<Job> job, std::size_t queue) {
   q.in_flight += nbytes;
   const auto deadline =
       q.opts.deadline.count() > 0 ? Clock::now() + q.opts.deadline : Clock::time_point::max();
-  q.pending.push_back(Pending{id, std::move(job), epoch, deadline});
+  const bool begun = job->start(id);
+  q.pending.push_back(Pending{id, std::move(job), epoch, deadline, begun});
   outstanding_.insert(id);
   active_.insert(id);
   queued_.fetch_add(1, std::memory_order_release);
@@ -66,7 +67,7 @@ bool Engine::take(Pending* out, std::size_t* queue_index) {
     if (q.pending.empty() || (q.opts.serial && q.running > 0)) continue;
     *out = std::move(q.pending.front());
     q.pending.pop_front();
-    if (deadlines_) running_[out->id] = Running{out->deadline};
+    if (deadlines_) running_[out->id] = Running{out->deadline, out->reported};
     queued_.fetch_sub(1, std::memory_order_relaxed);
     ++q.running;
     *queue_index = i;
@@ -114,11 +115,13 @@ void Engine::worker_loop() {
     {
       std::lock_guard<std::mutex> g(regions_mu_);
       // A region removed after submit: the job must not touch freed memory.
-      if (p.epoch != regions_epoch_) err = p.job->check(regions_);
+      // A begun job already does; unregister_region waits for its end.
+      if (p.epoch != regions_epoch_ && !p.begun) err = p.job->check(regions_);
     }
     const auto t0 = std::chrono::steady_clock::now();
     if (err.empty()) err = p.job->run();
-    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    r.seconds = p.job->seconds(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     r.ok = err.empty();
     r.error = std::move(err);
     r.items = p.job->take_items();
@@ -167,8 +170,18 @@ Engine::Clock::time_point Engine::expire_locked(Clock::time_point now) {
   for (Queue& q : queues_) {
     // Never started (every worker busy or stuck): dropped, nothing in use.
     for (auto it = q.pending.begin(); it != q.pending.end();) {
+      if (it->reported) {
+        ++it;
+        continue;
+      }
       if (it->deadline > now) {
         next = std::min(next, it->deadline);
+        ++it;
+        continue;
+      }
+      if (it->begun) {  // in use since submit: held until a worker sees its end
+        it->reported = true;
+        timeout(it->id, 0, true);
         ++it;
         continue;
       }
@@ -221,7 +234,12 @@ void Engine::close(bool cancel) {
     stopping_ = true;
     if (cancel) {
       for (Queue& q : queues_) {
+        std::deque<Pending> begun;  // cannot be called back: they run to their end
         for (Pending& p : q.pending) {
+          if (p.begun) {
+            begun.push_back(std::move(p));
+            continue;
+          }
           const std::uint64_t nb = p.job->bytes();
           q.in_flight -= nb;
           outstanding_.erase(p.id);
@@ -233,7 +251,7 @@ void Engine::close(bool cancel) {
           finished_.push_back(std::move(r));
           queued_.fetch_sub(1, std::memory_order_relaxed);
         }
-        q.pending.clear();
+        q.pending.swap(begun);
       }
       done_cv_.notify_all();
     }

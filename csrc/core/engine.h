@@ -53,6 +53,15 @@ class Job {
   virtual std::string run() = 0;
   // Called once after run(): per-item outcomes, if the job has items.
   virtual std::vector<std::int32_t> take_items() { return {}; }
+  // Called once by submit when the job is admitted (its id given, its bytes
+  // counted), under the engine's lock so that the jobs of one queue begin in
+  // queue order; must not throw. True when its work has begun there (copies
+  // enqueued on a device stream): from then on it touches memory, so past
+  // its deadline it is reported held (not dropped) even before a worker took
+  // it, close(cancel) lets it reach its end, and run() waits for that end.
+  virtual bool start(std::uint64_t /*id*/) { return false; }
+  // JobResult::seconds; `on_worker` is how long run() took.
+  virtual double seconds(double on_worker) const { return on_worker; }
 };
 
 struct QueueOptions {
@@ -85,7 +94,8 @@ class Engine {
   bool wait_for(const std::vector<std::uint64_t>& ids, std::chrono::milliseconds slice);
 
   // cancel=false: run every queued job first. cancel=true: queued jobs
-  // complete with ok=false ("cancelled"); running ones finish. Then joins.
+  // complete with ok=false ("cancelled"); running and begun ones (see
+  // Job::start) finish. Then joins.
   void close(bool cancel);
   bool closed() const;
 
@@ -108,6 +118,8 @@ class Engine {
     std::unique_ptr<Job> job;
     std::uint64_t epoch;
     Clock::time_point deadline;
+    bool begun = false;     // start() began its work at submit
+    bool reported = false;  // begun, and its timeout was reported before a worker took it
   };
   struct Running {
     Clock::time_point deadline;

@@ -35,6 +35,13 @@ class ItemStore : public std::enable_shared_from_this<Self> {
  protected:
   ItemStore() = default;
   ~ItemStore() = default;
+  // The first argument of Self's public constructor: only Self can make one,
+  // so only its open() makes a store, always owned by a shared_ptr (which
+  // make_shared builds through a public constructor).
+  class Key {
+    friend Self;
+    explicit Key() = default;
+  };
 };
 
 template <typename Self, typename Op, typename Item>

@@ -247,6 +247,81 @@ TEST(Engine, DeadlineFailsHungAndQueuedJobsThenReleases) {
   EXPECT_FALSE(r[0].timed_out || r[0].released || r[0].held);
 }
 
+// A job whose work begins at submit (as CUDA copies do): start() is called
+// in submit order; one still queued past its deadline is held, not dropped,
+// and close(cancel) lets it reach its end instead of cancelling it.
+class BegunJob final : public Job {
+ public:
+  BegunJob(std::atomic<bool>* gate, std::vector<std::uint64_t>* started)
+      : gate_(gate), started_(started) {}
+  std::uint64_t bytes() const override { return 10; }
+  std::string check(const kvtier::RegionSet&) const override { return {}; }
+  bool start(std::uint64_t id) override {
+    started_->push_back(id);  // under the engine's lock
+    return true;
+  }
+  std::string run() override {
+    while (!gate_->load()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    return {};
+  }
+  double seconds(double) const override { return 1.5; }
+
+ private:
+  std::atomic<bool>* gate_;
+  std::vector<std::uint64_t>* started_;
+};
+
+TEST(Engine, JobsBegunAtSubmitAreHeldPastTheirDeadlineAndNeverCancelled) {
+  std::atomic<bool> gate{false};
+  std::vector<std::uint64_t> started;
+  QueueOptions q;
+  q.serial = true;
+  q.deadline = std::chrono::milliseconds(30);
+  Engine e(2, {q, QueueOptions{}});
+  const auto first = e.submit(std::make_unique<BegunJob>(&gate, &started));
+  const auto queued = e.submit(std::make_unique<BegunJob>(&gate, &started));
+  EXPECT_EQ(started, (std::vector<std::uint64_t>{first, queued}));
+  ASSERT_TRUE(e.wait_for({first, queued}, std::chrono::seconds(5)));
+  auto r = e.poll();
+  ASSERT_EQ(r.size(), 2u);
+  for (auto& x : r) EXPECT_TRUE(x.timed_out && x.held && !x.released) << x.job_id;
+  EXPECT_EQ(e.in_flight_bytes(0), 20u);  // both still in use
+  // A plain job queued behind a busy serial queue is cancelled; begun ones run.
+  std::atomic<bool> never{false};
+  QueueOptions serial;
+  serial.serial = true;
+  Engine f(1, {serial});
+  std::atomic<bool> f_gate{false};
+  const auto running = f.submit(std::make_unique<BegunJob>(&f_gate, &started));
+  const auto begun = f.submit(std::make_unique<BegunJob>(&f_gate, &started));
+  const auto plain = f.submit(std::make_unique<GateJob>(&never, 1));
+  std::thread opener([&] {  // once close has dealt with the queue
+    while (!f.closed()) std::this_thread::yield();
+    f_gate = true;
+  });
+  f.close(true);
+  opener.join();
+  auto fr = f.poll();
+  ASSERT_EQ(fr.size(), 3u);
+  EXPECT_EQ(fr[0].job_id, plain);
+  EXPECT_EQ(fr[0].error, "cancelled: engine closed");
+  EXPECT_EQ(fr[1].job_id, running);
+  EXPECT_EQ(fr[2].job_id, begun);
+  EXPECT_TRUE(fr[1].ok && fr[2].ok);
+  EXPECT_EQ(fr[2].seconds, 1.5);  // the job's own measure
+  gate = true;
+  std::vector<kvtier::JobResult> late;
+  for (int i = 0; i < 500 && late.size() < 2; ++i) {
+    for (auto& x : e.poll()) late.push_back(x);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ASSERT_EQ(late.size(), 2u);
+  EXPECT_EQ(late[0].job_id, first);
+  EXPECT_EQ(late[1].job_id, queued);
+  EXPECT_TRUE(late[0].released && late[1].released);
+  EXPECT_EQ(e.in_flight_bytes(0), 0u);
+}
+
 TEST(Engine, WaitRejectsUnknownIds) {
   Engine e(1, {QueueOptions{}});
   EXPECT_THROW(e.wait_for({42}, std::chrono::milliseconds(1)), kvtier::Error);

@@ -40,6 +40,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _cmd_bench_serve(args)
     if args.component == "soak":
         return _cmd_bench_soak(args)
+    if args.component == "disk-index":
+        return _cmd_bench_disk_index(args)
     args.repeats = args.repeats or 5
     if args.component == "copy":
         sizes = [parse_size(args.block_bytes)] if args.block_bytes else None
@@ -109,6 +111,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for r in results[:-1]:
             print(json.dumps(r))
         _print_json_last(results[-1])
+    return 0
+
+
+def _cmd_bench_disk_index(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvtier.bench.disk_index import run_disk_index, table
+
+    if args.records < 1:
+        raise InvalidArgument(f"--records must be >= 1, got {args.records}")
+    result = run_disk_index(args.records, args.policy)
+    if args.json == "-":
+        _print_json_last(result)
+        return 0
+    print(f"[disk-index] {result['note']}")
+    print(table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"  wrote {args.json}")
     return 0
 
 
@@ -315,11 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = r.add_mutually_exclusive_group()
     g.add_argument("--host", help="host tier size, e.g. 2GiB (or 'inf' with --no-data)")
     g.add_argument("--host-blocks", type=int, help="host tier capacity in blocks")
-    r.add_argument("--policy", default="lru", help="lru | arc | dotted.path.Class")
+    r.add_argument("--policy", default="lru", help="host tier: lru | arc | dotted.path.Class")
     r.add_argument("--admit-after", type=int, default=1, help="store a key after N offers")
     r.add_argument(
         "--disk", help="disk tier DIR:SIZE, e.g. /mnt/nvme/kv:100GiB, or DIR:80%% of the free space"
     )
+    r.add_argument("--disk-policy", default="lru", help="disk tier (native): lru | clock | clock:N")
     r.add_argument(
         "--remote",
         help="remote tier: redis://[USER:PASS@]HOST:PORT or redis-cluster://H:P,H:P "
@@ -337,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="measure a component against its baseline")
     b.add_argument(
-        "component", choices=["copy", "manager", "disk", "remote", "vllm", "serve", "soak"]
+        "component",
+        choices=["copy", "manager", "disk", "disk-index", "remote", "vllm", "serve", "soak"],
     )
     b.add_argument("--url", help="remote: redis://HOST:PORT (default: start a local server)")
     b.add_argument(
@@ -367,10 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--total", default="1GiB", help="disk: bytes per run")
     b.add_argument("--backend", default="auto", choices=["auto", "io_uring", "pread"])
     b.add_argument("--keys", type=int, default=1_000_000, help="manager: distinct keys")
+    b.add_argument("--records", type=int, default=1_000_000, help="disk-index: records to store")
+
     b.add_argument(
         "--trace", help="vllm: Mooncake-format JSONL trace to replay (default: synthetic)"
     )
-    b.add_argument("--policy", default="lru")
+    b.add_argument("--policy", default="lru", help="manager: host policy; disk-index: disk policy")
     b.add_argument(
         "--minutes",
         type=float,
@@ -391,7 +417,13 @@ def build_parser() -> argparse.ArgumentParser:
         "build/bench, serve: build/bench-serve, of the repo, else a printed temporary directory)",
     )
     b.add_argument("--results-dir", dest="out", help=argparse.SUPPRESS)  # the old name of --out
-    b.add_argument("--json", action="store_true", help="print JSON (last line)")
+    b.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="print JSON (last line); disk-index: --json PATH writes it to PATH instead",
+    )
     b.set_defaults(func=_cmd_bench)
 
     pl = sub.add_parser("plan", help="pipeline-parallel KV memory planner")

@@ -66,6 +66,32 @@ class Engine:
         """
         return int(self._engine.submit_copy(descs, queue))
 
+    def submit_cuda(
+        self,
+        copier: _native.CudaCopier,
+        direction: int,
+        descs: np.ndarray,
+        wait_stream: int = 0,
+        deps: Sequence[int] = (),
+        queue: int = 0,
+    ) -> int:
+        """Queue copies between device memory and registered host memory on
+        ``copier``'s stream ``direction`` (0 store: device -> host, 1 load,
+        2 expedited load), from an ``(N, 3)`` int64 array of ``(src, dst, nbytes)``.
+
+        The copies are enqueued on the stream now (after the work so far of the
+        compute stream ``wait_stream``, when not 0, and after the still
+        running jobs ``deps``); the job ends, for :meth:`poll` and
+        :meth:`wait`, once the GPU has passed them. Put one direction's jobs on
+        one serial queue so that they are reported in stream order. Returns the
+        job id. Raises InvalidArgument when the host side lies outside the
+        copier's registered pool or this engine's registered memory, CudaError
+        when the runtime cannot create the job's events, Busy when full.
+        """
+        return int(
+            self._engine.submit_cuda(copier, direction, descs, wait_stream, list(deps), queue)
+        )
+
     def submit_sleep(self, seconds: float, nbytes: int = 0, fail: str = "", queue: int = 0) -> int:
         """Queue a job that sleeps then succeeds (or fails with ``fail``): for tests and drills."""
         return int(self._engine.submit_sleep(seconds, nbytes, fail, queue))

@@ -419,6 +419,7 @@ class ReplayOptions:
     policy: str = "lru"
     admit_after: int = 1
     disk: str | None = None
+    disk_policy: str = "lru"
     remote: str | None = None
     remote_tls_ca: str | None = None
     remote_tls_cert: str | None = None
@@ -438,7 +439,7 @@ class ReplayOptions:
         return TierConfig(
             disk_path=disk_path,
             disk_bytes=disk_bytes,
-            disk_policy=self.policy,
+            disk_policy=self.disk_policy,
             remote_url=self.remote,
             remote_tls_ca_file=self.remote_tls_ca,
             remote_tls_cert_file=self.remote_tls_cert,
@@ -518,6 +519,7 @@ def main_replay(args: ReplayOptions) -> int:
         {
             "trace": source,
             "policy": args.policy,
+            "disk_policy": args.disk_policy if args.disk else None,
             "host_blocks": capacity,
             "block_bytes": block_bytes,
             "data": not args.no_data,

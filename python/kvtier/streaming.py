@@ -185,11 +185,17 @@ class StreamLoader:
     def _reader(self, tier: str, spec: dict[str, Any]) -> Any:
         r = self._readers.get(tier)
         if r is None:
-            if spec.get("kind") != "disk":
-                raise InvalidArgument(f"no stream reader for tier kind {spec.get('kind')!r}")
-            from kvtier.tiers.disk import DiskIO
+            kind = spec.get("kind")
+            if kind == "disk":
+                from kvtier.tiers.disk import DiskIO
 
-            r = self._readers[tier] = DiskIO(spec, self.pool)
+                r = self._readers[tier] = DiskIO(spec, self.pool)
+            elif kind == "remote":
+                from kvtier.tiers.remote import RemoteIO
+
+                r = self._readers[tier] = RemoteIO(spec, self.pool)
+            else:
+                raise InvalidArgument(f"no stream reader for tier kind {kind!r}")
         return r
 
     def _run(self) -> None:

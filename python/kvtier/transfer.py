@@ -130,15 +130,40 @@ def layout_from_tensors(
     )
 
 
-class _CpuBackend:
-    """Copies on engine worker threads: one serial queue per direction."""
+class _EngineBackend:
+    """What both backends share: their jobs are engine jobs (ids, byte
+    budgets, deadlines, poll and wait are the engine's), one serial queue per
+    direction so that each direction's jobs end in submission order."""
+
+    name: str
+
+    def __init__(self, num_threads: int, budget_bytes: int, deadline_s: float) -> None:
+        self.engine = Engine(num_threads, [(budget_bytes, True, deadline_s)] * 3)
+
+    def poll(self) -> list[Any]:
+        return self.engine.poll()
+
+    def wait(self, ids: list[int], timeout: float | None) -> None:
+        self.engine.wait(ids, timeout)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class _CpuBackend(_EngineBackend):
+    """Copies on engine worker threads."""
 
     name = "cpu"
 
     def __init__(
-        self, tensors: Sequence[Any], pool: HostPool, num_threads: int, budget_bytes: int
+        self,
+        tensors: Sequence[Any],
+        pool: HostPool,
+        num_threads: int,
+        budget_bytes: int,
+        deadline_s: float,
     ) -> None:
-        self.engine = Engine(num_threads, [(budget_bytes, True)] * 3)
+        super().__init__(num_threads, budget_bytes, deadline_s)
         self.engine.register_pool(pool)
         seen: set[int] = set()
         for t in tensors:
@@ -160,45 +185,45 @@ class _CpuBackend:
         except Busy:
             return None
 
-    def poll(self) -> list[Any]:
-        return self.engine.poll()
 
-    def wait(self, ids: list[int], timeout: float | None) -> None:
-        self.engine.wait(ids, timeout)
-
-    def close(self) -> None:
-        self.engine.close()
-
-
-class _CudaBackend:
-    """Copies on CUDA streams (libcudart loaded with dlopen at first use)."""
+class _CudaBackend(_EngineBackend):
+    """Copies on CUDA streams (libcudart loaded with dlopen at first use),
+    submitted as engine jobs: each is enqueued on its direction's stream at
+    submit and ends on an engine worker once the GPU has passed it (one worker
+    per direction, so an expedited load is never reported behind a store)."""
 
     name = "cuda"
 
-    def __init__(self, pool: HostPool, device: int, use_batch: bool) -> None:
+    def __init__(
+        self, pool: HostPool, device: int, use_batch: bool, budget_bytes: int, deadline_s: float
+    ) -> None:
         from kvtier import _native
 
         self.copier: _native.CudaCopier | None = _native.CudaCopier(
             device, [(pool.address, pool.nbytes)], use_batch
         )
-
-    def _live(self) -> _native.CudaCopier:
-        if self.copier is None:
-            raise ClosedError("device transfer is shut down")
-        return self.copier
+        super().__init__(3, budget_bytes, deadline_s)
+        self.engine.register_pool(pool)
 
     def submit(
         self, queue: int, descs: np.ndarray, wait_stream: int, conflicts: dict[int, int]
     ) -> tuple[int, int] | None:
-        return self._live().submit(queue, descs, wait_stream, list(conflicts)), queue
-
-    def poll(self) -> list[Any]:
-        return list(self._live().poll())
-
-    def wait(self, ids: list[int], timeout: float | None) -> None:
-        self._live().wait(ids, -1.0 if timeout is None else float(timeout))
+        if self.copier is None:
+            raise ClosedError("device transfer is shut down")
+        try:
+            # A job of another direction on the same slots: its stream waits
+            # for that job's end event (no blocking here).
+            job = self.engine.submit_cuda(
+                self.copier, queue, descs, wait_stream, list(conflicts), queue
+            )
+        except Busy:
+            return None
+        return job, queue
 
     def close(self) -> None:
+        # Every job has ended (the engine lets begun ones run to their end)
+        # before the copier's streams and registrations go.
+        super().close()
         self.copier = None
 
 
@@ -216,6 +241,11 @@ class DeviceTransfer:
     A job that reads or writes host slots still used by a pending job of the
     other direction runs after it (a load after a store of the same slot sees
     the stored bytes).
+
+    ``deadline_s`` (0: none): a job not finished that long after its submit is
+    reported failed (``error`` says it timed out); its slots stay in use until
+    the copy has really ended, so a later job of the other direction on them
+    still runs after it.
     """
 
     def __init__(
@@ -232,6 +262,7 @@ class DeviceTransfer:
         num_threads: int = 2,
         budget_bytes: int = 1 << 30,
         slot_offset: int = 0,
+        deadline_s: float = 0.0,
     ) -> None:
         if blocks_per_chunk < 1:
             raise InvalidArgument(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
@@ -259,11 +290,11 @@ class DeviceTransfer:
         self._tensors = list(tensors)  # keep the memory alive
         self._b: _CpuBackend | _CudaBackend
         if backend == "cpu":
-            self._b = _CpuBackend(self._tensors, pool, num_threads, budget_bytes)
+            self._b = _CpuBackend(self._tensors, pool, num_threads, budget_bytes, deadline_s)
         else:
             if device is None:
                 device = int(dev.split(":")[1]) if ":" in dev else 0
-            self._b = _CudaBackend(pool, device, use_batch)
+            self._b = _CudaBackend(pool, device, use_batch, budget_bytes, deadline_s)
         self.backend = self._b.name
         self._to_user: dict[int, int] = {}
         self._user: dict[int, int] = {}
@@ -395,13 +426,20 @@ class DeviceTransfer:
         """Finished jobs since the last call (acks first, then completion order)."""
         out, self._acks = self._acks, []
         for r in self._b.poll():
+            if r.released:  # a timed-out job has really ended: its slots are free
+                self._free_slots(r.job_id)
+                continue
             job = self._to_user.pop(r.job_id)
             self._user.pop(job, None)
-            for slot in self._job_slots.pop(r.job_id).tolist():
-                if self._slot_job.get(slot, (0,))[0] == r.job_id:
-                    del self._slot_job[slot]
+            if not r.held:
+                self._free_slots(r.job_id)
             out.append(TransferResult(job, r.ok, int(r.nbytes), float(r.seconds), r.error))
         return out
+
+    def _free_slots(self, iid: int) -> None:
+        for slot in self._job_slots.pop(iid).tolist():
+            if self._slot_job.get(slot, (0,))[0] == iid:
+                del self._slot_job[slot]
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
         """Block until ``job_ids`` finished; their destination bytes are final."""

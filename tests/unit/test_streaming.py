@@ -213,9 +213,9 @@ def test_a_failed_worker_write_frees_its_record(tmp_path: Path) -> None:
         keys = [K(i) for i in range(3)]
         out = m.prepare_store(keys)
         assert out is not None and out.store_spec.slots.tolist()[2] == -1
-        free_before = len(disk.free)
+        free_before = disk.free_records
         m.complete_store(keys, success=False)
-        assert disk.lookup(K(2)) is MISS and len(disk.free) == free_before + 1
+        assert disk.lookup(K(2)) is MISS and disk.free_records == free_before + 1
         assert m.occupancy()["streaming"] == 0
     finally:
         m.shutdown()
@@ -234,3 +234,56 @@ def test_without_promotion_every_disk_hit_streams(setup) -> None:  # type: ignor
     assert all(m.host.get(K(i)) is not None for i in (8, 9, 10, 11))
     m.complete_load([K(0), K(1)])
     assert m.occupancy()["streaming"] == 0
+
+
+def test_redis_hits_and_stores_stream_too(redis_standalone) -> None:  # type: ignore[no-untyped-def]
+    """A Redis tier under a 4-slot host tier: offered blocks that find no
+    host slot are written to Redis by the worker, and hits that find none
+    are read back by it, byte for byte."""
+    from kvtier.tiers.remote import RemoteTier
+
+    redis_standalone.cli("FLUSHALL")
+    slot = DiskTier.slot_bytes_for(BLOCK)
+    pool = HostPool(4, slot)
+    remote = RemoteTier(redis_standalone.url, BLOCK, namespace="stream-test")
+    m = TieredOffloadingManager(HostTier(pool, 4), [remote], streaming=True, streaming_stores=True)
+    kv = np.zeros((10, BLOCK), np.uint8)
+    for b in range(10):
+        kv[b] = 20 + b
+    loader = StreamLoader([([kv], [BLOCK])], blocks_per_chunk=1, slot_bytes=slot, num_slots=2)
+    try:
+        keys = [K(i) for i in range(10)]
+        out = m.prepare_store(keys)
+        assert out is not None and out.keys_to_store == keys
+        st = out.store_spec.stream
+        assert st is not None and st.index.tolist() == list(range(4, 10))
+        loader.submit(1, [StreamChunk(0, np.array([4 + n]), 4 + n, "remote", st.locations[n],
+                                      st.digests[16 * n : 16 * n + 16]) for n in range(6)],
+                      st.readers, store=True)  # fmt: skip
+        loader.wait([1], timeout=10)
+        assert loader.get_finished()[0].success
+        m.complete_store(keys)
+        assert m.occupancy()["streaming"] == 0
+        assert remote.lookup(K(4)) is HIT  # known from the write
+
+        kv[:] = 0
+        prefix = [K(i) for i in range(10)]
+        # Host keys 0-3 wait for their cascade (staged until the step ends),
+        # so nothing can be evicted to promote into: the hits stream.
+        assert scan(m, prefix[4:]) == [HIT] * 6
+        spec = m.prepare_load(prefix[4:])
+        st = spec.stream
+        assert st is not None and st.tiers == ["remote"] * 6
+        loader.submit(2, [StreamChunk(0, np.array([n]), n, "remote", st.locations[n],
+                                      st.digests[16 * n : 16 * n + 16]) for n in range(6)],
+                      st.readers)  # fmt: skip
+        loader.wait([2], timeout=10)
+        assert loader.get_finished()[0].success
+        for n in range(6):
+            assert (kv[n] == 24 + n).all()
+        m.complete_load(prefix[4:])
+        assert m.occupancy()["streaming"] == 0
+    finally:
+        loader.close()
+        m.shutdown()
+        pool.close()

@@ -201,6 +201,28 @@ def test_cuda_errors_fail_the_job_with_the_runtime_message(fake_cudart) -> None:
         t.shutdown()
 
 
+def test_a_timed_out_store_fails_but_keeps_its_slot_until_the_copy_ends(fake_cudart) -> None:  # type: ignore[no-untyped-def]
+    kv = [torch.randint(0, 256, (NB, 4096), dtype=torch.uint8)]
+    with HostPool(4, 4096) as pool:
+        t = DeviceTransfer(kv, pool, backend="cuda", deadline_s=0.05)
+        fake_cudart.fake_cuda_set_store_delay_us(500_000)
+        assert t.submit_store(1, [3], [2])
+        res = finish(t, [1])[1]
+        assert not res.success and res.error.startswith("timed out")  # type: ignore[attr-defined]
+        fake_cudart.fake_cuda_set_store_delay_us(0)
+        # The store is still on the GPU: a load of its slot is queued behind it
+        # (and may time out itself while it waits there).
+        assert t.submit_load(2, [2], [9])
+        finish(t, [2])
+        until = time.monotonic() + 10
+        while t._slot_job and time.monotonic() < until:
+            assert t.get_finished() == []  # late ends are not reported again
+            time.sleep(0.01)
+        assert t._slot_job == {}
+        assert torch.equal(kv[0][9], kv[0][3])
+        t.shutdown()
+
+
 def test_pool_is_registered_with_cuda_and_released(fake_cudart) -> None:  # type: ignore[no-untyped-def]
     kv = [torch.zeros(NB, 4096, dtype=torch.uint8)]
     base = fake_cudart.fake_cuda_registered_bytes()

@@ -2,9 +2,12 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <memory>
 #include <thread>
+#include <utility>
 
 #include "../status.h"
 
@@ -129,12 +132,6 @@ Copier::Copier(int device, const std::vector<std::pair<std::uintptr_t, std::size
   }
 }
 
-Copier::~Copier() {
-  // No DMA may outlive the registrations and events released after this.
-  for (auto& q : queues_)
-    for (auto& j : q) api_.EventSynchronize(j.end.get());
-}
-
 Handle Copier::take_event() {
   if (!free_events_.empty()) {
     auto ev = std::move(free_events_.back());
@@ -144,12 +141,12 @@ Handle Copier::take_event() {
   return make_event(api_, 0);
 }
 
-std::string Copier::check(int queue, const std::vector<CopyDesc>& descs) const {
+std::string Copier::check(int direction, const std::vector<CopyDesc>& descs) const {
   // Stores write host memory, loads read it: that side must be pinned pool
   // memory (the device side is the engine's KV cache, not ours to check).
   for (std::size_t i = 0; i < descs.size(); ++i) {
     const CopyDesc& d = descs[i];
-    const std::uintptr_t host = queue == 0 ? d.dst : d.src;
+    const std::uintptr_t host = direction == 0 ? d.dst : d.src;
     if (d.nbytes == 0) return "descriptor " + std::to_string(i) + ": size must be > 0";
     if (!host_.covers(host, d.nbytes))
       return "descriptor " + std::to_string(i) + ": host range outside the registered pool";
@@ -187,106 +184,139 @@ Err Copier::copy(Stream s, const std::vector<CopyDesc>& d) {
   return kSuccess;
 }
 
-std::uint64_t Copier::submit(int queue, const std::vector<CopyDesc>& descs,
-                             std::uintptr_t wait_stream, const std::vector<std::uint64_t>& deps) {
-  if (queue < 0 || queue > 2) throw_invalid("queue must be 0 (store), 1 (load) or 2 (expedited)");
-  if (std::string why = check(queue, descs); !why.empty()) throw_invalid(why);
-  std::lock_guard<std::mutex> g(mu_);
-  Stream s = streams_[queue].get();
-  Job j{0, take_event(), take_event(), 0, {}, -1};
-  j.id = next_id_++;
-  for (const auto& d : descs) j.bytes += d.nbytes;
-  Err e = api_.SetDevice(device_);
-  if (e != kSuccess) j.error = msg("cudaSetDevice", e);
-  if (j.error.empty() && wait_stream != 0) {
-    // Stores must read finished KV: wait for the compute stream's work so far.
-    e = api_.EventRecord(compute_ev_.get(), reinterpret_cast<Stream>(wait_stream));
-    if (e == kSuccess) e = api_.StreamWaitEvent(s, compute_ev_.get(), 0);
-    if (e != kSuccess) j.error = msg("waiting for the compute stream", e);
+// One engine job: its copies are enqueued by start() (under the engine's
+// lock, in queue order) and run() waits on a worker for its end event.
+class Copier::CopyJob final : public Job {
+ public:
+  CopyJob(std::shared_ptr<Copier> c, int direction, std::vector<CopyDesc> descs,
+          std::uintptr_t wait_stream, std::vector<std::uint64_t> deps, Handle start, Handle end)
+      : c_(std::move(c)),
+        direction_(direction),
+        descs_(std::move(descs)),
+        wait_stream_(wait_stream),
+        deps_(std::move(deps)),
+        start_(std::move(start)),
+        end_(std::move(end)) {
+    for (const auto& d : descs_) bytes_ += d.nbytes;
   }
-  for (std::uint64_t dep : deps) {
-    auto it = where_.find(dep);
-    if (it == where_.end() || !j.error.empty()) continue;
-    for (const Job& other : queues_[it->second])
-      if (other.id == dep) {
-        e = api_.StreamWaitEvent(s, other.end.get(), 0);
-        if (e != kSuccess) j.error = msg("cudaStreamWaitEvent", e);
-      }
-  }
-  if (j.error.empty() && (e = api_.EventRecord(j.start.get(), s)) != kSuccess)
-    j.error = msg("cudaEventRecord", e);
-  if (j.error.empty() && (e = copy(s, descs)) != kSuccess)
-    j.error = msg(use_batch_ && descs.size() > 1 ? "cudaMemcpyBatchAsync" : "cudaMemcpyAsync", e);
-  // The end event is recorded even after a failed enqueue so that the job
-  // completes in stream order behind what was already queued.
-  e = api_.EventRecord(j.end.get(), s);
-  if (e != kSuccess && j.error.empty()) j.error = msg("cudaEventRecord", e);
-  where_[j.id] = queue;
-  const std::uint64_t id = j.id;
-  queues_[queue].push_back(std::move(j));
-  return id;
-}
 
-std::vector<JobResult> Copier::poll() {
-  std::lock_guard<std::mutex> g(mu_);
-  std::vector<JobResult> out;
-  for (auto& q : queues_) {
-    while (!q.empty()) {
-      Job& j = q.front();
-      Err e = j.outcome >= 0 ? j.outcome : api_.EventQuery(j.end.get());
-      if (e == kNotReady) break;
-      JobResult r;
-      r.job_id = j.id;
-      r.nbytes = j.bytes;
-      r.error = j.error;
-      if (r.error.empty() && e != kSuccess) r.error = msg("copy failed on the GPU", e);
-      r.ok = r.error.empty();
-      float ms = 0;
-      if (r.ok && api_.EventElapsedTime(&ms, j.start.get(), j.end.get()) == kSuccess)
-        r.seconds = ms / 1e3;
-      free_events_.push_back(std::move(j.start));
-      free_events_.push_back(std::move(j.end));
-      where_.erase(j.id);
-      out.push_back(std::move(r));
-      q.pop_front();
+  ~CopyJob() override {
+    // Normally run() saw the end; a job dropped before (the engine never
+    // drops a begun one) must not hand back events the GPU has yet to pass.
+    if (recorded_ && !ended_) c_->api_.EventSynchronize(end_.get());
+    std::lock_guard<std::mutex> g(c_->mu_);
+    if (recorded_) c_->in_flight_.erase(id_);
+    c_->free_events_.push_back(std::move(start_));
+    c_->free_events_.push_back(std::move(end_));
+  }
+
+  std::uint64_t bytes() const override { return bytes_; }
+
+  // The host side must also be memory the engine knows: unregistering it
+  // waits for this job's end.
+  std::string check(const RegionSet& regions) const override {
+    for (std::size_t i = 0; i < descs_.size(); ++i) {
+      const CopyDesc& d = descs_[i];
+      if (!regions.covers(direction_ == 0 ? d.dst : d.src, d.nbytes))
+        return "descriptor " + std::to_string(i) +
+               ": host range outside the engine's registered memory";
     }
+    return {};
   }
-  return out;
-}
 
-bool Copier::wait_for(const std::vector<std::uint64_t>& ids, std::chrono::milliseconds slice) {
-  const auto until = std::chrono::steady_clock::now() + slice;
-  for (;;) {
-    bool done = true;
-    {
-      // Events are looked up afresh each pass: poll() on another thread may
-      // have reported (and recycled) a job in between.
-      std::lock_guard<std::mutex> g(mu_);
-      for (std::uint64_t id : ids) {
-        auto it = where_.find(id);
-        if (it == where_.end()) continue;  // already reported: complete
-        for (Job& j : queues_[it->second]) {
-          if (j.id != id || j.outcome >= 0) continue;
-          const Err e = api_.EventQuery(j.end.get());
-          if (e == kNotReady)
-            done = false;
-          else
-            j.outcome = e;
-        }
-        if (!done) break;
-      }
+  bool start(std::uint64_t id) override {
+    id_ = id;
+    Copier& c = *c_;
+    const Api& api = c.api_;
+    std::lock_guard<std::mutex> g(c.mu_);
+    Stream s = c.streams_[direction_].get();
+    Err e = api.SetDevice(c.device_);
+    if (e != kSuccess) error_ = c.msg("cudaSetDevice", e);
+    if (error_.empty() && wait_stream_ != 0) {
+      // Stores must read finished KV: wait for the compute stream's work so far.
+      e = api.EventRecord(c.compute_ev_.get(), reinterpret_cast<Stream>(wait_stream_));
+      if (e == kSuccess) e = api.StreamWaitEvent(s, c.compute_ev_.get(), 0);
+      if (e != kSuccess) error_ = c.msg("waiting for the compute stream", e);
     }
-    if (done) return true;
-    if (std::chrono::steady_clock::now() >= until) return false;
-    // Polled rather than blocking in cudaEventSynchronize, which could not be
-    // interrupted nor bounded; 50 us is far below a copy's duration.
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    for (std::uint64_t dep : deps_) {
+      auto it = c.in_flight_.find(dep);
+      if (it == c.in_flight_.end() || !error_.empty()) continue;  // ended: nothing to wait for
+      if ((e = api.StreamWaitEvent(s, it->second, 0)) != kSuccess)
+        error_ = c.msg("cudaStreamWaitEvent", e);
+    }
+    if (error_.empty() && (e = api.EventRecord(start_.get(), s)) != kSuccess)
+      error_ = c.msg("cudaEventRecord", e);
+    if (error_.empty() && (e = c.copy(s, descs_)) != kSuccess)
+      error_ =
+          c.msg(c.use_batch_ && descs_.size() > 1 ? "cudaMemcpyBatchAsync" : "cudaMemcpyAsync", e);
+    // The end event is recorded even after a failed enqueue so that the job
+    // ends in stream order behind what was already queued.
+    e = api.EventRecord(end_.get(), s);
+    recorded_ = e == kSuccess;
+    if (!recorded_ && error_.empty()) error_ = c.msg("cudaEventRecord", e);
+    if (recorded_) c.in_flight_[id_] = end_.get();
+    return true;
   }
-}
 
-bool Copier::pending(std::uint64_t id) const {
-  std::lock_guard<std::mutex> g(mu_);
-  return where_.count(id) != 0;
+  std::string run() override {
+    const Api& api = c_->api_;
+    Err e = kSuccess;
+    if (recorded_) {
+      // Polled rather than cudaEventSynchronize, which spins a core for the
+      // whole copy on an event made without cudaEventBlockingSync: queries
+      // 10 us apart at first, then up to 1 ms apart, cost little and add at
+      // most that pause to when the end is seen.
+      auto pause = std::chrono::microseconds(10);
+      while ((e = api.EventQuery(end_.get())) == kNotReady) {
+        std::this_thread::sleep_for(pause);
+        pause = std::min(pause * 2, std::chrono::microseconds(1000));
+      }
+      ended_ = true;
+      std::lock_guard<std::mutex> g(c_->mu_);
+      c_->in_flight_.erase(id_);
+    }
+    if (!error_.empty()) return error_;
+    if (e != kSuccess) return c_->msg("copy failed on the GPU", e);
+    float ms = 0;
+    if (api.EventElapsedTime(&ms, start_.get(), end_.get()) == kSuccess) gpu_seconds_ = ms / 1e3;
+    return {};
+  }
+
+  // The copy's time on the GPU when its events could tell it.
+  double seconds(double on_worker) const override {
+    return gpu_seconds_ >= 0 ? gpu_seconds_ : on_worker;
+  }
+
+ private:
+  std::shared_ptr<Copier> c_;
+  int direction_;
+  std::vector<CopyDesc> descs_;
+  std::uintptr_t wait_stream_;
+  std::vector<std::uint64_t> deps_;
+  Handle start_;
+  Handle end_;
+  std::uint64_t bytes_ = 0;
+  std::uint64_t id_ = 0;
+  std::string error_;      // an enqueue failure
+  bool recorded_ = false;  // its end event is on the stream
+  bool ended_ = false;     // a query saw the end event passed
+  double gpu_seconds_ = -1;
+};
+
+std::unique_ptr<Job> Copier::make_job(int direction, std::vector<CopyDesc> descs,
+                                      std::uintptr_t wait_stream, std::vector<std::uint64_t> deps) {
+  if (direction < 0 || direction > 2)
+    throw_invalid("direction must be 0 (store), 1 (load) or 2 (expedited load)");
+  if (descs.empty()) throw_invalid("a copy job needs at least one descriptor");
+  if (std::string why = check(direction, descs); !why.empty()) throw_invalid(why);
+  Handle start, end;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    start = take_event();
+    end = take_event();  // on failure `start` is released by its handle
+  }
+  return std::make_unique<CopyJob>(shared_from_this(), direction, std::move(descs), wait_stream,
+                                   std::move(deps), std::move(start), std::move(end));
 }
 
 Stats Copier::stats() const {

@@ -4,10 +4,8 @@
 // (the tests' fake runtime) loaded through the same path.
 #pragma once
 
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -81,48 +79,40 @@ Handle make_event(const Api& api, unsigned flags);
 Handle register_host(const Api& api, void* p, std::size_t n);
 
 // Three streams: store (device->host), load (host->device), expedited load.
-// A job is enqueued on one stream between a start and an end event; jobs of
-// one stream complete in submission order. The host side of every
-// descriptor must lie in the registered host regions (InvalidArgument).
-class Copier {
+// Copies run as engine jobs (make_job, then Engine::submit): the engine gives
+// the ids, counts the bytes against its queue's budget, applies its deadline
+// and reports the end through poll/wait. A job enqueues its copies on its
+// stream between a start and an end event when the engine admits it, and
+// ends on a worker once its end event has passed; put each stream's jobs on
+// one serial queue so that they are reported in stream order. Owned by a
+// shared_ptr: its jobs keep it (its streams, events, registrations) alive.
+class Copier : public std::enable_shared_from_this<Copier> {
  public:
   Copier(int device, const std::vector<std::pair<std::uintptr_t, std::size_t>>& host_regions,
          bool use_batch);
-  ~Copier();
+  ~Copier() = default;
   Copier(const Copier&) = delete;
   Copier& operator=(const Copier&) = delete;
 
-  // Enqueues descs on `queue` after the compute stream's current work (when
-  // wait_stream != 0) and after jobs `deps`. Never blocks on the GPU. An
-  // enqueue failure makes the job fail (reported by poll).
-  std::uint64_t submit(int queue, const std::vector<CopyDesc>& descs, std::uintptr_t wait_stream,
-                       const std::vector<std::uint64_t>& deps);
-  std::vector<JobResult> poll();
-  // Waits up to `slice` for the asked jobs' copies to complete (complete =
-  // its end event passed, or already reported by poll). True when all have.
-  // Callers loop over slices (the binding checks Ctrl-C and the timeout).
-  bool wait_for(const std::vector<std::uint64_t>& ids, std::chrono::milliseconds slice);
-  bool pending(std::uint64_t id) const;
+  // A job copying `descs` on stream `direction` (0 store, 1 load, 2
+  // expedited load), after the compute stream's work so far (when
+  // wait_stream != 0) and after the jobs `deps` (engine ids) still in
+  // flight. InvalidArgument for a bad direction or a host side outside the
+  // registered pool (dst of a store, src of a load); Error(kCuda) when the
+  // runtime cannot create its events. Never blocks on the GPU; an enqueue
+  // failure fails the job (reported by the engine).
+  std::unique_ptr<Job> make_job(int direction, std::vector<CopyDesc> descs,
+                                std::uintptr_t wait_stream, std::vector<std::uint64_t> deps);
   Stats stats() const;
   const char* runtime_path() const { return api_.path.c_str(); }
   int runtime_version() const { return api_.version; }
 
  private:
-  struct Job {
-    std::uint64_t id;
-    Handle start;  // events
-    Handle end;
-    std::uint64_t bytes;
-    std::string error;  // set at enqueue time
-    // What the end event's query answered once it was no longer "not
-    // ready", kept for poll(): a query error is reported once, by whichever
-    // of wait_for() and poll() saw it first.
-    Err outcome = -1;
-  };
+  class CopyJob;
   std::string msg(const char* what, Err e) const;
-  Handle take_event();
+  Handle take_event();  // under mu_
   Err copy(Stream s, const std::vector<CopyDesc>& d);
-  std::string check(int queue, const std::vector<CopyDesc>& descs) const;
+  std::string check(int direction, const std::vector<CopyDesc>& descs) const;
 
   const Api& api_;
   int device_;
@@ -135,9 +125,9 @@ class Copier {
   Handle streams_[3];
   Handle compute_ev_;
   std::vector<Handle> free_events_;
-  std::deque<Job> queues_[3];
-  std::unordered_map<std::uint64_t, int> where_;  // job -> queue, while pending
-  std::uint64_t next_id_ = 1;
+  // Engine job id -> its end event, from enqueue until a worker saw its end:
+  // what a later job with that id in its deps waits for on its stream.
+  std::unordered_map<std::uint64_t, Event> in_flight_;
   mutable std::mutex mu_;
 };
 

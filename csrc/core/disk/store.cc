@@ -42,7 +42,7 @@ std::shared_ptr<Store> Store::open(StoreOptions opts) {
     throw_invalid("queue_depth must be 1..4096");
   if (opts.max_io_bytes < 4096 || opts.max_io_bytes % 4096 != 0)
     throw_invalid("max_io_bytes must be a multiple of 4 KiB");
-  std::shared_ptr<Store> s(new Store(std::move(opts)));
+  auto s = std::make_shared<Store>(Key{}, std::move(opts));
   bool all_direct = true;
   for (const auto& p : s->opts_.paths) {
     bool d = false;

@@ -43,6 +43,7 @@ struct RecordRef {
 class Store : public ItemStore<Store, bool, RecordRef> {
  public:
   static std::shared_ptr<Store> open(StoreOptions opts);
+  Store(Key, StoreOptions opts) : opts_(std::move(opts)) {}
   ~Store();
 
   const char* backend_name() const { return backend_->name(); }
@@ -60,7 +61,6 @@ class Store : public ItemStore<Store, bool, RecordRef> {
   void run(bool write, std::vector<RecordRef>& recs, std::vector<std::int32_t>& items) const;
 
  private:
-  explicit Store(StoreOptions opts) : opts_(std::move(opts)) {}
   void run_split(bool write, std::vector<RecordRef>& recs, std::vector<std::int32_t>& items) const;
   StoreOptions opts_;
   std::vector<int> fds_;

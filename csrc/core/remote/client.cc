@@ -390,14 +390,14 @@ std::string Store::check_item(Kind kind, const Item& it, const RegionSet& region
   return {};
 }
 
-Store::Store(Options o) : opts_(std::move(o)) {}
+Store::Store(Key, Options o) : opts_(std::move(o)) {}
 
 Store::~Store() = default;
 
 std::shared_ptr<Store> Store::open(Options o) {
   if (o.seeds.empty()) throw_invalid("a remote store needs at least one server");
   if (o.pipeline == 0) throw_invalid("pipeline depth must be > 0");
-  std::shared_ptr<Store> s(new Store(std::move(o)));
+  auto s = std::make_shared<Store>(Key{}, std::move(o));
   if (s->opts_.tls.enabled) s->tls_ = TlsContext::create(s->opts_.tls);
   for (const auto& ep : s->opts_.seeds) s->node_index(ep);
   if (s->opts_.cluster) {

@@ -63,6 +63,7 @@ class Connection;
 class Store : public ItemStore<Store, Kind, Item> {
  public:
   static std::shared_ptr<Store> open(Options opts);
+  Store(Key, Options o);
   ~Store();
 
   // The medium's part of its jobs (see item_job.h); run() on worker threads.
@@ -78,7 +79,6 @@ class Store : public ItemStore<Store, Kind, Item> {
   std::uint64_t redirects() const { return redirects_.load(); }
 
  private:
-  explicit Store(Options o);
   struct Node {
     Endpoint ep;
     std::atomic<std::int64_t> down_until_ms{0};

@@ -71,7 +71,11 @@ _VLLM_KEYS = {
 # kvtier's keys: name -> (type, what it is)
 CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "kvtier_host_bytes": ((int, str), "host tier size across all workers, e.g. 64GiB (required)"),
-    "kvtier_policy": (str, "eviction policy: lru, arc or a dotted class path (default lru)"),
+    "kvtier_policy": (str, "host eviction policy: lru, arc or a dotted class path (default lru)"),
+    "kvtier_disk_policy": (
+        str,
+        "disk eviction policy (native): lru, clock or clock:N (default lru)",
+    ),
     "kvtier_admit_after": (int, "store a block after it was offered N times (default 1)"),
     "kvtier_disk_path": (str, "directory of the disk tier (optional)"),
     "kvtier_disk_bytes": (
@@ -112,8 +116,8 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
     ),
     "kvtier_stream_slots": (
         int,
-        "staging slots per worker for hits read straight from disk when the host tier has no "
-        "room (default 32; 0 turns streaming off)",
+        "staging slots per worker for blocks moved straight between the engine and the disk "
+        "or Redis tier when the host tier has no room (default 32; 0 turns streaming off)",
     ),
 }
 _GAUGES = ("host_usage_perc", "host_busy", "tier_jobs")
@@ -326,7 +330,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 disk_path=k.get("kvtier_disk_path"),
                 disk_bytes=k.get("kvtier_disk_bytes", 100 << 30),
                 disk_reserve_bytes=k.get("kvtier_disk_reserve"),
-                disk_policy=k.get("kvtier_policy", "lru"),
+                disk_policy=k.get("kvtier_disk_policy", "lru"),
                 disk_write_budget_bps=k.get("kvtier_disk_write_budget"),
                 disk_timeout_s=k.get("kvtier_disk_timeout_s", 30.0),
                 remote_url=k.get("kvtier_remote_url"),

@@ -12,6 +12,15 @@ entry per committed or dropped record) and ``index.ckpt`` (a snapshot that
 bounds the journal). A record enters the journal only after its data write
 completed, and every load re-checks the trailer, so a crash can lose recent
 blocks but never serve wrong bytes.
+
+The index (digest -> record, each record's state and eviction state) is
+native (``_native.DiskIndex``, 30-38 bytes per record): a disk holds
+hundreds of millions of records, too many for a Python object each. Its
+eviction policy (``lru`` or ``clock``) is chosen here; admission stays a
+Python decision per offered key (:class:`WriteGate`). The checkpoint is the
+index's readable records in bulk (record numbers, then digests, one crc32),
+so a warm restart reads it in one go; the journal since then is replayed
+natively.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import struct
 import time
 import warnings
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,7 +43,6 @@ import numpy as np
 
 from kvtier.codes import ItemStatus
 from kvtier.errors import ClosedError, InUse, InvalidArgument, IoError, NoSpace
-from kvtier.policy import make_policy
 from kvtier.policy.admission import WriteGate
 from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
@@ -58,8 +67,13 @@ _J_BODY = struct.Struct(_JOURNAL.format[:-1])  # all but the crc, which covers i
 _J_CRC = struct.Struct("<I")
 _J_MAGIC = b"KVJ1"
 _PUT, _DEL = 1, 2
+# Checkpoint: magic, format, block bytes, records of the tier, entries, seq,
+# crc32 of the body; the body is the entries' record numbers (uint32), then
+# their digests (16 bytes each), least valuable first (LRU order).
+_CKPT = struct.Struct("<4sIQQQQI4x")
+_C_MAGIC = b"KVC2"
 _EXTENT_MAX = 8 << 30
-_READY, _WRITING = 1, 2
+_READY, _WRITING, _HELD = 1, 2, 3  # record states of the native index
 _LOCK_FILE = "owner.lock"
 _SIZE_OPTIONS = "DiskTier(capacity_bytes=...), --disk DIR:SIZE or kvtier_disk_bytes"
 _T = TypeVar("_T")
@@ -177,6 +191,29 @@ class OwnerLock:
             self.release()
 
 
+#: Eviction policies of the disk tier (native): ``lru``, or ``clock`` /
+#: ``clock:N`` (a record used k times survives k sweeps of the hand, k <= N).
+DISK_POLICIES = ("lru", "clock")
+
+
+def _parse_policy(spec: str) -> tuple[str, int]:
+    name, _, arg = spec.lower().partition(":")
+    if name not in DISK_POLICIES or (arg and (name != "clock" or not arg.isdigit())):
+        raise InvalidArgument(
+            f"disk tier policy must be lru, clock or clock:N (N in 1..255), not {spec!r}"
+        )
+    n = int(arg) if arg else 1
+    if not 1 <= n <= 255:
+        raise InvalidArgument(f"disk tier policy {spec!r}: N must be in 1..255")
+    return name, n
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def check_directory(path: Path) -> None:
     """Clear errors for a missing, foreign or read-only directory."""
     if not path.exists():
@@ -207,6 +244,11 @@ class DiskTier(JobTier):
     blocks. One process at a time owns a namespace's directory (an ``flock``
     held until :meth:`close`; a second opener gets :class:`~kvtier.errors.InUse`
     naming the owner's pid).
+    ``policy``: ``lru``, ``clock`` or ``clock:N`` (see :data:`DISK_POLICIES`).
+    ``event_keys``: how many of the keys this process stored most recently
+    are remembered for eviction events (the index keeps only digests: an
+    eviction of an older key, or of one recovered at restart, is not
+    reported).
     """
 
     def __init__(
@@ -230,6 +272,7 @@ class DiskTier(JobTier):
         sync: bool = False,
         no_data: bool = False,
         timeout_s: float = 30.0,
+        event_keys: int = 4096,
     ) -> None:
         if block_bytes <= 0:
             raise InvalidArgument(f"block_bytes must be > 0, got {block_bytes}")
@@ -265,15 +308,19 @@ class DiskTier(JobTier):
                 timeout_s=timeout_s,
             )
             self.job_records = max(1, job_bytes // self.record_bytes)
-            self.policy = make_policy(policy, self.num_records)
+            self.policy, clock_max = _parse_policy(policy)
+            if self.num_records >= 1 << 32:
+                raise InvalidArgument(f"disk tier of {self.num_records} records: at most 2^32 - 1")
             self.gate = WriteGate(admit_after, write_budget_bps)
-            # index: digest -> record; per record: digest and state
-            self.index: dict[bytes, int] = {}
-            self.keys: dict[bytes, bytes] = {}  # digest -> key, for keys stored by this process
-            self.rec_digest: list[bytes | None] = [None] * self.num_records
-            self.rec_state = np.zeros(self.num_records, np.uint8)
-            self.rec_loading = np.zeros(self.num_records, np.int32)
-            self.free: list[int] = []
+            from kvtier import _native
+
+            self.index = _native.DiskIndex(self.num_records, self.policy, clock_max)
+            self._ready = self.index.ready_fn()  # lookup's test, without pybind11's dispatch
+            # digest -> key of the last event_keys stores, to name evicted keys
+            self._event_keys: OrderedDict[bytes, bytes] = OrderedDict()
+            self._event_keys_max = max(0, event_keys)
+            self._held = 0  # records out of use until a timed-out write ends
+            self._ended_early: set[int] = set()  # such writes that ended before their batch
             self._released: list[int] = []  # host slots of timed-out jobs that ended
             self._seq = 0
             self._journal_buf = bytearray()
@@ -444,45 +491,61 @@ class DiskTier(JobTier):
         self.jobs.engine = self.engine
 
     @property
+    def free_records(self) -> int:
+        """Records neither indexed nor held by a timed-out job."""
+        return self.num_records - len(self.index) - self._held
+
+    @property
+    def rec_loading(self) -> np.ndarray:
+        """Loads in flight per record (a copy, for tests and diagnostics: O(records))."""
+        return self.index.loading_counts()
+
+    @property
     def backend(self) -> str:
         return getattr(self, "_backend", "none (no data)")
 
     # -- index and journal ---------------------------------------------------
     def _recover(self) -> None:
-        """Rebuild the index from the checkpoint and the journal (warm restart)."""
-        entries: dict[int, tuple[bytes, int]] = {}
+        """Rebuild the index from the checkpoint and the journal (warm restart).
+
+        Both are applied natively in their order (the journal entry by entry
+        up to its first torn or foreign entry, which is cut off), then the
+        table is built once; of two records claiming one digest the later
+        record number wins."""
         for fname in ("index.ckpt", "index.journal"):
             p = self.dir / fname
             if not p.exists():
                 continue
             data = _sys("read", p, p.read_bytes)
-            good = 0
-            for off in range(0, len(data) - _JOURNAL.size + 1, _JOURNAL.size):
-                chunk = data[off : off + _JOURNAL.size]
-                magic, op, rec, dig, length, seq, crc = _JOURNAL.unpack(chunk)
-                if magic != _J_MAGIC or zlib.crc32(chunk[:-4]) != crc:
-                    break  # torn tail: everything after it is ignored
-                good = off + _JOURNAL.size
-                self._seq = max(self._seq, seq)
-                if rec >= self.num_records or length != self.block_bytes:
-                    continue  # from a larger or different configuration
-                if op == _PUT:
-                    entries[rec] = (dig, length)
-                elif op == _DEL:
-                    entries.pop(rec, None)
+            if fname == "index.ckpt" and data[:4] == _C_MAGIC:
+                self._apply_checkpoint(data)
+                continue
+            # A journal, or a checkpoint in the journal's format (before KVC2).
+            good, seq, _ = self.index.replay_journal(data, self.block_bytes)
+            self._seq = max(self._seq, seq)
             if fname == "index.journal" and good < len(data):
                 _sys("truncate", p, os.truncate, p, good)
-        for rec, (dig, _) in sorted(entries.items()):
-            old = self.index.get(dig)
-            if old is not None:  # the later record wins
-                self.rec_digest[old] = None
-                self.rec_state[old] = 0
-            self.index[dig] = rec
-            self.rec_digest[rec] = dig
-            self.rec_state[rec] = _READY
-            self.policy.insert(dig)
-        self.free = [r for r in range(self.num_records - 1, -1, -1) if self.rec_state[r] == 0]
-        self.counters["recovered"] = len(self.index)
+        self.counters["recovered"] = self.index.rebuild()
+
+    def _apply_checkpoint(self, data: bytes) -> None:
+        where = self.dir / "index.ckpt"
+        if len(data) < _CKPT.size:
+            warnings.warn(f"kvtier disk tier: {where} is truncated: ignored", stacklevel=3)
+            return
+        _, _fmt, block_bytes, _, count, seq, crc = _CKPT.unpack_from(data)
+        body = memoryview(data)[_CKPT.size :]
+        if len(body) != 20 * count or zlib.crc32(body) != crc:
+            warnings.warn(f"kvtier disk tier: {where} is damaged: ignored", stacklevel=3)
+            return
+        self._seq = max(self._seq, seq)
+        if block_bytes != self.block_bytes:
+            return  # from a different configuration
+        recs = np.frombuffer(body, np.uint32, count)
+        digs = np.frombuffer(body, np.uint8, 16 * count, 4 * count).reshape(count, 16)
+        keep = recs < self.num_records  # from a larger configuration
+        if not keep.all():
+            recs, digs = recs[keep], digs[keep]
+        self.index.apply(recs, digs)
 
     def _journal(self, op: int, rec: int, dig: bytes) -> None:
         # Wraps: a journal from elsewhere may end at seq 2**64-1 (only order in the file counts).
@@ -529,19 +592,22 @@ class DiskTier(JobTier):
 
     def checkpoint(self) -> None:
         """Snapshot the index and truncate the journal (crash safe at every
-        point). Raises NoSpace or IoError, leaving the files as they were."""
+        point). Raises NoSpace or IoError, leaving the files as they were.
+
+        Who calls: the tier itself when the journal grows past a bound, and
+        users. Blocks while it writes and fsyncs about 20 bytes per record."""
         tmp = self.dir / "index.ckpt.tmp"
-        out = bytearray()
-        for dig, rec in self.index.items():
-            if self.rec_state[rec] == _READY:
-                body = _JOURNAL.pack(_J_MAGIC, _PUT, rec, dig, self.block_bytes, self._seq, 0)[:-4]
-                out += body + struct.pack("<I", zlib.crc32(body))
+        recs = self.index.ready_records()
+        body = recs.tobytes() + self.index.digests(recs).tobytes()
+        head = _CKPT.pack(
+            _C_MAGIC, 1, self.block_bytes, self.num_records, len(recs), self._seq, zlib.crc32(body)
+        )
 
         def write() -> None:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                if os.write(fd, out) != len(out):
-                    raise OSError(errno.ENOSPC, "short write")
+                _write_all(fd, head)
+                _write_all(fd, body)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -560,10 +626,7 @@ class DiskTier(JobTier):
 
     # -- tier interface --------------------------------------------------------
     def lookup(self, key: bytes) -> LookupResult:
-        rec = self.index.get(key_digest(key))
-        if rec is not None and self.rec_state[rec] == _READY:
-            return LookupResult.HIT
-        return LookupResult.MISS
+        return LookupResult.HIT if self._ready(key_digest(key)) else LookupResult.MISS
 
     def admit(self, key: bytes) -> bool:
         if time.monotonic() < self._nospace_until:
@@ -571,30 +634,32 @@ class DiskTier(JobTier):
             return False
         return self.gate.admit(key, self.record_bytes, self.counters)
 
-    def _allocate(self, evicted: list[bytes]) -> int | None:
-        """A free record, else the policy's first victim that is neither
-        being written nor read (its key appended to ``evicted``)."""
-        if self.free:
-            return self.free.pop()
-        for dig in self.policy.victims():
-            rec = self.index[dig]
-            if self.rec_state[rec] == _READY and self.rec_loading[rec] == 0:
-                break
-        else:
-            return None
-        key = self.keys.get(dig)
-        self._forget(dig, rec, evicted=True)
-        self.counters["evictions"] += 1
-        if key is not None:  # blocks recovered at restart have no known key to report
-            evicted.append(key)
-        return rec
+    def _claim(self, dig: bytes, key: bytes, evicted: list[bytes]) -> int:
+        """A record being written for ``dig``: a free one, else the policy's
+        first victim neither being written nor read (its key appended to
+        ``evicted`` when this process stored it recently). -2 when ``dig``
+        is stored or being stored, -1 when no record can be had."""
+        rec, gone = self.index.claim(dig)
+        if rec < 0:
+            return int(rec)
+        names = self._event_keys
+        if gone is not None:
+            self.counters["evictions"] += 1
+            name = names.pop(gone, None)
+            if name is not None:  # older keys (and recovered ones) are not known
+                evicted.append(name)
+        if self._event_keys_max:
+            names[dig] = key
+            if len(names) > self._event_keys_max:
+                names.popitem(last=False)
+        return int(rec)
 
-    def _forget(self, dig: bytes, rec: int, evicted: bool = False) -> None:
-        self.policy.remove(dig, evicted=evicted)
-        del self.index[dig]
-        self.keys.pop(dig, None)
-        self.rec_digest[rec] = None
-        self.rec_state[rec] = 0
+    def _forget(self, dig: bytes, rec: int, hold: bool = False) -> None:
+        """``rec`` leaves the index: free at once, or (``hold``) when its
+        timed-out job ends."""
+        self.index.remove(rec, hold)
+        self._held += hold
+        self._event_keys.pop(dig, None)
 
     def _locate(self, rec: int) -> tuple[int, int]:
         return rec // self.per_file, (rec % self.per_file) * self.record_bytes
@@ -653,16 +718,10 @@ class DiskTier(JobTier):
         io_idx: list[int] = []
         evicted: list[bytes] = []
         for i, d in enumerate(digs):
-            if d in self.index:
-                ok[i] = True  # already stored (or being stored)
+            rec = self._claim(d, keys[i], evicted)
+            if rec < 0:
+                ok[i] = rec == -2  # already stored (or being stored)
                 continue
-            rec = self._allocate(evicted)
-            if rec is None:
-                continue
-            self.index[d] = rec
-            self.keys[d] = keys[i]
-            self.rec_digest[rec] = d
-            self.rec_state[rec] = _WRITING
             recs[i] = rec
             io_idx.append(i)
         if evicted:
@@ -670,10 +729,9 @@ class DiskTier(JobTier):
         batch = self._launch("store", keys, slots, digs, recs, io_idx, ok)
         if batch is None:
             for i in io_idx:  # backpressure: undo, nothing was queued
-                rec = recs[i]
-                assert rec is not None
-                self._forget(digs[i], rec)
-                self.free.append(rec)
+                undo = recs[i]
+                assert undo is not None
+                self._forget(digs[i], undo)
             self.counters["busy_drops"] += len(keys)
             return None
         return batch.token
@@ -684,16 +742,17 @@ class DiskTier(JobTier):
         recs: list[int | None] = [None] * len(keys)
         io_idx: list[int] = []
         for i, d in enumerate(digs):
-            rec = self.index.get(d)
-            if rec is None or self.rec_state[rec] != _READY:
+            rec = self.index.pin_ready(d)  # pinned: not evicted while it loads
+            if rec < 0:
                 continue
             recs[i] = rec
-            self.rec_loading[rec] += 1
             io_idx.append(i)
         batch = self._launch("load", keys, slots, digs, recs, io_idx, [False] * len(keys))
         if batch is None:
             for i in io_idx:
-                self.rec_loading[recs[i]] -= 1
+                pinned = recs[i]
+                assert pinned is not None
+                self.index.unpin(pinned)
             return None
         return batch.token
 
@@ -716,18 +775,18 @@ class DiskTier(JobTier):
         digs = [key_digest(k) for k in keys]
         for i, d in enumerate(digs):
             rec = self.index.get(d)
-            if rec is None or self.rec_state[rec] != _READY:
+            if rec is None or self.index.state(rec) != _READY:
                 raise InvalidArgument(f"pin_for_read of a key that is not a HIT: {d.hex()[:16]}")
             out[i] = (rec, *self._locate(rec))
-        for i, d in enumerate(digs):
-            self.rec_loading[out[i, 0]] += 1
-            self.policy.touch(d)
+        for rec in out[:, 0].tolist():
+            self.index.pin(rec)
+            self.index.touch(rec)
         return out, b"".join(digs)
 
     def unpin_read(self, records: Sequence[int]) -> None:
         """The reads of ``records`` pinned by :meth:`pin_for_read` ended."""
         for rec in records:
-            self.rec_loading[rec] -= 1
+            self.index.unpin(int(rec))
 
     def reserve_for_write(self, keys: Sequence[bytes]) -> list[tuple[int, np.ndarray, bytes]]:
         """Records for ``keys`` that another process writes itself (an engine
@@ -741,13 +800,9 @@ class DiskTier(JobTier):
             d = key_digest(k)
             if d in self.index or not self.admit(k):
                 continue
-            rec = self._allocate(evicted)
-            if rec is None:
+            rec = self._claim(d, k, evicted)
+            if rec < 0:
                 break
-            self.index[d] = rec
-            self.keys[d] = k
-            self.rec_digest[rec] = d
-            self.rec_state[rec] = _WRITING
             out.append((i, np.array([rec, *self._locate(rec)], np.int64), d))
         if evicted:
             self._events.append(TierEvent(evicted, self.name, removed=True))
@@ -757,18 +812,16 @@ class DiskTier(JobTier):
         """The write of ``record`` reserved for ``key`` ended: readable (and
         journaled) when ``ok``, else the record is free again."""
         d = key_digest(key)
-        if self.rec_digest[record] != d or self.rec_state[record] != _WRITING:
+        if self.index.state(record) != _WRITING or self.index.digest(record) != d:
             return  # not ours any more (reset)
         if ok:
-            self.rec_state[record] = _READY
-            self.policy.insert(d)
+            self.index.set_ready(record)
             self._journal(_PUT, record, d)
             count_moved(self.counters, "store", 1, self.record_bytes)
             self._events.append(TierEvent([key], self.name, removed=False))
         else:
             self.counters["io_errors"] += 1
             self._forget(d, record)
-            self.free.append(record)
 
     def poll(self) -> list[TierCompletion]:
         ended, released = self.jobs.poll()
@@ -776,7 +829,14 @@ class DiskTier(JobTier):
             d = rel.batch.data
             idx = d["io_idx"][rel.first : rel.first + rel.count]
             if rel.batch.kind == "store":  # a late write may have landed in these records
-                self.free.extend(d["recs"][i] for i in idx)
+                for i in idx:
+                    rec = d["recs"][i]
+                    state = self.index.state(rec)
+                    if state == _HELD:
+                        self.index.release(rec)
+                        self._held -= 1
+                    elif state == _WRITING:  # its batch has not ended: free it then
+                        self._ended_early.add(rec)
             self._released.extend(d["slots"][i] for i in idx)
         out = [self._finish(b) for b in ended]
         self._flush_journal()
@@ -794,8 +854,7 @@ class DiskTier(JobTier):
             held[i] = b.held[k] if b.n else False
             if b.kind == "store":
                 if code == 0:
-                    self.rec_state[rec] = _READY
-                    self.policy.insert(dig)
+                    self.index.set_ready(rec)
                     self._journal(_PUT, rec, dig)
                     ok[i] = True
                     stored.append(keys[i])
@@ -803,23 +862,23 @@ class DiskTier(JobTier):
                     if code == ItemStatus.NO_SPACE:  # stop admitting for a while
                         self._nospace_until = time.monotonic() + 1.0
                     self.counters["io_errors"] += 1
-                    self._forget(dig, rec)
-                    if not held[i]:  # else freed when the job ends
-                        self.free.append(rec)
+                    hold = held[i] and rec not in self._ended_early  # freed when the job ends
+                    self._ended_early.discard(rec)
+                    self._forget(dig, rec, hold=hold)
             else:
-                self.rec_loading[rec] -= 1
+                self.index.unpin(rec)
                 if code == 0:
                     ok[i] = True
-                    self.policy.touch(dig)
+                    self.index.touch(rec)
                     loaded += 1
                 else:
                     # Torn, foreign or unreadable: a miss, counted, and dropped.
                     self.counters["load_failures"] += 1
                     self.counters["corrupt" if code < 0 else "io_errors"] += 1
-                    if self.rec_digest[rec] == dig and self.rec_loading[rec] == 0:
+                    ix = self.index
+                    if ix.state(rec) == _READY and ix.loading(rec) == 0 and ix.digest(rec) == dig:
                         self._forget(dig, rec)
                         self._journal(_DEL, rec, dig)
-                        self.free.append(rec)
                         self._events.append(TierEvent([keys[i]], self.name, removed=True))
         count_moved(self.counters, "store", len(stored), self.record_bytes)
         count_moved(self.counters, "load", loaded, self.record_bytes)
@@ -837,11 +896,11 @@ class DiskTier(JobTier):
         return out
 
     def reset(self) -> None:
-        for dig, rec in list(self.index.items()):
-            if self.rec_state[rec] == _READY and self.rec_loading[rec] == 0:
+        for rec in self.index.ready_records().tolist():
+            if self.index.loading(rec) == 0:
+                dig = self.index.digest(rec)
                 self._forget(dig, rec)
                 self._journal(_DEL, rec, dig)
-                self.free.append(rec)
         self._flush_journal()
 
     def _release(self) -> None:

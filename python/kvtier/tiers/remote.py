@@ -33,7 +33,7 @@ from urllib.parse import unquote, urlsplit
 import numpy as np
 
 from kvtier.codes import ItemStatus
-from kvtier.errors import InvalidArgument
+from kvtier.errors import ClosedError, InvalidArgument
 from kvtier.policy.admission import WriteGate
 from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
@@ -136,6 +136,7 @@ class RemoteTier(JobTier):
         write_budget_bps: float | None = None,
         degraded_ok: bool = False,
         negative_ttl_s: float = 1.0,
+        known_ttl_s: float = 2.0,
         known_capacity: int = 1 << 20,
         tls_ca_file: str | None = None,
         tls_cert_file: str | None = None,
@@ -146,6 +147,8 @@ class RemoteTier(JobTier):
             raise InvalidArgument(f"block_bytes must be > 0, got {block_bytes}")
         if timeout_s <= 0 or pipeline <= 0 or job_items <= 0 or window_bytes <= 0:
             raise InvalidArgument("timeout_s, pipeline, window_bytes and job_items must be > 0")
+        if not known_ttl_s > 0:
+            raise InvalidArgument(f"known_ttl_s must be > 0, got {known_ttl_s}")
         from kvtier import _native
         from kvtier.engine import Engine
 
@@ -169,28 +172,26 @@ class RemoteTier(JobTier):
         self.block_bytes = block_bytes
         self.ns = namespace_digest(namespace, block_bytes)
         self._prefix = b"kvt:" + self.ns.hex()[:16].encode() + b":"
-        self.store = _native.RemoteStore(
-            cfg["seeds"],
-            cfg["cluster"],
-            cfg["user"],
-            cfg["password"],
-            cfg["db"],
-            int(timeout_s * 1000),
-            int(timeout_s * 1000),
-            pipeline,
-            int((ttl_s or 0) * 1000),
-            degraded_ok,
-            self.ns,
-            window_bytes,
-            cfg["tls"],
-            *(tls[k] or "" for k in tls),
-        )
+        # What opens a client to the same pool, here and in an engine worker
+        # that streams blocks itself (RemoteIO).
+        self._store_args = (
+            cfg["seeds"], cfg["cluster"], cfg["user"], cfg["password"], cfg["db"],
+            int(timeout_s * 1000), int(timeout_s * 1000), pipeline, int((ttl_s or 0) * 1000),
+            degraded_ok, self.ns, window_bytes, cfg["tls"], *(tls[k] or "" for k in tls),
+        )  # fmt: skip
+        self.timeout_s = timeout_s
+        self.store = _native.RemoteStore(*self._store_args)
         self.engine = Engine(num_threads, [(inflight_bytes, False)])
         self.job_items = job_items
         self.gate = WriteGate(admit_after, write_budget_bps)
         self.negative_ttl_s = negative_ttl_s
+        self.known_ttl_s = known_ttl_s
         self.known_capacity = known_capacity
-        # digest -> (exists, when); bounded LRU
+        # digest -> (exists, when), oldest first: what live requests learnt
+        # (an EXISTS answer between a lookup's RETRY and its repeat, a store
+        # or load that just ended), kept known_ttl_s (absent: negative_ttl_s)
+        # and at most known_capacity entries. The server is the index: no
+        # state per stored key outlives the requests that touched it.
         self.known: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
         self._exists_queue: dict[bytes, bytes] = {}  # digest -> server key
         self._exists_inflight: set[bytes] = set()
@@ -209,7 +210,15 @@ class RemoteTier(JobTier):
         for dig in digs:
             known[dig] = (exists, now)
             known.move_to_end(dig)
-        while len(known) > self.known_capacity:
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        """Drop what no live request needs any more (entries are in time order)."""
+        known = self.known
+        horizon = now - max(self.known_ttl_s, self.negative_ttl_s)
+        while known and (
+            len(known) > self.known_capacity or next(iter(known.values()))[1] < horizon
+        ):
             known.popitem(last=False)
 
     def attach(self, pool: Any) -> None:
@@ -227,9 +236,10 @@ class RemoteTier(JobTier):
         hit = self.known.get(dig)
         if hit is not None:
             exists, when = hit
-            if exists:
+            age = time.monotonic() - when
+            if exists and age < self.known_ttl_s:
                 return LookupResult.HIT
-            if time.monotonic() - when < self.negative_ttl_s:
+            if not exists and age < self.negative_ttl_s:
                 return LookupResult.MISS
         if dig not in self._exists_inflight:
             self._exists_queue[dig] = self.server_key(key)
@@ -280,6 +290,35 @@ class RemoteTier(JobTier):
     def submit_load(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
         return self._start("load", keys, slots)
 
+    # -- I/O by another process (an engine worker streaming blocks) -------------
+    def reader_spec(self) -> dict[str, Any] | None:
+        """What a :class:`RemoteIO` in another process needs (None without data)."""
+        if getattr(self, "pool", None) is None:
+            return None
+        return {"kind": "remote", "args": self._store_args, "block_bytes": self.block_bytes,
+                "prefix": self._prefix, "timeout_s": self.timeout_s}  # fmt: skip
+
+    def pin_for_read(self, keys: Sequence[bytes]) -> tuple[np.ndarray, bytes]:
+        """Digests of ``keys`` (the server holds no pins: a value evicted
+        meanwhile fails its read, which the engine recomputes)."""
+        return np.zeros((len(keys), 3), np.int64), b"".join(key_digest(k) for k in keys)
+
+    def unpin_read(self, records: Sequence[int]) -> None:
+        return None
+
+    def reserve_for_write(self, keys: Sequence[bytes]) -> list[tuple[int, np.ndarray, bytes]]:
+        """Every admitted key: the worker writes it under its digest."""
+        zero = np.zeros(3, np.int64)
+        return [(i, zero, key_digest(k)) for i, k in enumerate(keys) if self.admit(k)]
+
+    def commit_write(self, key: bytes, record: int, ok: bool) -> None:
+        if ok:
+            self._remember(key_digest(key), True)
+            count_moved(self.counters, "store", 1, self.block_bytes)
+            self._events.append(TierEvent([key], self.name, removed=False))
+        else:
+            self.counters["io_errors"] += 1
+
     def _check_exists(self) -> None:
         """One pipelined EXISTS batch for the keys lookups asked about since
         the last step; under backpressure they wait for the next one."""
@@ -296,6 +335,8 @@ class RemoteTier(JobTier):
         self.counters["exists_checks"] += len(digs)
 
     def poll(self) -> list[TierCompletion]:
+        if self.known:
+            self._expire(time.monotonic())
         if self._exists_queue and not self._closed:
             self._check_exists()
         ended, _ = self.jobs.poll()  # no deadlines here: no job is ever held
@@ -372,3 +413,48 @@ class RemoteTier(JobTier):
             "redirects": int(self.store.redirects),
             **self.counters,
         }
+
+
+class RemoteIO:
+    """Reads and writes a :class:`RemoteTier`'s values from another process
+    (an engine worker streaming blocks between its KV cache and the pool)
+    through slots of ``pool``, with its own native client. Every read checks
+    the value's header (namespace, key digest, length, crc32c).
+
+    Who calls: one thread of the worker. :meth:`submit` never blocks; results
+    come from ``engine.poll()`` in completion order, one status per value.
+    """
+
+    def __init__(self, spec: dict[str, Any], pool: Any, num_threads: int = 2) -> None:
+        from kvtier import _native
+        from kvtier.engine import Engine
+
+        self.block_bytes = int(spec["block_bytes"])
+        self.prefix = bytes(spec["prefix"])
+        self.pool = pool
+        self.store: _native.RemoteStore | None = _native.RemoteStore(*spec["args"])
+        self.engine = Engine(num_threads, [(256 << 20, False, 4 * float(spec["timeout_s"]))])
+        self.engine.register_pool(pool)
+
+    def submit(
+        self, slots: Sequence[int], locations: np.ndarray, digests: bytes, write: bool = False
+    ) -> int:
+        """One job moving the values of ``digests`` (16 bytes each) from or
+        to ``slots``; returns its engine job id."""
+        if self.store is None:
+            raise ClosedError("remote I/O is closed")
+        n = len(slots)
+        digs = np.frombuffer(digests, np.uint8).reshape(n, 16)
+        skeys = [self.prefix + digests[16 * i : 16 * i + 16].hex().encode() for i in range(n)]
+        addr = self.pool.address + np.asarray(slots, np.int64) * self.pool.slot_bytes
+        kind = "store" if write else "load"
+        return int(
+            self.engine._engine.submit_remote(
+                self.store, kind, skeys, addr, self.block_bytes, digs, 0
+            )
+        )
+
+    def close(self) -> None:
+        """Drain what is in flight and disconnect. Blocks."""
+        self.engine.close()
+        self.store = None

@@ -1,0 +1,267 @@
+#include "index.h"
+
+#include <cstring>
+
+#include "../status.h"
+
+namespace kvtier::disk {
+
+namespace {
+
+bool same(const Digest& a, const Digest& b) { return std::memcmp(a.b, b.b, sizeof a.b) == 0; }
+
+// A load factor of 0.8 when every record is used (probes compare tags in the
+// table, so a longer run costs little; no power of two: no rounding waste).
+std::size_t table_size_for(std::uint32_t n) { return static_cast<std::size_t>(n) + n / 4 + 8; }
+
+// A slot: the record number (low half) and bytes 8-11 of its digest (high),
+// so a probe dereferences a record only when the tags match.
+std::uint64_t tag_of(const Digest& d) {
+  std::uint32_t t;
+  std::memcpy(&t, d.b + 8, sizeof t);
+  return static_cast<std::uint64_t>(t) << 32;
+}
+
+}  // namespace
+
+EvictPolicy parse_evict_policy(const std::string& name) {
+  if (name == "lru") return EvictPolicy::kLru;
+  if (name == "clock") return EvictPolicy::kClock;
+  throw Error(StatusCode::kInvalidArgument,
+              "disk index policy must be lru or clock, not '" + name + "'");
+}
+
+Index::Index(std::uint32_t num_records, EvictPolicy policy, std::uint8_t clock_max)
+    : policy_(policy), clock_max_(clock_max), recs_(num_records) {
+  if (num_records == 0 || num_records == kEmpty)
+    throw Error(StatusCode::kInvalidArgument, "disk index: num_records must be in [1, 2^32 - 1)");
+  if (clock_max == 0)
+    throw Error(StatusCode::kInvalidArgument, "disk index: clock_max must be >= 1");
+  table_.assign(table_size_for(num_records), kFreeSlot);
+  if (policy_ == EvictPolicy::kLru) {
+    prev_.assign(num_records + 1u, num_records);
+    next_.assign(num_records + 1u, num_records);
+  }
+}
+
+std::size_t Index::home(const Digest& d) const {
+  // Bytes 0-7 scaled to the table (blake2b: uniform), Lemire's multiply-shift.
+  std::uint64_t h;
+  std::memcpy(&h, d.b, sizeof h);
+  return static_cast<std::size_t>((static_cast<unsigned __int128>(h) * table_.size()) >> 64);
+}
+
+std::int64_t Index::find(const Digest& d) const {
+  const std::uint64_t tag = tag_of(d);
+  for (std::size_t i = home(d);; i = next(i)) {
+    std::uint64_t e = table_[i];
+    if (e == kFreeSlot) return kNone;
+    auto r = static_cast<std::uint32_t>(e);
+    if ((e & ~0xffffffffull) == tag && same(recs_[r].digest, d)) return r;
+  }
+}
+
+std::size_t Index::slot_of(std::uint32_t rec) const {
+  for (std::size_t i = home(recs_[rec].digest);; i = next(i))
+    if (static_cast<std::uint32_t>(table_[i]) == rec) return i;
+}
+
+void Index::table_insert(std::uint32_t rec) {
+  std::size_t i = home(recs_[rec].digest);
+  while (table_[i] != kFreeSlot) i = next(i);
+  table_[i] = tag_of(recs_[rec].digest) | rec;
+  ++count_;
+}
+
+void Index::table_erase(std::uint32_t rec) {
+  // Backward shift: move later members of the probe run into the hole when
+  // their home does not lie cyclically in (hole, their slot].
+  const std::size_t n = table_.size();
+  std::size_t hole = slot_of(rec);
+  for (std::size_t j = next(hole); table_[j] != kFreeSlot; j = next(j)) {
+    std::size_t h = home(recs_[static_cast<std::uint32_t>(table_[j])].digest);
+    if ((j + n - h) % n >= (j + n - hole) % n) {
+      table_[hole] = table_[j];
+      hole = j;
+    }
+  }
+  table_[hole] = kFreeSlot;
+  --count_;
+}
+
+void Index::lru_unlink(std::uint32_t rec) {
+  std::uint32_t p = prev_[rec], n = next_[rec];
+  next_[p] = n;
+  prev_[n] = p;
+  prev_[rec] = next_[rec] = rec;  // unlinked: points at itself
+}
+
+void Index::lru_push_back(std::uint32_t rec) {
+  const std::uint32_t s = num_records();
+  std::uint32_t last = prev_[s];
+  next_[last] = rec;
+  prev_[rec] = last;
+  next_[rec] = s;
+  prev_[s] = rec;
+}
+
+void Index::free_record(std::uint32_t rec) {
+  recs_[rec].state = RecState::kFree;
+  if (rec < scan_) free_.push_back(rec);
+}
+
+std::int64_t Index::victim() {
+  const std::uint32_t n = num_records();
+  if (policy_ == EvictPolicy::kLru) {
+    for (std::uint32_t r = next_[n]; r != n; r = next_[r])
+      if (evictable(r)) return r;
+    return kNone;
+  }
+  // CLOCK: a record with references loses one and is passed over; after
+  // clock_max + 1 sweeps every evictable record has none left.
+  const std::uint64_t limit = static_cast<std::uint64_t>(n) * (clock_max_ + 1u) + 1u;
+  for (std::uint64_t step = 0; step < limit; ++step) {
+    std::uint32_t r = hand_;
+    hand_ = hand_ + 1 == n ? 0 : hand_ + 1;
+    if (!evictable(r)) continue;
+    if (recs_[r].ref == 0) return r;
+    --recs_[r].ref;
+  }
+  return kNone;
+}
+
+std::int64_t Index::allocate(Digest* evicted, bool* was_evicted) {
+  *was_evicted = false;
+  while (!free_.empty()) {
+    std::uint32_t r = free_.back();
+    free_.pop_back();
+    if (recs_[r].state == RecState::kFree) return r;  // else taken by insert() meanwhile
+  }
+  const std::uint32_t n = num_records();
+  while (scan_ < n) {
+    std::uint32_t r = scan_++;
+    if (recs_[r].state == RecState::kFree) return r;
+  }
+  std::int64_t v = victim();
+  if (v == kNone) return kNone;
+  auto r = static_cast<std::uint32_t>(v);
+  *evicted = recs_[r].digest;
+  *was_evicted = true;
+  table_erase(r);
+  if (policy_ == EvictPolicy::kLru) lru_unlink(r);
+  recs_[r].state = RecState::kFree;  // the caller's to use: not on the free list
+  return r;
+}
+
+void Index::insert(const Digest& d, std::uint32_t rec, RecState s) {
+  if (rec >= num_records())
+    throw Error(StatusCode::kInvalidArgument, "disk index: record out of range");
+  if (recs_[rec].state != RecState::kFree)
+    throw Error(StatusCode::kInvalidArgument,
+                "disk index: record " + std::to_string(rec) + " is in use");
+  if (find(d) != kNone)
+    throw Error(StatusCode::kInvalidArgument, "disk index: digest already present");
+  recs_[rec] = Rec{d, s, 0, 0};
+  table_insert(rec);
+  if (s == RecState::kReady && policy_ == EvictPolicy::kLru) lru_push_back(rec);
+}
+
+void Index::set_ready(std::uint32_t rec) {
+  Rec& r = recs_[rec];
+  if (r.state == RecState::kReady) return;
+  r.state = RecState::kReady;
+  r.ref = 0;
+  if (policy_ == EvictPolicy::kLru) lru_push_back(rec);
+}
+
+void Index::touch(std::uint32_t rec) {
+  Rec& r = recs_[rec];
+  if (r.state != RecState::kReady) return;
+  if (policy_ == EvictPolicy::kLru) {
+    lru_unlink(rec);
+    lru_push_back(rec);
+  } else if (r.ref < clock_max_) {
+    ++r.ref;
+  }
+}
+
+void Index::pin(std::uint32_t rec) {
+  if (recs_[rec].loading == 0xffff)
+    throw Error(StatusCode::kInvalidArgument, "disk index: too many loads of one record");
+  ++recs_[rec].loading;
+}
+
+void Index::unpin(std::uint32_t rec) {
+  if (recs_[rec].loading > 0) --recs_[rec].loading;
+}
+
+void Index::remove(std::uint32_t rec, bool hold) {
+  Rec& r = recs_[rec];
+  if (r.state == RecState::kFree || r.state == RecState::kHeld) return;
+  table_erase(rec);
+  if (r.state == RecState::kReady && policy_ == EvictPolicy::kLru) lru_unlink(rec);
+  if (hold)
+    r.state = RecState::kHeld;
+  else
+    free_record(rec);
+}
+
+void Index::release(std::uint32_t rec) {
+  if (recs_[rec].state == RecState::kHeld) free_record(rec);
+}
+
+std::vector<std::uint32_t> Index::ready_records() const {
+  std::vector<std::uint32_t> out;
+  out.reserve(count_);
+  const std::uint32_t n = num_records();
+  if (policy_ == EvictPolicy::kLru) {
+    for (std::uint32_t r = next_[n]; r != n; r = next_[r]) out.push_back(r);
+  } else {
+    for (std::uint32_t r = 0; r < n; ++r)
+      if (recs_[r].state == RecState::kReady) out.push_back(r);
+  }
+  return out;
+}
+
+void Index::apply(std::uint8_t op, std::uint32_t rec, const Digest& d) {
+  Rec& r = recs_[rec];
+  bool linked = r.state == RecState::kReady;
+  if (op == 1) {
+    r.digest = d;
+    r.state = RecState::kReady;
+    if (policy_ == EvictPolicy::kLru) {
+      if (linked) lru_unlink(rec);
+      lru_push_back(rec);  // the last entry for a record sets its place
+    }
+  } else if (op == 2 && linked) {
+    r.state = RecState::kFree;
+    if (policy_ == EvictPolicy::kLru) lru_unlink(rec);
+  }
+}
+
+std::size_t Index::rebuild() {
+  table_.assign(table_.size(), kFreeSlot);
+  count_ = 0;
+  free_.clear();
+  const std::uint32_t n = num_records();
+  for (std::uint32_t rec = 0; rec < n; ++rec) {
+    if (recs_[rec].state != RecState::kReady) {
+      recs_[rec].state = RecState::kFree;
+      continue;
+    }
+    std::int64_t old = find(recs_[rec].digest);
+    if (old != kNone) {  // the later record wins
+      auto o = static_cast<std::uint32_t>(old);
+      table_erase(o);
+      recs_[o].state = RecState::kFree;
+      if (policy_ == EvictPolicy::kLru) lru_unlink(o);
+    }
+    table_insert(rec);
+  }
+  // Free records were freed in record order: the scan finds them lowest first.
+  scan_ = 0;
+  hand_ = 0;
+  return count_;
+}
+
+}  // namespace kvtier::disk

@@ -1,0 +1,122 @@
+// The disk tier's index: which key digest is in which record, each record's
+// state and its eviction state, in a few bytes per record (the disk tier can
+// hold hundreds of millions of records; a Python object per record would take
+// hundreds of bytes each).
+//
+// A table of record numbers with open addressing (linear probing, backward
+// shift deletion, no tombstones), keyed by the record's 16-byte key digest
+// (blake2b, so its bytes are uniform: 0-7 place it, 8-11 are a tag kept in the
+// slot so a probe rarely touches a record), sized from the capacity at
+// construction for a load factor of at most 0.8 (8 bytes a slot: 10 bytes per
+// record). Per record: the digest, a state, a reference count for CLOCK and a
+// count of loads in flight (20 bytes); LRU adds two 4-byte links. Eviction is the policy's choice
+// among records that are readable and not being loaded.
+//
+// Not thread-safe: the disk tier calls it under the manager's lock.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "record.h"
+
+namespace kvtier::disk {
+
+enum class RecState : std::uint8_t {
+  kFree = 0,
+  kReady = 1,    // readable
+  kWriting = 2,  // allocated to a store in flight
+  kHeld = 3,     // out of use until a timed-out job ends (then release())
+};
+
+enum class EvictPolicy : std::uint8_t { kLru, kClock };
+
+class Index {
+ public:
+  static constexpr std::int64_t kNone = -1;
+
+  // clock_max: CLOCK's reference count saturates here (1: classic CLOCK, one
+  // second chance; more: a record used k times survives k sweeps).
+  Index(std::uint32_t num_records, EvictPolicy policy, std::uint8_t clock_max = 1);
+
+  std::uint32_t num_records() const { return static_cast<std::uint32_t>(recs_.size()); }
+  std::size_t size() const { return count_; }  // records in the table (any state)
+  std::size_t table_slots() const { return table_.size(); }
+
+  // The record holding `d` (any state), or kNone.
+  std::int64_t find(const Digest& d) const;
+  RecState state(std::uint32_t rec) const { return recs_[rec].state; }
+  const Digest& digest(std::uint32_t rec) const { return recs_[rec].digest; }
+  std::uint16_t loading(std::uint32_t rec) const { return recs_[rec].loading; }
+
+  // A record for a new store: a free one, else the policy's victim (a record
+  // readable and not being loaded, removed here; its digest goes to
+  // *evicted and *was_evicted is set). kNone when every record is busy.
+  std::int64_t allocate(Digest* evicted, bool* was_evicted);
+  // `rec` (free, from allocate) now holds `d` in state `s` (kWriting or kReady).
+  // Throws Error(kInvalidArgument) when `d` is already present or `rec` is in use.
+  void insert(const Digest& d, std::uint32_t rec, RecState s);
+  // A written record became readable: the policy sees it as new.
+  void set_ready(std::uint32_t rec);
+  // A readable record was used (a load completed).
+  void touch(std::uint32_t rec);
+  void pin(std::uint32_t rec);    // a load started
+  void unpin(std::uint32_t rec);  // a load ended
+  // `rec` leaves the table; free at once, or held until release().
+  void remove(std::uint32_t rec, bool hold);
+  void release(std::uint32_t rec);  // a held record becomes free
+
+  // Readable records, least valuable first (LRU order; record order for CLOCK).
+  std::vector<std::uint32_t> ready_records() const;
+
+  // Warm restart: apply journal or checkpoint entries in their order (op 1:
+  // `rec` holds `d`; op 2: `rec` was dropped), then rebuild() once. Between
+  // the two the table is not searchable.
+  void apply(std::uint8_t op, std::uint32_t rec, const Digest& d);
+  // The table from the applied records; of two records with one digest the
+  // later record number wins, the other is freed. Returns the number indexed.
+  std::size_t rebuild();
+
+ private:
+  struct Rec {
+    Digest digest;
+    RecState state;
+    std::uint8_t ref;
+    std::uint16_t loading;
+  };
+  static_assert(sizeof(Rec) == 20, "a record's entry must stay 20 bytes");
+  static constexpr std::uint32_t kEmpty = 0xffffffffu;  // never a record number
+  static constexpr std::uint64_t kFreeSlot = ~0ull;
+
+  std::size_t home(const Digest& d) const;
+  std::size_t slot_of(std::uint32_t rec) const;  // the table slot holding rec
+  std::size_t next(std::size_t i) const { return i + 1 == table_.size() ? 0 : i + 1; }
+  void table_insert(std::uint32_t rec);
+  void table_erase(std::uint32_t rec);
+  void free_record(std::uint32_t rec);
+  bool evictable(std::uint32_t rec) const {
+    return recs_[rec].state == RecState::kReady && recs_[rec].loading == 0;
+  }
+  // LRU list (sentinel = num_records): head is the least recently used.
+  void lru_unlink(std::uint32_t rec);
+  void lru_push_back(std::uint32_t rec);
+  std::int64_t victim();
+
+  EvictPolicy policy_;
+  std::uint8_t clock_max_;
+  std::vector<Rec> recs_;
+  std::vector<std::uint64_t> table_;  // tag << 32 | record, kFreeSlot when unused
+  std::size_t count_ = 0;
+  std::vector<std::uint32_t> prev_, next_;  // LRU only
+  std::uint32_t hand_ = 0;                  // CLOCK only
+  // Free records: every free record at or after scan_ is found by scanning;
+  // those before it are on free_ (so each free record is in one place).
+  std::uint32_t scan_ = 0;
+  std::vector<std::uint32_t> free_;
+};
+
+EvictPolicy parse_evict_policy(const std::string& name);
+
+}  // namespace kvtier::disk

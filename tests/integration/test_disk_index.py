@@ -1,0 +1,200 @@
+"""The disk tier's native index through the tier: policies chosen by name,
+their victims, the bulk checkpoint and what a warm restart makes of it
+(index only: ``no_data``, so these need no device)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import kvtier
+import pytest
+from kvtier import _native
+from kvtier.tiers import LookupResult
+from kvtier.tiers.disk import DiskTier, key_digest, record_bytes
+
+BLOCK = 4096
+REC = record_bytes(BLOCK)
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+
+
+def K(i: int) -> bytes:
+    return b"key-%08d" % i
+
+
+def tier(path: Path, records: int, policy: str = "lru") -> DiskTier:
+    return DiskTier(path, records * REC, BLOCK, no_data=True, policy=policy)
+
+
+def store(t: DiskTier, *ids: int) -> None:
+    assert t.submit_store([K(i) for i in ids], list(range(len(ids)))) is not None
+    (c,) = t.poll()
+    assert c.ok
+
+
+def load(t: DiskTier, *ids: int) -> list[bool]:
+    assert t.submit_load([K(i) for i in ids], list(range(len(ids)))) is not None
+    (c,) = t.poll()
+    assert c.key_ok is not None
+    return list(c.key_ok)
+
+
+def resident(t: DiskTier, n: int) -> list[int]:
+    return [i for i in range(n) if t.lookup(K(i)) is HIT]
+
+
+@pytest.mark.parametrize(
+    "policy,match",
+    [
+        ("arc", "disk tier policy must be lru, clock or clock:N"),
+        ("lru:2", "disk tier policy must be lru, clock or clock:N"),
+        ("clock:x", "disk tier policy must be lru, clock or clock:N"),
+        ("clock:0", "N must be in 1..255"),
+        ("clock:256", "N must be in 1..255"),
+    ],
+)
+def test_unknown_policies_are_clear_errors(tmp_path: Path, policy: str, match: str) -> None:
+    with pytest.raises(kvtier.InvalidArgument, match=match):
+        tier(tmp_path, 4, policy)
+
+
+def test_lru_evicts_the_least_recently_loaded(tmp_path: Path) -> None:
+    t = tier(tmp_path, 4)
+    store(t, 0, 1, 2, 3)
+    assert load(t, 0) == [True]  # order now 1, 2, 3, 0
+    store(t, 4)
+    assert resident(t, 5) == [0, 2, 3, 4]
+    store(t, 5, 6)
+    assert resident(t, 7) == [0, 4, 5, 6]
+    assert t.stats()["evictions"] == 3
+    t.close()
+
+
+def test_clock_gives_a_loaded_record_a_second_chance(tmp_path: Path) -> None:
+    t = tier(tmp_path, 3, "clock")
+    store(t, 0, 1, 2)
+    assert load(t, 0, 2) == [True, True]
+    store(t, 3)  # the hand passes 0 (clearing its bit) and takes 1
+    assert resident(t, 4) == [0, 2, 3]
+    store(t, 4)  # 2 loses its bit, then 0 (its chance spent) goes
+    assert resident(t, 5) == [2, 3, 4]
+    t.close()
+
+
+def test_clock_n_keeps_records_used_more_often(tmp_path: Path) -> None:
+    t = tier(tmp_path, 3, "clock:3")
+    store(t, 0, 1, 2)
+    for _ in range(3):
+        assert load(t, 0) == [True]
+    assert load(t, 1) == [True]
+    store(t, 3)  # 0 has 3 references, 1 one: 2 goes first
+    store(t, 4)  # then 1 (spent its one), while 0 still has references
+    assert resident(t, 5) == [0, 3, 4]
+    t.close()
+
+
+def test_checkpoint_restart_keeps_lru_order(tmp_path: Path) -> None:
+    t = tier(tmp_path, 4)
+    store(t, 0, 1, 2, 3)
+    assert load(t, 0, 1) == [True, True]  # order now 2, 3, 0, 1
+    t.checkpoint()
+    t.close()
+    assert (tmp_path / t.dir.name / "index.journal").stat().st_size == 0
+    t2 = tier(tmp_path, 4)
+    assert t2.stats()["recovered"] == 4
+    store(t2, 4, 5)
+    assert resident(t2, 6) == [0, 1, 4, 5]
+    assert t2.take_events()[-1].keys == [K(4), K(5)]  # recovered keys are not named
+    t2.close()
+
+
+def test_restart_from_checkpoint_and_journal_and_after_reset(tmp_path: Path) -> None:
+    t = tier(tmp_path, 8)
+    store(t, 0, 1, 2)
+    t.checkpoint()
+    store(t, 3, 4)  # in the journal only
+    t.close()
+    t2 = tier(tmp_path, 8)
+    assert t2.stats()["recovered"] == 5
+    assert resident(t2, 6) == [0, 1, 2, 3, 4]
+    t2.reset()
+    t2.close()
+    t3 = tier(tmp_path, 8)
+    assert t3.stats()["recovered"] == 0
+    t3.close()
+
+
+def test_a_damaged_checkpoint_is_ignored_with_a_warning(tmp_path: Path) -> None:
+    t = tier(tmp_path, 8)
+    store(t, 0, 1, 2)
+    t.checkpoint()
+    store(t, 3)
+    t.close()
+    ckpt = t.dir / "index.ckpt"
+    data = bytearray(ckpt.read_bytes())
+    data[-1] ^= 0xFF
+    ckpt.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="index.ckpt is damaged: ignored"):
+        t2 = tier(tmp_path, 8)
+    assert resident(t2, 4) == [3]  # the journal since the checkpoint still counts
+    t2.close()
+
+
+def test_checkpoint_in_the_journal_format_is_still_read(tmp_path: Path) -> None:
+    t = tier(tmp_path, 8)
+    t.close()
+    entries = b""
+    for rec, i in ((5, 0), (2, 1)):
+        body = struct.pack("<4sBxxxQ16sQQ", b"KVJ1", 1, rec, key_digest(K(i)), BLOCK, rec)
+        entries += body + struct.pack("<I", zlib.crc32(body))
+    (t.dir / "index.ckpt").write_bytes(entries + b"torn")
+    t2 = tier(tmp_path, 8)
+    assert t2.stats()["recovered"] == 2
+    assert t2.index[key_digest(K(0))] == 5 and t2.index[key_digest(K(1))] == 2
+    t2.close()
+
+
+def test_native_index_rejects_bad_input() -> None:
+    ix = _native.DiskIndex(4, "clock", 2)
+    with pytest.raises(kvtier.InvalidArgument, match="a key digest is 16 bytes, got 3"):
+        ix.claim(b"abc")
+    with pytest.raises(kvtier.InvalidArgument, match=r"record 4 out of range \[0, 4\)"):
+        ix.touch(4)
+    with pytest.raises(kvtier.InvalidArgument, match="policy must be lru or clock"):
+        _native.DiskIndex(4, "arc")
+    with pytest.raises(kvtier.InvalidArgument, match="num_records must be"):
+        _native.DiskIndex(0)
+    ix[b"x" * 16] = 1
+    with pytest.raises(kvtier.InvalidArgument, match="digest already present"):
+        ix[b"x" * 16] = 2
+    with pytest.raises(KeyError):
+        ix[b"y" * 16]
+    assert ix.get(b"y" * 16) is None and len(ix) == 1
+    ready = ix.ready_fn()  # lookup's fast path: the same answers and errors
+    assert ready(b"x" * 16) is True and ready(b"y" * 16) is False
+    with pytest.raises(kvtier.InvalidArgument, match="a key digest is 16 bytes, got 3"):
+        ready(b"abc")
+    del ix
+    assert ready(b"x" * 16) is True  # it keeps its index alive
+
+
+def test_bench_disk_index_writes_json_only_where_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvtier.cli import main
+
+    out = tmp_path / "sub" / "r.json"
+    assert (
+        main(["bench", "disk-index", "--records", "3000", "--policy", "clock", "--json", str(out)])
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "restart from checkpoint" in text and f"wrote {out}" in text
+    r = json.loads(out.read_text())
+    assert r["records"] == 3000 and r["policy"] == "clock"
+    assert r["checkpoint_bytes"] == 48 + 20 * 3000  # header, then 20 bytes per record
+    assert r["journal_bytes"] == 52 * 3000
+    assert r["restart_checkpoint_per_s"] > 0 and r["store_per_s"] > 0
+    assert list(tmp_path.iterdir()) == [tmp_path / "sub"]
