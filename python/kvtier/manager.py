@@ -272,6 +272,10 @@ class TieredOffloadingManager:
 
     def complete_load(self, keys: Collection[bytes], req_context: Any = None) -> None:
         """Unpin keys of a finished load (host slots, or streamed records)."""
+        if not self._stream_pins:  # the common case, kept to one call per key
+            for k in keys:
+                self.host.unpin(k)
+            return
         req = _req_id(req_context)
         for k in keys:
             pins = self._stream_pins.get((req, k))
@@ -363,8 +367,9 @@ class TieredOffloadingManager:
     ) -> None:
         """Stored blocks become readable (or are dropped on failure); starts the cascade."""
         stored = []
+        streamed = self._stream_writes
         for k in keys:
-            w = self._stream_writes.pop(k, None)
+            w = streamed.pop(k, None) if streamed else None
             if w is not None:  # written by the worker straight to a lower tier
                 self.lower[w[0]].commit_write(k, w[1], success)
                 continue

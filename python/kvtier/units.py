@@ -8,6 +8,7 @@ nothing blocks, nothing is imported beyond the error types.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvtier.errors import InvalidArgument
@@ -32,18 +33,24 @@ def _split(text: str) -> tuple[str, str]:
     return s[:i], s[i:].strip()
 
 
+def _quantity(text: str, units: Mapping[str, float], what: str, examples: str) -> float:
+    """A number with a unit of ``units`` (the empty unit included) -> the
+    number times the unit; finite or InvalidArgument."""
+    num, unit = _split(text)
+    if not num or unit not in units:
+        raise InvalidArgument(f"cannot parse {what} {text!r} (examples: {examples})")
+    try:
+        value = float(num) * units[unit]
+    except ValueError:
+        raise InvalidArgument(f"cannot parse {what} {text!r}") from None
+    if not math.isfinite(value):  # "1e999": int() of it would raise OverflowError
+        raise InvalidArgument(f"{what} {text!r} is out of range")
+    return value
+
+
 def parse_size(text: str) -> int:
     """``"256KiB"``, ``"2MiB"``, ``"1GB"``, ``"65536"`` -> bytes (> 0). Raises InvalidArgument."""
-    num, unit = _split(text)
-    if not num or unit not in _SIZE_UNITS:
-        raise InvalidArgument(f"cannot parse size {text!r} (examples: 65536, 256KiB, 2MiB, 1GiB)")
-    try:
-        value = float(num) * _SIZE_UNITS[unit]
-    except ValueError:
-        raise InvalidArgument(f"cannot parse size {text!r}") from None
-    if not math.isfinite(value):  # "1e999": int() of it would raise OverflowError
-        raise InvalidArgument(f"size {text!r} is out of range")
-    n = int(value)
+    n = int(_quantity(text, _SIZE_UNITS, "size", "65536, 256KiB, 2MiB, 1GiB"))
     if n <= 0:
         raise InvalidArgument(f"size must be > 0, got {text!r}")
     return n
@@ -117,13 +124,7 @@ def to_capacity(key: str, value: object) -> int | FreeFraction:
 
 def parse_duration(text: str) -> float:
     """``"30"``, ``"30s"``, ``"250ms"``, ``"2min"`` -> seconds (> 0). Raises InvalidArgument."""
-    num, unit = _split(text)
-    if not num or unit not in _SECONDS:
-        raise InvalidArgument(f"cannot parse duration {text!r} (examples: 30, 30s, 250ms, 2min)")
-    try:
-        value = float(num) * _SECONDS[unit]
-    except ValueError:
-        raise InvalidArgument(f"cannot parse duration {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
+    value = _quantity(text, _SECONDS, "duration", "30, 30s, 250ms, 2min")
+    if not value > 0:
         raise InvalidArgument(f"duration must be finite and > 0, got {text!r}")
     return value

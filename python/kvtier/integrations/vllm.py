@@ -773,6 +773,14 @@ class _ViewPool:
 class _KVTierSecondary(SecondaryTierManager):
     """A kvtier lower tier as one of vLLM's secondary tiers (scheduler side)."""
 
+    def _build(self, kind: str, locality: Locality, cfg: Any, namespace: str, name: str) -> None:
+        """Build this tier's kvtier tier from ``cfg`` and attach it to vLLM's primary region."""
+        from kvtier.tiers.factory import build_tier
+
+        self.locality = locality
+        ns = _tier_namespace(self._offloading_spec, namespace)
+        self._attach(build_tier(kind, cfg, self.block_size_bytes, ns, name=name))
+
     def _attach(self, tier: LowerTier) -> None:
         self.tier = tier
         tier.attach(_ViewPool(self._primary_kv_view))  # type: ignore[arg-type]
@@ -894,17 +902,15 @@ class KVTierDiskTier(_KVTierSecondary):
         backpressure_detector: Any = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        from kvtier.tiers.factory import TierConfig, build_tier
+        from kvtier.tiers.factory import TierConfig
 
-        self.locality = Locality.LOCAL
         cfg = TierConfig(
             disk_path=path, disk_bytes=to_capacity("capacity_bytes", capacity_bytes),
             disk_policy=policy, disk_admit_after=admit_after,
             disk_write_budget_bps=write_budget_bps, disk_backend=backend,
             disk_queue_depth=queue_depth, disk_timeout_s=timeout_s,
         )  # fmt: skip
-        ns = _tier_namespace(offloading_spec, namespace)
-        self._attach(build_tier("disk", cfg, self.block_size_bytes, ns, name=tier_type))
+        self._build("disk", Locality.LOCAL, cfg, namespace, tier_type)
 
 
 class KVTierRedisTier(_KVTierSecondary):
@@ -930,14 +936,12 @@ class KVTierRedisTier(_KVTierSecondary):
         tls_server_name: str | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        from kvtier.tiers.factory import TierConfig, build_tier
+        from kvtier.tiers.factory import TierConfig
 
-        self.locality = Locality.REMOTE
         cfg = TierConfig(
             remote_url=url, remote_ttl_s=ttl_s, remote_timeout_s=timeout_s,
             remote_admit_after=admit_after, remote_degraded_ok=degraded_ok,
             remote_tls_ca_file=tls_ca_file, remote_tls_cert_file=tls_cert_file,
             remote_tls_key_file=tls_key_file, remote_tls_server_name=tls_server_name,
         )  # fmt: skip
-        ns = _tier_namespace(offloading_spec, namespace)
-        self._attach(build_tier("remote", cfg, self.block_size_bytes, ns, name=tier_type))
+        self._build("remote", Locality.REMOTE, cfg, namespace, tier_type)
