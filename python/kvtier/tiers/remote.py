@@ -23,6 +23,7 @@ key vanished (the server's maxmemory eviction, a TTL), is a counted miss.
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections import OrderedDict
@@ -33,12 +34,13 @@ from urllib.parse import unquote, urlsplit
 import numpy as np
 
 from kvtier.codes import ItemStatus
-from kvtier.errors import ClosedError, InvalidArgument
+from kvtier.errors import ClosedError, InvalidArgument, IoError, TlsError
 from kvtier.policy.admission import WriteGate
 from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
 from kvtier.tiers.records import key_digest, namespace_digest
 
+_RESETS = (errno.ECONNRESET, errno.EPIPE)
 _EXISTS_PER_JOB = 1024  # an EXISTS pipeline moves no payload: large jobs are cheap
 
 
@@ -180,7 +182,18 @@ class RemoteTier(JobTier):
             degraded_ok, self.ns, window_bytes, cfg["tls"], *(tls[k] or "" for k in tls),
         )  # fmt: skip
         self.timeout_s = timeout_s
-        self.store = _native.RemoteStore(*self._store_args)
+        try:
+            self.store = _native.RemoteStore(*self._store_args)
+        except IoError as e:
+            # TLS 1.3 ends the handshake before the server checks the client
+            # certificate: a refusal may arrive as a reset of the first command
+            # rather than as the server's alert (which one comes first is a race).
+            if not cfg["tls"] or isinstance(e, TlsError) or e.errno not in _RESETS:
+                raise
+            raise TlsError(e.errno, (
+                f"TLS with {self.url} failed: the server closed the connection right after "
+                f"the handshake (it wants a client certificate, or refused this one): {e.strerror}"
+            )) from None  # fmt: skip
         self.engine = Engine(num_threads, [(inflight_bytes, False)])
         self.job_items = job_items
         self.gate = WriteGate(admit_after, write_budget_bps)
