@@ -316,7 +316,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_tls_arguments(p: argparse.ArgumentParser, prefix: str) -> None:
+def _add_tls_arguments(p: argparse._ActionsContainer, prefix: str) -> None:
     """The remote tier's TLS files and name (for rediss:// URLs)."""
     p.add_argument(f"{prefix}-ca", help="rediss: PEM CA file (default: the system's trust store)")
     p.add_argument(f"{prefix}-cert", help="rediss: PEM client certificate")
@@ -363,54 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
         "component",
         choices=["copy", "manager", "disk", "disk-index", "remote", "vllm", "serve", "soak"],
     )
-    b.add_argument("--url", help="remote: redis://HOST:PORT (default: start a local server)")
-    b.add_argument(
-        "--tls",
-        action="store_true",
-        help="remote: without --url, the local server also serves TLS; kvtier's runs alternate "
-        "between its plain and TLS ports (the ratio is TLS's cost)",
-    )
-    _add_tls_arguments(b, "--tls")
     b.add_argument("--block-bytes", help="one size (default: 64KiB, 256KiB and 2MiB)")
-    b.add_argument(
-        "--device",
-        choices=["host", "cpu"],
-        default="host",
-        help="host: pool<->buffer copies; cpu: DeviceTransfer with a CPU KV cache",
-    )
     b.add_argument("--repeats", type=int, help="repeats (default 5; serve: 3)")
-    b.add_argument(
-        "--dir",
-        help="disk, vllm: directory on the device to measure "
-        "(default: build/bench-disk of the repo, else a temporary directory)",
-    )
-    b.add_argument("--queue-depth", type=int, default=32)
-    b.add_argument(
-        "--connections", type=int, default=2, help="remote: connections (worker threads), also -c"
-    )
-    b.add_argument("--total", default="1GiB", help="disk: bytes per run")
-    b.add_argument("--backend", default="auto", choices=["auto", "io_uring", "pread"])
-    b.add_argument("--keys", type=int, default=1_000_000, help="manager: distinct keys")
-    b.add_argument("--records", type=int, default=1_000_000, help="disk-index: records to store")
-
-    b.add_argument(
-        "--trace", help="vllm: Mooncake-format JSONL trace to replay (default: synthetic)"
-    )
-    b.add_argument("--policy", default="lru", help="manager: host policy; disk-index: disk policy")
-    b.add_argument(
-        "--minutes",
-        type=float,
-        default=2.0,
-        help="soak: minutes of replay under faults (default 2; the README quotes 30)",
-    )
-    b.add_argument("--seed", type=int, default=0, help="soak: workload and fault seed")
-    b.add_argument(
-        "--python", help="serve: a Python with vLLM's engine and kvtier (default: this one)"
-    )
-    b.add_argument("--configs", help="serve: comma-separated configurations (default: all)")
-    b.add_argument("--sessions", type=int, default=6, help="serve: chat sessions")
-    b.add_argument("--system-tokens", type=int, default=2000, help="serve: system prompt tokens")
-    b.add_argument("--turns", type=int, default=3, help="serve: turns per session")
     b.add_argument(
         "--out",
         help="save results with machine facts in this directory ('' to skip; default: "
@@ -424,6 +378,56 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="print JSON (last line); disk-index: --json PATH writes it to PATH instead",
     )
+    # One group per component, so `kvtier bench --help` says which options matter where.
+    o = b.add_argument_group("copy")
+    o.add_argument(
+        "--device",
+        choices=["host", "cpu"],
+        default="host",
+        help="host: pool<->buffer copies; cpu: DeviceTransfer with a CPU KV cache",
+    )
+    o = b.add_argument_group("disk, vllm")
+    o.add_argument(
+        "--dir",
+        help="directory on the device to measure "
+        "(default: build/bench-disk of the repo, else a temporary directory)",
+    )
+    o.add_argument("--queue-depth", type=int, default=32, help="disk: I/O queue depth")
+    o.add_argument("--total", default="1GiB", help="disk: bytes per run")
+    o.add_argument("--backend", default="auto", choices=["auto", "io_uring", "pread"])
+    o.add_argument(
+        "--trace", help="vllm: Mooncake-format JSONL trace to replay (default: synthetic)"
+    )
+    o = b.add_argument_group("remote")
+    o.add_argument("--url", help="redis://HOST:PORT (default: start a local server)")
+    o.add_argument(
+        "--tls",
+        action="store_true",
+        help="without --url, the local server also serves TLS; kvtier's runs alternate "
+        "between its plain and TLS ports (the ratio is TLS's cost)",
+    )
+    _add_tls_arguments(o, "--tls")
+    o.add_argument(
+        "--connections", type=int, default=2, help="connections (worker threads), also -c"
+    )
+    o = b.add_argument_group("manager, disk-index")
+    o.add_argument("--keys", type=int, default=1_000_000, help="manager: distinct keys")
+    o.add_argument("--records", type=int, default=1_000_000, help="disk-index: records to store")
+    o.add_argument("--policy", default="lru", help="manager: host policy; disk-index: disk policy")
+    o = b.add_argument_group("serve")
+    o.add_argument("--python", help="a Python with vLLM's engine and kvtier (default: this one)")
+    o.add_argument("--configs", help="comma-separated configurations (default: all)")
+    o.add_argument("--sessions", type=int, default=6, help="chat sessions")
+    o.add_argument("--system-tokens", type=int, default=2000, help="system prompt tokens")
+    o.add_argument("--turns", type=int, default=3, help="turns per session")
+    o = b.add_argument_group("soak")
+    o.add_argument(
+        "--minutes",
+        type=float,
+        default=2.0,
+        help="soak: minutes of replay under faults (default 2; the README quotes 30)",
+    )
+    o.add_argument("--seed", type=int, default=0, help="soak: workload and fault seed")
     b.set_defaults(func=_cmd_bench)
 
     pl = sub.add_parser("plan", help="pipeline-parallel KV memory planner")

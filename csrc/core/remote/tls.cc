@@ -80,9 +80,8 @@ std::shared_ptr<TlsContext> TlsContext::create(const TlsOptions& o) {
     if (SSL_CTX_check_private_key(ctx.get()) != 1)
       throw_tls("TLS client key " + key + " does not match certificate " + o.cert_file);
   }
-  std::shared_ptr<TlsContext> c(new TlsContext());
-  c->opts_ = o;
-  c->ctx_ = ctx.release();
+  auto c = std::make_shared<TlsContext>(Key{}, o, ctx.get());
+  ctx.release();  // owned by c from here on
   return c;
 }
 

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <utility>
 
 namespace kvtier::remote {
 
@@ -33,6 +34,17 @@ class TlsContext {
   // Loads the files; throws kvtier::Error (StatusCode::kTls) naming the file
   // and OpenSSL's reason when one cannot be used.
   static std::shared_ptr<TlsContext> create(const TlsOptions& o);
+
+ private:
+  // The first argument of the public constructor: only create() can make
+  // one, always owned by a shared_ptr (make_shared needs a public constructor).
+  class Key {
+    friend TlsContext;
+    explicit Key() = default;
+  };
+
+ public:
+  TlsContext(Key, TlsOptions opts, void* ctx) : opts_(std::move(opts)), ctx_(ctx) {}
   ~TlsContext();
   TlsContext(const TlsContext&) = delete;
   TlsContext& operator=(const TlsContext&) = delete;
@@ -40,7 +52,6 @@ class TlsContext {
   void* native() const { return ctx_; }  // SSL_CTX*
 
  private:
-  TlsContext() = default;
   TlsOptions opts_;
   void* ctx_ = nullptr;
 };

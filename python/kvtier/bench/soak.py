@@ -624,18 +624,22 @@ def run_soak(
     )
     log(_HEADER)
 
+    def undo_later(f: Fault, after_s: float, undo: Callable[[], None]) -> None:
+        """Run `undo` (restore the medium) `after_s` from now; the fault ends then."""
+
+        def run() -> None:
+            undo()
+            f.end = time.time()
+
+        restore.append((time.time() + after_s, run, f))
+
     def inject(kind: str) -> Fault:
         f = Fault(kind, time.time())
         if kind == "redis_kill":
             redis.kill()
             down = min(3.0, gap / 4)
             f.detail = f"redis-server SIGKILL, restarted on port {redis.port} after {down:.1f} s"
-
-            def up() -> None:
-                redis.start()
-                f.end = time.time()
-
-            restore.append((time.time() + down, up, f))
+            undo_later(f, down, redis.start)
         elif kind == "disk_full":
             if fs.path is None:
                 f.skipped = fs.reason
@@ -644,12 +648,7 @@ def run_soak(
             n = fill_disk(ballast)
             hold = min(10.0, gap / 3)
             f.detail = f"{n >> 20} MiB ballast filled the tmpfs for {hold:.1f} s"
-
-            def free() -> None:
-                ballast.unlink()
-                f.end = time.time()
-
-            restore.append((time.time() + hold, free, f))
+            undo_later(f, hold, ballast.unlink)
         elif kind == "corrupt_disk":
             n = corrupt_files(slab_files(), record_bytes(cfg.block_bytes), cfg.corrupt_records, rng)
             f.detail = f"16 random bytes overwritten in {n} random records of the slab files"
