@@ -24,7 +24,8 @@ sysdeps:
 	  else echo "warning: missing system packages:$$missing (not root: install them by hand)"; fi; \
 	fi
 
-$(VENV)/.deps: pyproject.toml | sysdeps
+# The Makefile too: a venv made before a dependency was added here gets it.
+$(VENV)/.deps: pyproject.toml Makefile | sysdeps
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# Pinned: a plain `torch` would pull a multi-GB CUDA build.

@@ -85,7 +85,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         else:
             results = [
                 run_remote(
-                    args.url, s, parse_size(args.total) // 2, args.repeats, args.connections, tls
+                    args.url,
+                    s,
+                    parse_size(args.total) // 2,
+                    args.repeats,
+                    args.connections,
+                    tls,
+                    peers=args.peer,
                 )
                 for s in sizes
             ]
@@ -408,7 +414,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_tls_arguments(o, "--tls")
     o.add_argument(
-        "--connections", type=int, default=2, help="connections (worker threads), also -c"
+        "--connections",
+        type=int,
+        help="connections (worker threads; default: the remote tier's, chosen from this machine)",
+    )
+    o.add_argument(
+        "--peer",
+        action="append",
+        choices=["lmcache"],
+        default=[],
+        help="also run this client on the same server, alternating with kvtier: lmcache "
+        "(LMCache 0.5.6's native client from its PyPI wheel, cached under build/bench-peers)",
     )
     o = b.add_argument_group("manager, disk-index")
     o.add_argument("--keys", type=int, default=1_000_000, help="manager: distinct keys")

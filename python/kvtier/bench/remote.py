@@ -7,15 +7,25 @@ from __future__ import annotations
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvtier.bench.harness import PAIRED, drive_tier, paired_ratio
+from kvtier.bench.harness import PAIRED, default_output_dir, drive_tier, paired_ratio
+from kvtier.bench.peers import (
+    LMCACHE_BATCH,
+    LMCACHE_VERSION,
+    LMCACHE_WORKERS,
+    LMCachePeer,
+    RedisPyPeer,
+    SlotBuffer,
+    lmcache_redis,
+)
 from kvtier.errors import InvalidArgument
 from kvtier.pool import HostPool
 from kvtier.tiers.remote import RemoteTier, parse_url
@@ -118,47 +128,27 @@ def _delete(host: str, port: int, password: str, cluster: bool, keys: list[bytes
     r.close()
 
 
-def _redis_py(host: str, port: int, password: str, size: int, n: int) -> dict[str, Any]:
-    import redis
-
-    r = redis.Redis(host=host, port=port, password=password or None)
-    value = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
-    keys = [f"kvtier-bench-py:{i}" for i in range(n)]
-    t0 = time.perf_counter()
-    for i in range(0, n, 64):
-        p = r.pipeline(transaction=False)
-        for k in keys[i : i + 64]:
-            p.set(k, value)
-        p.execute()
-    ts = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for i in range(0, n, 64):
-        p = r.pipeline(transaction=False)
-        for k in keys[i : i + 64]:
-            p.get(k)
-        p.execute()
-    tl = time.perf_counter() - t0
-    r.delete(*keys)
-    parser = "hiredis" if redis.utils.HIREDIS_AVAILABLE else "python"
-    return {
-        "store_gbps": round(n * size / ts / 1e9, 3),
-        "load_gbps": round(n * size / tl / 1e9, 3),
-        "parser": parser,
-    }
-
-
 def run_remote(
     url: str | None,
     block_bytes: int,
     total_bytes: int = 512 << 20,
     repeats: int = 3,
-    connections: int = 2,
+    connections: int | None = None,
     tls: dict[str, str | None] | None = None,
+    peers: Sequence[str] = (),
+    peer_cache: Path | None = None,
 ) -> dict[str, Any]:
-    """kvtier against the baselines on ``url`` (default: a local server);
-    ``tls``: the tier's TLS files and name (tls_ca, tls_cert, tls_key,
-    tls_server_name) for a rediss:// URL. The baselines speak plain TCP only:
-    over TLS they are left out. Blocks for the whole run."""
+    """kvtier against the baselines on ``url`` (default: a local server).
+
+    kvtier runs with the remote tier's defaults (``connections`` overrides its
+    worker threads). Each repeat runs, in an order rotating between repeats,
+    kvtier, redis-py + hiredis and each of ``peers`` (``"lmcache"``: LMCache's
+    native client, its wheel cached in ``peer_cache``): the same number of
+    values of ``block_bytes``, stored then loaded into cleared slots and
+    compared byte for byte, each client's keys deleted after its turn so that
+    every store inserts; then redis-benchmark. ``tls``: the tier's TLS files
+    and name for a rediss:// URL; the other clients speak plain TCP only and
+    are left out over TLS. Blocks for the whole run."""
     server = None
     if url is None:  # a local server of our own, on loopback
         if shutil.which("redis-server") is None:
@@ -169,18 +159,17 @@ def run_remote(
         url = server.url
     cfg = parse_url(url)
     host, port = cfg["seeds"][0]
+    password = cfg["password"]
     tls = tls or {}
     n = max(16, total_bytes // block_bytes)
     slots = min(n, max(16, (256 << 20) // block_bytes))
     pool = HostPool(slots, block_bytes)
-    pool.view(0, slots)[:] = 0x5A
+    own = SlotBuffer(pool.view(0, slots), seed=0)
     t = RemoteTier(
         url,
         block_bytes,
         namespace="bench",
         num_threads=connections,
-        inflight_bytes=1 << 40,
-        job_items=max(1, (8 << 20) // block_bytes),
         tls_ca_file=tls.get("tls_ca"),
         tls_cert_file=tls.get("tls_cert"),
         tls_key_file=tls.get("tls_key"),
@@ -188,79 +177,116 @@ def run_remote(
     )
     t.attach(pool)
     batch = max(1, min(256, (16 << 20) // block_bytes))
-    ks: list[float] = []
-    kl: list[float] = []
-    bs: list[float] = []
-    bl: list[float] = []
-    rs: list[float] = []
-    rl: list[float] = []
-    populated = False
-    keys: list[bytes] = []
-    py: dict[str, Any]
-    plain = not cfg["tls"]  # redis-benchmark and redis-py are run over plain TCP only
-    cpu = None if cfg["cluster"] or not plain else _server_cpu(host, port, cfg["password"])
+    keys = [b"bench-%d" % i for i in range(n)]
+    plain = not cfg["tls"]  # redis-benchmark and the other clients speak plain TCP only
+    cpu = None if cfg["cluster"] or not plain else _server_cpu(host, port, password)
     per_gb: dict[str, list[float]] = {}  # the server's CPU seconds per GB, per run
+    busy: dict[str, list[float]] = {}  # the server thread's share of the run's time
+    runs: dict[str, dict[str, list[float]]] = {}
+    skipped: dict[str, str] = {}
 
-    def timed(what: str, store: bool) -> float:
-        c0 = cpu() if cpu else 0.0
-        gbps = n * block_bytes / drive_tier(t, store, keys, batch) / 1e9
-        if cpu:
-            per_gb.setdefault(what, []).append((cpu() - c0) / (n * block_bytes / 1e9))
-        return gbps
+    class Kvtier:
+        name = "kvtier"
 
-    def baseline(name: str, keyspace: int, out: tuple[list[float], list[float]]) -> None:
-        b = _redis_benchmark(
-            host, port, cfg["password"], block_bytes, connections, max(64, n // 2), keyspace, cpu
-        )
+        def move(self, store: bool) -> None:
+            drive_tier(t, store, keys, batch)
+
+        def server_keys(self) -> list[bytes]:
+            return [t.server_key(k) for k in keys]
+
+        def close(self) -> None:
+            pass
+
+    clients: list[Any] = [Kvtier()]
+    if plain and not cfg["cluster"]:
+        try:
+            clients.append(RedisPyPeer(host, port, password, SlotBuffer(
+                np.empty((slots, block_bytes), np.uint8), seed=1), n))  # fmt: skip
+        except ImportError:
+            skipped["redis-py"] = "redis-py is not installed"
+        for peer in peers:
+            if peer != "lmcache":
+                raise InvalidArgument(f"unknown peer {peer!r} (known: lmcache)")
+            mod, why = lmcache_redis(peer_cache or default_output_dir("bench-peers"))
+            if mod is None:
+                skipped[LMCachePeer.name] = why
+                print(f"kvtier bench remote: {LMCachePeer.name} left out: {why}", file=sys.stderr)
+                continue
+            clients.append(LMCachePeer(mod, host, port, password, SlotBuffer(
+                np.empty((slots, block_bytes), np.uint8), seed=2), n))  # fmt: skip
+    elif peers:
+        skipped["peers"] = "the other clients speak plain TCP to one server only"
+
+    def turn(c: Any) -> None:
+        """One client's store then load, timed apart (with the server's CPU),
+        the load into cleared slots and verified; its keys deleted after."""
+        buf = own if c.name == "kvtier" else c.buf
+        r = runs.setdefault(c.name, {"store": [], "load": []})
+        for what in ("store", "load"):
+            if what == "load":
+                buf.clear()
+            c0 = cpu() if cpu else 0.0
+            t0 = time.perf_counter()
+            c.move(what == "store")
+            secs = time.perf_counter() - t0
+            r[what].append(round(n * block_bytes / secs / 1e9, 3))
+            if cpu:
+                used = cpu() - c0
+                per_gb.setdefault(f"{c.name} {what}", []).append(used / (n * block_bytes / 1e9))
+                busy.setdefault(f"{c.name} {what}", []).append(used / secs)
+        buf.verify(c.name)
+        _delete(host, port, password, cfg["cluster"], c.server_keys())
+
+    bench: dict[str, tuple[list[float], list[float]]] = {}
+
+    def baseline(name: str, keyspace: int) -> None:
+        b = _redis_benchmark(host, port, password, block_bytes, t.num_threads,
+                             max(64, n // 2), keyspace, cpu)  # fmt: skip
+        out = bench.setdefault(name, ([], []))
         out[0].append(b["store_gbps"])
         out[1].append(b["load_gbps"])
         for k in ("store", "load"):
             if f"{k}_server_cpu_s_per_gb" in b:
                 per_gb.setdefault(f"{name} {k}", []).append(b[f"{k}_server_cpu_s_per_gb"])
 
+    populated = False
     try:
-        for _ in range(repeats):
-            keys = [
-                b"bench-%d" % i for i in range(n)
-            ]  # overwritten each run, as redis-benchmark does
-            ks.append(timed("kvtier store", True))
-            kl.append(timed("kvtier load", False))
+        for rep in range(repeats):
+            for i in range(len(clients)):
+                turn(clients[(rep + i) % len(clients)])
             if shutil.which("redis-benchmark") and not cfg["cluster"] and plain:
-                baseline("redis-benchmark", 0, (bs, bl))
-                populated = populated or _populate(host, port, cfg["password"], block_bytes, n)
+                baseline("redis-benchmark", 0)
+                populated = populated or _populate(host, port, password, block_bytes, n)
                 if populated:
-                    baseline("redis-benchmark -r", n, (rs, rl))
-        # Leave a user's server as it was: without kvtier's values, and
-        # without the keys redis-benchmark -r wrote.
-        gone = [t.server_key(k) for k in keys]
-        if bs:
-            gone.append(b"key:__rand_int__")  # what redis-benchmark writes without -r
+                    baseline(f"redis-benchmark -r {n}", n)
+        # Leave a user's server as it was: without the keys redis-benchmark wrote.
+        gone = [b"key:__rand_int__"] if bench else []
         if populated:
             gone += [b"key:%012d" % k for k in range(n)]
         if plain:
-            _delete(host, port, cfg["password"], cfg["cluster"], gone)
-            try:
-                py = _redis_py(host, port, cfg["password"], block_bytes, min(n, 2048))
-            except Exception as e:
-                py = {"error": str(e)}
-        else:
-            py = {"error": "not run over TLS"}
+            _delete(host, port, password, cfg["cluster"], gone)
     finally:
+        for c in clients:
+            c.close()
         t.close()
         pool.close()
         if server is not None:
             server.stop()
     med = statistics.median
+    ks, kl = runs["kvtier"]["store"], runs["kvtier"]["load"]
     out: dict[str, Any] = {
         "component": "remote",
         "block_bytes": block_bytes,
         "store_gbps": round(med(ks), 3),
         "load_gbps": round(med(kl), 3),
-        "connections": connections,
+        "connections": t.num_threads,
+        "values": n,
         "checksums": "crc32c on every value",
-        "runs": {"store": ks, "load": kl},
+        "verified": "every loaded byte compared with what was stored, every client",
+        "runs": runs["kvtier"],
     }
-    if bs:
+    if "redis-benchmark" in bench:
+        bs, bl = bench["redis-benchmark"]
         out["baseline"] = {
             "name": "redis-benchmark",
             "store_gbps": round(med(bs), 3),
@@ -270,12 +296,14 @@ def run_remote(
         }
         out["ratio"] = {"store": paired_ratio(ks, bs), "load": paired_ratio(kl, bl)}
         out["ratio_method"] = PAIRED
-    if rs:
+    same = next((k for k in bench if k.startswith("redis-benchmark -r")), None)
+    if same:
         # Reported beside the baseline, not instead of it: the same tool over
         # as many distinct keys as kvtier's run, so neither side's values sit
         # in the server's cache.
+        rs, rl = bench[same]
         out["baseline_same_keyspace"] = {
-            "name": f"redis-benchmark -r {n}",
+            "name": same,
             "store_gbps": round(med(rs), 3),
             "load_gbps": round(med(rl), 3),
             "runs": {"store": rs, "load": rl},
@@ -289,12 +317,26 @@ def run_remote(
         # Why the baselines differ: the single server thread is the limit, and
         # rewriting one cached value costs it less than filling many keys.
         out["server_cpu_s_per_gb"] = {k: round(med(v), 3) for k, v in per_gb.items()}
-    if "store_gbps" in py:
-        out["redis_py"] = py
-        out["vs_redis_py"] = {
-            "store": round(med(ks) / float(py["store_gbps"]), 3),
-            "load": round(med(kl) / float(py["load_gbps"]), 3),
-        }
+    if busy:
+        # Near 1.0: the server's one thread was busy all the run long, so no
+        # client can go faster on this server, whatever it does.
+        out["server_thread_busy"] = {k: round(med(v), 2) for k, v in busy.items()}
+    for c in clients[1:]:
+        r = runs[c.name]
+        vs = {w: paired_ratio(runs["kvtier"][w], r[w]) for w in ("store", "load")}
+        summary = {"name": c.name, "store_gbps": round(med(r["store"]), 3),
+                   "load_gbps": round(med(r["load"]), 3), "runs": r}  # fmt: skip
+        if isinstance(c, RedisPyPeer):
+            out["redis_py"], out["vs_redis_py"] = summary, vs
+        else:
+            out.setdefault("peers", {})[c.name] = {**summary, "ratio": vs}
+    if len(clients) > 1:
+        out["peers_method"] = "median over repeats of kvtier / client, the order rotating"
+    if skipped:
+        out["peers_left_out"] = skipped
+    if any(isinstance(c, LMCachePeer) for c in clients):
+        out["lmcache"] = {"version": LMCACHE_VERSION, "workers": LMCACHE_WORKERS,
+                          "batch": LMCACHE_BATCH}  # fmt: skip
     return out
 
 
@@ -302,7 +344,7 @@ def run_remote_tls(
     block_bytes: int,
     total_bytes: int = 512 << 20,
     repeats: int = 3,
-    connections: int = 2,
+    connections: int | None = None,
 ) -> dict[str, Any]:
     """What TLS costs the remote tier: a local redis-server serving a plain
     and a TLS port (certificates made for the run, a client certificate
@@ -323,8 +365,6 @@ def run_remote_tls(
     common: dict[str, Any] = {
         "namespace": "bench-tls",
         "num_threads": connections,
-        "inflight_bytes": 1 << 40,
-        "job_items": max(1, (8 << 20) // block_bytes),
     }
     tiers: dict[str, RemoteTier] = {}
     runs: dict[str, dict[str, list[float]]] = {
@@ -355,7 +395,7 @@ def run_remote_tls(
     return {
         "component": "remote-tls",
         "block_bytes": block_bytes,
-        "connections": connections,
+        "connections": tiers["plain"].num_threads,
         "store_gbps": round(med(runs["tls"]["store"]), 3),
         "load_gbps": round(med(runs["tls"]["load"]), 3),
         "baseline": {

@@ -72,6 +72,9 @@ def ratios(results: list[dict[str, Any]]) -> list[tuple[str, float, str]]:
                 rows.append((f"remote {size} {k}", v, "redis-benchmark -r"))
             for k, v in d.get("vs_redis_py", {}).items():
                 rows.append((f"remote {size} {k}", v, "redis-py + hiredis"))
+            for name, peer in d.get("peers", {}).items():
+                for k, v in peer["ratio"].items():
+                    rows.append((f"remote {size} {k}", v, name))
         elif c == "vllm":
             if "manager" in d:
                 rows.append(("vLLM manager cycles", d["manager"]["ratio"], "CPUOffloadingManager"))
