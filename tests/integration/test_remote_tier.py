@@ -413,3 +413,49 @@ def test_replay_through_host_and_remote(redis_standalone, tmp_path: Path) -> Non
     assert js["verify_failures"] == 0
     assert js["hit_blocks"]["remote"] > 0 and js["hit_blocks"]["host"] > 0
     assert js["tiers"]["remote"]["corrupt"] == 0
+
+
+def test_a_server_that_stops_answering_fails_jobs_at_the_timeout_then_recovers(
+    tmp_path: Path,
+) -> None:
+    """SIGSTOP: connections stay open and silent (a hung server, not a dead
+    one). Plain-TCP connections block in recv() with the I/O timeout as the
+    socket's own timeout: the load fails by then, never hangs, never serves
+    other bytes; after SIGCONT the same tier loads again."""
+    import signal
+
+    s = RedisServer(tmp_path)
+    try:
+        with HostPool(8, BLOCK) as pool:
+            t = RemoteTier(s.url, BLOCK, timeout_s=0.5, num_threads=2)
+            t.attach(pool)
+            assert all(store_range(t, pool, list(range(8))))
+            pool.view(0, 8)[:] = 0
+            assert s.proc is not None
+            s.proc.send_signal(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                token = t.submit_load([K(i) for i in range(8)], list(range(8)))
+                done = None
+                while done is None and time.monotonic() - t0 < 10:
+                    done = next((c for c in t.poll() if c.token == token), None)
+                    time.sleep(0.005)
+                waited = time.monotonic() - t0
+            finally:
+                s.proc.send_signal(signal.SIGCONT)
+            assert done is not None, "the load hung on a silent server"
+            assert not done.ok and done.key_ok == [False] * 8
+            assert "timed out" in done.error.lower(), done.error
+            assert 0.4 < waited < 5, waited
+            assert not pool.view(0, 8).any(), "a failed load wrote into its slots"
+            deadline = time.monotonic() + 10
+            ok: list[bool] = []
+            while not all(ok) and time.monotonic() < deadline:
+                time.sleep(0.2)
+                ok = finish(t, t.submit_load([K(i) for i in range(8)], list(range(8))))
+            assert all(ok)
+            for i in range(8):
+                assert np.array_equal(pool.view(i)[:BLOCK], content(i))
+            t.close()
+    finally:
+        s.stop()

@@ -1,10 +1,12 @@
 #include "client.h"
 
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -48,6 +50,7 @@ class Connection {
     tls_.reset();  // before the socket it writes close_notify to
     if (fd_ >= 0) ::close(fd_);
     fd_ = -1;
+    blocking_ = false;
     rpos_ = rlen_ = 0;
   }
   // Whether the last connect() failed in TLS (handshake, certificates), so
@@ -92,6 +95,7 @@ class Connection {
       int one = 1;
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
       fd_ = fd;
+      if (!ctx_) make_blocking();
       break;
     }
     ::freeaddrinfo(res);
@@ -156,7 +160,7 @@ class Connection {
       if (w < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN) {
-          if (int e = wait(POLLOUT); e != 0) return e;
+          if (int e = again(POLLOUT); e != 0) return e;
           continue;
         }
         return errno;
@@ -195,7 +199,7 @@ class Connection {
       if (n == 0) return ECONNRESET;
       if (errno == EINTR) continue;
       if (errno != EAGAIN) return errno;
-      if (int e = wait(ev); e != 0) return e;
+      if (int e = again(ev); e != 0) return e;
     }
   }
 
@@ -235,26 +239,34 @@ class Connection {
   // the socket into dst (no intermediate copy of the payload). With `crc`,
   // extends it over each piece as it lands, while the piece is still in
   // cache: a separate pass over a cold 256 KiB slot after the read cost
-  // 0.1-0.2 of a core at 2 GB/s (perf, kvtier bench remote).
-  int read_into(std::uint8_t* dst, std::size_t n, std::uint32_t* crc = nullptr) {
+  // 0.1-0.2 of a core at 2 GB/s (perf, kvtier bench remote). `tail` more
+  // bytes (a reply's closing CRLF) are read into the buffer by the same call
+  // as the last piece, so that they cost no recv of their own.
+  int read_into(std::uint8_t* dst, std::size_t n, std::uint32_t* crc = nullptr,
+                std::size_t tail = 0) {
     const std::size_t have = std::min(n, rlen_ - rpos_);
     std::memcpy(dst, rbuf_.data() + rpos_, have);
     if (crc) *crc = crc32c(dst, have, *crc);
     rpos_ += have;
     std::size_t done = have;
     constexpr std::size_t kPiece = 256 << 10;  // well inside L2
+    if (done < n && tail > 0) reserve(tail);   // the buffer is empty here
     while (done < n) {
       short ev = POLLIN;
-      ssize_t r = recv_some(dst + done, std::min(n - done, kPiece), &ev);
+      const std::size_t piece = std::min(n - done, kPiece);
+      const std::size_t extra = done + piece == n ? tail : 0;
+      ssize_t r = recv_piece(dst + done, piece, extra, &ev);
       if (r > 0) {
-        if (crc) *crc = crc32c(dst + done, static_cast<std::size_t>(r), *crc);
-        done += static_cast<std::size_t>(r);
+        const std::size_t got = std::min(static_cast<std::size_t>(r), piece);
+        if (crc) *crc = crc32c(dst + done, got, *crc);
+        done += got;
+        rlen_ += static_cast<std::size_t>(r) - got;  // tail bytes, in the buffer
         continue;
       }
       if (r == 0) return ECONNRESET;
       if (errno == EINTR) continue;
       if (errno != EAGAIN) return errno;
-      if (int e = wait(ev); e != 0) return e;
+      if (int e = again(ev); e != 0) return e;
     }
     return 0;
   }
@@ -283,6 +295,41 @@ class Connection {
       *ev = want == TlsWant::kWrite ? POLLOUT : POLLIN;
     }
     return r;
+  }
+
+  // A blocking socket with the I/O timeout as its send and receive timeouts,
+  // for plain TCP: a read that waits sleeps in recv() rather than returning
+  // EAGAIN and then waiting in poll() (two system calls and a wake-up more per
+  // wait; TLS sessions keep non-blocking sockets and poll()).
+  void make_blocking() {
+    const int fl = ::fcntl(fd_, F_GETFL);
+    if (fl < 0 || ::fcntl(fd_, F_SETFL, fl & ~O_NONBLOCK) != 0) return;  // stays non-blocking
+    timeval tv{o_.io_timeout_ms / 1000, (o_.io_timeout_ms % 1000) * 1000};
+    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    blocking_ = true;
+  }
+
+  // After EAGAIN: on a blocking socket the I/O timeout has passed; else wait
+  // for the socket to be ready.
+  int again(short events) { return blocking_ ? ETIMEDOUT : wait(events); }
+
+  // Room for n more bytes at the end of the buffer.
+  void reserve(std::size_t n) {
+    if (rpos_ == rlen_) rpos_ = rlen_ = 0;
+    if (rlen_ + n > rbuf_.size()) rbuf_.resize(rlen_ + n);
+  }
+
+  // recv_some of n bytes into dst and, on a blocking socket, of `extra` more
+  // into the buffer (reserved), waiting for all of them (MSG_WAITALL: one
+  // call per piece rather than one per segment that arrived).
+  ssize_t recv_piece(void* dst, std::size_t n, std::size_t extra, short* ev) {
+    if (!blocking_) return recv_some(dst, n, ev);
+    iovec v[2] = {{dst, n}, {rbuf_.data() + rlen_, extra}};
+    msghdr m{};
+    m.msg_iov = v;
+    m.msg_iovlen = extra > 0 ? 2 : 1;
+    return ::recvmsg(fd_, &m, MSG_WAITALL);
   }
 
   // The handshake, within the connect timeout. 0 or an errno; *msg explains.
@@ -376,6 +423,7 @@ class Connection {
   std::unique_ptr<TlsSession> tls_;  // while connected with TLS
   std::string wbuf_;                 // write_tls's gathered record
   bool tls_failed_ = false;
+  bool blocking_ = false;  // plain TCP after connect: see make_blocking
   int fd_ = -1;
   std::vector<char> rbuf_;
   std::size_t rpos_ = 0, rlen_ = 0;
@@ -676,7 +724,8 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
       disk::Trailer h;
       std::uint32_t crc = 0;
       if ((e = c->read_into(reinterpret_cast<std::uint8_t*>(&h), kHeader)) != 0) return e;
-      if ((e = c->read_into(reinterpret_cast<std::uint8_t*>(it.slot), it.payload_len, &crc)) != 0)
+      if ((e = c->read_into(reinterpret_cast<std::uint8_t*>(it.slot), it.payload_len, &crc, 2)) !=
+          0)
         return e;
       if ((e = c->skip(2)) != 0) return e;
       out[i] = disk::check_header_crc(h, crc, it.payload_len, opts_.ns, it.digest);
