@@ -228,25 +228,27 @@ class TieredOffloadingManager:
         in key order, -1 with a :class:`StreamSpec` for streamed keys."""
         self._check_open()
         keys = _check_keys(keys)
-        slots = np.empty(len(keys), np.int64)
+        slots = [-1] * len(keys)
         streamed: dict[int, list[int]] = {}  # tier -> positions in keys
+        entries = self.host.entries
         for i, k in enumerate(keys):
-            e = self.host.get(k)
+            e = entries.get(k)
             if e is not None and e.ref >= 0:
                 slots[i] = e.slot
             elif k in self._streamable:  # (a store of it may have begun since)
-                slots[i] = -1
                 streamed.setdefault(self._streamable[k], []).append(i)
             else:
                 raise InvalidArgument(f"prepare_load of a key that is not a HIT: {k.hex()[:16]}")
+        # Checked first, pinned after: a refused call changes nothing.
         loaded_from = self.stats.loaded_from
-        for i, k in enumerate(keys):
-            source = self.host.pin(k) if slots[i] >= 0 else self.lower[self._streamable[k]].name
+        for k, slot in zip(keys, slots):
+            source = self.host.pin(k) if slot >= 0 else self.lower[self._streamable[k]].name
             loaded_from[source] = loaded_from.get(source, 0) + 1
         self.stats.loads += len(keys)
         if not streamed:
-            return HostSpec(slots)
-        return HostSpec(slots, self._pin_streams(keys, streamed, _req_id(req_context)))
+            return HostSpec(np.asarray(slots, np.int64))
+        stream = self._pin_streams(keys, streamed, _req_id(req_context))
+        return HostSpec(np.asarray(slots, np.int64), stream)
 
     def _pin_streams(
         self, keys: list[bytes], streamed: dict[int, list[int]], req: Any
@@ -323,11 +325,14 @@ class TieredOffloadingManager:
             else ([], [])
         )
         slots, evicted = got if got is not None else ([], [])
+        if len(slots) == len(to_store):  # all fit (the common case: no copies of lists)
+            for k, s in zip(to_store, slots):
+                self.host.add_writing(k, s)
+            self._removed(evicted)
+            return PrepareStoreResult(to_store, HostSpec(np.asarray(slots, np.int64)), evicted)
         host_keys, rest = to_store[: len(slots)], to_store[len(slots) :]
         streamed, stream = (
-            self._reserve_writes(rest, len(host_keys))
-            if rest and self.streaming_stores
-            else ([], None)
+            self._reserve_writes(rest, len(host_keys)) if self.streaming_stores else ([], None)
         )
         if len(host_keys) + len(streamed) < len(to_store):
             self.stats.allocation_failures += 1
