@@ -237,15 +237,20 @@ def test_without_promotion_every_disk_hit_streams(setup) -> None:  # type: ignor
 
 
 def test_redis_hits_and_stores_stream_too(redis_standalone) -> None:  # type: ignore[no-untyped-def]
-    """A Redis tier under a 4-slot host tier: offered blocks that find no
-    host slot are written to Redis by the worker, and hits that find none
-    are read back by it, byte for byte."""
+    """A Redis tier (with worker_io) under a 4-slot host tier: offered blocks
+    that find no host slot are written to Redis by the worker, and hits that
+    find none are read back by it, byte for byte. Without worker_io the
+    tier offers no reader: a full host tier ends its hits there."""
     from kvtier.tiers.remote import RemoteTier
 
     redis_standalone.cli("FLUSHALL")
     slot = DiskTier.slot_bytes_for(BLOCK)
     pool = HostPool(4, slot)
-    remote = RemoteTier(redis_standalone.url, BLOCK, namespace="stream-test")
+    plain = RemoteTier(redis_standalone.url, BLOCK, namespace="x")
+    plain.attach(pool)
+    assert plain.reader_spec() is None
+    plain.close()
+    remote = RemoteTier(redis_standalone.url, BLOCK, namespace="stream-test", worker_io=True)
     m = TieredOffloadingManager(HostTier(pool, 4), [remote], streaming=True, streaming_stores=True)
     kv = np.zeros((10, BLOCK), np.uint8)
     for b in range(10):

@@ -14,13 +14,18 @@ std::size_t record_bytes(std::size_t payload_len) {
 
 Trailer make_header(const std::uint8_t* payload, std::size_t payload_len, const Digest& ns,
                     const Digest& key) {
+  return make_header_crc(crc32c(payload, payload_len), payload_len, ns, key);
+}
+
+Trailer make_header_crc(std::uint32_t payload_crc, std::size_t payload_len, const Digest& ns,
+                        const Digest& key) {
   Trailer t{};
   t.magic = kMagic;
   t.version = kVersion;
   t.payload_len = payload_len;
   std::memcpy(t.ns, ns.b, 16);
   std::memcpy(t.key, key.b, 16);
-  t.payload_crc = crc32c(payload, payload_len);
+  t.payload_crc = payload_crc;
   t.trailer_crc = crc32c(&t, offsetof(Trailer, trailer_crc));
   return t;
 }

@@ -39,9 +39,13 @@ std::size_t record_bytes(std::size_t payload_len);
 // Byte offset of the trailer inside a record (payload rounded up to 4 KiB).
 std::size_t trailer_offset(std::size_t payload_len);
 
-// The same 64-byte header guards remote values (sent before the payload).
+// The same 64 bytes guard remote values (sent after the payload, so that a
+// sender can checksum a large value piece by piece as it sends it).
 Trailer make_header(const std::uint8_t* payload, std::size_t payload_len, const Digest& ns,
                     const Digest& key);
+// The same, given the payload's crc32c.
+Trailer make_header_crc(std::uint32_t payload_crc, std::size_t payload_len, const Digest& ns,
+                        const Digest& key);
 // 0, or ItemStatus kBadTrailer / kWrongKey / kBadChecksum (codes.h).
 std::int32_t check_header(const Trailer& t, const std::uint8_t* payload, std::size_t payload_len,
                           const Digest& ns, const Digest& key);

@@ -624,8 +624,12 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
   // windows (64 x 256 KiB) a value went cold in the socket buffers before
   // either side copied it, and loads ran at 1.4 GB/s; with 512 KiB windows at
   // 1.9 (kvtier bench remote, 256 KiB values, same run).
+  // (see below: large values go one at a time)
+  const bool overlap = kind == Kind::kExists || kHeader + items[idx[0]].payload_len < (32u << 10);
   std::size_t w = opts_.pipeline;
-  if (kind != Kind::kExists) {
+  if (!overlap) {
+    w = 1;
+  } else if (kind != Kind::kExists) {
     const std::uint64_t value = kHeader + items[idx[0]].payload_len;
     w = static_cast<std::size_t>(
         std::clamp<std::uint64_t>(opts_.window_bytes / value, 1, opts_.pipeline));
@@ -653,11 +657,28 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
         win->heads.push_back((opts_.ttl_ms ? "*5\r\n" : "*3\r\n") + std::string("$3\r\nSET\r\n$") +
                              std::to_string(it.key.size()) + "\r\n" + it.key + "\r\n$" +
                              std::to_string(vlen) + "\r\n");
-        win->hdrs.push_back(disk::make_header(reinterpret_cast<const std::uint8_t*>(it.slot),
-                                              it.payload_len, opts_.ns, it.digest));
         win->iov.push_back({win->heads.back().data(), win->heads.back().size()});
+        // The value is the payload then its 64-byte header, so that a large
+        // payload (alone in its window) is checksummed a piece at a time just
+        // before the kernel copies that piece to the socket, from cache: with
+        // the header first, a 2 MiB payload was read once by crc32c and again
+        // cold by the copy (perf of kvtier bench remote: the send copy took
+        // 44% of the client's time against 26% at 256 KiB).
+        auto* payload = reinterpret_cast<std::uint8_t*>(it.slot);
+        std::uint32_t crc = 0;
+        constexpr std::size_t kSendPiece = 256 << 10;
+        for (std::size_t off = 0; off < it.payload_len; off += kSendPiece) {
+          const std::size_t n = std::min(kSendPiece, it.payload_len - off);
+          crc = crc32c(payload + off, n, crc);
+          win->iov.push_back({payload + off, n});
+          if (off + n < it.payload_len) {  // the last piece goes with the header
+            if (int e = c->writev_all(win->iov.data(), static_cast<int>(win->iov.size())); e != 0)
+              return e;
+            win->iov.clear();
+          }
+        }
+        win->hdrs.push_back(disk::make_header_crc(crc, it.payload_len, opts_.ns, it.digest));
         win->iov.push_back({&win->hdrs.back(), kHeader});
-        win->iov.push_back({reinterpret_cast<void*>(it.slot), it.payload_len});
         if (opts_.ttl_ms) {
           win->heads.push_back("\r\n$2\r\nPX\r\n$" + std::to_string(ttl.size()) + "\r\n" + ttl +
                                "\r\n");
@@ -703,7 +724,7 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
       }
       // GET: parse "$len\r\n" without pulling the payload through the buffer.
       std::string line;
-      if ((e = c->read_line(&line, 32 + kHeader)) != 0) return e;
+      if ((e = c->read_line(&line, 32)) != 0) return e;
       if (line.empty()) return EPROTO;
       if (line[0] == '-') {
         if (!redirect(i, line)) out[i] = item_code(ItemStatus::kServerError);
@@ -723,10 +744,10 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
       }
       disk::Trailer h;
       std::uint32_t crc = 0;
-      if ((e = c->read_into(reinterpret_cast<std::uint8_t*>(&h), kHeader)) != 0) return e;
-      if ((e = c->read_into(reinterpret_cast<std::uint8_t*>(it.slot), it.payload_len, &crc, 2)) !=
-          0)
+      if ((e = c->read_into(reinterpret_cast<std::uint8_t*>(it.slot), it.payload_len, &crc,
+                            kHeader + 2)) != 0)
         return e;
+      if ((e = c->read_into(reinterpret_cast<std::uint8_t*>(&h), kHeader)) != 0) return e;
       if ((e = c->skip(2)) != 0) return e;
       out[i] = disk::check_header_crc(h, crc, it.payload_len, opts_.ns, it.digest);
     }
@@ -734,13 +755,24 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
   };
   // Two windows in flight: the next window's commands are written before the
   // current one's replies are read, so the server never waits for a round
-  // trip between windows.
+  // trip between windows. Except for large values (32 KiB and more,
+  // Redis's PROTO_MBULK_BIG_ARG), which go one at a time per connection and
+  // get their concurrency from more connections (perf of redis-server 7.0
+  // under `kvtier bench remote`): a value is made out of the server's read
+  // buffer without a copy only when that buffer holds nothing past it, and
+  // with a second SET queued behind it the server reads both at once and
+  // copies (createStringObject's memcpy: 15% of the server's time at 256 KiB,
+  // against 7% with one SET in flight); a second GET queued makes it build
+  // both replies at once (its CPU per GB loaded at 2 MiB: 0.29-0.35 s with
+  // one GET in flight per connection, against 0.35-0.47 with two).
   Window bufs[2];
   std::size_t k = 0;
   int e = write_window(0, &bufs[0]);
   for (std::size_t start = 0, n = 0; e == 0 && start < idx.size(); start += w, ++n) {
-    if (start + w < idx.size()) e = write_window(start + w, &bufs[(n + 1) % 2]);
+    const bool more = start + w < idx.size();
+    if (overlap && more) e = write_window(start + w, &bufs[(n + 1) % 2]);
     if (e == 0) e = read_window(std::min(idx.size(), start + w), &k);
+    if (!overlap && more && e == 0) e = write_window(start + w, &bufs[(n + 1) % 2]);
   }
   if (e != 0) {
     // The connection is in an unknown state: drop it; everything not yet

@@ -146,6 +146,7 @@ class RemoteTier(JobTier):
         negative_ttl_s: float = 1.0,
         known_ttl_s: float = 2.0,
         known_capacity: int = 1 << 20,
+        worker_io: bool = False,
         tls_ca_file: str | None = None,
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
@@ -202,11 +203,19 @@ class RemoteTier(JobTier):
             )) from None  # fmt: skip
         self.num_threads = num_threads or default_connections()
         self.engine = Engine(self.num_threads, [(inflight_bytes, False)])
+        self.inflight_bytes = inflight_bytes
+        self._value_bytes = block_bytes + int(_native.REMOTE_HEADER_BYTES)
         self.job_items = job_items
         self.gate = WriteGate(admit_after, write_budget_bps)
         self.negative_ttl_s = negative_ttl_s
         self.known_ttl_s = known_ttl_s
         self.known_capacity = known_capacity
+        # Off by default: vLLM's offloading worker cannot report a failed
+        # transfer (it asserts success), and a Redis value can vanish between
+        # the existence check and a worker's read (maxmemory eviction, TTL),
+        # or a worker's write can meet a server that went away. Promotion
+        # checks the bytes into the host tier before the engine hears HIT.
+        self.worker_io = worker_io
         # digest -> (exists, when), oldest first: what live requests learnt
         # (an EXISTS answer between a lookup's RETRY and its repeat, a store
         # or load that just ended), kept known_ttl_s (absent: negative_ttl_s)
@@ -289,6 +298,14 @@ class RemoteTier(JobTier):
 
     def _start(self, kind: str, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
         self._check(keys, slots)
+        used = self.engine.in_flight_bytes() if self.pool is not None else 0
+        if used and used + len(keys) * self._value_bytes > self.inflight_bytes:
+            # Busy as a whole rather than part way: the batch's jobs (one per
+            # connection) would otherwise meet the byte budget after some of
+            # them and end the rest with BUSY. Alone, a batch goes (in part).
+            if kind == "store":
+                self.counters["busy_drops"] += len(keys)
+            return None
         digs = [key_digest(k) for k in keys]
         batch = self.jobs.batch(
             kind, 0 if self.pool is None else len(keys), keys=list(keys), digs=digs
@@ -315,8 +332,9 @@ class RemoteTier(JobTier):
 
     # -- I/O by another process (an engine worker streaming blocks) -------------
     def reader_spec(self) -> dict[str, Any] | None:
-        """What a :class:`RemoteIO` in another process needs (None without data)."""
-        if getattr(self, "pool", None) is None:
+        """What a :class:`RemoteIO` in another process needs (None without
+        data, or unless built with ``worker_io``)."""
+        if not self.worker_io or getattr(self, "pool", None) is None:
             return None
         return {"kind": "remote", "args": self._store_args, "block_bytes": self.block_bytes,
                 "prefix": self._prefix, "timeout_s": self.timeout_s}  # fmt: skip
@@ -420,7 +438,12 @@ class RemoteTier(JobTier):
         count_moved(self.counters, kind, len(done), self.block_bytes)
         if kind == "store" and done:
             self._events.append(TierEvent(done, self.name, removed=False))
-        return TierCompletion(b.token, all(ok), kind, keys, key_ok=ok)
+        # What a connection failed with (positive codes are errnos), once each.
+        error = "; ".join(
+            f"{errno.errorcode.get(c, str(c))}: {os.strerror(c)}"
+            for c in sorted({int(c) for c in items if c > 0})
+        )
+        return TierCompletion(b.token, all(ok), kind, keys, error=error, key_ok=ok)
 
     def has_pending_work(self) -> bool:
         return self.jobs.busy() or bool(self._exists_queue)
