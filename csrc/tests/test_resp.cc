@@ -72,8 +72,8 @@ TEST(Tls, ContextErrorsNameTheFileAndTheReason) {
   const kvtier::Error missing_ca = tls_context_error(o);
   EXPECT_EQ(missing_ca.code(), kvtier::StatusCode::kTls);
 #if KVTIER_TEST_SSL
-  EXPECT_EQ(std::string(missing_ca.what()).rfind("cannot load TLS CA file /nonexistent/ca.pem: ", 0),
-            0u)
+  EXPECT_EQ(
+      std::string(missing_ca.what()).rfind("cannot load TLS CA file /nonexistent/ca.pem: ", 0), 0u)
       << missing_ca.what();
   rm::TlsOptions key_only;
   key_only.key_file = "/nonexistent/key.pem";
