@@ -72,6 +72,11 @@ class PrepareStoreResult:
 
 OffloadEvent = TierEvent
 
+EAGER_PROMOTE = 16
+"""Promotions a lookup queues for one tier before it starts them itself,
+rather than waiting for the step to end: a long prefix's first reads then
+overlap the rest of its scan (the engine scans a prefix key by key)."""
+
 
 @dataclass
 class _Stats:
@@ -147,6 +152,7 @@ class TieredOffloadingManager:
         self._events: list[TierEvent] = []
         self._cascade: list[list[bytes]] = [[] for _ in self.lower]
         self._promote: list[list[bytes]] = [[] for _ in self.lower]
+        self._promote_busy: set[int] = set()  # tiers that refused a promotion this step
         self._inflight: dict[tuple[int, int], tuple[str, list[bytes], list[int]]] = {}
         self._stale: set[int] = set()  # slots freed by reset, still under a GPU job
         # Keys some lookup reported HIT or HIT_PENDING since the last step end:
@@ -212,7 +218,10 @@ class TieredOffloadingManager:
             (slot,), evicted = got
             self._removed(evicted)
             self.host.add_writing(key, slot, source=tier.name)
-            self._promote[i].append(key)
+            queue = self._promote[i]
+            queue.append(key)
+            if len(queue) >= EAGER_PROMOTE and i not in self._promote_busy:
+                self._submit_promotions(i)
             return LookupResult.HIT_PENDING
         return LookupResult.MISS
 
@@ -510,15 +519,23 @@ class TieredOffloadingManager:
                 else:
                     self._inflight[(i, token)] = ("store", keys, slots)
                     self.stats.cascades += len(keys)
-            pbatch = self._promote[i]
-            live_p = [k for k in pbatch if k in self.host.entries]
-            if live_p:
-                slots = [self.host.entries[k].slot for k in live_p]
-                token = tier.submit_load(live_p, slots)
-                if token is None:
-                    continue  # busy: keep the batch for the next step
-                self._inflight[(i, token)] = ("load", live_p, slots)
-            self._promote[i] = []
+            self._submit_promotions(i)
+        self._promote_busy.clear()
+
+    def _submit_promotions(self, i: int) -> None:
+        """Start the promotions queued for tier ``i``: at step end, or from a
+        lookup once :data:`EAGER_PROMOTE` are queued. Under backpressure
+        they stay queued (and lookups stop trying until the step ends)."""
+        entries = self.host.entries
+        live = [k for k in self._promote[i] if k in entries]
+        if live:
+            slots = [entries[k].slot for k in live]
+            token = self.lower[i].submit_load(live, slots)
+            if token is None:
+                self._promote_busy.add(i)
+                return
+            self._inflight[(i, token)] = ("load", live, slots)
+        self._promote[i] = []
 
     def _poll_tiers(self) -> None:
         for i, tier in enumerate(self.lower):
