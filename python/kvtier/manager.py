@@ -4,7 +4,8 @@
 Who calls: the engine's scheduler, one thread, holding :attr:`lock` for the
 whole scheduling step (vLLM does; the manager never takes it itself). No call
 blocks: lower-tier I/O is batched per step and submitted in
-:meth:`on_schedule_end`, which also drains every tier's completions.
+:meth:`on_schedule_end`, which also drains every tier's completions (a lookup
+also submits promotions once :data:`EAGER_PROMOTE` are queued for a tier).
 
 Reference counts of host blocks: -1 while written (GPU store or promotion in
 flight), 0 ready and evictable, > 0 pinned by loads. A host block also stays
