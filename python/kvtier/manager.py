@@ -4,7 +4,8 @@
 Who calls: the engine's scheduler, one thread, holding :attr:`lock` for the
 whole scheduling step (vLLM does; the manager never takes it itself). No call
 blocks: lower-tier I/O is batched per step and submitted in
-:meth:`on_schedule_end`, which also drains every tier's completions.
+:meth:`on_schedule_end`, which also drains every tier's completions (a lookup
+also submits promotions once :data:`EAGER_PROMOTE` are queued for a tier).
 
 Reference counts of host blocks: -1 while written (GPU store or promotion in
 flight), 0 ready and evictable, > 0 pinned by loads. A host block also stays
@@ -71,6 +72,11 @@ class PrepareStoreResult:
 
 
 OffloadEvent = TierEvent
+
+EAGER_PROMOTE = 16
+"""Promotions a lookup queues for one tier before it starts them itself,
+rather than waiting for the step to end: a long prefix's first reads then
+overlap the rest of its scan (the engine scans a prefix key by key)."""
 
 
 @dataclass
@@ -147,6 +153,7 @@ class TieredOffloadingManager:
         self._events: list[TierEvent] = []
         self._cascade: list[list[bytes]] = [[] for _ in self.lower]
         self._promote: list[list[bytes]] = [[] for _ in self.lower]
+        self._promote_busy: set[int] = set()  # tiers that refused a promotion this step
         self._inflight: dict[tuple[int, int], tuple[str, list[bytes], list[int]]] = {}
         self._stale: set[int] = set()  # slots freed by reset, still under a GPU job
         # Keys some lookup reported HIT or HIT_PENDING since the last step end:
@@ -212,7 +219,10 @@ class TieredOffloadingManager:
             (slot,), evicted = got
             self._removed(evicted)
             self.host.add_writing(key, slot, source=tier.name)
-            self._promote[i].append(key)
+            queue = self._promote[i]
+            queue.append(key)
+            if len(queue) >= EAGER_PROMOTE and i not in self._promote_busy:
+                self._submit_promotions(i)
             return LookupResult.HIT_PENDING
         return LookupResult.MISS
 
@@ -510,15 +520,23 @@ class TieredOffloadingManager:
                 else:
                     self._inflight[(i, token)] = ("store", keys, slots)
                     self.stats.cascades += len(keys)
-            pbatch = self._promote[i]
-            live_p = [k for k in pbatch if k in self.host.entries]
-            if live_p:
-                slots = [self.host.entries[k].slot for k in live_p]
-                token = tier.submit_load(live_p, slots)
-                if token is None:
-                    continue  # busy: keep the batch for the next step
-                self._inflight[(i, token)] = ("load", live_p, slots)
-            self._promote[i] = []
+            self._submit_promotions(i)
+        self._promote_busy.clear()
+
+    def _submit_promotions(self, i: int) -> None:
+        """Start the promotions queued for tier ``i``: at step end, or from a
+        lookup once :data:`EAGER_PROMOTE` are queued. Under backpressure
+        they stay queued (and lookups stop trying until the step ends)."""
+        entries = self.host.entries
+        live = [k for k in self._promote[i] if k in entries]
+        if live:
+            slots = [entries[k].slot for k in live]
+            token = self.lower[i].submit_load(live, slots)
+            if token is None:
+                self._promote_busy.add(i)
+                return
+            self._inflight[(i, token)] = ("load", live, slots)
+        self._promote[i] = []
 
     def _poll_tiers(self) -> None:
         for i, tier in enumerate(self.lower):

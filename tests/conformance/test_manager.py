@@ -352,3 +352,80 @@ def test_a_lookup_sees_a_promotion_that_finished_since_the_step_end(
     m.on_schedule_end()  # submits the promotion, polls once: not done yet
     assert m.lookup(K(1)) is HIT  # the lookup polled: done, readable this step
     assert m.stats.promotions == 1
+
+
+def _long_prefix(policy: str, n: int) -> tuple[TieredOffloadingManager, MemoryTier, HostPool]:
+    """An empty 32-slot host tier over a memory tier holding keys 0..n-1."""
+    big = HostPool(32, 4096)
+    tier = MemoryTier()
+    m = make(big, policy, [tier])
+    for i in range(n):
+        tier.data[K(i)] = np.full(4096, i, np.uint8)
+    return m, tier, big
+
+
+def test_a_long_prefix_starts_its_promotions_during_the_scan(policy: str) -> None:
+    """The first EAGER_PROMOTE promotions of a scan go to the tier from the
+    lookup that queued the last of them, before the step ends; the rest at
+    the step end. A record that fails its read is a miss, never loaded."""
+    from kvtier.manager import EAGER_PROMOTE
+
+    n = EAGER_PROMOTE + 4
+    m, tier, big = _long_prefix(policy, n)
+    tier.fail_loads.add(K(3))
+    keys = [K(i) for i in range(n)]
+    try:
+        assert [m.lookup(k) for k in keys[: EAGER_PROMOTE - 1]] == [PENDING] * (EAGER_PROMOTE - 1)
+        assert tier.loading == {} and m.occupancy()["tier_jobs"] == 0
+        assert m.lookup(keys[EAGER_PROMOTE - 1]) is PENDING
+        assert sorted(tier.loading) == keys[:EAGER_PROMOTE]  # in flight, mid-scan
+        assert m.occupancy()["tier_jobs"] == 1
+        assert [m.lookup(k) for k in keys[EAGER_PROMOTE:]] == [PENDING] * 4
+        assert len(tier.loading) == EAGER_PROMOTE  # the last 4 wait for the step end
+        m.on_schedule_end()
+        assert m.occupancy()["tier_jobs"] == 0 and tier.loading == {}
+        assert [m.lookup(k) for k in keys[:3]] == [HIT] * 3
+        assert m.lookup(K(3)) is MISS  # failed its read: dropped, not a HIT
+        assert [m.lookup(k) for k in keys[4:]] == [HIT] * (n - 4)
+        assert m.stats.promotions == n - 1 and m.stats.promotion_failures == 1
+        good = keys[:3] + keys[4:]
+        spec = m.prepare_load(good)
+        for k, s in zip(good, spec.slots):
+            assert (big.view(int(s)) == k[31]).all()  # each key's own bytes
+        assert m.stats.loaded_from == {"memory": n - 1}
+        with pytest.raises(kvtier.InvalidArgument, match="not a HIT"):
+            m.prepare_load([K(3)])
+        m.complete_load(good)
+    finally:
+        m.shutdown()
+        big.close()
+
+
+def test_a_busy_tier_is_asked_once_a_step_for_eager_promotions(policy: str) -> None:
+    """A tier that refuses a promotion mid-scan is not asked again by every
+    later lookup of that step; the queued promotions go at the step end."""
+    from kvtier.manager import EAGER_PROMOTE
+
+    n = EAGER_PROMOTE + 8
+    m, tier, big = _long_prefix(policy, n)
+    asked: list[int] = []
+    submit = tier.submit_load
+
+    def counted(keys, slots):  # type: ignore[no-untyped-def]
+        asked.append(len(keys))
+        return submit(keys, slots)
+
+    tier.submit_load = counted  # type: ignore[method-assign]
+    keys = [K(i) for i in range(n)]
+    try:
+        tier.busy = True
+        assert [m.lookup(k) for k in keys] == [PENDING] * n
+        assert asked == [EAGER_PROMOTE]  # refused once, not retried per lookup
+        tier.busy = False
+        m.on_schedule_end()
+        assert asked == [EAGER_PROMOTE, n]  # everything queued, at the step end
+        assert [m.lookup(k) for k in keys] == [HIT] * n
+        assert m.stats.promotions == n
+    finally:
+        m.shutdown()
+        big.close()
