@@ -666,7 +666,7 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
         // 44% of the client's time against 26% at 256 KiB).
         auto* payload = reinterpret_cast<std::uint8_t*>(it.slot);
         std::uint32_t crc = 0;
-        constexpr std::size_t kSendPiece = 256 << 10;
+        constexpr std::size_t kSendPiece = 512 << 10;  // within one core's L2 (1 MiB here)
         for (std::size_t off = 0; off < it.payload_len; off += kSendPiece) {
           const std::size_t n = std::min(kSendPiece, it.payload_len - off);
           crc = crc32c(payload + off, n, crc);
