@@ -42,6 +42,7 @@ class Engine:
         queues: Sequence[tuple[int, bool] | tuple[int, bool, float]] = ((1 << 30, False),),
     ) -> None:
         self._engine = _native.Engine(num_threads, list(queues))
+        self._budgets = [int(q[0]) for q in queues]
         self._regions: dict[int, Any] = {}
 
     def register_pool(self, pool: HostPool | Any) -> None:
@@ -110,6 +111,10 @@ class Engine:
 
     def in_flight_bytes(self, queue: int = 0) -> int:
         return int(self._engine.in_flight_bytes(queue))
+
+    def budget(self, queue: int = 0) -> int:
+        """The bytes ``queue`` may hold in flight before submit says Busy."""
+        return self._budgets[queue]
 
     @property
     def closed(self) -> bool:

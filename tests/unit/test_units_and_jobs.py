@@ -128,3 +128,31 @@ def test_count_moved() -> None:
     assert (c["stores"], c["bytes_written"], c["loads"], c["bytes_read"], c["extra"]) == (
         3, 300, 2, 200, 0,
     )  # fmt: skip
+
+
+class _BudgetEngine(_Engine):
+    """Holds ``used`` bytes of a ``limit``-byte budget in flight."""
+
+    def __init__(self, used: int, limit: int) -> None:
+        super().__init__(capacity=100)
+        self.used, self.limit = used, limit
+
+    def in_flight_bytes(self) -> int:
+        return self.used
+
+    def budget(self) -> int:
+        return self.limit
+
+
+def test_a_batch_that_would_not_fit_the_budget_is_busy_as_a_whole() -> None:
+    eng = _BudgetEngine(used=60, limit=100)
+    jobs = TierJobs(eng, new_counters())
+    b = jobs.batch("store", 10, keys=["k"] * 10)
+    assert not jobs.submit(b, 2, eng.submit, item_bytes=5)  # 60 + 50 > 100: nothing queued
+    assert eng.next_id == 0 and not jobs.in_flight()
+    assert jobs.submit(b, 2, eng.submit, item_bytes=4)  # 60 + 40 fits: five jobs
+    assert eng.next_id == 5
+    eng.used = 0  # alone, a batch goes whatever its size (part way Busy stays possible)
+    alone = jobs.batch("store", 10, keys=["k"] * 10)
+    assert jobs.submit(alone, 2, eng.submit, item_bytes=1000)
+    assert eng.next_id == 10

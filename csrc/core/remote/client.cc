@@ -240,8 +240,9 @@ class Connection {
   // extends it over each piece as it lands, while the piece is still in
   // cache: a separate pass over a cold 256 KiB slot after the read cost
   // 0.1-0.2 of a core at 2 GB/s (perf, kvtier bench remote). `tail` more
-  // bytes (a reply's closing CRLF) are read into the buffer by the same call
-  // as the last piece, so that they cost no recv of their own.
+  // bytes (what follows the payload: a value's header and the reply's CRLF)
+  // are read into the buffer by the same call as the last piece, so that
+  // they cost no recv of their own.
   int read_into(std::uint8_t* dst, std::size_t n, std::uint32_t* crc = nullptr,
                 std::size_t tail = 0) {
     const std::size_t have = std::min(n, rlen_ - rpos_);
@@ -623,8 +624,8 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
   // Values are pipelined in windows of about window_bytes: with 16 MiB
   // windows (64 x 256 KiB) a value went cold in the socket buffers before
   // either side copied it, and loads ran at 1.4 GB/s; with 512 KiB windows at
-  // 1.9 (kvtier bench remote, 256 KiB values, same run).
-  // (see below: large values go one at a time)
+  // 1.9 (kvtier bench remote, 256 KiB values, same run). Large values go
+  // one at a time (`overlap` false: see the loop at the end).
   const bool overlap = kind == Kind::kExists || kHeader + items[idx[0]].payload_len < (32u << 10);
   std::size_t w = opts_.pipeline;
   if (!overlap) {

@@ -684,7 +684,7 @@ class DiskTier(JobTier):
             end = first + count
             return int(disk.submit_disk(self.store, write, arr[first:end], keys[first:end], 0))
 
-        return self.jobs.submit(batch, per, submit_one)
+        return self.jobs.submit(batch, per, submit_one, self.record_bytes)
 
     def _launch(
         self,

@@ -106,16 +106,30 @@ class TierJobs:
         """A batch with nothing to submit: the next :meth:`poll` returns it."""
         self._ended.append(batch)
 
-    def submit(self, batch: Batch, per_job: int, submit_one: Callable[[int, int], int]) -> bool:
+    def submit(
+        self,
+        batch: Batch,
+        per_job: int,
+        submit_one: Callable[[int, int], int],
+        item_bytes: int = 0,
+    ) -> bool:
         """Submit ``batch``'s items as jobs of at most ``per_job`` items each.
 
         ``submit_one(first, count)`` queues items ``[first, first + count)``
         and returns the engine's job id, or raises :class:`kvtier.Busy`. When
         Busy comes before any job, nothing is queued and this returns False
         (the tier undoes its bookkeeping); after some jobs, the remaining items
-        end with ``ItemStatus.BUSY`` and the batch goes on. A batch of no items ends at once.
-        Never blocks.
+        end with ``ItemStatus.BUSY`` and the batch goes on. With
+        ``item_bytes`` (what one item counts against the engine's budget), a
+        batch that would not fit beside the jobs in flight is Busy as a whole
+        first: a batch spread over every worker thread would otherwise meet
+        the budget part way (alone, a batch still goes, in part if need be).
+        A batch of no items ends at once. Never blocks.
         """
+        if item_bytes and self.engine is not None:
+            used = self.engine.in_flight_bytes()
+            if used and used + batch.n * item_bytes > self.engine.budget():
+                return False
         per_job = max(1, per_job)
         for first in range(0, batch.n, per_job):
             count = min(per_job, batch.n - first)

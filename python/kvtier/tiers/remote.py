@@ -212,7 +212,6 @@ class RemoteTier(JobTier):
             )) from None  # fmt: skip
         self.num_threads = num_threads or default_connections()
         self.engine = Engine(self.num_threads, [(inflight_bytes, False)])
-        self.inflight_bytes = inflight_bytes
         self._value_bytes = block_bytes + int(_native.REMOTE_HEADER_BYTES)
         self.job_items = job_items
         self.gate = WriteGate(admit_after, write_budget_bps)
@@ -303,18 +302,10 @@ class RemoteTier(JobTier):
                 )
             )  # fmt: skip
 
-        return self.jobs.submit(batch, per_job, submit_one)
+        return self.jobs.submit(batch, per_job, submit_one, self._value_bytes)
 
     def _start(self, kind: str, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
         self._check(keys, slots)
-        used = self.engine.in_flight_bytes() if self.pool is not None else 0
-        if used and used + len(keys) * self._value_bytes > self.inflight_bytes:
-            # Busy as a whole rather than part way: the batch's jobs (one per
-            # connection) would otherwise meet the byte budget after some of
-            # them and end the rest with BUSY. Alone, a batch goes (in part).
-            if kind == "store":
-                self.counters["busy_drops"] += len(keys)
-            return None
         digs = [key_digest(k) for k in keys]
         batch = self.jobs.batch(
             kind, 0 if self.pool is None else len(keys), keys=list(keys), digs=digs
