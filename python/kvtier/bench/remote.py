@@ -207,11 +207,20 @@ def run_remote(
         def close(self) -> None:
             pass
 
+    # Every client moves bytes from and to the same kind of memory: a host
+    # pool's shared memory, as an engine's host tier. (numpy's own buffers
+    # get transparent huge pages here and shared memory does not, which
+    # changes what the copies into and out of the kernel cost.)
+    peer_pools: list[HostPool] = []
+
+    def peer_slots() -> np.ndarray:
+        peer_pools.append(HostPool(slots, block_bytes))
+        return peer_pools[-1].view(0, slots)
+
     clients: list[Any] = [Kvtier()]
     if plain and not cfg["cluster"]:
         try:
-            clients.append(RedisPyPeer(host, port, password, SlotBuffer(
-                np.empty((slots, block_bytes), np.uint8), seed=1), n))  # fmt: skip
+            clients.append(RedisPyPeer(host, port, password, SlotBuffer(peer_slots(), seed=1), n))
         except ImportError:
             skipped["redis-py"] = "redis-py is not installed"
         for peer in peers:
@@ -222,8 +231,9 @@ def run_remote(
                 skipped[LMCachePeer.name] = why
                 print(f"kvtier bench remote: {LMCachePeer.name} left out: {why}", file=sys.stderr)
                 continue
-            clients.append(LMCachePeer(mod, host, port, password, SlotBuffer(
-                np.empty((slots, block_bytes), np.uint8), seed=2), n))  # fmt: skip
+            clients.append(
+                LMCachePeer(mod, host, port, password, SlotBuffer(peer_slots(), seed=2), n)
+            )
     elif peers:
         skipped["peers"] = "the other clients speak plain TCP to one server only"
 
@@ -291,6 +301,8 @@ def run_remote(
             c.close()
         t.close()
         pool.close()
+        for p in peer_pools:
+            p.close()
         if server is not None:
             server.stop()
     med = statistics.median
