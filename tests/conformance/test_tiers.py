@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import kvtier
 import numpy as np
 import pytest
 from kvtier.manager import TieredOffloadingManager
@@ -178,6 +179,24 @@ def test_store_then_load_byte_for_byte(make_tier, pool: HostPool) -> None:  # ty
     assert np.array_equal(pool.view(11)[:BLOCK], want[0])
     stored = [e for e in t.take_events() if not e.removed]
     assert sorted(k for e in stored for k in e.keys) == [K(i) for i in range(4)]
+
+
+@pytest.mark.parametrize("slots", [[0, 32], [-1, 0]])
+def test_bad_slots_are_refused_before_anything_moves(
+    make_tier, pool: HostPool, slots: list[int]
+) -> None:  # type: ignore[no-untyped-def]
+    t = make_tier().tier
+    t.attach(pool)
+    bad = slots[0] if slots[0] < 0 else slots[1]
+    for submit in (t.submit_store, t.submit_load):
+        with pytest.raises(
+            kvtier.InvalidArgument, match=rf"^host slot {bad} out of range \[0, 32\)$"
+        ):
+            submit([K(0), K(1)], slots)
+    with pytest.raises(kvtier.InvalidArgument, match=r"^2 keys but 1 slots$"):
+        t.submit_store([K(0), K(1)], [0])
+    assert t.poll() == [] and t.take_events() == []
+    assert look(t, K(0)) is MISS
 
 
 def test_load_of_unknown_key_fails_that_key_only(make_tier, pool: HostPool) -> None:  # type: ignore[no-untyped-def]

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.codes import ItemStatus
-from kvtier.errors import Busy, ClosedError, InvalidArgument
-from kvtier.tiers.base import LowerTier, TierEvent
+from kvtier.errors import Busy, ClosedError
+from kvtier.tiers.base import LowerTier, TierEvent, check_slots
 
 COUNTERS = ("stores", "loads", "bytes_written", "bytes_read", "busy_drops", "timeouts")
 """Counters every data-moving tier keeps (a tier adds its own to these)."""
@@ -226,16 +226,8 @@ class JobTier(LowerTier):
         ``block_bytes``."""
         if self._closed:
             raise ClosedError(f"{self.name} tier is closed")
-        if len(keys) != len(slots):
-            raise InvalidArgument(f"{len(keys)} keys but {len(slots)} slots")
-        pool = self.pool
-        if pool is None or getattr(self, "no_data", False):
-            return
-        if pool.slot_bytes < block_bytes:
-            raise InvalidArgument("host slots are smaller than the tier's blocks")
-        bad = [s for s in slots if not 0 <= s < pool.num_slots]
-        if bad:
-            raise InvalidArgument(f"host slot {bad[0]} out of range [0, {pool.num_slots})")
+        no_data = getattr(self, "no_data", False)
+        check_slots(keys, slots, None if no_data else self.pool, block_bytes)
 
     def take_events(self) -> list[TierEvent]:
         ev, self._events = self._events, []

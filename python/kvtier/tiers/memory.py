@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.policy import AdmissionFilter, make_policy
-from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent
+from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent, check_slots
 
 
 class MemoryTier(LowerTier):
@@ -53,6 +53,7 @@ class MemoryTier(LowerTier):
         return None if self.pool is None else self.pool.view(slot)
 
     def submit_store(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
+        check_slots(keys, slots, self.pool)
         if self.busy:
             return None
         token = next(self._tokens)
@@ -91,6 +92,7 @@ class MemoryTier(LowerTier):
         return True
 
     def submit_load(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
+        check_slots(keys, slots, self.pool)
         if self.busy:
             return None
         token = next(self._tokens)
