@@ -399,7 +399,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: build/bench-disk of the repo, else a temporary directory)",
     )
     o.add_argument("--queue-depth", type=int, default=32, help="disk: I/O queue depth")
-    o.add_argument("--total", default="1GiB", help="disk: bytes per run")
+    o.add_argument(
+        "--total",
+        default="1GiB",
+        help="disk: bytes per run; remote: each client stores and loads half of it per run",
+    )
     o.add_argument("--backend", default="auto", choices=["auto", "io_uring", "pread"])
     o.add_argument(
         "--trace", help="vllm: Mooncake-format JSONL trace to replay (default: synthetic)"
