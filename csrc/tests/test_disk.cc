@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/disk/io.h"
+#include "core/disk/record.h"
 #include "core/disk/store.h"
 #include "core/pool.h"
 
@@ -132,6 +133,23 @@ TEST_P(DiskTest, TrailerOutsideTheSlot) {
   store->run(false, r, items);
   EXPECT_EQ(items[1], kvtier::item_code(kvtier::ItemStatus::kBadTrailer));
   EXPECT_EQ(items[2], 0);
+}
+
+// A value's 64-byte header (Redis values, disk records) is refused when any
+// one of its bytes differs, the reserved ones included.
+TEST(RecordHeader, EveryByteIsChecked) {
+  const disk::Digest ns = digest(1), key = digest(2);
+  const disk::Trailer t = disk::make_header_crc(0x1234u, 4096, ns, key);
+  EXPECT_EQ(disk::check_header_crc(t, 0x1234u, 4096, ns, key), 0);
+  for (std::size_t i = 0; i < sizeof t; ++i) {
+    disk::Trailer u = t;
+    reinterpret_cast<std::uint8_t*>(&u)[i] ^= 0x10;
+    EXPECT_NE(disk::check_header_crc(u, 0x1234u, 4096, ns, key), 0) << "byte " << i;
+  }
+  disk::Trailer r = t;
+  r.reserved[7] = 1;
+  EXPECT_EQ(disk::check_header_crc(r, 0x1234u, 4096, ns, key),
+            kvtier::item_code(kvtier::ItemStatus::kBadTrailer));
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, DiskTest,

@@ -212,25 +212,27 @@ def test_vanished_and_corrupted_values_are_misses(
 ) -> None:
     server = request.getfixturevalue(fixture)
     client = redis.Redis(host="127.0.0.1", port=server.port)
-    with HostPool(16, BLOCK) as pool:
+    with HostPool(18, BLOCK) as pool:
         t = RemoteTier(server.url, BLOCK, namespace=str(uuid.uuid4()))
         t.attach(pool)
-        ids = list(range(8))
+        ids = list(range(9))
         assert all(store_range(t, pool, ids))
         sk = [t.server_key(K(i)) for i in ids]
+        # A value is its payload (BLOCK bytes) then a 64-byte header.
         client.delete(sk[0])  # vanished (as maxmemory eviction would)
-        client.setrange(sk[1], 5, b"\xff")  # header byte flipped
-        client.setrange(sk[2], 64 + 777, b"\x00\x01")  # payload bytes flipped
+        client.setrange(sk[1], BLOCK + 5, b"\xff")  # header byte flipped
+        client.setrange(sk[2], 777, b"\x00\x01")  # payload bytes flipped
         client.set(sk[3], client.get(sk[3])[:100])  # truncated
         client.set(sk[4], b"not a kvtier value at all")  # foreign
-        client.set(sk[5], client.get(t.server_key(K(6))))  # another key's value
-        oks = finish(t, t.submit_load([K(i) for i in ids], list(range(8, 16))))
-        assert oks == [False] * 6 + [True] * 2
-        for j in (6, 7):
-            assert np.array_equal(pool.view(8 + j)[:BLOCK], content(j))
+        client.set(sk[5], client.get(t.server_key(K(7))))  # another key's value
+        client.setrange(sk[6], BLOCK + 63, b"\x01")  # the header's last reserved byte
+        oks = finish(t, t.submit_load([K(i) for i in ids], list(range(9, 18))))
+        assert oks == [False] * 7 + [True] * 2
+        for j in (7, 8):
+            assert np.array_equal(pool.view(9 + j)[:BLOCK], content(j))
         s = t.stats()
-        assert s["load_failures"] == 6 and s["vanished"] == 1 and s["corrupt"] == 5
-        assert all(look(t, K(i)) is MISS for i in range(6))
+        assert s["load_failures"] == 7 and s["vanished"] == 1 and s["corrupt"] == 6
+        assert all(look(t, K(i)) is MISS for i in range(7))
         t.close()
 
 

@@ -34,8 +34,12 @@ namespace {
 
 std::int32_t check_meta(const Trailer& t, std::size_t payload_len, const Digest& ns,
                         const Digest& key) {
+  // The reserved bytes come after the header's crc; every writer zeroes
+  // them, so a reader that accepted anything there would let damage pass.
+  static constexpr std::uint8_t kZero[sizeof t.reserved] = {};
   if (t.magic != kMagic || t.version != kVersion ||
-      t.trailer_crc != crc32c(&t, offsetof(Trailer, trailer_crc)))
+      t.trailer_crc != crc32c(&t, offsetof(Trailer, trailer_crc)) ||
+      std::memcmp(t.reserved, kZero, sizeof kZero) != 0)
     return item_code(ItemStatus::kBadTrailer);
   if (t.payload_len != payload_len || std::memcmp(t.ns, ns.b, 16) != 0 ||
       std::memcmp(t.key, key.b, 16) != 0)
