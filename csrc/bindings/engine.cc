@@ -59,12 +59,12 @@ EngineClass bind_engine(py::module_& m) {
 
   EngineClass engine(m, "Engine");
   engine
-      .def(py::init([](std::size_t num_threads, const std::vector<py::tuple>& qs) {
+      .def(py::init([](std::size_t num_threads, const std::vector<py::tuple>& qs, int nice) {
              std::vector<QueueOptions> opts;
              for (const auto& t : qs) opts.push_back(queue_options(t));
-             return std::make_unique<Engine>(num_threads, std::move(opts));
+             return std::make_unique<Engine>(num_threads, std::move(opts), nice);
            }),
-           py::arg("num_threads"), py::arg("queues"))
+           py::arg("num_threads"), py::arg("queues"), py::arg("nice") = 0)
       .def(
           "submit_sleep",
           [](Engine& e, double seconds, std::uint64_t nbytes, const std::string& fail,
@@ -91,6 +91,7 @@ EngineClass bind_engine(py::module_& m) {
           py::arg("cancel") = false)
       .def_property_readonly("closed", &Engine::closed)
       .def_property_readonly("num_threads", &Engine::num_threads)
+      .def_property_readonly("nice", &Engine::nice)
       .def("in_flight_bytes", &Engine::in_flight_bytes, py::arg("queue") = 0)
       .def("register_region", &Engine::register_region, py::arg("address"), py::arg("nbytes"))
       .def(

@@ -74,7 +74,10 @@ struct QueueOptions {
 
 class Engine {
  public:
-  Engine(std::size_t num_threads, std::vector<QueueOptions> queues);
+  // nice: the workers' niceness (0..19; see worker_loop). Background I/O
+  // (disk and remote tiers) runs above 0 so that it never takes a core from
+  // the engine's own threads, or from a server on the same machine.
+  Engine(std::size_t num_threads, std::vector<QueueOptions> queues, int nice = 0);
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
   ~Engine();
@@ -108,6 +111,7 @@ class Engine {
   void check_ranges(const std::vector<CopyDesc>& descs) const;
 
   std::size_t num_threads() const noexcept { return threads_.size(); }
+  int nice() const noexcept { return nice_; }
   std::size_t num_queues() const noexcept { return queues_.size(); }
   std::uint64_t in_flight_bytes(std::size_t queue) const;
 
@@ -155,6 +159,7 @@ class Engine {
   bool stopping_ = false;
   bool closed_ = false;
   std::vector<std::thread> threads_;
+  int nice_ = 0;
 
   mutable std::mutex regions_mu_;
   RegionSet regions_;

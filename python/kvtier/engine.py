@@ -25,6 +25,13 @@ def crc32c(data: Any, crc: int = 0) -> int:
     return int(_native.crc32c(data, crc))
 
 
+# The niceness of the disk and remote tiers' worker threads, unless told.
+# Measured against a redis-server on the same two cores (the remote tier's
+# store and load loops, alternating niceness): see the README's "Redis and
+# Valkey" section for the figures.
+IO_NICE = 10
+
+
 class Engine:
     """Worker threads plus one or more bounded queues.
 
@@ -34,16 +41,28 @@ class Engine:
     job not finished ``deadline_s`` after submit is reported failed with
     ``timed_out`` (and ``held`` if it had started: the memory it touches stays
     in use until a later result for the same id with ``released``).
+
+    ``nice`` (0..19) is the niceness of the worker threads: the disk and
+    remote tiers run theirs at :data:`IO_NICE` so that background I/O takes a
+    core only when no thread of the engine's (or a server on the same
+    machine) wants it; host/device copies, on a request's critical path,
+    stay at 0.
     """
 
     def __init__(
         self,
         num_threads: int = 2,
         queues: Sequence[tuple[int, bool] | tuple[int, bool, float]] = ((1 << 30, False),),
+        nice: int = 0,
     ) -> None:
-        self._engine = _native.Engine(num_threads, list(queues))
+        self._engine = _native.Engine(num_threads, list(queues), nice)
         self._budgets = [int(q[0]) for q in queues]
         self._regions: dict[int, Any] = {}
+
+    @property
+    def nice(self) -> int:
+        """The worker threads' niceness."""
+        return int(self._engine.nice)
 
     def register_pool(self, pool: HostPool | Any) -> None:
         """Allow jobs to touch ``pool``'s slots (keeps the mapping alive until unregistered)."""

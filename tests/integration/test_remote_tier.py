@@ -17,6 +17,7 @@ import pytest
 import redis
 from conftest import valkey_binary
 from kvtier.bench.redis_server import RedisCluster, RedisServer, free_port
+from kvtier.engine import IO_NICE
 from kvtier.pool import HostPool
 from kvtier.tiers import LookupResult
 from kvtier.tiers.remote import RemoteTier, parse_url, redact_url
@@ -128,6 +129,18 @@ def test_wrong_password_is_a_clear_error(server: str, tmp_path: Path) -> None:
         t.close()
     finally:
         s.stop()
+
+
+def test_worker_threads_yield_the_cpu_unless_told(redis_standalone) -> None:  # type: ignore[no-untyped-def]
+    t = RemoteTier(redis_standalone.url, BLOCK, num_threads=2)
+    assert t.engine.nice == IO_NICE == 10
+    t.close()
+    t = RemoteTier(redis_standalone.url, BLOCK, num_threads=2, worker_nice=0)
+    assert t.engine.nice == 0
+    t.close()
+    # Refused before connecting: the port has no server, yet no IoError.
+    with pytest.raises(kvtier.InvalidArgument, match=r"^worker_nice must be in 0\.\.19, got 20$"):
+        RemoteTier(f"redis://127.0.0.1:{free_port()}", BLOCK, worker_nice=20)
 
 
 def test_async_lookup_retry_then_answer(redis_standalone) -> None:  # type: ignore[no-untyped-def]

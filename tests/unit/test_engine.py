@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import _thread
+import os
 import threading
 import time
 
@@ -202,6 +203,35 @@ def test_bad_engine_config() -> None:
         Engine(1, [(1 << 20, False, -1.0)])
     with pytest.raises(kvtier.InvalidArgument, match="budget_bytes, serial"):
         Engine(1, [(1 << 20, False, 1.0, 2)])  # type: ignore[list-item]
+    for nice in (-1, 20):
+        with pytest.raises(kvtier.InvalidArgument, match=rf"^nice must be in 0\.\.19, got {nice}$"):
+            Engine(1, nice=nice)
+
+
+def thread_nices() -> list[int]:
+    """The niceness of every thread of this process (field 19 of its stat)."""
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            out.append(int(f.read().rsplit(")", 1)[1].split()[16]))
+    return out
+
+
+def test_workers_run_at_the_engine_niceness_and_callers_keep_theirs() -> None:
+    before, mine = thread_nices(), os.getpriority(os.PRIO_PROCESS, 0)
+    e = Engine(3, nice=7)
+    try:
+        e.wait([e._engine.submit_sleep(0.0)])  # every worker has started by now
+        deadline = time.monotonic() + 5
+        while thread_nices().count(7) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert thread_nices().count(7) == before.count(7) + 3
+        assert e.nice == 7 and os.getpriority(os.PRIO_PROCESS, 0) == mine
+    finally:
+        e.close()
+    plain = Engine(2)
+    assert plain.nice == 0
+    plain.close()
 
 
 def test_deadline_reports_timeouts_then_release() -> None:

@@ -133,7 +133,12 @@ def redact_url(url: str) -> str:
 
 
 class RemoteTier(JobTier):
-    """Remote tier over a Redis/Valkey URL; blocks of ``block_bytes``."""
+    """Remote tier over a Redis/Valkey URL; blocks of ``block_bytes``.
+
+    ``num_threads`` connections (default :func:`default_connections`), each
+    served by one worker thread of the tier's engine, at niceness
+    ``worker_nice`` (default :data:`kvtier.engine.IO_NICE`; 0 to compete with
+    the engine's threads on equal terms)."""
 
     def __init__(
         self,
@@ -156,6 +161,7 @@ class RemoteTier(JobTier):
         known_ttl_s: float = 2.0,
         known_capacity: int = 1 << 20,
         worker_io: bool = False,
+        worker_nice: int | None = None,
         tls_ca_file: str | None = None,
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
@@ -167,8 +173,10 @@ class RemoteTier(JobTier):
             raise InvalidArgument("timeout_s, pipeline, window_bytes and job_items must be > 0")
         if not known_ttl_s > 0:
             raise InvalidArgument(f"known_ttl_s must be > 0, got {known_ttl_s}")
+        if worker_nice is not None and not 0 <= worker_nice <= 19:
+            raise InvalidArgument(f"worker_nice must be in 0..19, got {worker_nice}")
         from kvtier import _native
-        from kvtier.engine import Engine
+        from kvtier.engine import IO_NICE, Engine
 
         cfg = parse_url(url)
         tls = {"tls_ca_file": tls_ca_file, "tls_cert_file": tls_cert_file,
@@ -211,7 +219,12 @@ class RemoteTier(JobTier):
                 f"the handshake (it wants a client certificate, or refused this one): {e.strerror}"
             )) from None  # fmt: skip
         self.num_threads = num_threads or default_connections()
-        self.engine = Engine(self.num_threads, [(inflight_bytes, False)])
+        # Background I/O yields the CPU to the engine's threads and to a
+        # server on the same machine (see Engine).
+        self.engine = Engine(
+            self.num_threads, [(inflight_bytes, False)],
+            IO_NICE if worker_nice is None else worker_nice,
+        )  # fmt: skip
         self._value_bytes = block_bytes + int(_native.REMOTE_HEADER_BYTES)
         self.job_items = job_items
         self.gate = WriteGate(admit_after, write_budget_bps)
