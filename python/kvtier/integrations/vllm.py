@@ -119,6 +119,16 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
         "staging slots per worker for blocks moved straight between the engine and the disk "
         "or Redis tier when the host tier has no room (default 32; 0 turns streaming off)",
     ),
+    "kvtier_scan_wait_ms": (
+        (int, float),
+        "a request's first lookup that misses the host tier reads its prefix from the lower "
+        "tiers and waits for it, at most this long per scheduler step (default 20; 0: never "
+        "wait, hits become readable a step later)",
+    ),
+    "kvtier_scan_bytes": (
+        (int, str),
+        "at most this much read per scheduler step by such waits (default 64MiB)",
+    ),
 }
 _GAUGES = ("host_usage_perc", "host_busy", "tier_jobs")
 
@@ -158,13 +168,17 @@ def parse_extra_config(extra: dict[str, Any] | Any) -> dict[str, Any]:
         if (isinstance(value, bool) and typ is not bool) or not isinstance(value, typ):
             raise InvalidArgument(f"{key}: expected {typ}, got {value!r}")
         out[key] = value
-    for key in ("kvtier_host_bytes", "kvtier_disk_reserve", "kvtier_disk_write_budget"):
+    for key in (
+        "kvtier_host_bytes", "kvtier_disk_reserve", "kvtier_disk_write_budget", "kvtier_scan_bytes",
+    ):  # fmt: skip
         if key in out:
             out[key] = to_bytes(key, out[key])
     if "kvtier_disk_bytes" in out:
         out["kvtier_disk_bytes"] = to_capacity("kvtier_disk_bytes", out["kvtier_disk_bytes"])
     if out.get("kvtier_admit_after", 1) < 1:
         raise InvalidArgument("kvtier_admit_after: must be >= 1")
+    if out.get("kvtier_scan_wait_ms", 0) < 0:
+        raise InvalidArgument("kvtier_scan_wait_ms: must be >= 0")
     return out
 
 
@@ -388,6 +402,9 @@ class KVTierOffloadingSpec(OffloadingSpec):
                     # promotion beat streaming every hit, 1.24x against 1.43x
                     # of vLLM's prefix cache; streaming is for what has no room.
                     promote=k.get("kvtier_promote", True),
+                    scan_wait_s=k.get("kvtier_scan_wait_ms", 20) / 1000,
+                    scan_bytes=k.get("kvtier_scan_bytes", 64 << 20),
+                    key_order=following_keys,
                 ),
                 stats_path=k.get("kvtier_stats_path"),
                 shared_tiers=[t.name for t in lower],
@@ -396,6 +413,22 @@ class KVTierOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         return KVTierWorker(kv_caches, self)
+
+
+def following_keys(key: bytes, req_context: Any) -> list[bytes]:
+    """The keys of ``key``'s KV-cache group that the request looks up after
+    it, in prefix order: vLLM 0.32 and 0.33 record every key's end-token
+    position in ``ReqContext`` before they look any up (``update_offload_keys``).
+    Empty when the context has none (another vLLM, or a key not recorded)."""
+    positions = getattr(req_context, "_offload_key_positions", None)
+    at = positions.get(key) if isinstance(positions, dict) else None
+    if at is None:
+        return []
+    assert positions is not None
+    group = key[-4:]
+    after = [(p, k) for k, p in positions.items() if p > at and k[-4:] == group]
+    after.sort()
+    return [bytes(k) for _, k in after]
 
 
 class KVTierManager(OffloadingManager):
