@@ -175,6 +175,7 @@ class TieredOffloadingManager:
         scan_wait_s: float = 0.0,
         scan_bytes: int = 64 << 20,
         key_order: KeyOrder | None = None,
+        probe: bool = False,
     ) -> None:
         if not scan_wait_s >= 0 or scan_bytes < 0:
             raise InvalidArgument(
@@ -188,6 +189,7 @@ class TieredOffloadingManager:
         self.scan_wait_s = float(scan_wait_s)
         self.scan_bytes = int(scan_bytes)
         self.key_order = key_order
+        self.probe = probe
         names = [host.name] + [t.name for t in self.lower]
         if len(set(names)) != len(names):
             raise InvalidArgument(f"tier names must be unique, got {names}")
@@ -647,6 +649,17 @@ class TieredOffloadingManager:
         if self._wait_left_s <= 0 or time.monotonic() < self._no_wait_until:
             return
         picks = self._pick_reads(run)
+        if not self.probe and any(probe for _, probe, _ in picks):
+            # Existence first (one round trip of small replies), so that no
+            # slot is taken, nor block evicted, for a key no tier holds.
+            tiers = {i for i, probe, _ in picks if probe}
+            checks = {i: self.lower[i].submit_checks() for i in sorted(tiers)}
+            if not self._wait({i: [t] for i, t in checks.items() if t is not None}):
+                return
+            self._poll_tiers()
+            picks = self._pick_reads(run)
+            unknown = next((n for n, (_, probe, _) in enumerate(picks) if probe), len(picks))
+            picks = picks[:unknown]
         pool = self.host.pool
         slot_bytes = pool.slot_bytes if pool is not None else 0
         if not picks or len(picks) * slot_bytes > self._bytes_left:
@@ -678,20 +691,28 @@ class TieredOffloadingManager:
                     self.host.drop(k)
             else:
                 self._promote[i].extend(ks)  # a promotion, started at the step end
+        self._wait(waits)
+        before = self.stats.promotions
+        self._poll_tiers()
+        self.stats.scan_reads += self.stats.promotions - before
+
+    def _wait(self, waits: dict[int, list[int]]) -> bool:
+        """Wait for tier batches (tier -> tokens) within what is left of this
+        step's ``scan_wait_s``; False (and no more waiting for a while) when
+        the deadline came first."""
         if not waits:
-            return
-        start = time.monotonic()
-        deadline = start + self._wait_left_s
+            return True
+        deadline = time.monotonic() + self._wait_left_s
         self.stats.scan_waits += 1
+        done = True
         for i, tokens in waits.items():
             if not self.lower[i].wait(tokens, deadline - time.monotonic()):
                 self.stats.scan_timeouts += 1
                 self._no_wait_until = time.monotonic() + SCAN_BACKOFF_S
+                done = False
                 break
         self._wait_left_s = max(0.0, deadline - time.monotonic())
-        before = self.stats.promotions
-        self._poll_tiers()
-        self.stats.scan_reads += self.stats.promotions - before
+        return done
 
     def _pick_reads(self, run: list[bytes]) -> list[tuple[int, bool, bytes]]:
         """``(tier, probe, key)`` for the keys of ``run`` that miss the host

@@ -67,13 +67,18 @@ def fill(url: str, ns: str, ids: list[int]) -> None:
         t.close()
 
 
-@pytest.fixture
-def setup(redis_standalone: Any) -> Iterator[tuple[TieredOffloadingManager, RemoteTier, HostPool, str]]:
+Setup = tuple[TieredOffloadingManager, RemoteTier, HostPool, str]
+
+
+@pytest.fixture(params=[False, True], ids=["exists-first", "probe"])
+def setup(redis_standalone: Any, request: pytest.FixtureRequest) -> Iterator[Setup]:
+    """A manager whose remote tier never heard of the test's keys; keys it
+    does not know are checked with EXISTS first, or probed with GET."""
     ns = str(uuid.uuid4())
     pool = HostPool(16, BLOCK)
     tier = RemoteTier(redis_standalone.url, BLOCK, namespace=ns)
     m = TieredOffloadingManager(
-        HostTier(pool), [tier], scan_wait_s=10.0, key_order=following
+        HostTier(pool), [tier], scan_wait_s=10.0, key_order=following, probe=request.param
     )
     yield m, tier, pool, ns
     m.shutdown()
@@ -81,7 +86,7 @@ def setup(redis_standalone: Any) -> Iterator[tuple[TieredOffloadingManager, Remo
 
 
 def test_a_prefix_only_in_redis_is_a_hit_in_the_first_scan(
-    setup: tuple[TieredOffloadingManager, RemoteTier, HostPool, str], redis_standalone: Any
+    setup: Setup, redis_standalone: Any
 ) -> None:
     m, tier, pool, ns = setup
     fill(redis_standalone.url, ns, list(range(6)))
@@ -90,10 +95,14 @@ def test_a_prefix_only_in_redis_is_a_hit_in_the_first_scan(
     assert tier.lookup(K(0)) is RETRY  # what the scan would have met without read-ahead
     assert [m.lookup(k, ctx) for k in keys[:7]] == [HIT] * 6 + [MISS]
     s = tier.stats()
-    assert s["probes"] == 8 and s["probe_misses"] == 2 and s["loads"] == 6
-    assert s["exists_checks"] == 0 and s["load_failures"] == 0 and s["vanished"] == 0
-    assert m.stats.scan_waits == 1 and m.stats.scan_reads == 6
-    assert m.stats.probe_misses == 2 and m.stats.promotion_failures == 0
+    assert s["loads"] == 6 and s["load_failures"] == 0 and s["vanished"] == 0
+    if m.probe:  # one round trip: GETs of all 8, two nil replies
+        assert s["probes"] == 8 and s["probe_misses"] == 2 and s["exists_checks"] == 0
+        assert m.stats.scan_waits == 1 and m.stats.probe_misses == 2
+    else:  # EXISTS of all 8, then GETs of the 6 there: no slot for the others
+        assert s["probes"] == 0 and s["exists_checks"] == 8
+        assert m.stats.scan_waits == 2 and m.stats.probe_misses == 0
+    assert m.stats.scan_reads == 6 and m.stats.promotion_failures == 0
     assert m.stats.lookups == {"hit": 6, "hit_pending": 0, "retry": 0, "miss": 1}
     assert len(m.host) == 6 and m.host.free_slots == 10  # the misses' slots came back
     spec = m.prepare_load(keys[:6], ctx)
@@ -103,12 +112,14 @@ def test_a_prefix_only_in_redis_is_a_hit_in_the_first_scan(
     assert m.stats.loaded_from == {"remote": 6}
     # The next step: the host tier has them, nothing is read again.
     m.on_schedule_end()
+    waits, s = m.stats.scan_waits, tier.stats()
     assert [m.lookup(k, ctx) for k in keys[:7]] == [HIT] * 6 + [MISS]
-    assert tier.stats()["probes"] == 8 and m.stats.scan_waits == 1
+    assert m.stats.scan_waits == waits and tier.stats()["loads"] == 6
+    assert tier.stats()["probes"] == s["probes"]
 
 
 def test_corrupted_and_vanished_values_are_counted_misses(
-    setup: tuple[TieredOffloadingManager, RemoteTier, HostPool, str], redis_standalone: Any
+    setup: Setup, redis_standalone: Any
 ) -> None:
     m, tier, pool, ns = setup
     fill(redis_standalone.url, ns, list(range(8)))
@@ -134,34 +145,43 @@ def test_corrupted_and_vanished_values_are_counted_misses(
     m.complete_load([K(0)])
 
 
-def test_a_stopped_server_costs_one_bounded_wait(tmp_path: Path) -> None:
-    """SIGSTOP: the lookup's wait ends at its deadline with the reads still
-    in flight (HIT_PENDING, never HIT); the next steps do not wait again;
-    after SIGCONT the reads end and the keys are HIT with their own bytes."""
+@pytest.mark.parametrize("probe", [False, True], ids=["exists-first", "probe"])
+def test_a_stopped_server_costs_one_bounded_wait(tmp_path: Path, probe: bool) -> None:
+    """SIGSTOP: the lookup's wait ends at its deadline with the reads (or the
+    existence check) still in flight: HIT_PENDING (RETRY), never HIT; the
+    next steps do not wait again; after SIGCONT the reads end and the keys
+    are HIT with their own bytes."""
     s = RedisServer(tmp_path)
     ns = str(uuid.uuid4())
     pool = HostPool(16, BLOCK)
     tier = RemoteTier(s.url, BLOCK, namespace=ns, timeout_s=30.0)
-    m = TieredOffloadingManager(HostTier(pool), [tier], scan_wait_s=0.2, key_order=following)
+    m = TieredOffloadingManager(
+        HostTier(pool), [tier], scan_wait_s=0.2, key_order=following, probe=probe
+    )
+    waiting = PENDING if probe else RETRY
     try:
         fill(s.url, ns, list(range(4)))
         keys = [K(i) for i in range(4)]
         assert s.proc is not None
         s.proc.send_signal(signal.SIGSTOP)
         try:
-            assert [m.lookup(k, Ctx(keys)) for k in keys] == [PENDING] * 4
+            assert [m.lookup(k, Ctx(keys)) for k in keys] == [waiting] * 4
             assert m.stats.scan_timeouts == 1 and m.stats.scan_waits == 1
-            assert m.occupancy()["tier_jobs"] == 1  # the probe is still out
+            # still out: the probe (a job of the manager), or the EXISTS check
+            assert m.occupancy()["tier_jobs"] == int(probe) and tier.has_pending_work()
+            assert len(m.host) == (4 if probe else 0)
             m.on_schedule_end()
-            assert [m.lookup(k, Ctx(keys)) for k in keys] == [PENDING] * 4
+            assert [m.lookup(k, Ctx(keys)) for k in keys] == [waiting] * 4
             assert m.stats.scan_waits == 1  # backing off: no second wait
         finally:
             s.proc.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + 20
-        while m.occupancy()["tier_jobs"] and time.monotonic() < deadline:
+        got: list[LookupResult] = []
+        while got != [HIT] * 4 and time.monotonic() < deadline:
             m.on_schedule_end()
             time.sleep(0.01)
-        assert [m.lookup(k, Ctx(keys)) for k in keys] == [HIT] * 4
+            got = [m.lookup(k, Ctx(keys)) for k in keys]
+        assert got == [HIT] * 4
         spec = m.prepare_load(keys)
         for i, slot in enumerate(spec.slots):
             assert np.array_equal(pool.view(int(slot))[:BLOCK], content(i)), i

@@ -119,6 +119,12 @@ class LowerTier(ABC):
         was queued). Non-blocking."""
         return None
 
+    def submit_checks(self) -> int | None:
+        """Start now the asynchronous existence checks that lookups queued
+        (rather than at the next :meth:`poll`): a token to :meth:`wait` on,
+        or None when there is none to start. Non-blocking."""
+        return None
+
     def wait(self, tokens: Sequence[int], timeout_s: float) -> bool:
         """Block (the GIL released) until the batches ``tokens`` ended, at most
         ``timeout_s``: True if they all did. Their completions still come from

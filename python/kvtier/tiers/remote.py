@@ -377,7 +377,12 @@ class RemoteTier(JobTier):
         else:
             self.counters["io_errors"] += 1
 
-    def _check_exists(self) -> None:
+    def submit_checks(self) -> int | None:
+        if not self._exists_queue or self._closed:
+            return None
+        return self._check_exists()
+
+    def _check_exists(self) -> int | None:
         """One pipelined EXISTS batch for the keys lookups asked about since
         the last step; under backpressure they wait for the next one."""
         digs = list(self._exists_queue)
@@ -388,9 +393,10 @@ class RemoteTier(JobTier):
         )
         if not self._submit(batch, skeys, digs, np.zeros(len(digs), np.int64), _EXISTS_PER_JOB):
             self._exists_queue.update(zip(digs, skeys))
-            return
+            return None
         self._exists_inflight.update(digs)
         self.counters["exists_checks"] += len(digs)
+        return batch.token
 
     def poll(self) -> list[TierCompletion]:
         if self.known:
