@@ -649,17 +649,17 @@ class TieredOffloadingManager:
         if self._wait_left_s <= 0 or time.monotonic() < self._no_wait_until:
             return
         picks = self._pick_reads(run)
-        if not self.probe and any(probe for _, probe, _ in picks):
+        tiers = sorted({i for i, unknown, _ in picks if unknown and not self._probes(i)})
+        if tiers:
             # Existence first (one round trip of small replies), so that no
             # slot is taken, nor block evicted, for a key no tier holds.
-            tiers = {i for i, probe, _ in picks if probe}
-            checks = {i: self.lower[i].submit_checks() for i in sorted(tiers)}
+            checks = {i: self.lower[i].submit_checks() for i in tiers}
             if not self._wait({i: [t] for i, t in checks.items() if t is not None}):
                 return
             self._poll_tiers()
             picks = self._pick_reads(run)
-            unknown = next((n for n, (_, probe, _) in enumerate(picks) if probe), len(picks))
-            picks = picks[:unknown]
+            cut = (n for n, (i, unknown, _) in enumerate(picks) if unknown and not self._probes(i))
+            picks = picks[: next(cut, len(picks))]
         pool = self.host.pool
         slot_bytes = pool.slot_bytes if pool is not None else 0
         if not picks or len(picks) * slot_bytes > self._bytes_left:
@@ -714,10 +714,15 @@ class TieredOffloadingManager:
         self._wait_left_s = max(0.0, deadline - time.monotonic())
         return done
 
+    def _probes(self, tier: int) -> bool:
+        """Keys lower tier ``tier`` does not know yet are probed (rather than
+        checked first)."""
+        return self.probe and self.lower[tier].can_probe
+
     def _pick_reads(self, run: list[bytes]) -> list[tuple[int, bool, bytes]]:
-        """``(tier, probe, key)`` for the keys of ``run`` that miss the host
-        tier, in order, up to the first key no tier holds (the engine stops
-        its scan there) or one whose tier can only say RETRY."""
+        """``(tier, unknown, key)`` for the keys of ``run`` that miss the
+        host tier, in order, up to the first key no tier holds (the engine
+        stops its scan there); ``unknown``: the tier said RETRY."""
         picks: list[tuple[int, bool, bytes]] = []
         entries = self.host.entries
         for k in run:
@@ -731,7 +736,7 @@ class TieredOffloadingManager:
                     self.streaming and not self.promote and tier.reader_spec() is not None
                 ):
                     picks.append((i, False, k))
-                elif r is LookupResult.RETRY and tier.can_probe:
+                elif r is LookupResult.RETRY:
                     picks.append((i, True, k))
                 else:
                     return picks
