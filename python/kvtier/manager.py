@@ -150,13 +150,16 @@ class TieredOffloadingManager:
 
     ``scan_wait_s`` > 0: the first lookup of a request that misses the host
     tier reads that key and the request's following keys (``key_order``)
-    from the lower tiers into host slots at once, in one batch per tier:
-    keys a tier knows by a promotion, keys it does not know yet by a probe
-    (:meth:`LowerTier.submit_probe`: for Redis one GET answers "exists?" and
-    returns the bytes), up to the first key no tier holds. It then waits for
-    those reads (the GIL released) and answers from the host tier, so a
-    returning prefix is HIT in the step it is first looked up rather than
-    RETRY, then HIT_PENDING, then HIT. Bounded per scheduler step: at most
+    from the lower tiers into host slots at once, in one batch per tier, up
+    to the first key no tier holds: keys a tier knows by a promotion; keys it
+    does not know yet (RETRY) after its existence check
+    (:meth:`LowerTier.submit_checks`, waited for), or with ``probe`` by a
+    probe (:meth:`LowerTier.submit_probe`: for Redis one GET answers
+    "exists?" and brings the bytes; a new prompt's probes take host slots for
+    a moment). It then waits for those reads (the GIL released) and answers
+    from the host tier, so a returning prefix is HIT in the step it is first
+    looked up rather than RETRY, then HIT_PENDING, then HIT. Bounded per
+    scheduler step: at most
     ``scan_wait_s`` of waiting and ``scan_bytes`` read (a request whose reads
     would exceed what is left takes the asynchronous path). A HIT is given
     only for bytes in a host slot whose read was checked; a read that fails

@@ -447,7 +447,7 @@ def test_read_ahead_answers_hit_in_the_first_scan(policy: str) -> None:
     step it is first looked up, each key its own bytes; the scan stops at the
     first key no tier holds."""
     n = 6
-    m, tier, big = _long_prefix(policy, n)
+    m, _, big = _long_prefix(policy, n)
     keys = [K(i) for i in range(n + 2)]  # the last two are nowhere
     m.scan_wait_s, m._wait_left_s = 5.0, 5.0
     m.key_order = _in_order(keys)
@@ -486,7 +486,7 @@ def test_read_ahead_is_bounded_by_the_step_budget(policy: str) -> None:
     """A request whose reads exceed what is left of the step's bytes takes
     the asynchronous path (HIT_PENDING, HIT after the step end); the budget
     comes back at the step end."""
-    m, tier, big = _long_prefix(policy, 6)
+    m, _, big = _long_prefix(policy, 6)
     keys = [K(i) for i in range(6)]
     m.scan_wait_s, m._wait_left_s = 5.0, 5.0
     m.scan_bytes = m._bytes_left = 5 * big.slot_bytes

@@ -145,6 +145,8 @@ KVTIER_METRICS = {
     "vllm:kv_offload_kvtier_cascades": "Blocks copied from the host tier to lower tiers.",
     "vllm:kv_offload_kvtier_cascades_dropped": "Cascades dropped under backpressure.",
     "vllm:kv_offload_kvtier_allocation_failures": "Stores or promotions refused for lack of room.",
+    "vllm:kv_offload_kvtier_scan_reads": "Blocks read ahead by a lookup and readable in its step.",
+    "vllm:kv_offload_kvtier_scan_timeouts": "Read-ahead waits cut short by their deadline.",
 }
 
 
@@ -559,6 +561,8 @@ class KVTierManager(OffloadingManager):
             "cascades": s.cascades,
             "cascades_dropped": s.cascades_dropped,
             "allocation_failures": s.allocation_failures,
+            "scan_reads": s.scan_reads,
+            "scan_timeouts": s.scan_timeouts,
             **{f"loaded_{t}": s.loaded_from.get(t, 0) for t in ("host", "disk", "remote")},
         }
         for name, value in counters.items():

@@ -97,7 +97,9 @@ class StagedTier(LowerTier):
         return self._submit(False, keys, slots)
 
     def submit_checks(self) -> int | None:
-        subs = [(i, tok) for i, t in enumerate(self.tiers) if (tok := t.submit_checks()) is not None]
+        subs = [
+            (i, tok) for i, t in enumerate(self.tiers) if (tok := t.submit_checks()) is not None
+        ]
         if not subs:
             return None
         token = next(self._tokens)
