@@ -143,6 +143,12 @@ def test_following_keys_come_from_vllm_req_context_in_prefix_order() -> None:
     assert following_keys(bytes(K(1)), ctx) == [K(2), K(3), K(4)]
     assert following_keys(K(3), ctx) == [K(4)] and following_keys(K(4), ctx) == []
     assert following_keys(K(7), ctx) == [] and following_keys(K(1), object()) == []
+    # Sorted once per request (kept on its context), again when vLLM adds keys.
+    from kvtier.integrations.vllm import _PrefixOrder
+
+    assert ctx.get_state(_PrefixOrder) is not None
+    ctx.set_offload_key_position(K(5), 160)
+    assert following_keys(K(3), ctx) == [K(4), K(5)]
 
 
 def test_manager_semantics_through_vllm_types() -> None:

@@ -425,20 +425,36 @@ class KVTierOffloadingSpec(OffloadingSpec):
         return KVTierWorker(kv_caches, self)
 
 
+class _PrefixOrder:
+    """A request's keys in prefix order, per KV-cache group, kept on its
+    ReqContext (``set_state``) until vLLM records more keys: sorting them
+    again for every lookup of a long prompt would cost milliseconds."""
+
+    def __init__(self, positions: dict[Any, int]) -> None:
+        self.count = len(positions)
+        self.groups: dict[bytes, list[bytes]] = {}
+        self.index: dict[bytes, int] = {}
+        for k, _ in sorted(positions.items(), key=lambda kv: kv[1]):
+            keys = self.groups.setdefault(k[-4:], [])
+            self.index[k] = len(keys)
+            keys.append(k)
+
+
 def following_keys(key: bytes, req_context: Any) -> list[bytes]:
     """The keys of ``key``'s KV-cache group that the request looks up after
     it, in prefix order: vLLM 0.32 and 0.33 record every key's end-token
     position in ``ReqContext`` before they look any up (``update_offload_keys``).
     Empty when the context has none (another vLLM, or a key not recorded)."""
     positions = getattr(req_context, "_offload_key_positions", None)
-    at = positions.get(key) if isinstance(positions, dict) else None
-    if at is None:
+    if not isinstance(positions, dict) or key not in positions:
         return []
-    assert positions is not None
-    group = key[-4:]
-    after = [(p, k) for k, p in positions.items() if p > at and k[-4:] == group]
-    after.sort()
-    return [bytes(k) for _, k in after]
+    get_state = getattr(req_context, "get_state", None)
+    order = get_state(_PrefixOrder) if get_state is not None else None
+    if order is None or order.count != len(positions):
+        order = _PrefixOrder(positions)
+        if get_state is not None:
+            req_context.set_state(order)
+    return order.groups[key[-4:]][order.index[key] + 1 :]
 
 
 class KVTierManager(OffloadingManager):
