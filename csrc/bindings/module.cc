@@ -1,5 +1,6 @@
 // kvtier._native: the only pybind11 code of kvtier, one file per area of the
 // core; this one assembles the module and holds the helpers they share.
+#include <algorithm>
 #include <cstring>
 
 #include "../core/copy/host_copy.h"
@@ -33,10 +34,16 @@ void wait_interruptibly(const std::function<bool(std::chrono::milliseconds)>& sl
   const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
                                            std::chrono::duration<double>(forever ? 0 : timeout_s));
   for (;;) {
+    // Slices of 20 ms at most (Ctrl-C is checked between them), and never
+    // past the deadline: a short timeout is kept to the millisecond.
+    auto step = std::chrono::milliseconds(20);
+    if (!forever)
+      step = std::clamp(std::chrono::ceil<std::chrono::milliseconds>(deadline - clock::now()),
+                        std::chrono::milliseconds(0), step);
     bool done;
     {
       py::gil_scoped_release nogil;
-      done = slice(std::chrono::milliseconds(20));
+      done = slice(step);
     }
     if (done) return;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();

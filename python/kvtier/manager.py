@@ -3,9 +3,11 @@
 
 Who calls: the engine's scheduler, one thread, holding :attr:`lock` for the
 whole scheduling step (vLLM does; the manager never takes it itself). No call
-blocks: lower-tier I/O is batched per step and submitted in
-:meth:`on_schedule_end`, which also drains every tier's completions (a lookup
-also submits promotions once :data:`EAGER_PROMOTE` are queued for a tier).
+blocks, but :meth:`TieredOffloadingManager.lookup` with ``scan_wait_s`` > 0
+(bounded per step in time and bytes, see there): lower-tier I/O is batched
+per step and submitted in :meth:`on_schedule_end`, which also drains every
+tier's completions (a lookup also submits promotions once
+:data:`EAGER_PROMOTE` are queued for a tier).
 
 Reference counts of host blocks: -1 while written (GPU store or promotion in
 flight), 0 ready and evictable, > 0 pinned by loads. A host block also stays
@@ -15,7 +17,8 @@ held while lower tiers copy it (write-through cascade).
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +81,15 @@ EAGER_PROMOTE = 16
 rather than waiting for the step to end: a long prefix's first reads then
 overlap the rest of its scan (the engine scans a prefix key by key)."""
 
+SCAN_BACKOFF_S = 1.0
+"""After a lookup's wait ran into its deadline (a server that stopped
+answering, a device stuck), lookups do not wait again for this long: a hung
+tier costs the scheduler one deadline, not one per step."""
+
+KeyOrder = Callable[[bytes, Any], Sequence[bytes]]
+"""``key_order(key, req_context)``: the keys the request will look up after
+``key``, in prefix order (empty when unknown)."""
+
 
 @dataclass
 class _Stats:
@@ -86,6 +98,13 @@ class _Stats:
     )
     promotions: int = 0
     promotion_failures: int = 0
+    # Lookups that waited for their request's reads (scan_wait_s), reads
+    # that ended within the wait, probes of keys no tier held, and waits
+    # cut short by the deadline.
+    scan_waits: int = 0
+    scan_reads: int = 0
+    probe_misses: int = 0
+    scan_timeouts: int = 0
     cascades: int = 0
     cascades_dropped: int = 0
     cascade_failures: int = 0
@@ -128,6 +147,24 @@ class TieredOffloadingManager:
     ``streaming``): such hits are always streamed, never promoted into the
     host tier first (one step sooner; the host tier keeps what the engine
     stored).
+
+    ``scan_wait_s`` > 0: the first lookup of a request that misses the host
+    tier reads that key and the request's following keys (``key_order``)
+    from the lower tiers into host slots at once, in one batch per tier, up
+    to the first key no tier holds: keys a tier knows by a promotion; keys it
+    does not know yet (RETRY) after its existence check
+    (:meth:`LowerTier.submit_checks`, waited for), or with ``probe`` by a
+    probe (:meth:`LowerTier.submit_probe`: for Redis one GET answers
+    "exists?" and brings the bytes; a new prompt's probes take host slots for
+    a moment). It then waits for those reads (the GIL released) and answers
+    from the host tier, so a returning prefix is HIT in the step it is first
+    looked up rather than RETRY, then HIT_PENDING, then HIT. Bounded per
+    scheduler step: at most
+    ``scan_wait_s`` of waiting and ``scan_bytes`` read (a request whose reads
+    would exceed what is left takes the asynchronous path). A HIT is given
+    only for bytes in a host slot whose read was checked; a read that fails
+    (corrupt, vanished, server error) is a MISS, counted; what the deadline
+    cuts short stays HIT_PENDING and ends as a promotion.
     """
 
     def __init__(
@@ -138,12 +175,24 @@ class TieredOffloadingManager:
         streaming: bool = False,
         streaming_stores: bool = False,
         promote: bool = True,
+        scan_wait_s: float = 0.0,
+        scan_bytes: int = 64 << 20,
+        key_order: KeyOrder | None = None,
+        probe: bool = False,
     ) -> None:
+        if not scan_wait_s >= 0 or scan_bytes < 0:
+            raise InvalidArgument(
+                f"scan_wait_s and scan_bytes must be >= 0, got {scan_wait_s}, {scan_bytes}"
+            )
         self.host = host
         self.lower = list(lower)
         self.streaming = streaming
         self.promote = promote
         self.streaming_stores = streaming_stores
+        self.scan_wait_s = float(scan_wait_s)
+        self.scan_bytes = int(scan_bytes)
+        self.key_order = key_order
+        self.probe = probe
         names = [host.name] + [t.name for t in self.lower]
         if len(set(names)) != len(names):
             raise InvalidArgument(f"tier names must be unique, got {names}")
@@ -168,6 +217,12 @@ class TieredOffloadingManager:
         self._streamable: dict[bytes, int] = {}
         self._stream_pins: dict[tuple[Any, bytes], list[tuple[int, int]]] = {}
         self._stream_writes: dict[bytes, tuple[int, int]] = {}  # key -> (tier, record)
+        # Reads a lookup waits for (scan_wait_s): keys already read ahead this
+        # step, what is left of this step's time and bytes, no wait before.
+        self._ahead: set[bytes] = set()
+        self._wait_left_s = self.scan_wait_s
+        self._bytes_left = self.scan_bytes
+        self._no_wait_until = 0.0
         self._closed = False
         self.stats = _Stats()
 
@@ -179,8 +234,15 @@ class TieredOffloadingManager:
 
     def lookup(self, key: bytes, req_context: Any = None) -> LookupResult:
         """State of one key; on a host miss found in a lower tier, starts a
-        promotion (HIT_PENDING now, HIT after a later step end)."""
+        promotion (HIT_PENDING now, HIT after a later step end).
+
+        The engine calls it key by key in prefix order, stopping at the first
+        MISS. Non-blocking, except with ``scan_wait_s`` > 0: the first lookup
+        of a request that misses the host tier may wait for its reads (at
+        most what is left of this step's ``scan_wait_s``) and answer HIT."""
         self._check_open()
+        if self.scan_wait_s > 0 and key not in self._ahead and key not in self.host.entries:
+            self._read_ahead(key, req_context)
         r = self._lookup(key)
         self.stats.lookups[r.name.lower()] += 1
         if r is LookupResult.HIT or r is LookupResult.HIT_PENDING:
@@ -416,6 +478,8 @@ class TieredOffloadingManager:
         """Drain tier completions, then submit this step's batched cascades and promotions."""
         self._check_open()
         self._scanned.clear()
+        self._ahead.clear()
+        self._wait_left_s, self._bytes_left = self.scan_wait_s, self.scan_bytes
         self._streamable.clear()
         self._polled = False
         self._poll_tiers()
@@ -471,6 +535,7 @@ class TieredOffloadingManager:
                 self.host.release_slot(e.slot)
         self._cascade = [[] for _ in self.lower]
         self._scanned.clear()
+        self._ahead.clear()
         self._streamable.clear()
         for batch in self._promote:
             batch.clear()
@@ -571,9 +636,117 @@ class TieredOffloadingManager:
                     self._events.append(TierEvent([k], self.host.name, removed=False))
                 elif mine:
                     self.host.drop(k)
-                    self.stats.promotion_failures += 1
+                    if c.missing is not None and c.missing[idx]:
+                        self.stats.probe_misses += 1  # not there: a plain miss
+                    else:
+                        self.stats.promotion_failures += 1
                 elif slot is not None and not self._slot_in_use(slot):
                     self.host.release_slot(slot)
+
+    def _read_ahead(self, key: bytes, req_context: Any) -> None:
+        """Read ``key`` and the request's following keys that miss the host
+        tier into host slots, and wait for them (see the class docstring)."""
+        following = list(self.key_order(key, req_context)) if self.key_order else []
+        run = [key, *following]
+        self._ahead.update(run)
+        if self._wait_left_s <= 0 or time.monotonic() < self._no_wait_until:
+            return
+        picks = self._pick_reads(run)
+        tiers = sorted({i for i, unknown, _ in picks if unknown and not self._probes(i)})
+        if tiers:
+            # Existence first (one round trip of small replies), so that no
+            # slot is taken, nor block evicted, for a key no tier holds.
+            checks = {i: self.lower[i].submit_checks() for i in tiers}
+            if not self._wait({i: [t] for i, t in checks.items() if t is not None}):
+                return
+            self._poll_tiers()
+            picks = self._pick_reads(run)
+            cut = (n for n, (i, unknown, _) in enumerate(picks) if unknown and not self._probes(i))
+            picks = picks[: next(cut, len(picks))]
+        pool = self.host.pool
+        slot_bytes = pool.slot_bytes if pool is not None else 0
+        if not picks or len(picks) * slot_bytes > self._bytes_left:
+            return  # nothing to read, or too much to wait for: the asynchronous path
+        # Never evict a key of this request (a later one may be a host hit)
+        # or a hit of this step.
+        got = self.host.allocate(len(picks), protected=self._scanned.union(run), partial=True)
+        if got is None:
+            return
+        slots, evicted = got
+        self._removed(evicted)
+        picks = picks[: len(slots)]
+        self._bytes_left -= len(picks) * slot_bytes
+        groups: dict[tuple[int, bool], tuple[list[bytes], list[int]]] = {}
+        for (i, probe, k), slot in zip(picks, slots):
+            self.host.add_writing(k, slot, source=self.lower[i].name)
+            ks, ss = groups.setdefault((i, probe), ([], []))
+            ks.append(k)
+            ss.append(slot)
+        waits: dict[int, list[int]] = {}
+        for (i, probe), (ks, ss) in groups.items():
+            tier = self.lower[i]
+            token = tier.submit_probe(ks, ss) if probe else tier.submit_load(ks, ss)
+            if token is not None:
+                self._inflight[(i, token)] = ("probe" if probe else "load", ks, ss)
+                waits.setdefault(i, []).append(token)
+            elif probe:  # busy: back to the asynchronous existence check
+                for k in ks:
+                    self.host.drop(k)
+            else:
+                self._promote[i].extend(ks)  # a promotion, started at the step end
+        self._wait(waits)
+        before = self.stats.promotions
+        self._poll_tiers()
+        self.stats.scan_reads += self.stats.promotions - before
+
+    def _wait(self, waits: dict[int, list[int]]) -> bool:
+        """Wait for tier batches (tier -> tokens) within what is left of this
+        step's ``scan_wait_s``; False (and no more waiting for a while) when
+        the deadline came first."""
+        if not waits:
+            return True
+        deadline = time.monotonic() + self._wait_left_s
+        self.stats.scan_waits += 1
+        done = True
+        for i, tokens in waits.items():
+            if not self.lower[i].wait(tokens, deadline - time.monotonic()):
+                self.stats.scan_timeouts += 1
+                self._no_wait_until = time.monotonic() + SCAN_BACKOFF_S
+                done = False
+                break
+        self._wait_left_s = max(0.0, deadline - time.monotonic())
+        return done
+
+    def _probes(self, tier: int) -> bool:
+        """Keys lower tier ``tier`` does not know yet are probed (rather than
+        checked first)."""
+        return self.probe and self.lower[tier].can_probe
+
+    def _pick_reads(self, run: list[bytes]) -> list[tuple[int, bool, bytes]]:
+        """``(tier, unknown, key)`` for the keys of ``run`` that miss the
+        host tier, in order, up to the first key no tier holds (the engine
+        stops its scan there); ``unknown``: the tier said RETRY."""
+        picks: list[tuple[int, bool, bytes]] = []
+        entries = self.host.entries
+        for k in run:
+            if k in entries:
+                continue
+            for i, tier in enumerate(self.lower):
+                r = tier.lookup(k)
+                if r is LookupResult.MISS:
+                    continue
+                if r is LookupResult.HIT and not (
+                    self.streaming and not self.promote and tier.reader_spec() is not None
+                ):
+                    picks.append((i, False, k))
+                elif r is LookupResult.RETRY:
+                    picks.append((i, True, k))
+                else:
+                    return picks
+                break
+            else:
+                return picks
+        return picks
 
     def _slot_in_use(self, slot: int) -> bool:
         return any(slot in s for _, _, s in self._inflight.values()) or any(

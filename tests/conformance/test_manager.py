@@ -429,3 +429,102 @@ def test_a_busy_tier_is_asked_once_a_step_for_eager_promotions(policy: str) -> N
     finally:
         m.shutdown()
         big.close()
+
+
+def _in_order(keys: list[bytes]):  # type: ignore[no-untyped-def]
+    """A key_order over one request's ``keys`` (what the vLLM shim reads
+    from vLLM's ReqContext)."""
+
+    def following(key: bytes, req_context: object) -> list[bytes]:
+        return keys[keys.index(key) + 1 :] if key in keys else []
+
+    return following
+
+
+def test_read_ahead_answers_hit_in_the_first_scan(policy: str) -> None:
+    """scan_wait_s: the first lookup that misses the host tier reads the
+    request's following keys too, waits, and the whole prefix is HIT in the
+    step it is first looked up, each key its own bytes; the scan stops at the
+    first key no tier holds."""
+    n = 6
+    m, _, big = _long_prefix(policy, n)
+    keys = [K(i) for i in range(n + 2)]  # the last two are nowhere
+    m.scan_wait_s, m._wait_left_s = 5.0, 5.0
+    m.key_order = _in_order(keys)
+    try:
+        assert [m.lookup(k) for k in keys] == [HIT] * n + [MISS] * 2
+        assert m.stats.scan_waits == 1 and m.stats.scan_reads == n
+        assert m.stats.promotions == n and m.stats.lookups["hit"] == n
+        assert len(m.host) == n  # nothing allocated for the keys no tier holds
+        spec = m.prepare_load(keys[:n])
+        for k, s in zip(keys[:n], spec.slots):
+            assert (big.view(int(s)) == k[31]).all()
+        m.complete_load(keys[:n])
+    finally:
+        m.shutdown()
+        big.close()
+
+
+def test_read_ahead_failures_are_misses_and_counted(policy: str) -> None:
+    m, tier, big = _long_prefix(policy, 5)
+    keys = [K(i) for i in range(5)]
+    tier.fail_loads.add(K(2))
+    m.scan_wait_s, m._wait_left_s = 5.0, 5.0
+    m.key_order = _in_order(keys)
+    try:
+        assert [m.lookup(k) for k in keys[:3]] == [HIT, HIT, MISS]  # the engine stops here
+        assert m.stats.promotion_failures == 1
+        assert K(2) not in m.host.entries
+        with pytest.raises(kvtier.InvalidArgument, match="not a HIT"):
+            m.prepare_load([K(2)])
+    finally:
+        m.shutdown()
+        big.close()
+
+
+def test_read_ahead_is_bounded_by_the_step_budget(policy: str) -> None:
+    """A request whose reads exceed what is left of the step's bytes takes
+    the asynchronous path (HIT_PENDING, HIT after the step end); the budget
+    comes back at the step end."""
+    m, _, big = _long_prefix(policy, 6)
+    keys = [K(i) for i in range(6)]
+    m.scan_wait_s, m._wait_left_s = 5.0, 5.0
+    m.scan_bytes = m._bytes_left = 5 * big.slot_bytes
+    m.key_order = _in_order(keys)
+    try:
+        assert [m.lookup(k) for k in keys] == [PENDING] * 6
+        assert m.stats.scan_waits == 0
+        m.on_schedule_end()
+        assert [m.lookup(k) for k in keys] == [HIT] * 6
+        m.reset_cache()
+        m.on_reset_flushed()
+        m.scan_bytes = 6 * big.slot_bytes
+        m.on_schedule_end()
+        assert [m.lookup(k) for k in keys] == [HIT] * 6  # fits now: read in the scan
+        assert m.stats.scan_waits == 1
+        with pytest.raises(kvtier.InvalidArgument):
+            TieredOffloadingManager(m.host, [], scan_wait_s=-1)
+    finally:
+        m.shutdown()
+        big.close()
+
+
+def test_read_ahead_never_evicts_a_key_of_the_same_request(policy: str) -> None:
+    """A host tier of 4 slots holds keys 1 and 3 of a 5-key prefix: reading
+    0, 2 and 4 ahead evicts the other host blocks, never 1 or 3."""
+    tier = MemoryTier()
+    with HostPool(4, 4096) as p:
+        m = make(p, policy, [tier])
+        keys = [K(i) for i in range(5)]
+        for i in (0, 2, 4):
+            tier.data[K(i)] = np.full(4096, i, np.uint8)
+        store(m, [K(1), K(3), K(8), K(9)])
+        m.on_schedule_end()
+        m.scan_wait_s, m._wait_left_s = 5.0, 5.0
+        m.key_order = _in_order(keys)
+        assert m.lookup(keys[0]) is HIT
+        # Two slots free up (8 and 9 evicted); 4 finds none: its promotion
+        # is left to the ordinary path when the scan gets there.
+        assert {K(1), K(3)} <= set(m.host.entries) and K(8) not in m.host.entries
+        assert [m.lookup(k) for k in keys[1:4]] == [HIT] * 3
+        m.shutdown()

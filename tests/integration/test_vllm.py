@@ -121,11 +121,34 @@ def test_spec_loads_through_the_factory() -> None:
         ({"kvtier_host_bytes": 100}, "holds no chunk"),
         ({"kvtier_host_bytes": "1MiB", "kvtier_admit_after": "2"}, "kvtier_admit_after"),
         ({"kvtier_host_bytes": "1MiB", "kvtier_policy": "nope"}, "unknown policy"),
+        ({"kvtier_host_bytes": "1MiB", "kvtier_scan_wait_ms": -1}, "kvtier_scan_wait_ms"),
+        ({"kvtier_host_bytes": "1MiB", "kvtier_scan_bytes": "lots"}, "cannot parse size"),
     ],
 )
 def test_bad_config_keys_are_clear_errors(extra: dict[str, Any], match: str) -> None:
     with pytest.raises(kvtier.InvalidArgument, match=match):
         OffloadingSpecFactory.create_spec(config({**SPEC, **extra})).get_manager()
+
+
+def test_following_keys_come_from_vllm_req_context_in_prefix_order() -> None:
+    """What read-ahead reads: the keys of the same KV-cache group recorded
+    after the looked-up one, by end-token position (vLLM fills the positions
+    before its first lookup of a request)."""
+    from kvtier.integrations.vllm import following_keys
+
+    ctx = ReqContext(req_id="r9")
+    other = make_offload_key((5).to_bytes(32, "big"), 1)  # group 1
+    for pos, k in [(96, K(3)), (32, K(1)), (64, K(2)), (64, other), (128, K(4))]:
+        ctx.set_offload_key_position(k, pos)
+    assert following_keys(bytes(K(1)), ctx) == [K(2), K(3), K(4)]
+    assert following_keys(K(3), ctx) == [K(4)] and following_keys(K(4), ctx) == []
+    assert following_keys(K(7), ctx) == [] and following_keys(K(1), object()) == []
+    # Sorted once per request (kept on its context), again when vLLM adds keys.
+    from kvtier.integrations.vllm import _PrefixOrder
+
+    assert ctx.get_state(_PrefixOrder) is not None
+    ctx.set_offload_key_position(K(5), 160)
+    assert following_keys(K(3), ctx) == [K(4), K(5)]
 
 
 def test_manager_semantics_through_vllm_types() -> None:
@@ -248,22 +271,31 @@ def test_pipeline_stages_get_their_own_pools_sized_by_their_layers() -> None:
 
 
 @pytest.mark.parametrize(
-    ("which", "pp", "promote"),
-    [("disk", 1, True), ("disk", 1, False), ("disk", 2, True), ("redis", 1, True),
-     ("redis", 2, True), ("redis-tls", 1, True), ("redis-tls", 2, True)],
+    ("which", "pp", "promote", "scan"),
+    [("disk", 1, True, False), ("disk", 1, False, False), ("disk", 2, True, False),
+     ("redis", 1, True, False), ("redis", 2, True, False), ("redis-tls", 1, True, False),
+     ("redis-tls", 2, True, False), ("disk", 1, True, True), ("disk", 2, True, True),
+     ("redis", 1, True, True), ("redis", 2, True, True)],
 )  # fmt: skip
 def test_whole_spec_with_a_lower_tier_round_trips_every_stage(
-    tmp_path: Path, pp: int, which: str, promote: bool, request: pytest.FixtureRequest
-) -> None:
+    tmp_path: Path, pp: int, which: str, promote: bool, scan: bool,
+    request: pytest.FixtureRequest,
+) -> None:  # fmt: skip
     """kvtier as the whole spec with a disk or Redis tier, without and with
     pipeline parallelism (uneven stages): store through the workers, cascade,
     reset_cache, lookup gives HIT_PENDING until the promotion lands in every
     stage's pool, then the workers load the original bytes back. Without
     promotion (disk, one stage) the lookup is a HIT at once and the worker
-    reads the blocks from disk itself."""
+    reads the blocks from disk itself. With read-ahead (``scan``, the default
+    kvtier_scan_wait_ms) and vLLM's ReqContext recording the request's keys,
+    the first scan reads them all into every stage's pool and answers HIT:
+    for Redis, the tier having forgotten them, with GETs straight away (one
+    stage) or after an EXISTS check (stages)."""
     eid = f"test-{which}-{uuid.uuid4().hex[:8]}"
     extra: dict[str, Any] = {**SPEC, "kvtier_host_bytes": "1MiB", "kvtier_num_slots": 8,
                              "kvtier_promote": promote}  # fmt: skip
+    if not scan:
+        extra["kvtier_scan_wait_ms"] = 0
     if which == "disk":
         extra.update(kvtier_disk_path=str(tmp_path / "disk"), kvtier_disk_bytes="4MiB")
     elif which == "redis":
@@ -313,14 +345,27 @@ def test_whole_spec_with_a_lower_tier_round_trips_every_stage(
     with m.lock:
         m.complete_store(keys, CTX)
     steps_until(lambda: all(disk.lookup(bytes(k)).name == "HIT" for k in keys), "cascade")
-    with m.lock:
-        m.reset_cache()
-        m.on_reset_flushed()
-        want = LookupResult.HIT_PENDING if promote else LookupResult.HIT
-        assert m.lookup(keys[0], CTX) is want
     for _, layers in kv:
         for t in layers:
             t.zero_()
+    with m.lock:
+        m.reset_cache()
+        m.on_reset_flushed()
+        m.on_schedule_end(END)
+        if scan:
+            ctx = ReqContext(req_id="r2")
+            for n, k in enumerate(keys):
+                ctx.set_offload_key_position(k, 32 * (n + 1))
+            for t in getattr(disk, "tiers", [disk]):
+                if which == "redis":
+                    t.known.clear()  # as in another engine: nothing known, RETRY without a check
+            assert [m.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 3
+            assert m.m.stats.scan_reads == 3 and m.m.stats.lookups["hit"] == 3
+            # Redis probes (one round trip); a staged tier checks first (two)
+            assert m.m.stats.scan_waits == (2 if which == "redis" and pp > 1 else 1)
+        else:
+            want = LookupResult.HIT_PENDING if promote else LookupResult.HIT
+            assert m.lookup(keys[0], CTX) is want
     steps_until(lambda: all(m.lookup(k, CTX) is LookupResult.HIT for k in keys), "promotion")
     with m.lock:
         load = m.prepare_load(keys, CTX)

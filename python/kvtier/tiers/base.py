@@ -1,8 +1,9 @@
 """The interface between the manager and a lower tier (disk, remote, memory).
 
 Who calls: :class:`kvtier.manager.TieredOffloadingManager`, under its lock,
-from the scheduler thread. No method blocks: stores and loads are submitted
-and their completions drained by :meth:`LowerTier.poll` once per step.
+from the scheduler thread. No method blocks but :meth:`LowerTier.wait` (and
+``close``): stores and loads are submitted and their completions drained by
+:meth:`LowerTier.poll` once per step, or after a bounded :meth:`LowerTier.wait`.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class TierCompletion:
     # Per key: failed by timeout while the device may still touch its host
     # slot; the slot must not be reused until take_released_slots() names it.
     held: list[bool] | None = None
+    # Per key of a probe (``kind == "probe"``): the medium does not hold it
+    # (a plain miss, not a failure). None: no key was absent.
+    missing: list[bool] | None = None
 
 
 @dataclass
@@ -79,6 +83,7 @@ class LowerTier(ABC):
     """A tier below the host: bytes move only between its medium and host slots."""
 
     name: str = "lower"
+    can_probe: bool = False  # overrides submit_probe (keys that say RETRY)
 
     def attach(self, pool: HostPool | None) -> None:
         """Called once by the manager with the host pool (None: no-data mode)."""
@@ -104,6 +109,27 @@ class LowerTier(ABC):
     @abstractmethod
     def poll(self) -> list[TierCompletion]:
         """Finished batches since the last poll, in completion order."""
+
+    def submit_probe(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
+        """For keys whose :meth:`lookup` said RETRY: read them into host
+        ``slots`` if the medium holds them, one round trip answering both
+        "is it there?" and "here are its bytes" (a key absent is a plain
+        miss: ``TierCompletion.missing``). A token (the completion's kind is
+        ``"probe"``), or None when the tier cannot probe or is busy (nothing
+        was queued). Non-blocking."""
+        return None
+
+    def submit_checks(self) -> int | None:
+        """Start now the asynchronous existence checks that lookups queued
+        (rather than at the next :meth:`poll`): a token to :meth:`wait` on,
+        or None when there is none to start. Non-blocking."""
+        return None
+
+    def wait(self, tokens: Sequence[int], timeout_s: float) -> bool:
+        """Block (the GIL released) until the batches ``tokens`` ended, at most
+        ``timeout_s``: True if they all did. Their completions still come from
+        :meth:`poll`. A tier whose batches end only at poll returns at once."""
+        return True
 
     def take_events(self) -> list[TierEvent]:
         """Stored/removed events of this tier since the last call."""

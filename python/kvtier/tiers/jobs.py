@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.codes import ItemStatus
-from kvtier.errors import Busy, ClosedError
+from kvtier.errors import Busy, ClosedError, Timeout
 from kvtier.tiers.base import LowerTier, TierEvent, check_slots
 
 COUNTERS = ("stores", "loads", "bytes_written", "bytes_read", "busy_drops", "timeouts")
@@ -182,6 +182,20 @@ class TierJobs:
         :meth:`poll`, or a timed-out job still holds memory."""
         return bool(self._jobs) or bool(self._ended) or bool(self._held)
 
+    def wait(self, tokens: Sequence[int], timeout_s: float) -> bool:
+        """Block until every engine job of the batches ``tokens`` ended, at
+        most ``timeout_s`` (the GIL released): True if they did. Their
+        results stay for :meth:`poll`."""
+        want = set(tokens)
+        jids = [j for j, (b, _, _) in self._jobs.items() if b.token in want]
+        if not jids or self.engine is None:
+            return True
+        try:
+            self.engine.wait(jids, max(0.0, timeout_s))
+        except Timeout:
+            return False
+        return True
+
     def in_flight(self) -> set[int]:
         """Engine job ids queued or running (not yet drained by :meth:`poll`)."""
         return set(self._jobs)
@@ -232,6 +246,9 @@ class JobTier(LowerTier):
     def take_events(self) -> list[TierEvent]:
         ev, self._events = self._events, []
         return ev
+
+    def wait(self, tokens: Sequence[int], timeout_s: float) -> bool:
+        return self.jobs.wait(tokens, timeout_s)
 
     def _release(self) -> None:
         """Let go of the medium's handles after the last job ended (close)."""

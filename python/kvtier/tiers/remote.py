@@ -4,9 +4,11 @@ C++ worker threads (pipelined, zero-copy into host slots).
 
 Who calls: the manager, under its lock. Nothing blocks but construction
 (which connects, authenticates and, for a cluster, reads the slot map) and
-:meth:`RemoteTier.close`. Existence checks are asynchronous: a key never seen
-answers RETRY, is checked with a pipelined EXISTS batch at the next step, and
-answers HIT or MISS after that.
+:meth:`RemoteTier.close` and :meth:`RemoteTier.wait`. Existence checks are
+asynchronous: a key never seen answers RETRY, is checked with a pipelined
+EXISTS batch at the next step, and answers HIT or MISS after that; or the
+manager probes it (:meth:`RemoteTier.submit_probe`): a GET straight into a
+host slot that answers both questions in one round trip.
 
 ``rediss://`` (and ``rediss-cluster://``) connect with TLS: the server's
 certificate is verified against ``tls_ca_file`` (default: OpenSSL's system
@@ -140,6 +142,8 @@ class RemoteTier(JobTier):
     ``worker_nice`` (default :data:`kvtier.engine.IO_NICE`; 0 to compete with
     the engine's threads on equal terms)."""
 
+    can_probe = True
+
     def __init__(
         self,
         url: str,
@@ -192,7 +196,7 @@ class RemoteTier(JobTier):
                 raise InvalidArgument(f"{k} {tls[k]!r} is not a file")
         self._tier_init(
             name, "load_failures", "vanished", "corrupt", "io_errors", "server_errors",
-            "exists_checks", "budget_skips", "not_admitted",
+            "exists_checks", "budget_skips", "not_admitted", "probes", "probe_misses",
         )  # fmt: skip
         self.url = redact_url(url)
         self.block_bytes = block_bytes
@@ -305,12 +309,13 @@ class RemoteTier(JobTier):
         n = len(digs)
         dig_arr = np.frombuffer(b"".join(digs), np.uint8).reshape(n, 16)
         remote = self.engine._engine
+        kind = "load" if batch.kind == "probe" else batch.kind  # a probe is a GET
 
         def submit_one(first: int, count: int) -> int:
             end = first + count
             return int(
                 remote.submit_remote(
-                    self.store, batch.kind, skeys[first:end], addr[first:end],
+                    self.store, kind, skeys[first:end], addr[first:end],
                     self.block_bytes, dig_arr[first:end], 0,
                 )
             )  # fmt: skip
@@ -335,6 +340,10 @@ class RemoteTier(JobTier):
             if kind == "store":
                 self.counters["busy_drops"] += len(keys)
             return None
+        if kind == "probe":
+            self.counters["probes"] += len(keys)
+            for d in digs:  # answered by the probe: no EXISTS for them
+                self._exists_queue.pop(d, None)
         return batch.token
 
     def submit_store(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
@@ -342,6 +351,14 @@ class RemoteTier(JobTier):
 
     def submit_load(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
         return self._start("load", keys, slots)
+
+    def submit_probe(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
+        """GETs of ``keys`` straight into host ``slots``, checked like a load
+        (header, digests, crc32c): a key the server does not hold is a nil
+        reply, as cheap as an EXISTS, and ends as a plain miss (counted in
+        ``probe_misses``, remembered absent for ``negative_ttl_s``), not as
+        a vanished value. A token, or None when busy (nothing queued)."""
+        return self._start("probe", keys, slots)
 
     # -- I/O by another process (an engine worker streaming blocks) -------------
     def reader_spec(self) -> dict[str, Any] | None:
@@ -373,7 +390,12 @@ class RemoteTier(JobTier):
         else:
             self.counters["io_errors"] += 1
 
-    def _check_exists(self) -> None:
+    def submit_checks(self) -> int | None:
+        if not self._exists_queue or self._closed:
+            return None
+        return self._check_exists()
+
+    def _check_exists(self) -> int | None:
         """One pipelined EXISTS batch for the keys lookups asked about since
         the last step; under backpressure they wait for the next one."""
         digs = list(self._exists_queue)
@@ -384,9 +406,10 @@ class RemoteTier(JobTier):
         )
         if not self._submit(batch, skeys, digs, np.zeros(len(digs), np.int64), _EXISTS_PER_JOB):
             self._exists_queue.update(zip(digs, skeys))
-            return
+            return None
         self._exists_inflight.update(digs)
         self.counters["exists_checks"] += len(digs)
+        return batch.token
 
     def poll(self) -> list[TierCompletion]:
         if self.known:
@@ -428,12 +451,25 @@ class RemoteTier(JobTier):
                 self._events.append(TierEvent(list(keys), self.name, removed=False))
             return TierCompletion(b.token, True, kind, keys, key_ok=ok)
         done: list[bytes] = []
-        for key, dig, code in zip(keys, digs, items):
+        missing = [kind == "probe" and code == ItemStatus.MISSING for code in items]
+        for key, dig, code, absent in zip(keys, digs, items, missing):
             if code == 0:
                 self._remember(dig, True)
                 done.append(key)
                 continue
-            if kind == "load":
+            if absent:  # a probe of a key never stored (or gone): a plain miss
+                self.counters["probe_misses"] += 1
+                self._remember(dig, False)
+                continue
+            if kind == "probe" and code > 0:
+                # The server did not answer: absent for a while, as a failed
+                # EXISTS check is (no request waits on a dead server); a GET
+                # never sent (Busy part way) is asked again.
+                if code == ItemStatus.BUSY:
+                    self.known.pop(dig, None)
+                else:
+                    self._remember(dig, False)
+            elif kind != "store":
                 self.counters["load_failures"] += 1
                 if code == ItemStatus.MISSING:  # evicted by the server, expired
                     self.counters["vanished"] += 1
@@ -456,7 +492,10 @@ class RemoteTier(JobTier):
             f"{errno.errorcode.get(c, str(c))}: {os.strerror(c)}"
             for c in sorted({int(c) for c in items if c > 0})
         )
-        return TierCompletion(b.token, all(ok), kind, keys, error=error, key_ok=ok)
+        return TierCompletion(
+            b.token, all(ok), kind, keys, error=error, key_ok=ok,
+            missing=missing if any(missing) else None,
+        )  # fmt: skip
 
     def has_pending_work(self) -> bool:
         return self.jobs.busy() or bool(self._exists_queue)

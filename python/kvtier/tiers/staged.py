@@ -15,6 +15,7 @@ Completions come in the order the last stage finishes each batch.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ class StagedTier(LowerTier):
         self._held: dict[int, list[int]] = {}  # slot -> stages still holding it
         self._released: list[int] = []
         self._events: list[TierEvent] = []
+        self._checks: dict[int, list[tuple[int, int]]] = {}  # token -> (stage, sub token)
         self.pool = None
 
     def attach(self, pool: Any) -> None:
@@ -93,6 +95,30 @@ class StagedTier(LowerTier):
 
     def submit_load(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
         return self._submit(False, keys, slots)
+
+    def submit_checks(self) -> int | None:
+        subs = [
+            (i, tok) for i, t in enumerate(self.tiers) if (tok := t.submit_checks()) is not None
+        ]
+        if not subs:
+            return None
+        token = next(self._tokens)
+        self._checks[token] = subs
+        return token
+
+    def wait(self, tokens: Sequence[int], timeout_s: float) -> bool:
+        """Every stage's part of the batches (or checks) ``tokens``, within
+        one deadline."""
+        deadline = time.monotonic() + timeout_s
+        want = set(tokens)
+        per: list[list[int]] = [[s for s, tok in by.items() if tok in want] for by in self._by_sub]
+        for tok in want:
+            for i, sub in self._checks.pop(tok, []):
+                per[i].append(sub)
+        return all(
+            not subs or t.wait(subs, deadline - time.monotonic())
+            for t, subs in zip(self.tiers, per)
+        )
 
     def poll(self) -> list[TierCompletion]:
         out: list[TierCompletion] = []

@@ -1,0 +1,193 @@
+"""The manager's read-ahead (``scan_wait_s``) over a real redis-server: a
+returning prefix held only by Redis is HIT in the first scheduler step that
+looks it up, every byte checked; what fails is a counted miss; a server that
+stops answering costs one bounded wait."""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+from kvtier.bench.redis_server import RedisServer
+from kvtier.manager import TieredOffloadingManager
+from kvtier.pool import HostPool
+from kvtier.tiers import HostTier, LookupResult
+from kvtier.tiers.remote import RemoteTier
+
+BLOCK = 16384
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+PENDING, RETRY = LookupResult.HIT_PENDING, LookupResult.RETRY
+
+
+def K(i: int) -> bytes:
+    return i.to_bytes(32, "big") + b"\0\0\0\0"
+
+
+def content(i: int) -> np.ndarray:
+    return ((np.arange(BLOCK, dtype=np.uint32) * 2654435761 + i * 97) >> 7).astype(np.uint8)
+
+
+class Ctx:
+    """What the vLLM shim's key_order reads: the request's keys in order."""
+
+    def __init__(self, keys: list[bytes]) -> None:
+        self.keys = keys
+
+
+def following(key: bytes, ctx: Any) -> list[bytes]:
+    keys: list[bytes] = ctx.keys
+    return keys[keys.index(key) + 1 :] if key in keys else []
+
+
+def fill(url: str, ns: str, ids: list[int]) -> None:
+    """Store blocks ``ids`` in Redis as another engine would (this test's
+    manager has never heard of them: its tier answers RETRY)."""
+    with HostPool(len(ids), BLOCK) as p:
+        t = RemoteTier(url, BLOCK, namespace=ns)
+        t.attach(p)
+        for j, i in enumerate(ids):
+            p.view(j)[:BLOCK] = content(i)
+        token = t.submit_store([K(i) for i in ids], list(range(len(ids))))
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            done = [c for c in t.poll() if c.token == token]
+            if done:
+                assert done[0].ok
+                break
+            time.sleep(0.002)
+        else:
+            raise AssertionError("store did not finish")
+        t.close()
+
+
+Setup = tuple[TieredOffloadingManager, RemoteTier, HostPool, str]
+
+
+@pytest.fixture(params=[False, True], ids=["exists-first", "probe"])
+def setup(redis_standalone: Any, request: pytest.FixtureRequest) -> Iterator[Setup]:
+    """A manager whose remote tier never heard of the test's keys; keys it
+    does not know are checked with EXISTS first, or probed with GET."""
+    ns = str(uuid.uuid4())
+    pool = HostPool(16, BLOCK)
+    tier = RemoteTier(redis_standalone.url, BLOCK, namespace=ns)
+    m = TieredOffloadingManager(
+        HostTier(pool), [tier], scan_wait_s=10.0, key_order=following, probe=request.param
+    )
+    yield m, tier, pool, ns
+    m.shutdown()
+    pool.close()
+
+
+def test_a_prefix_only_in_redis_is_a_hit_in_the_first_scan(
+    setup: Setup, redis_standalone: Any
+) -> None:
+    m, tier, pool, ns = setup
+    fill(redis_standalone.url, ns, list(range(6)))
+    keys = [K(i) for i in range(8)]  # 6 and 7 were never stored
+    ctx = Ctx(keys)
+    assert tier.lookup(K(0)) is RETRY  # what the scan would have met without read-ahead
+    assert [m.lookup(k, ctx) for k in keys[:7]] == [HIT] * 6 + [MISS]
+    s = tier.stats()
+    assert s["loads"] == 6 and s["load_failures"] == 0 and s["vanished"] == 0
+    if m.probe:  # one round trip: GETs of all 8, two nil replies
+        assert s["probes"] == 8 and s["probe_misses"] == 2 and s["exists_checks"] == 0
+        assert m.stats.scan_waits == 1 and m.stats.probe_misses == 2
+    else:  # EXISTS of all 8, then GETs of the 6 there: no slot for the others
+        assert s["probes"] == 0 and s["exists_checks"] == 8
+        assert m.stats.scan_waits == 2 and m.stats.probe_misses == 0
+    assert m.stats.scan_reads == 6 and m.stats.promotion_failures == 0
+    assert m.stats.lookups == {"hit": 6, "hit_pending": 0, "retry": 0, "miss": 1}
+    assert len(m.host) == 6 and m.host.free_slots == 10  # the misses' slots came back
+    spec = m.prepare_load(keys[:6], ctx)
+    for i, slot in enumerate(spec.slots):
+        assert np.array_equal(pool.view(int(slot))[:BLOCK], content(i)), i
+    m.complete_load(keys[:6], ctx)
+    assert m.stats.loaded_from == {"remote": 6}
+    # The next step: the host tier has them, nothing is read again.
+    m.on_schedule_end()
+    waits, s = m.stats.scan_waits, tier.stats()
+    assert [m.lookup(k, ctx) for k in keys[:7]] == [HIT] * 6 + [MISS]
+    assert m.stats.scan_waits == waits and tier.stats()["loads"] == 6
+    assert tier.stats()["probes"] == s["probes"]
+
+
+def test_corrupted_and_vanished_values_are_counted_misses(
+    setup: Setup, redis_standalone: Any
+) -> None:
+    m, tier, pool, ns = setup
+    fill(redis_standalone.url, ns, list(range(8)))
+    client = redis.Redis(host="127.0.0.1", port=redis_standalone.port)
+    client.setrange(tier.server_key(K(2)), 777, b"\x00\x01")  # payload bytes flipped
+    keys = [K(i) for i in range(8)]
+    assert [m.lookup(k, Ctx(keys)) for k in keys[:3]] == [HIT, HIT, MISS]  # the engine stops
+    assert tier.stats()["corrupt"] == 1 and m.stats.promotion_failures == 1
+    assert K(2) not in m.host.entries
+    # Known to exist now (read by this tier), then gone from the server: the
+    # read is a promotion, and a vanished value is a miss too.
+    m.on_schedule_end()
+    m.reset_cache()
+    m.on_reset_flushed()
+    m.on_schedule_end()
+    assert tier.lookup(K(1)) is HIT
+    client.delete(tier.server_key(K(1)))
+    assert [m.lookup(k, Ctx(keys)) for k in keys[:2]] == [HIT, MISS]
+    assert tier.stats()["vanished"] == 1 and m.stats.promotion_failures == 2
+    assert m.stats.probe_misses == 0
+    spec = m.prepare_load([K(0)])
+    assert np.array_equal(pool.view(int(spec.slots[0]))[:BLOCK], content(0))
+    m.complete_load([K(0)])
+
+
+@pytest.mark.parametrize("probe", [False, True], ids=["exists-first", "probe"])
+def test_a_stopped_server_costs_one_bounded_wait(tmp_path: Path, probe: bool) -> None:
+    """SIGSTOP: the lookup's wait ends at its deadline with the reads (or the
+    existence check) still in flight: HIT_PENDING (RETRY), never HIT; the
+    next steps do not wait again; after SIGCONT the reads end and the keys
+    are HIT with their own bytes."""
+    s = RedisServer(tmp_path)
+    ns = str(uuid.uuid4())
+    pool = HostPool(16, BLOCK)
+    tier = RemoteTier(s.url, BLOCK, namespace=ns, timeout_s=30.0)
+    m = TieredOffloadingManager(
+        HostTier(pool), [tier], scan_wait_s=0.2, key_order=following, probe=probe
+    )
+    waiting = PENDING if probe else RETRY
+    try:
+        fill(s.url, ns, list(range(4)))
+        keys = [K(i) for i in range(4)]
+        assert s.proc is not None
+        s.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert [m.lookup(k, Ctx(keys)) for k in keys] == [waiting] * 4
+            assert m.stats.scan_timeouts == 1 and m.stats.scan_waits == 1
+            # still out: the probe (a job of the manager), or the EXISTS check
+            assert m.occupancy()["tier_jobs"] == int(probe) and tier.has_pending_work()
+            assert len(m.host) == (4 if probe else 0)
+            m.on_schedule_end()
+            assert [m.lookup(k, Ctx(keys)) for k in keys] == [waiting] * 4
+            assert m.stats.scan_waits == 1  # backing off: no second wait
+        finally:
+            s.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        got: list[LookupResult] = []
+        while got != [HIT] * 4 and time.monotonic() < deadline:
+            m.on_schedule_end()
+            time.sleep(0.01)
+            got = [m.lookup(k, Ctx(keys)) for k in keys]
+        assert got == [HIT] * 4
+        spec = m.prepare_load(keys)
+        for i, slot in enumerate(spec.slots):
+            assert np.array_equal(pool.view(int(slot))[:BLOCK], content(i)), i
+        m.complete_load(keys)
+        assert m.stats.promotion_failures == 0 and m.stats.promotions == 4
+    finally:
+        m.shutdown()
+        pool.close()
+        s.stop()
