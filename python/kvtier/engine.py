@@ -8,12 +8,14 @@ full); :meth:`Engine.wait` blocks with the GIL released and honours Ctrl-C.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvtier import _native
+from kvtier.errors import InvalidArgument
 from kvtier.pool import HostPool
 
 JobResult = _native.JobResult
@@ -25,11 +27,26 @@ def crc32c(data: Any, crc: int = 0) -> int:
     return int(_native.crc32c(data, crc))
 
 
-# The niceness of the disk and remote tiers' worker threads, unless told.
-# Measured against a redis-server on the same two cores (the remote tier's
-# store and load loops, alternating niceness): see the README's "Redis and
-# Valkey" section for the figures.
+# The niceness of the remote tier's worker threads, unless told
+# (``RemoteTier(worker_nice=...)``, or ``KVTIER_IO_NICE`` for a whole
+# process, an engine's included). Measured against a redis-server on the
+# same two cores: see the README's "Redis and Valkey" section.
 IO_NICE = 10
+
+
+def io_nice() -> int:
+    """``KVTIER_IO_NICE`` when set (0..19), else :data:`IO_NICE`. Raises
+    InvalidArgument for anything else."""
+    text = os.environ.get("KVTIER_IO_NICE")
+    if text is None:
+        return IO_NICE
+    try:
+        nice = int(text)
+    except ValueError:
+        nice = -1
+    if not 0 <= nice <= 19:
+        raise InvalidArgument(f"KVTIER_IO_NICE must be an integer in 0..19, got {text!r}")
+    return nice
 
 
 class Engine:

@@ -131,7 +131,9 @@ def test_wrong_password_is_a_clear_error(server: str, tmp_path: Path) -> None:
         s.stop()
 
 
-def test_worker_threads_yield_the_cpu_unless_told(redis_standalone) -> None:  # type: ignore[no-untyped-def]
+def test_worker_threads_yield_the_cpu_unless_told(
+    redis_standalone, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     t = RemoteTier(redis_standalone.url, BLOCK, num_threads=2)
     assert t.engine.nice == IO_NICE == 10
     t.close()
@@ -141,6 +143,17 @@ def test_worker_threads_yield_the_cpu_unless_told(redis_standalone) -> None:  # 
     # Refused before connecting: the port has no server, yet no IoError.
     with pytest.raises(kvtier.InvalidArgument, match=r"^worker_nice must be in 0\.\.19, got 20$"):
         RemoteTier(f"redis://127.0.0.1:{free_port()}", BLOCK, worker_nice=20)
+    monkeypatch.setenv("KVTIER_IO_NICE", "3")  # a whole process's default
+    t = RemoteTier(redis_standalone.url, BLOCK, num_threads=2)
+    assert t.engine.nice == 3
+    t.close()
+    for bad in ("-1", "20", "low"):
+        monkeypatch.setenv("KVTIER_IO_NICE", bad)
+        with pytest.raises(
+            kvtier.InvalidArgument,
+            match=rf"^KVTIER_IO_NICE must be an integer in 0\.\.19, got '{bad}'$",
+        ):
+            RemoteTier(redis_standalone.url, BLOCK, num_threads=2)
 
 
 def test_async_lookup_retry_then_answer(redis_standalone) -> None:  # type: ignore[no-untyped-def]

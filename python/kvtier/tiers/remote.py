@@ -139,8 +139,8 @@ class RemoteTier(JobTier):
 
     ``num_threads`` connections (default :func:`default_connections`), each
     served by one worker thread of the tier's engine, at niceness
-    ``worker_nice`` (default :data:`kvtier.engine.IO_NICE`; 0 to compete with
-    the engine's threads on equal terms)."""
+    ``worker_nice`` (default :func:`kvtier.engine.io_nice`: ``KVTIER_IO_NICE``
+    or 10; 0 to compete with the engine's threads on equal terms)."""
 
     can_probe = True
 
@@ -180,8 +180,9 @@ class RemoteTier(JobTier):
         if worker_nice is not None and not 0 <= worker_nice <= 19:
             raise InvalidArgument(f"worker_nice must be in 0..19, got {worker_nice}")
         from kvtier import _native
-        from kvtier.engine import IO_NICE, Engine
+        from kvtier.engine import Engine, io_nice
 
+        nice = io_nice() if worker_nice is None else worker_nice
         cfg = parse_url(url)
         tls = {"tls_ca_file": tls_ca_file, "tls_cert_file": tls_cert_file,
                "tls_key_file": tls_key_file, "tls_server_name": tls_server_name}  # fmt: skip
@@ -225,10 +226,7 @@ class RemoteTier(JobTier):
         self.num_threads = num_threads or default_connections()
         # Background I/O yields the CPU to the engine's threads and to a
         # server on the same machine (see Engine).
-        self.engine = Engine(
-            self.num_threads, [(inflight_bytes, False)],
-            IO_NICE if worker_nice is None else worker_nice,
-        )  # fmt: skip
+        self.engine = Engine(self.num_threads, [(inflight_bytes, False)], nice)
         self._value_bytes = block_bytes + int(_native.REMOTE_HEADER_BYTES)
         self.job_items = job_items
         self.gate = WriteGate(admit_after, write_budget_bps)
