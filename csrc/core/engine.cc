@@ -86,10 +86,11 @@ bool Engine::take(Pending* out, std::size_t* queue_index) {
 void Engine::worker_loop() {
   // Niceness is per thread on Linux (setpriority on the thread id), and
   // raising it needs no privilege. Why: against a redis-server on the same
-  // 2 cores, remote-tier workers at nice 10 stored 2 MiB values at 3.5-3.6
-  // GB/s against 3.1 at nice 0 (the server thread got the core when both
-  // were runnable: both cores busy 0.92 of the time against 0.80), and
-  // loaded 256 KiB values at 4.2 against 3.8 (scratch loop, one tier alone).
+  // 2 cores, remote-tier workers at nice 10 stored 2 MiB values at 3.41-3.42
+  // GB/s (one run of three 2.94) against 3.06-3.07 at nice 0 (the server
+  // thread got the core when both were runnable: both cores busy 0.89-0.93
+  // of the time against 0.80-0.82), and loaded 256 KiB values at 4.20
+  // against 3.81 (scratch loop, one tier alone; see the README).
   if (nice_ > 0) setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), nice_);
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
