@@ -74,9 +74,9 @@ struct QueueOptions {
 
 class Engine {
  public:
-  // nice: the workers' niceness (0..19; see worker_loop). Background I/O
-  // (disk and remote tiers) runs above 0 so that it never takes a core from
-  // the engine's own threads, or from a server on the same machine.
+  // nice: the workers' niceness (0..19; see worker_loop). The remote tier's
+  // background I/O runs above 0 so that it takes a core only when neither the
+  // engine's own threads nor a server on the same machine wants it.
   Engine(std::size_t num_threads, std::vector<QueueOptions> queues, int nice = 0);
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;

@@ -34,9 +34,14 @@ def crc32c(data: Any, crc: int = 0) -> int:
 IO_NICE = 10
 
 
-def io_nice() -> int:
-    """``KVTIER_IO_NICE`` when set (0..19), else :data:`IO_NICE`. Raises
-    InvalidArgument for anything else."""
+def io_nice(given: int | None = None) -> int:
+    """The niceness for background I/O workers: ``given`` when not None,
+    else ``KVTIER_IO_NICE`` when set, else :data:`IO_NICE`. Raises
+    InvalidArgument for anything outside 0..19 (before anything connects)."""
+    if given is not None:
+        if not 0 <= given <= 19:
+            raise InvalidArgument(f"worker_nice must be in 0..19, got {given}")
+        return given
     text = os.environ.get("KVTIER_IO_NICE")
     if text is None:
         return IO_NICE
@@ -59,8 +64,8 @@ class Engine:
     ``timed_out`` (and ``held`` if it had started: the memory it touches stays
     in use until a later result for the same id with ``released``).
 
-    ``nice`` (0..19) is the niceness of the worker threads: the disk and
-    remote tiers run theirs at :data:`IO_NICE` so that background I/O takes a
+    ``nice`` (0..19) is the niceness of the worker threads: the remote tier
+    runs its at :func:`io_nice` (10 unless told) so that background I/O takes a
     core only when no thread of the engine's (or a server on the same
     machine) wants it; host/device copies, on a request's critical path,
     stay at 0.

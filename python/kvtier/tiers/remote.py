@@ -177,12 +177,10 @@ class RemoteTier(JobTier):
             raise InvalidArgument("timeout_s, pipeline, window_bytes and job_items must be > 0")
         if not known_ttl_s > 0:
             raise InvalidArgument(f"known_ttl_s must be > 0, got {known_ttl_s}")
-        if worker_nice is not None and not 0 <= worker_nice <= 19:
-            raise InvalidArgument(f"worker_nice must be in 0..19, got {worker_nice}")
         from kvtier import _native
         from kvtier.engine import Engine, io_nice
 
-        nice = io_nice() if worker_nice is None else worker_nice
+        nice = io_nice(worker_nice)  # checked before connecting
         cfg = parse_url(url)
         tls = {"tls_ca_file": tls_ca_file, "tls_cert_file": tls_cert_file,
                "tls_key_file": tls_key_file, "tls_server_name": tls_server_name}  # fmt: skip
@@ -412,8 +410,7 @@ class RemoteTier(JobTier):
     def poll(self) -> list[TierCompletion]:
         if self.known:
             self._expire(time.monotonic())
-        if self._exists_queue and not self._closed:
-            self._check_exists()
+        self.submit_checks()
         ended, _ = self.jobs.poll()  # no deadlines here: no job is ever held
         out: list[TierCompletion] = []
         for b in ended:

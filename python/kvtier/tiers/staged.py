@@ -122,6 +122,7 @@ class StagedTier(LowerTier):
 
     def poll(self) -> list[TierCompletion]:
         out: list[TierCompletion] = []
+        self._checks.clear()  # a check's token serves only the wait of its step
         for i, t in enumerate(self.tiers):
             for c in t.poll():
                 token = self._by_sub[i].pop(c.token, None)
