@@ -630,15 +630,22 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
   // windows (64 x 256 KiB) a value went cold in the socket buffers before
   // either side copied it, and loads ran at 1.4 GB/s; with 512 KiB windows at
   // 1.9 (kvtier bench remote, 256 KiB values, same run). Large values go
-  // one at a time (`overlap` false: see the loop at the end).
-  const bool overlap = kind == Kind::kExists || kHeader + items[idx[0]].payload_len < (32u << 10);
+  // one at a time (`overlap` false: see the loop at the end), except loads
+  // of values of at most a quarter of a window: kvtier bench remote at
+  // 128 KiB loaded 3.35, 3.26 GB/s pipelined against 2.36, 2.08 one at a
+  // time, and 66 such GETs (a returning 2,100-token prompt in bench serve's
+  // engine) took 5.65, 5.4, 5.25 ms against 6.65, 7.25, 5.7 (alternating
+  // runs); at 256 KiB pipelining lost (3.30, 3.21, 3.51 GB/s against 3.99,
+  // 3.98, 3.42).
+  const std::uint64_t payload = items[idx[0]].payload_len;
+  const bool overlap = kind == Kind::kExists || kHeader + payload < (32u << 10) ||
+                       (kind == Kind::kLoad && 4 * payload <= opts_.window_bytes);
   std::size_t w = opts_.pipeline;
   if (!overlap) {
     w = 1;
   } else if (kind != Kind::kExists) {
-    const std::uint64_t value = kHeader + items[idx[0]].payload_len;
     w = static_cast<std::size_t>(
-        std::clamp<std::uint64_t>(opts_.window_bytes / value, 1, opts_.pipeline));
+        std::clamp<std::uint64_t>(opts_.window_bytes / (kHeader + payload), 1, opts_.pipeline));
   }
   static const std::string kAsking = encode({"ASKING"});
   static const char kCrlf[] = "\r\n";
@@ -769,7 +776,8 @@ void Store::run_group(Kind kind, std::size_t node, std::vector<Item>& items,
   // Two windows in flight: the next window's commands are written before the
   // current one's replies are read, so the server never waits for a round
   // trip between windows. Except for large values (32 KiB and more,
-  // Redis's PROTO_MBULK_BIG_ARG), which go one at a time per connection and
+  // Redis's PROTO_MBULK_BIG_ARG; loads of them only above a quarter of a
+  // window, see above), which go one at a time per connection and
   // get their concurrency from more connections (perf of redis-server 7.0
   // under `kvtier bench remote`): a value is made out of the server's read
   // buffer without a copy only when that buffer holds nothing past it, and
