@@ -98,10 +98,12 @@ class _Stats:
     )
     promotions: int = 0
     promotion_failures: int = 0
-    # Lookups that waited for their request's reads (scan_wait_s), reads
-    # that ended within the wait, probes of keys no tier held, and waits
-    # cut short by the deadline.
+    # Lookups that waited for their request's reads (scan_wait_s) and the
+    # seconds they waited in all (the part of a returning prefix's time to
+    # first token spent reading lower tiers), reads that ended within the
+    # wait, probes of keys no tier held, and waits cut short by the deadline.
     scan_waits: int = 0
+    scan_wait_s: float = 0.0
     scan_reads: int = 0
     probe_misses: int = 0
     scan_timeouts: int = 0
@@ -705,7 +707,8 @@ class TieredOffloadingManager:
         the deadline came first."""
         if not waits:
             return True
-        deadline = time.monotonic() + self._wait_left_s
+        start = time.monotonic()
+        deadline = start + self._wait_left_s
         self.stats.scan_waits += 1
         done = True
         for i, tokens in waits.items():
@@ -714,7 +717,9 @@ class TieredOffloadingManager:
                 self._no_wait_until = time.monotonic() + SCAN_BACKOFF_S
                 done = False
                 break
-        self._wait_left_s = max(0.0, deadline - time.monotonic())
+        now = time.monotonic()
+        self.stats.scan_wait_s += now - start
+        self._wait_left_s = max(0.0, deadline - now)
         return done
 
     def _probes(self, tier: int) -> bool:

@@ -167,6 +167,7 @@ def test_a_stopped_server_costs_one_bounded_wait(tmp_path: Path, probe: bool) ->
         try:
             assert [m.lookup(k, Ctx(keys)) for k in keys] == [waiting] * 4
             assert m.stats.scan_timeouts == 1 and m.stats.scan_waits == 1
+            assert 0.19 < m.stats.scan_wait_s < 5.0  # it waited until its deadline (0.2 s)
             # still out: the probe (a job of the manager), or the EXISTS check
             assert m.occupancy()["tier_jobs"] == int(probe) and tier.has_pending_work()
             assert len(m.host) == (4 if probe else 0)

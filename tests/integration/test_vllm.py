@@ -363,6 +363,10 @@ def test_whole_spec_with_a_lower_tier_round_trips_every_stage(
             assert m.m.stats.scan_reads == 3 and m.m.stats.lookups["hit"] == 3
             # Redis probes (one round trip); a staged tier checks first (two)
             assert m.m.stats.scan_waits == (2 if which == "redis" and pp > 1 else 1)
+            seen = m.get_stats().reduce()  # the engine's counters: waits and time waited
+            assert seen["vllm:kv_offload_kvtier_scan_waits"] == m.m.stats.scan_waits
+            waited_us = int(m.m.stats.scan_wait_s * 1e6)
+            assert seen["vllm:kv_offload_kvtier_scan_wait_us"] == waited_us > 0
         else:
             want = LookupResult.HIT_PENDING if promote else LookupResult.HIT
             assert m.lookup(keys[0], CTX) is want

@@ -115,6 +115,13 @@ def summarize(result: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, A
         "kvtier_loaded_tokens": {
             t: int(kv.get(f"loaded_{t}", 0)) * TOKENS_PER_BLOCK for t in ("host", "disk", "remote")
         },
+        # The lookups that waited for their request's lower-tier reads (all
+        # turns, warm-up included) and how long, on average: the part of a
+        # returning prefix's time to first token spent reading Redis or disk.
+        "read_ahead_waits": int(kv.get("scan_waits", 0)),
+        "read_ahead_wait_ms": (
+            kv["scan_wait_us"] / 1e3 / kv["scan_waits"] if kv.get("scan_waits") else 0.0
+        ),
         "startup_s": result["startup_s"],
         "requests": [
             {
@@ -272,6 +279,7 @@ def _medians(runs: list[dict[str, Any]], configs: tuple[str, ...]) -> dict[str, 
         for key in ("ttft_first_p50_ms", "ttft_first_p99_ms", "ttft_later_p50_ms",
                     "ttft_later_p99_ms", "tokens_per_s", "computed_tokens"):  # fmt: skip
             m[key] = statistics.median(r[key] for r in rs)
+        m["read_ahead_wait_ms"] = statistics.median(r.get("read_ahead_wait_ms", 0.0) for r in rs)
         for key in ("ttft_first_p50_ms", "ttft_later_p50_ms"):
             for ref in ("none", "prefix"):
                 pairs = [(r[name][key], r[ref][key]) for r in runs if ref in r and name in r]
@@ -306,12 +314,13 @@ def table(result: dict[str, Any]) -> str:
     rows = [
         "| configuration | TTFT p50 first / later (ms) | later vs none | later vs prefix "
         "| first vs none | miss p50 (ms) | later vs own miss | p99 later (ms) "
-        "| tokens computed / prompt | loaded host / disk / remote | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tokens computed / prompt | loaded host / disk / remote | read-ahead wait (ms) "
+        "| identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in result["medians"].items():
         if "refused" in m:
-            rows.append(f"| {name} | refused: {m['refused'][:150]} | | | | | | | | | |")
+            rows.append(f"| {name} | refused: {m['refused'][:150]} | | | | | | | | | | |")
             continue
         lt = m["kvtier_loaded_tokens"]
         rows.append(
@@ -322,6 +331,7 @@ def table(result: dict[str, Any]) -> str:
             f"| {m.get('ttft_later_p50_vs_own_miss', float('nan')):.2f} | {m['ttft_later_p99_ms']:.1f} "
             f"| {m['computed_tokens']:.0f} / {m['prompt_tokens']} "
             f"| {lt['host']} / {lt['disk']} / {lt['remote']} "
+            f"| {m.get('read_ahead_wait_ms', 0.0):.1f} "
             f"| {'yes' if m['identical_outputs'] else 'NO'} |"
         )
     return "\n".join(rows)

@@ -147,6 +147,8 @@ KVTIER_METRICS = {
     "vllm:kv_offload_kvtier_allocation_failures": "Stores or promotions refused for lack of room.",
     "vllm:kv_offload_kvtier_scan_reads": "Blocks read ahead by a lookup and readable in its step.",
     "vllm:kv_offload_kvtier_scan_timeouts": "Read-ahead waits cut short by their deadline.",
+    "vllm:kv_offload_kvtier_scan_waits": "Lookups that waited for their request's read-ahead.",
+    "vllm:kv_offload_kvtier_scan_wait_us": "Microseconds lookups waited for read-ahead, in all.",
 }
 
 
@@ -579,6 +581,8 @@ class KVTierManager(OffloadingManager):
             "allocation_failures": s.allocation_failures,
             "scan_reads": s.scan_reads,
             "scan_timeouts": s.scan_timeouts,
+            "scan_waits": s.scan_waits,
+            "scan_wait_us": int(s.scan_wait_s * 1e6),
             **{f"loaded_{t}": s.loaded_from.get(t, 0) for t in ("host", "disk", "remote")},
         }
         for name, value in counters.items():
