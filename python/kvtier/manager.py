@@ -269,7 +269,7 @@ class TieredOffloadingManager:
                 continue
             if r is not LookupResult.HIT:
                 return r  # RETRY / HIT_PENDING: ask again next step
-            streamable = self.streaming and tier.reader_spec() is not None
+            streamable = self._worker_reads(tier)
             if streamable and not self.promote:
                 self._streamable[key] = i
                 return LookupResult.HIT
@@ -722,6 +722,10 @@ class TieredOffloadingManager:
         self._wait_left_s = max(0.0, deadline - now)
         return done
 
+    def _worker_reads(self, tier: LowerTier) -> bool:
+        """The engine's worker can read ``tier``'s hits itself (streaming)."""
+        return self.streaming and tier.reader_spec() is not None
+
     def _probes(self, tier: int) -> bool:
         """Keys lower tier ``tier`` does not know yet are probed (rather than
         checked first)."""
@@ -740,9 +744,7 @@ class TieredOffloadingManager:
                 r = tier.lookup(k)
                 if r is LookupResult.MISS:
                     continue
-                if r is LookupResult.HIT and not (
-                    self.streaming and not self.promote and tier.reader_spec() is not None
-                ):
+                if r is LookupResult.HIT and (self.promote or not self._worker_reads(tier)):
                     picks.append((i, False, k))
                 elif r is LookupResult.RETRY:
                     picks.append((i, True, k))

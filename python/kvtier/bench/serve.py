@@ -277,9 +277,9 @@ def _medians(runs: list[dict[str, Any]], configs: tuple[str, ...]) -> dict[str, 
             continue
         m: dict[str, Any] = {}
         for key in ("ttft_first_p50_ms", "ttft_first_p99_ms", "ttft_later_p50_ms",
-                    "ttft_later_p99_ms", "tokens_per_s", "computed_tokens"):  # fmt: skip
+                    "ttft_later_p99_ms", "tokens_per_s", "computed_tokens",
+                    "read_ahead_wait_ms"):  # fmt: skip
             m[key] = statistics.median(r[key] for r in rs)
-        m["read_ahead_wait_ms"] = statistics.median(r.get("read_ahead_wait_ms", 0.0) for r in rs)
         for key in ("ttft_first_p50_ms", "ttft_later_p50_ms"):
             for ref in ("none", "prefix"):
                 pairs = [(r[name][key], r[ref][key]) for r in runs if ref in r and name in r]
