@@ -116,6 +116,7 @@ class _Stats:
     loads: int = 0
     streamed: int = 0  # loaded blocks the engine's worker read from a lower tier
     streamed_stores: int = 0  # stored blocks it wrote to a lower tier itself
+    load_failures: int = 0  # blocks of loads the engine's worker reported failed
     not_admitted: int = 0
     allocation_failures: int = 0
     # Blocks handed to the engine by prepare_load, by the tier they came from.
@@ -362,6 +363,34 @@ class TieredOffloadingManager:
                 self.lower[t].unpin_read([rec])
             else:
                 self.host.unpin(k)
+
+    def load_failed(self, spec: HostSpec) -> None:
+        """The engine's worker reported that the load of ``spec`` (a
+        :meth:`prepare_load` result, its load completed) failed: the lower-
+        tier records it read itself are forgotten there and its host blocks
+        no longer loaded by anyone are dropped, so the next lookup of those
+        keys misses rather than loading the same bytes again.
+
+        Who calls: the vLLM shim's connector, after ``complete_load`` of the
+        same load. Non-blocking."""
+        self.stats.load_failures += len(spec.slots)
+        bad = {int(s) for s in spec.slots if s >= 0}
+        if bad:
+            dead = [k for k, e in self.host.entries.items() if e.slot in bad and e.evictable]
+            for k in dead:
+                self.host.drop(k)
+            self._removed(dead)
+        st = spec.stream
+        if st is None:
+            return
+        rows: dict[str, list[int]] = {}
+        for n, name in enumerate(st.tiers):
+            rows.setdefault(name, []).append(n)
+        for tier in self.lower:
+            mine = rows.get(tier.name)
+            if mine:
+                digs = b"".join(st.digests[16 * n : 16 * n + 16] for n in mine)
+                tier.read_failed(st.locations[mine], digs)
 
     def touch(self, keys: Collection[bytes], req_context: Any = None) -> None:
         for k in keys:
@@ -744,8 +773,10 @@ class TieredOffloadingManager:
                 r = tier.lookup(k)
                 if r is LookupResult.MISS:
                     continue
-                if r is LookupResult.HIT and (self.promote or not self._worker_reads(tier)):
-                    picks.append((i, False, k))
+                if r is LookupResult.HIT:
+                    if self.promote or not self._worker_reads(tier):
+                        picks.append((i, False, k))
+                    # else the worker reads it itself: nothing to read ahead
                 elif r is LookupResult.RETRY:
                     picks.append((i, True, k))
                 else:

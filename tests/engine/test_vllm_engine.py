@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -239,6 +240,49 @@ def test_host_and_redis(
     assert {r["id"]: r["cached_tokens"] for r in e.requests} == EXPECTED
     assert e.loaded["remote"] > 0
     assert e.loaded["host"] + e.loaded["remote"] == sum(EXPECTED.values())
+    _assert_clean(e)
+
+
+def test_corrupt_redis_values_are_recomputed_not_served(
+    engine_python: str, model: str, reference: Engine, tmp_path: Path, redis_standalone: Any
+) -> None:
+    """Every value in Redis is corrupted moments after it is written, and the
+    engine's worker reads Redis hits itself (no promotion, no read-ahead):
+    each such load fails its crc32c check after the lookup said HIT. Under
+    KVTierConnector the failed blocks go back to vLLM, which recomputes
+    them: the engine keeps serving and every output matches the reference."""
+    redis_standalone.cli("FLUSHALL")
+    spoil = (
+        "for _, k in ipairs(redis.call('KEYS', 'kvt:*')) do "
+        "redis.call('SETRANGE', k, 1000, 'XXXX') end return 0"
+    )
+    stop = threading.Event()
+
+    def corrupt() -> None:
+        while not stop.is_set():
+            redis_standalone.cli("EVAL", spoil, "0")
+            stop.wait(0.05)
+
+    t = threading.Thread(target=corrupt, daemon=True)
+    t.start()
+    try:
+        e = run_engine(engine_python, tmp_path, _kvtier_spec(
+            model, kvtier_host_bytes=12 * SLOT, kvtier_remote_url=redis_standalone.url,
+            kvtier_promote=False, kvtier_scan_wait_ms=0))  # fmt: skip
+    finally:
+        stop.set()
+        t.join()
+    assert _outputs(e) == _outputs(reference)
+    failed = [ln for ln in e.log.splitlines() if "blocks are recomputed" in ln]
+    assert failed, e.log[-3000:]
+    assert all("payload checksum mismatch" in ln for ln in failed), failed
+    assert e.stats is not None
+    # Every failed load reached the manager, which forgot what it read (else
+    # the recomputation would look up the same bytes again and load them
+    # forever: this engine would not finish). A load of host and streamed
+    # chunks counts its host ones too.
+    assert e.stats["stats"]["load_failures"] >= len(failed)
+    assert e.counters["kvtier"]["load_failures"] == e.stats["stats"]["load_failures"]
     _assert_clean(e)
 
 

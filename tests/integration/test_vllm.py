@@ -524,3 +524,97 @@ def test_disk_capacity_as_a_share_of_free_space_split_over_stages(small_fs: Path
         spec.get_manager()
     worker.shutdown()
     assert list((small_fs / "b").iterdir()) == []
+
+
+@pytest.mark.parametrize("reporting", [True, False])
+def test_reporting_spec_streams_redis_and_reports_a_failed_load_as_its_blocks(
+    reporting: bool, redis_standalone: Any
+) -> None:
+    """Under KVTierConnector's spec a Redis hit that finds no promotion is
+    read by the worker itself (a HIT at once, streamed); a value corrupted
+    on the server fails its load, which finishes with its engine blocks
+    reported for recomputing rather than as a failed job (vLLM asserts
+    success). kvtier's plain spec never lets the worker read Redis."""
+    redis_standalone.cli("FLUSHALL")
+    name = "KVTierReportingSpec" if reporting else "KVTierOffloadingSpec"
+    extra = {**SPEC, "spec_name": name, "kvtier_host_bytes": "1MiB", "kvtier_num_slots": 8,
+             "kvtier_promote": False, "kvtier_scan_wait_ms": 0,
+             "kvtier_remote_url": redis_standalone.url}  # fmt: skip
+    spec = OffloadingSpecFactory.create_spec(config(extra))
+    caches, layers = _kv_caches(8)
+    w = spec.get_worker(caches)
+    m = spec.get_manager()
+    remote = m.m.lower[0]
+    keys = [K(i) for i in range(3)]
+    with m.lock:
+        out = m.prepare_store(keys, CTX)
+    assert out is not None
+    assert w.submit_store(1, GPULoadStoreSpec([1, 4, 6], [3], [0]), out.store_spec)
+    w.wait({1})
+    assert [r.success for r in w.get_finished()] == [True]
+    before = [t[[1, 4, 6]].clone() for t in layers]
+    with m.lock:
+        m.complete_store(keys, CTX)
+    deadline = time.monotonic() + 20
+    while not all(remote.lookup(bytes(k)).name == "HIT" for k in keys):
+        assert time.monotonic() < deadline, "cascade"
+        with m.lock:
+            m.on_schedule_end(END)
+        time.sleep(0.005)
+    with m.lock:
+        m.reset_cache()
+        m.on_reset_flushed()
+        m.on_schedule_end(END)
+        first = m.lookup(keys[0], CTX)
+    if not reporting:
+        assert first is LookupResult.HIT_PENDING  # promoted through the host tier
+        w.shutdown()
+        m.shutdown()
+        return
+    assert first is LookupResult.HIT
+    for job, dst, corrupt in ((2, [0, 2, 3], False), (3, [5, 6, 7], True)):
+        for t in layers:
+            t.zero_()
+        if corrupt:  # one value's payload changed on the server: its crc fails
+            redis_standalone.cli("SETRANGE", remote.server_key(bytes(keys[1])), "1000", "XXXX")
+        with m.lock:
+            assert [m.lookup(k, CTX) for k in keys] == [LookupResult.HIT] * 3
+            load = m.prepare_load(keys, CTX)
+        assert load.stream is not None and len(load.stream.index) == 3
+        assert w.submit_load(job, load, GPULoadStoreSpec(dst, [3], [0]))
+        w.wait({job})
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(job, True)]
+        assert w.take_load_errors() == (set(dst) if corrupt else set())
+        assert w.take_load_errors() == set()  # taken once
+        if not corrupt:
+            for t, want in zip(layers, before):
+                assert torch.equal(t[dst], want)
+        with m.lock:
+            m.complete_load(keys, CTX)
+            if corrupt:  # what KVTierConnector does next: the keys miss from now on
+                m.load_failed(load)
+                assert m.lookup(keys[0], CTX) is LookupResult.MISS
+                assert m.m.stats.load_failures == 3 and remote.counters["load_failures"] == 3
+    w.shutdown()
+    m.shutdown()
+
+
+def test_kvtier_connector_names_its_own_spec() -> None:
+    """KVTierConnector fills in kvtier's reporting spec and refuses another."""
+    from types import SimpleNamespace
+
+    from kvtier.errors import InvalidArgument
+    from kvtier.integrations.vllm_connector import _use_kvtier_spec
+
+    def cfg(extra: dict[str, Any]) -> Any:
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+
+    c = cfg({"kvtier_host_bytes": "1GiB"})
+    _use_kvtier_spec(c)
+    extra = c.kv_transfer_config.kv_connector_extra_config
+    assert (extra["spec_name"], extra["spec_module_path"]) == (
+        "KVTierReportingSpec", "kvtier.integrations.vllm",
+    )  # fmt: skip
+    _use_kvtier_spec(c)  # again (scheduler and worker each build one): unchanged
+    with pytest.raises(InvalidArgument, match="drop spec_name and spec_module_path"):
+        _use_kvtier_spec(cfg({"spec_name": "CPUOffloadingSpec", "spec_module_path": "vllm.x"}))

@@ -61,7 +61,9 @@ if TYPE_CHECKING:
     from kvtier.streaming import StreamChunk, StreamLoader
     from kvtier.tiers.base import LowerTier
 
-__all__ = ["KVTierDiskTier", "KVTierOffloadingSpec", "KVTierRedisTier", "KVTierSpec"]
+__all__ = [
+    "KVTierDiskTier", "KVTierOffloadingSpec", "KVTierRedisTier", "KVTierReportingSpec", "KVTierSpec",
+]  # fmt: skip
 
 # Keys of kv_connector_extra_config that vLLM itself reads (never ours to reject).
 _VLLM_KEYS = {
@@ -149,6 +151,8 @@ KVTIER_METRICS = {
     "vllm:kv_offload_kvtier_scan_timeouts": "Read-ahead waits cut short by their deadline.",
     "vllm:kv_offload_kvtier_scan_waits": "Lookups that waited for their request's read-ahead.",
     "vllm:kv_offload_kvtier_scan_wait_us": "Microseconds lookups waited for read-ahead, in all.",
+    "vllm:kv_offload_kvtier_load_failures": "Chunks of loads that failed in the engine's worker "
+    "(recomputed by vLLM under KVTierConnector).",
 }
 
 
@@ -252,6 +256,12 @@ def _wait_pool(name: str, timeout_s: float = 300.0) -> HostPool:
 
 class KVTierOffloadingSpec(OffloadingSpec):
     """kvtier as vLLM's whole offloading spec (host tier, GPU worker, lower tiers)."""
+
+    # Whether the connector above reports failed loads to vLLM (KVTierConnector
+    # does, through KVTierReportingSpec; vLLM's OffloadingConnector asserts
+    # every load succeeds). Only then may the engine's worker read Redis
+    # values itself: one can vanish between the existence check and the read.
+    reports_load_errors: ClassVar[bool] = False
 
     @classmethod
     def build_metric_definitions(
@@ -357,6 +367,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 remote_tls_cert_file=k.get("kvtier_remote_tls_cert_file"),
                 remote_tls_key_file=k.get("kvtier_remote_tls_key_file"),
                 remote_tls_server_name=k.get("kvtier_remote_tls_server_name"),
+                remote_worker_io=self.reports_load_errors,
             )
             disk_path = cfg.disk_path
             if disk_path is not None:
@@ -425,6 +436,14 @@ class KVTierOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         return KVTierWorker(kv_caches, self)
+
+
+class KVTierReportingSpec(KVTierOffloadingSpec):
+    """The spec :class:`kvtier.integrations.vllm_connector.KVTierConnector`
+    loads: the same tiers, with failed loads reported to vLLM as blocks to
+    recompute, so the engine's worker may also read Redis hits itself."""
+
+    reports_load_errors: ClassVar[bool] = True
 
 
 class _PrefixOrder:
@@ -503,6 +522,13 @@ class KVTierManager(OffloadingManager):
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.m.touch([bytes(k) for k in keys], req_context)
+
+    def load_failed(self, spec: KVTierSpec) -> None:
+        """See :meth:`TieredOffloadingManager.load_failed` (KVTierConnector
+        calls it, holding the lock, after the load's complete_load)."""
+        from kvtier.manager import HostSpec
+
+        self.m.load_failed(HostSpec(spec.slots, spec.stream))
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -583,6 +609,7 @@ class KVTierManager(OffloadingManager):
             "scan_timeouts": s.scan_timeouts,
             "scan_waits": s.scan_waits,
             "scan_wait_us": int(s.scan_wait_s * 1e6),
+            "load_failures": s.load_failures,
             **{f"loaded_{t}": s.loaded_from.get(t, 0) for t in ("host", "disk", "remote")},
         }
         for name, value in counters.items():
@@ -663,6 +690,12 @@ class KVTierWorker(OffloadingWorker):
         self._next = 0
         self._parts: dict[int, list[tuple[int, int]]] = {}  # job -> [(group, sub job)]
         self._done: dict[int, list[Any]] = {}
+        # Under KVTierConnector a failed load is reported as its engine
+        # blocks (vLLM recomputes them) rather than as a failed job, which
+        # vLLM's offloading worker asserts never happens.
+        self.reports_load_errors = spec.reports_load_errors
+        self._load_blocks: dict[int, np.ndarray] = {}  # load job -> its engine block ids
+        self._load_errors: set[int] = set()
 
     def _split(
         self, gpu: GPULoadStoreSpec, slots: np.ndarray
@@ -685,6 +718,8 @@ class KVTierWorker(OffloadingWorker):
         store: bool,
         expedited: bool = False,
     ) -> bool:
+        if not store:
+            self._load_blocks[job_id] = np.asarray(gpu.block_ids, np.int64)
         if host.stream is not None:
             return self._submit_streamed(job_id, gpu, host, host.stream, store, expedited)
         parts = []
@@ -790,14 +825,36 @@ class KVTierWorker(OffloadingWorker):
         for job in [j for j, parts in self._parts.items() if len(self._done[j]) == len(parts)]:
             rs = self._done.pop(job)
             del self._parts[job]
+            ok = all(r.success for r in rs)
+            blocks = self._load_blocks.pop(job, None)
+            if not ok and self.reports_load_errors:
+                # Finished all the same: a failed load's blocks go to
+                # take_load_errors; a failed store leaves what a later read
+                # rejects (every read checks digest, length and crc32c).
+                why = "; ".join(sorted({r.error for r in rs if not r.success and r.error}))
+                logging.getLogger("kvtier").warning(
+                    "kvtier: %s job %d failed (%s)%s", "load" if blocks is not None else "store",
+                    job, why or "no reason given",
+                    f": its {len(blocks)} blocks are recomputed" if blocks is not None else "",
+                )  # fmt: skip
+                if blocks is not None:
+                    self._load_errors.update(blocks.tolist())
+                ok = True
             out.append(
                 TransferResult(
                     job_id=job,
-                    success=all(r.success for r in rs),
-                    transfer_size=sum(r.transfer_size or 0 for r in rs),
+                    success=ok,
+                    transfer_size=sum(r.transfer_size or 0 for r in rs if r.success),
                     transfer_time=max((r.transfer_time or 0.0 for r in rs), default=0.0),
                 )
             )
+        return out
+
+    def take_load_errors(self) -> set[int]:
+        """Engine block ids of loads that failed since the last call (their
+        jobs were reported finished). Called by KVTierConnector once per
+        forward pass, after get_finished; non-blocking."""
+        out, self._load_errors = self._load_errors, set()
         return out
 
     def wait(self, job_ids: set[int]) -> None:
@@ -810,6 +867,7 @@ class KVTierWorker(OffloadingWorker):
                     self.transfers[g].wait([sub])
 
     def shutdown(self) -> None:
+        self._load_blocks.clear()
         if self._stream is not None:
             self._stream.close()
         for t in self.transfers:

@@ -143,14 +143,12 @@ def _llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         if spec.get(key):
             kw[key] = spec[key]
     if mode == "kvtier":
-        extra = {
-            "spec_name": "KVTierOffloadingSpec",
-            "spec_module_path": "kvtier.integrations.vllm",
-            "block_size": kw["block_size"],
-            **spec["kvtier"],
-        }
+        extra = {"block_size": kw["block_size"], **spec["kvtier"]}
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+            kv_connector="KVTierConnector",
+            kv_connector_module_path="kvtier.integrations.vllm_connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
         )
     elif mode == "vllm-cpu-offload":
         kw["kv_transfer_config"] = KVTransferConfig(

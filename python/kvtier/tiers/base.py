@@ -162,6 +162,12 @@ class LowerTier(ABC):
         """The reads pinned by :meth:`pin_for_read` (column 0 of its locations) ended."""
         raise NotImplementedError(f"tier {self.name} cannot be read by another process")
 
+    def read_failed(self, locations: np.ndarray, digests: bytes) -> None:
+        """Another process failed to read these records (as :meth:`pin_for_read`
+        gave them; unpinned since): a miss from now on, so that no lookup
+        answers HIT for the same bytes again."""
+        raise NotImplementedError(f"tier {self.name} cannot be read by another process")
+
     def reserve_for_write(self, keys: Sequence[bytes]) -> list[tuple[int, np.ndarray, bytes]]:
         """Locations another process writes ``keys`` to: ``(position, location,
         digest)`` per key reserved, unreadable until :meth:`commit_write`."""

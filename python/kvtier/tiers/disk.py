@@ -788,6 +788,23 @@ class DiskTier(JobTier):
         for rec in records:
             self.index.unpin(int(rec))
 
+    def read_failed(self, locations: np.ndarray, digests: bytes) -> None:
+        for i, loc in enumerate(locations):
+            self._drop_unreadable(int(loc[0]), digests[16 * i : 16 * i + 16])
+
+    def _drop_unreadable(self, rec: int, dig: bytes, key: bytes | None = None) -> None:
+        """A read of ``rec`` (holding ``dig``: ``key``, when known) failed:
+        counted, and the record dropped unless another read still has it or
+        it was reused since."""
+        self.counters["load_failures"] += 1
+        ix = self.index
+        if ix.state(rec) == _READY and ix.loading(rec) == 0 and ix.digest(rec) == dig:
+            key = key if key is not None else self._event_keys.get(dig)
+            self._forget(dig, rec)
+            self._journal(_DEL, rec, dig)
+            if key is not None:
+                self._events.append(TierEvent([key], self.name, removed=True))
+
     def reserve_for_write(self, keys: Sequence[bytes]) -> list[tuple[int, np.ndarray, bytes]]:
         """Records for ``keys`` that another process writes itself (an engine
         worker storing blocks the host tier has no room for): per key that
@@ -873,13 +890,8 @@ class DiskTier(JobTier):
                     loaded += 1
                 else:
                     # Torn, foreign or unreadable: a miss, counted, and dropped.
-                    self.counters["load_failures"] += 1
                     self.counters["corrupt" if code < 0 else "io_errors"] += 1
-                    ix = self.index
-                    if ix.state(rec) == _READY and ix.loading(rec) == 0 and ix.digest(rec) == dig:
-                        self._forget(dig, rec)
-                        self._journal(_DEL, rec, dig)
-                        self._events.append(TierEvent([keys[i]], self.name, removed=True))
+                    self._drop_unreadable(rec, dig, keys[i])
         count_moved(self.counters, "store", len(stored), self.record_bytes)
         count_moved(self.counters, "load", loaded, self.record_bytes)
         if stored:

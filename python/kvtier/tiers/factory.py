@@ -58,6 +58,9 @@ class TierConfig:
     remote_tls_cert_file: str | None = None
     remote_tls_key_file: str | None = None
     remote_tls_server_name: str | None = None
+    # The engine's worker may read and write the pool itself (RemoteTier's
+    # worker_io): only where the connector reports failed loads.
+    remote_worker_io: bool = False
     no_data: bool = False
 
 
@@ -110,6 +113,7 @@ def build_tier(
         known_capacity=cfg.remote_known_capacity,
         tls_ca_file=cfg.remote_tls_ca_file, tls_cert_file=cfg.remote_tls_cert_file,
         tls_key_file=cfg.remote_tls_key_file, tls_server_name=cfg.remote_tls_server_name,
+        worker_io=cfg.remote_worker_io,
     )  # fmt: skip
 
 

@@ -373,6 +373,13 @@ class RemoteTier(JobTier):
     def unpin_read(self, records: Sequence[int]) -> None:
         return None
 
+    def read_failed(self, locations: np.ndarray, digests: bytes) -> None:
+        """Absent for ``negative_ttl_s``; then an existence check asks again
+        (the value may have been written anew meanwhile)."""
+        digs = [digests[i : i + 16] for i in range(0, len(digests), 16)]
+        self.counters["load_failures"] += len(digs)
+        self._remember_all(digs, False)
+
     def reserve_for_write(self, keys: Sequence[bytes]) -> list[tuple[int, np.ndarray, bytes]]:
         """Every admitted key: the worker writes it under its digest."""
         zero = np.zeros(3, np.int64)
