@@ -178,6 +178,19 @@ def test_manager_semantics_through_vllm_types() -> None:
     m.shutdown()
 
 
+def _steps_until(m: Any, cond: Any, what: str) -> None:
+    """Scheduler step ends until ``cond()`` holds (checked under the
+    manager's lock); fails after 20 s naming ``what`` it waited for."""
+    deadline = time.monotonic() + 20
+    while True:
+        with m.lock:
+            if cond():
+                return
+            m.on_schedule_end(END)
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
 def _kv_caches(num_blocks: int, n_layers: int = 2) -> tuple[CanonicalKVCaches, list[torch.Tensor]]:
     # Layers as vLLM hands them over: int8 views (num_blocks, page) per layer.
     layers = [
@@ -321,16 +334,6 @@ def test_whole_spec_with_a_lower_tier_round_trips_every_stage(
     disk = m.m.lower[0]
     keys = [K(i) for i in range(3)]
 
-    def steps_until(cond: Any, what: str) -> None:
-        deadline = time.monotonic() + 20
-        while True:
-            with m.lock:
-                if cond():
-                    return
-                m.on_schedule_end(END)
-            assert time.monotonic() < deadline, what
-            time.sleep(0.005)
-
     def run(job: int, fn: Any) -> None:
         for w in workers:
             assert fn(w)
@@ -344,7 +347,7 @@ def test_whole_spec_with_a_lower_tier_round_trips_every_stage(
     run(1, lambda w: w.submit_store(1, GPULoadStoreSpec([1, 4, 6], [3], [0]), out.store_spec))
     with m.lock:
         m.complete_store(keys, CTX)
-    steps_until(lambda: all(disk.lookup(bytes(k)).name == "HIT" for k in keys), "cascade")
+    _steps_until(m, lambda: all(disk.lookup(bytes(k)).name == "HIT" for k in keys), "cascade")
     for _, layers in kv:
         for t in layers:
             t.zero_()
@@ -370,7 +373,7 @@ def test_whole_spec_with_a_lower_tier_round_trips_every_stage(
         else:
             want = LookupResult.HIT_PENDING if promote else LookupResult.HIT
             assert m.lookup(keys[0], CTX) is want
-    steps_until(lambda: all(m.lookup(k, CTX) is LookupResult.HIT for k in keys), "promotion")
+    _steps_until(m, lambda: all(m.lookup(k, CTX) is LookupResult.HIT for k in keys), "promotion")
     with m.lock:
         load = m.prepare_load(keys, CTX)
         assert (load.stream is None) == promote
@@ -441,11 +444,7 @@ def test_vllm_tiering_with_kvtier_secondary_tiers(
             want[k] = data
         m.complete_store(keys, CTX)  # cascades to the kvtier tier
         m.on_request_finished(CTX)
-    deadline = time.monotonic() + 20
-    while m.has_pending_work() and time.monotonic() < deadline:
-        with m.lock:
-            m.on_schedule_end(END)
-        time.sleep(0.005)
+    _steps_until(m, lambda: not m.has_pending_work(), "cascades")
     with m.lock:
         m.reset_cache()
         m.on_reset_flushed()
@@ -453,6 +452,7 @@ def test_vllm_tiering_with_kvtier_secondary_tiers(
     ctx2 = ReqContext(req_id="r2")
     with m.lock:
         m.on_new_request(ctx2)
+    deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         with m.lock:
             results = [m.lookup(k, ctx2) for k in keys]
@@ -526,20 +526,25 @@ def test_disk_capacity_as_a_share_of_free_space_split_over_stages(small_fs: Path
     assert list((small_fs / "b").iterdir()) == []
 
 
-@pytest.mark.parametrize("reporting", [True, False])
-def test_reporting_spec_streams_redis_and_reports_a_failed_load_as_its_blocks(
-    reporting: bool, redis_standalone: Any
+@pytest.mark.parametrize(("which", "reporting"), [("redis", True), ("redis", False), ("disk", True)])
+def test_reporting_spec_streams_and_reports_a_failed_load_as_its_blocks(
+    which: str, reporting: bool, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    """Under KVTierConnector's spec a Redis hit that finds no promotion is
-    read by the worker itself (a HIT at once, streamed); a value corrupted
-    on the server fails its load, which finishes with its engine blocks
-    reported for recomputing rather than as a failed job (vLLM asserts
-    success). kvtier's plain spec never lets the worker read Redis."""
-    redis_standalone.cli("FLUSHALL")
+    """Under KVTierConnector's spec a Redis or disk hit that finds no
+    promotion is read by the worker itself (a HIT at once, streamed); a
+    value corrupted on the server (a record on disk) fails its load, which
+    finishes with its engine blocks reported for recomputing rather than as
+    a failed job (vLLM asserts success); told so, the manager forgets them.
+    kvtier's plain spec never lets the worker read Redis."""
     name = "KVTierReportingSpec" if reporting else "KVTierOffloadingSpec"
     extra = {**SPEC, "spec_name": name, "kvtier_host_bytes": "1MiB", "kvtier_num_slots": 8,
-             "kvtier_promote": False, "kvtier_scan_wait_ms": 0,
-             "kvtier_remote_url": redis_standalone.url}  # fmt: skip
+             "kvtier_promote": False, "kvtier_scan_wait_ms": 0}  # fmt: skip
+    if which == "redis":
+        srv = request.getfixturevalue("redis_standalone")
+        srv.cli("FLUSHALL")
+        extra["kvtier_remote_url"] = srv.url
+    else:
+        extra.update(kvtier_disk_path=str(tmp_path / "disk"), kvtier_disk_bytes="4MiB")
     spec = OffloadingSpecFactory.create_spec(config(extra))
     caches, layers = _kv_caches(8)
     w = spec.get_worker(caches)
@@ -555,12 +560,7 @@ def test_reporting_spec_streams_redis_and_reports_a_failed_load_as_its_blocks(
     before = [t[[1, 4, 6]].clone() for t in layers]
     with m.lock:
         m.complete_store(keys, CTX)
-    deadline = time.monotonic() + 20
-    while not all(remote.lookup(bytes(k)).name == "HIT" for k in keys):
-        assert time.monotonic() < deadline, "cascade"
-        with m.lock:
-            m.on_schedule_end(END)
-        time.sleep(0.005)
+    _steps_until(m, lambda: all(remote.lookup(bytes(k)).name == "HIT" for k in keys), "cascade")
     with m.lock:
         m.reset_cache()
         m.on_reset_flushed()
@@ -575,8 +575,14 @@ def test_reporting_spec_streams_redis_and_reports_a_failed_load_as_its_blocks(
     for job, dst, corrupt in ((2, [0, 2, 3], False), (3, [5, 6, 7], True)):
         for t in layers:
             t.zero_()
-        if corrupt:  # one value's payload changed on the server: its crc fails
-            redis_standalone.cli("SETRANGE", remote.server_key(bytes(keys[1])), "1000", "XXXX")
+        if corrupt and which == "redis":  # one value's payload changed: its crc fails
+            srv.cli("SETRANGE", remote.server_key(bytes(keys[1])), "1000", "XXXX")
+        elif corrupt:  # one record's payload changed in its slab file
+            rec, f, off = (int(x) for x in remote.pin_for_read([bytes(keys[1])])[0][0])
+            remote.unpin_read([rec])
+            with open(remote.paths[f], "r+b") as fh:
+                fh.seek(off + 1000)
+                fh.write(b"XXXX")
         with m.lock:
             assert [m.lookup(k, CTX) for k in keys] == [LookupResult.HIT] * 3
             load = m.prepare_load(keys, CTX)
@@ -595,6 +601,8 @@ def test_reporting_spec_streams_redis_and_reports_a_failed_load_as_its_blocks(
                 m.load_failed(load)
                 assert m.lookup(keys[0], CTX) is LookupResult.MISS
                 assert m.m.stats.load_failures == 3 and remote.counters["load_failures"] == 3
+                if which == "disk":  # the records went from the index
+                    assert [remote.lookup(bytes(k)).name for k in keys] == ["MISS"] * 3
     w.shutdown()
     m.shutdown()
 
@@ -618,3 +626,35 @@ def test_kvtier_connector_names_its_own_spec() -> None:
     _use_kvtier_spec(c)  # again (scheduler and worker each build one): unchanged
     with pytest.raises(InvalidArgument, match="drop spec_name and spec_module_path"):
         _use_kvtier_spec(cfg({"spec_name": "CPUOffloadingSpec", "spec_module_path": "vllm.x"}))
+
+
+def test_reporting_spec_a_failed_streamed_store_to_redis_finishes(tmp_path: Path) -> None:
+    """Under KVTierConnector's spec blocks that find no host slot are written
+    to Redis by the worker itself; with the server gone that write fails,
+    and the store still finishes (nothing of it is readable: a later read
+    misses or fails its check and is recomputed) instead of failing a job
+    vLLM asserts never fails. No load error is reported for it."""
+    from kvtier.bench.redis_server import RedisServer
+
+    srv = RedisServer(tmp_path / "redis")
+    try:
+        extra = {**SPEC, "spec_name": "KVTierReportingSpec", "kvtier_host_bytes": "1MiB",
+                 "kvtier_num_slots": 1, "kvtier_scan_wait_ms": 0,
+                 "kvtier_remote_url": srv.url}  # fmt: skip
+        spec = OffloadingSpecFactory.create_spec(config(extra))
+        caches, _ = _kv_caches(8)
+        w = spec.get_worker(caches)
+        m = spec.get_manager()
+        keys = [K(i) for i in range(3)]
+        with m.lock:
+            out = m.prepare_store(keys, CTX)
+        assert out is not None and len(out.keys_to_store) == 3
+        assert list(out.store_spec.slots) == [0, -1, -1]  # two go straight to Redis
+        srv.kill()
+        assert w.submit_store(1, GPULoadStoreSpec([1, 4, 6], [3], [0]), out.store_spec)
+        w.wait({1})
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True)]
+        assert w.take_load_errors() == set()
+        w.shutdown()
+    finally:
+        srv.stop()

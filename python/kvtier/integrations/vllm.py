@@ -1,11 +1,14 @@
-"""vLLM 0.33 connector shim: the only kvtier module that imports vllm.
+"""vLLM 0.33 connector shim: with ``vllm_connector``, the only kvtier modules
+that import vllm.
 
-Two routes, both loaded by vLLM's OffloadingConnector from
+Two routes, both loaded by vLLM's OffloadingConnector (or kvtier's
+subclass of it, :mod:`kvtier.integrations.vllm_connector`) from
 ``kv_connector_extra_config``:
 
 - the whole spec: ``{"spec_name": "KVTierOffloadingSpec",
   "spec_module_path": "kvtier.integrations.vllm", "kvtier_host_bytes": ...}``
-  (kvtier's host tier, GPU worker and lower tiers);
+  (kvtier's host tier, GPU worker and lower tiers); ``KVTierReportingSpec``,
+  the same under KVTierConnector, which reports failed loads to vLLM;
 - secondary tiers under vLLM's own ``TieringOffloadingSpec``:
   ``{"secondary_tiers": [{"type": "KVTierDiskTier", "module_path":
   "kvtier.integrations.vllm", "path": "/mnt/nvme/kv"}]}`` (and
@@ -696,6 +699,7 @@ class KVTierWorker(OffloadingWorker):
         self.reports_load_errors = spec.reports_load_errors
         self._load_blocks: dict[int, np.ndarray] = {}  # load job -> its engine block ids
         self._load_errors: set[int] = set()
+        self._copy_failed: set[int] = set()  # jobs with a failed copy to or from host slots
 
     def _split(
         self, gpu: GPULoadStoreSpec, slots: np.ndarray
@@ -819,6 +823,8 @@ class KVTierWorker(OffloadingWorker):
         for t in self.transfers:
             for r in t.get_finished():
                 self._done[owner[r.job_id]].append(r)
+                if not r.success:
+                    self._copy_failed.add(owner[r.job_id])
         for r in self._stream.get_finished() if self._stream is not None else ():
             self._done[owner[r.job_id]].append(r)
         out = []
@@ -827,15 +833,21 @@ class KVTierWorker(OffloadingWorker):
             del self._parts[job]
             ok = all(r.success for r in rs)
             blocks = self._load_blocks.pop(job, None)
-            if not ok and self.reports_load_errors:
-                # Finished all the same: a failed load's blocks go to
-                # take_load_errors; a failed store leaves what a later read
-                # rejects (every read checks digest, length and crc32c).
+            copy_failed = job in self._copy_failed
+            self._copy_failed.discard(job)
+            if not ok and self.reports_load_errors and (blocks is not None or not copy_failed):
+                # Finished all the same. A failed load's blocks go to
+                # take_load_errors; a store that failed only in what the
+                # worker wrote to a lower tier itself left a value or record
+                # that fails its check when read (recomputed then). A store
+                # into host slots that failed still fails: those bytes are
+                # not checked when loaded, so they must never count as stored.
                 why = "; ".join(sorted({r.error for r in rs if not r.success and r.error}))
+                what = (f"its {len(blocks)} blocks are recomputed" if blocks is not None
+                        else "a later read of it fails its check and is recomputed")  # fmt: skip
                 logging.getLogger("kvtier").warning(
-                    "kvtier: %s job %d failed (%s)%s", "load" if blocks is not None else "store",
-                    job, why or "no reason given",
-                    f": its {len(blocks)} blocks are recomputed" if blocks is not None else "",
+                    "kvtier: %s job %d failed (%s): %s",
+                    "load" if blocks is not None else "store", job, why or "no reason given", what,
                 )  # fmt: skip
                 if blocks is not None:
                     self._load_errors.update(blocks.tolist())
@@ -868,6 +880,7 @@ class KVTierWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         self._load_blocks.clear()
+        self._copy_failed.clear()
         if self._stream is not None:
             self._stream.close()
         for t in self.transfers:
