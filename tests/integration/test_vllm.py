@@ -526,7 +526,9 @@ def test_disk_capacity_as_a_share_of_free_space_split_over_stages(small_fs: Path
     assert list((small_fs / "b").iterdir()) == []
 
 
-@pytest.mark.parametrize(("which", "reporting"), [("redis", True), ("redis", False), ("disk", True)])
+@pytest.mark.parametrize(
+    ("which", "reporting"), [("redis", True), ("redis", False), ("disk", True)]
+)
 def test_reporting_spec_streams_and_reports_a_failed_load_as_its_blocks(
     which: str, reporting: bool, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
