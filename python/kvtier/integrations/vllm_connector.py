@@ -45,8 +45,8 @@ class KVTierConnector(OffloadingConnector):
     docstring. Everything but failed loads is OffloadingConnector's."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        # Scheduler side: load job -> (what the manager gave it, its engine blocks)
-        # [spec, engine blocks, workers yet to report, some worker failed it]
+        # Scheduler side, per load job in flight: [the manager's spec for it,
+        # its engine blocks, workers yet to report it, whether one failed it]
         self._loads: dict[int, list[Any]] = {}
         _use_kvtier_spec(vllm_config)
         ktc = vllm_config.kv_transfer_config

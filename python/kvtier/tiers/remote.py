@@ -231,10 +231,11 @@ class RemoteTier(JobTier):
         self.negative_ttl_s = negative_ttl_s
         self.known_ttl_s = known_ttl_s
         self.known_capacity = known_capacity
-        # Off by default: vLLM's offloading worker cannot report a failed
-        # transfer (it asserts success), and a Redis value can vanish between
-        # the existence check and a worker's read (maxmemory eviction, TTL),
-        # or a worker's write can meet a server that went away. Promotion
+        # Off unless the engine can survive a failed read (the vLLM shim's
+        # KVTierConnector reports it for recomputing; vLLM's own offloading
+        # worker asserts success): a Redis value can vanish between the
+        # existence check and a worker's read (maxmemory eviction, TTL), or
+        # a worker's write can meet a server that went away. Promotion
         # checks the bytes into the host tier before the engine hears HIT.
         self.worker_io = worker_io
         # digest -> (exists, when), oldest first: what live requests learnt
