@@ -192,3 +192,34 @@ def test_a_stopped_server_costs_one_bounded_wait(tmp_path: Path, probe: bool) ->
         m.shutdown()
         pool.close()
         s.stop()
+
+
+def test_read_ahead_checks_past_a_key_the_worker_streams(redis_standalone: Any) -> None:
+    """With the engine's worker reading Redis itself (``promote=False``, as
+    under KVTierConnector), a key the tier already knows is a HIT with
+    nothing to read ahead; the read-ahead goes on to check the keys after it
+    in the same step (not stopping there, which left them RETRY), and reads
+    nothing into host slots."""
+    ns = str(uuid.uuid4())
+    fill(redis_standalone.url, ns, list(range(6)))
+    with HostPool(16, BLOCK) as pool:
+        tier = RemoteTier(redis_standalone.url, BLOCK, namespace=ns, worker_io=True)
+        m = TieredOffloadingManager(
+            HostTier(pool), [tier], streaming=True, promote=False, scan_wait_s=10.0,
+            key_order=following, probe=False,
+        )  # fmt: skip
+        try:
+            assert tier.lookup(K(0)) is RETRY  # learn that K(0) exists, as a past step would
+            token = tier.submit_checks()
+            assert token is not None and tier.wait([token], 10)
+            tier.poll()
+            assert tier.lookup(K(0)) is HIT and tier.lookup(K(1)) is RETRY
+            keys = [K(i) for i in range(7)]
+            assert [m.lookup(k, Ctx(keys)) for k in keys] == [HIT] * 6 + [MISS]
+            assert m.stats.scan_waits == 1 and m.stats.scan_reads == 0 and len(m.host) == 0
+            assert tier.stats()["loads"] == 0
+            spec = m.prepare_load(keys[:6], Ctx(keys))
+            assert list(spec.slots) == [-1] * 6 and spec.stream is not None
+            m.complete_load(keys[:6], Ctx(keys))
+        finally:
+            m.shutdown()
