@@ -123,6 +123,7 @@ def test_spec_loads_through_the_factory() -> None:
         ({"kvtier_host_bytes": "1MiB", "kvtier_policy": "nope"}, "unknown policy"),
         ({"kvtier_host_bytes": "1MiB", "kvtier_scan_wait_ms": -1}, "kvtier_scan_wait_ms"),
         ({"kvtier_host_bytes": "1MiB", "kvtier_scan_bytes": "lots"}, "cannot parse size"),
+        ({"kvtier_host_bytes": "1MiB", "kvtier_remote_probe": 1}, "kvtier_remote_probe"),
     ],
 )
 def test_bad_config_keys_are_clear_errors(extra: dict[str, Any], match: str) -> None:

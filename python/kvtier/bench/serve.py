@@ -16,6 +16,11 @@ run, then the median over runs is reported):
 - ``host``: kvtier's host tier holding the whole working set;
 - ``host+disk`` / ``host+redis`` / ``host+disk+redis``: a host tier of a third
   of the working set, the lower tiers behind it;
+- ``host+redis-stream``: as ``host+redis``, but a Redis hit is HIT after an
+  EXISTS check and the engine's worker reads it itself, its copies to the
+  engine's blocks overlapping the reads still in flight (``kvtier_promote``
+  and ``kvtier_remote_probe`` false), instead of the read-ahead into host
+  slots before HIT;
 - ``small-host+disk``: a host tier smaller than one request, disk behind it;
 - ``second-engine``: a new engine (empty host tier) on the Redis that
   ``host+redis`` filled: its first turns are loaded from Redis;
@@ -43,7 +48,7 @@ from kvtier.errors import InvalidArgument
 from kvtier.integrations.vllm_engine import Sessions
 
 CONFIGS = (
-    "none", "prefix", "host", "host+disk", "host+redis", "host+disk+redis",
+    "none", "prefix", "host", "host+disk", "host+redis", "host+redis-stream", "host+disk+redis",
     "small-host+disk", "second-engine", "vllm-cpu-offload",
 )  # fmt: skip
 TOKENS_PER_BLOCK = 32
@@ -72,6 +77,8 @@ def _config_spec(
     if "redis" in name or name == "second-engine":
         assert redis_url is not None
         kv["kvtier_remote_url"] = redis_url
+    if name.endswith("-stream"):
+        kv["kvtier_promote"] = kv["kvtier_remote_probe"] = False
     return {"mode": "kvtier", "kvtier": kv}
 
 

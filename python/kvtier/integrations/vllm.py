@@ -119,6 +119,12 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
         "copy a disk hit into the host tier before loading it (default true; false: the worker "
         "streams every disk hit into the engine's cache itself)",
     ),
+    "kvtier_remote_probe": (
+        bool,
+        "keys the Redis tier does not know yet are read with one GET into a host slot (true) or "
+        "checked with EXISTS first (false; with kvtier_promote false the worker then streams "
+        "them); default true when kvtier_admit_after is 1",
+    ),
     "kvtier_stream_slots": (
         int,
         "staging slots per worker for blocks moved straight between the engine and the disk "
@@ -430,7 +436,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
                     # to store that prompt moments later) come back at once;
                     # when blocks are stored only after several sightings
                     # that eviction would be wasted, so check first.
-                    probe=k.get("kvtier_admit_after", 1) == 1,
+                    probe=k.get("kvtier_remote_probe", k.get("kvtier_admit_after", 1) == 1),
                 ),
                 stats_path=k.get("kvtier_stats_path"),
                 shared_tiers=[t.name for t in lower],
