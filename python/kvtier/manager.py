@@ -116,7 +116,7 @@ class _Stats:
     loads: int = 0
     streamed: int = 0  # loaded blocks the engine's worker read from a lower tier
     streamed_stores: int = 0  # stored blocks it wrote to a lower tier itself
-    load_failures: int = 0  # blocks of loads the engine's worker reported failed
+    load_failures: int = 0  # chunks (keys) of loads the engine's worker reported failed
     not_admitted: int = 0
     allocation_failures: int = 0
     # Blocks handed to the engine by prepare_load, by the tier they came from.

@@ -703,7 +703,7 @@ class KVTierWorker(OffloadingWorker):
         # blocks (vLLM recomputes them) rather than as a failed job, which
         # vLLM's offloading worker asserts never happens.
         self.reports_load_errors = spec.reports_load_errors
-        self._load_blocks: dict[int, np.ndarray] = {}  # load job -> its engine block ids
+        self._load_blocks: dict[int, np.ndarray | Sequence[int]] = {}  # load job -> engine blocks
         self._load_errors: set[int] = set()
         self._copy_failed: set[int] = set()  # jobs with a failed copy to or from host slots
 
@@ -728,8 +728,8 @@ class KVTierWorker(OffloadingWorker):
         store: bool,
         expedited: bool = False,
     ) -> bool:
-        if not store:
-            self._load_blocks[job_id] = np.asarray(gpu.block_ids, np.int64)
+        if not store and self.reports_load_errors:
+            self._load_blocks[job_id] = gpu.block_ids
         if host.stream is not None:
             return self._submit_streamed(job_id, gpu, host, host.stream, store, expedited)
         parts = []
@@ -856,7 +856,7 @@ class KVTierWorker(OffloadingWorker):
                     "load" if blocks is not None else "store", job, why or "no reason given", what,
                 )  # fmt: skip
                 if blocks is not None:
-                    self._load_errors.update(blocks.tolist())
+                    self._load_errors.update(int(b) for b in blocks)
                 ok = True
             out.append(
                 TransferResult(

@@ -76,7 +76,7 @@ class KVTierConnector(OffloadingConnector):
         workers = int(getattr(self.scheduler.config, "num_workers", 1))
         for job_id, job in getattr(meta, "load_jobs", {}).items():
             if isinstance(job.src_spec, KVTierSpec):
-                self._loads[job_id] = [job.src_spec, set(job.dst_spec.block_ids), workers, False]
+                self._loads[job_id] = [job.src_spec, job.dst_spec.block_ids, workers, False]
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -90,13 +90,13 @@ class KVTierConnector(OffloadingConnector):
         meta = connector_output.kv_connector_worker_meta
         done = dict(getattr(meta, "completed_jobs", None) or {})
         super().update_connector_output(connector_output)
-        bad = connector_output.invalid_block_ids or set()
+        bad = connector_output.invalid_block_ids
         failed = []
         for job_id, count in done.items():
             load = self._loads.get(job_id)
             if load is None:
                 continue
-            load[3] = load[3] or bool(load[1] & bad)
+            load[3] = load[3] or bool(bad and not bad.isdisjoint(load[1]))
             load[2] -= count
             if load[2] <= 0:
                 del self._loads[job_id]
