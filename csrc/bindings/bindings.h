@@ -14,13 +14,10 @@
 #include <string>
 #include <vector>
 
+#include "../core/copy/host_copy.h"
 #include "../core/disk/record.h"
 #include "../core/engine.h"
 #include "../core/status.h"
-
-namespace kvtier {
-struct CopyDesc;
-}
 
 namespace kvtier::bindings {
 
@@ -56,6 +53,10 @@ py::array_t<T, py::array::c_style | py::array::forcecast> rows_of(const py::obje
 
 // (N, 3) int64 array of (src, dst, nbytes), every size > 0.
 std::vector<CopyDesc> descs_from_array(const py::object& obj);
+
+// None (no fences) or an (N, 2) int64 array of (fence word address, armed
+// value), address 0 for a row without one; InvalidArgument otherwise.
+CopyFences fences_from_array(const py::object& obj, std::size_t num_descs, double timeout_s);
 
 // The 16-byte namespace digest both stores stamp on every record and value.
 disk::Digest namespace_digest(const py::bytes& ns);

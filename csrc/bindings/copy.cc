@@ -15,10 +15,14 @@ void bind_copy(py::module_& m, EngineClass& engine) {
   engine
       .def(
           "submit_copy",
-          [](Engine& e, const py::object& descs, std::size_t queue) {
-            return submit_or_busy(e, make_host_copy_job(descs_from_array(descs)), queue);
+          [](Engine& e, const py::object& descs, std::size_t queue, const py::object& fences,
+             double fence_timeout_s) {
+            auto d = descs_from_array(descs);
+            auto f = fences_from_array(fences, d.size(), fence_timeout_s);
+            return submit_or_busy(e, make_host_copy_job(std::move(d), std::move(f)), queue);
           },
-          py::arg("descs"), py::arg("queue") = 0)
+          py::arg("descs"), py::arg("queue") = 0, py::arg("fences") = py::none(),
+          py::arg("fence_timeout_s") = 30.0)
       // The baseline every copy benchmark is measured against: the same
       // descriptors memcpy'd on the calling thread, GIL released.
       .def(
@@ -44,14 +48,17 @@ void bind_copy(py::module_& m, EngineClass& engine) {
       "submit_cuda",
       [](Engine& e, const std::shared_ptr<cu::Copier>& copier, int direction,
          const py::object& descs, std::uintptr_t wait_stream, std::vector<std::uint64_t> deps,
-         std::size_t queue) {
+         std::size_t queue, const py::object& fences, double fence_timeout_s) {
+        auto d = descs_from_array(descs);
+        auto f = fences_from_array(fences, d.size(), fence_timeout_s);
         auto job =
-            copier->make_job(direction, descs_from_array(descs), wait_stream, std::move(deps));
+            copier->make_job(direction, std::move(d), wait_stream, std::move(deps), std::move(f));
         py::gil_scoped_release nogil;  // enqueueing many copies takes the runtime a while
         return submit_or_busy(e, std::move(job), queue);
       },
       py::arg("copier"), py::arg("direction"), py::arg("descs"), py::arg("wait_stream") = 0,
-      py::arg("deps") = std::vector<std::uint64_t>{}, py::arg("queue") = 0);
+      py::arg("deps") = std::vector<std::uint64_t>{}, py::arg("queue") = 0,
+      py::arg("fences") = py::none(), py::arg("fence_timeout_s") = 30.0);
   py::class_<cu::Copier, std::shared_ptr<cu::Copier>>(m, "CudaCopier")
       .def(py::init([](int device,
                        const std::vector<std::pair<std::uintptr_t, std::size_t>>& regions,

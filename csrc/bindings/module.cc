@@ -101,6 +101,25 @@ std::vector<CopyDesc> descs_from_array(const py::object& obj) {
   return out;
 }
 
+CopyFences fences_from_array(const py::object& obj, std::size_t num_descs, double timeout_s) {
+  CopyFences f;
+  if (obj.is_none()) return f;
+  if (!(timeout_s > 0)) throw_invalid("fence_timeout_s must be > 0");
+  auto r =
+      rows_of<std::int64_t>(obj, static_cast<py::ssize_t>(num_descs), 2, "fences").unchecked<2>();
+  f.refs.resize(num_descs);
+  for (py::ssize_t i = 0; i < r.shape(0); ++i) {
+    if (r(i, 0) == 0) continue;
+    if (r(i, 0) % static_cast<std::int64_t>(sizeof(fence::Word)) != 0 ||
+        (r(i, 1) & fence::kStateMask) != fence::kPending)
+      throw_invalid("fence " + std::to_string(i) + ": not an armed fence word");
+    f.refs[static_cast<std::size_t>(i)] = {reinterpret_cast<fence::Word*>(r(i, 0)),
+                                           static_cast<fence::Word>(r(i, 1))};
+  }
+  f.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000));
+  return f;
+}
+
 disk::Digest namespace_digest(const py::bytes& ns) {
   const std::string b = ns;
   if (b.size() != 16)

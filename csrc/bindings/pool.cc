@@ -65,6 +65,36 @@ void bind_pool(py::module_& m) {
                 pool.slot(first), py::cast(p));
           },
           py::arg("first"), py::arg("count"))
+      // Fence words (fence.h): where they lie (the engines register them),
+      // arming before a fenced write, settling (the remote tier's store
+      // settles its own; this is for writes that never ran), and reading.
+      .def_property_readonly("fence_address",
+                             [](const std::shared_ptr<HostPool>& p) {
+                               return reinterpret_cast<std::uintptr_t>(open_pool(p).fence_area());
+                             })
+      .def_property_readonly("fence_bytes", &HostPool::fence_bytes)
+      .def(
+          "arm_fences",
+          [](const std::shared_ptr<HostPool>& p, const std::vector<std::size_t>& slots) {
+            const HostPool& pool = open_pool(p);
+            std::vector<std::int64_t> out;
+            out.reserve(slots.size());
+            for (std::size_t s : slots) out.push_back(fence::arm(pool.fence(s)));
+            return out;
+          },
+          py::arg("slots"))
+      .def(
+          "settle_fence",
+          [](const std::shared_ptr<HostPool>& p, std::size_t slot, std::uint32_t armed, bool ok) {
+            return fence::settle(open_pool(p).fence(slot), armed, ok);
+          },
+          py::arg("slot"), py::arg("armed"), py::arg("ok"))
+      .def(
+          "fence_word",
+          [](const std::shared_ptr<HostPool>& p, std::size_t slot) {
+            return __atomic_load_n(open_pool(p).fence(slot), __ATOMIC_ACQUIRE);
+          },
+          py::arg("slot"))
       .def("close", &HostPool::close);
 }
 

@@ -15,7 +15,7 @@ void bind_remote(py::module_& m, EngineClass& engine) {
       "submit_remote",
       [](Engine& e, const std::shared_ptr<rm::Store>& store, const std::string& kind,
          const std::vector<py::bytes>& keys, const py::object& slots, std::uint64_t payload_len,
-         const py::object& digests, std::size_t queue) {
+         const py::object& digests, std::size_t queue, const py::object& fences) {
         rm::Kind k;
         if (kind == "store")
           k = rm::Kind::kStore;
@@ -36,10 +36,17 @@ void bind_remote(py::module_& m, EngineClass& engine) {
           it.payload_len = payload_len;
           std::memcpy(it.digest.b, dv.data(i, 0), 16);
         }
+        if (!fences.is_none()) {
+          auto f = fences_from_array(fences, items.size(), 1.0);
+          for (std::size_t i = 0; i < items.size(); ++i) {
+            items[i].fence = f.refs[i].word;
+            items[i].armed = f.refs[i].armed;
+          }
+        }
         return submit_or_busy(e, store->make_job(k, std::move(items)), queue);
       },
       py::arg("store"), py::arg("kind"), py::arg("keys"), py::arg("slots"), py::arg("payload_len"),
-      py::arg("digests"), py::arg("queue") = 0);
+      py::arg("digests"), py::arg("queue") = 0, py::arg("fences") = py::none());
 
   py::class_<rm::Store, std::shared_ptr<rm::Store>>(m, "RemoteStore")
       .def(py::init([](const std::vector<std::pair<std::string, int>>& seeds, bool cluster,

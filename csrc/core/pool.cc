@@ -28,7 +28,7 @@ void throw_errno(const std::string& what, int err) {
 namespace {
 
 constexpr std::uint64_t kMagic = 0x6c6f6f7072656974ULL;  // "tierpool"
-constexpr std::uint32_t kVersion = 2;                    // 2: creator recorded
+constexpr std::uint32_t kVersion = 3;                    // 2: creator recorded; 3: fence words
 
 struct Header {
   std::uint64_t magic;
@@ -104,7 +104,7 @@ HostPool HostPool::create(std::size_t num_slots, std::size_t slot_bytes, std::st
 
   Fd fd(::shm_open(shm_path(name).c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
   if (fd.get() < 0) throw_errno("shm_open(" + name + ")", errno);
-  const std::size_t total = kDataOffset + num_slots * slot_bytes;
+  const std::size_t total = kDataOffset + num_slots * slot_bytes + fence_bytes_for(num_slots);
   HostPool pool;
   pool.name_ = name;
   pool.owner_ = true;  // from here on the destructor unlinks the name
@@ -174,7 +174,7 @@ HostPool HostPool::attach(const std::string& name) {
     throw_invalid("pool '" + name + "' has layout version " + std::to_string(h.version) +
                   ", this build reads " + std::to_string(kVersion));
   if (h.header_bytes != kDataOffset || h.slot_bytes == 0 ||
-      kDataOffset + h.num_slots * h.slot_bytes != total)
+      kDataOffset + h.num_slots * h.slot_bytes + fence_bytes_for(h.num_slots) != total)
     throw_invalid("pool '" + name + "' header does not match its size (" +
                   std::to_string(h.num_slots) + " x " + std::to_string(h.slot_bytes) + " vs " +
                   std::to_string(total) + " bytes)");
@@ -241,6 +241,15 @@ std::uint8_t* HostPool::slot(std::size_t index) const {
     throw_invalid("slot " + std::to_string(index) + " out of range [0, " +
                   std::to_string(num_slots_) + ")");
   return data() + index * slot_bytes_;
+}
+
+std::uint8_t* HostPool::fence_area() const { return data() + data_bytes(); }
+
+fence::Word* HostPool::fence(std::size_t index) const {
+  if (index >= num_slots_)
+    throw_invalid("slot " + std::to_string(index) + " out of range [0, " +
+                  std::to_string(num_slots_) + ")");
+  return reinterpret_cast<fence::Word*>(fence_area()) + index;
 }
 
 bool HostPool::contains(std::uintptr_t addr, std::size_t n) const noexcept {

@@ -1,11 +1,14 @@
 // Shared-memory host pool: num_slots x slot_bytes in one POSIX shared-memory
 // mapping, so the scheduler process (tiers) and the GPU worker processes
-// (device copies) see the same bytes without copying.
+// (device copies) see the same bytes without copying. Behind the slots, one
+// fence word per slot (fence.h) in the same mapping.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
+
+#include "fence.h"
 
 namespace kvtier {
 
@@ -51,6 +54,13 @@ class HostPool {
   std::uint8_t* data() const;
   // True when [addr, addr+n) lies inside the data area.
   bool contains(std::uintptr_t addr, std::size_t n) const noexcept;
+  // The fence words, one per slot (whole pages, behind the data area).
+  fence::Word* fence(std::size_t index) const;
+  std::uint8_t* fence_area() const;
+  std::size_t fence_bytes() const noexcept { return fence_bytes_for(num_slots_); }
+  static std::size_t fence_bytes_for(std::size_t num_slots) noexcept {
+    return (num_slots * sizeof(fence::Word) + kDataOffset - 1) / kDataOffset * kDataOffset;
+  }
 
   // Alignment of the data area and of each slot when slot_bytes is a multiple
   // of it; O_DIRECT needs 4 KiB.

@@ -1,7 +1,10 @@
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <functional>
+#include <thread>
 
 #include "core/pool.h"
 #include "core/status.h"
@@ -61,6 +64,59 @@ TEST(Pool, CreatorCloseRemovesNameAndRefusesUse) {
 TEST(Pool, DuplicateNameRefused) {
   HostPool a = HostPool::create(2, 4096, "");
   EXPECT_EQ(code_of([&] { HostPool::create(2, 4096, a.name()); }), StatusCode::kIoError);
+}
+
+namespace fence = kvtier::fence;
+
+TEST(Fence, WordsAreSharedAndStartFilled) {
+  HostPool a = HostPool::create(3, 4096, "");
+  HostPool b = HostPool::attach(a.name());
+  EXPECT_EQ(a.fence_bytes(), 4096u);
+  EXPECT_EQ(*a.fence(2), 0u);  // generation 0, ready
+  const fence::Word armed = fence::arm(a.fence(2));
+  EXPECT_EQ(armed & fence::kStateMask, fence::kPending);
+  EXPECT_EQ(*b.fence(2), armed);  // the other mapping sees it
+  EXPECT_EQ(code_of([&] { a.fence(3); }), StatusCode::kInvalidArgument);
+  // The slots' bytes and the fence words do not overlap.
+  std::memset(a.slot(2), 0xff, 4096);
+  EXPECT_EQ(*a.fence(0), 0u);
+}
+
+TEST(Fence, WaitEndsReadyFailedOrTimedOut) {
+  HostPool p = HostPool::create(2, 4096, "");
+  fence::Word* f = p.fence(0);
+  const auto ms = std::chrono::milliseconds(50);
+  fence::Word armed = fence::arm(f);
+  EXPECT_EQ(fence::wait(f, armed, ms), fence::State::kTimedOut);
+  EXPECT_TRUE(fence::settle(f, armed, true));
+  EXPECT_FALSE(fence::settle(f, armed, false));  // settled once only
+  EXPECT_EQ(fence::wait(f, armed, ms), fence::State::kReady);
+  armed = fence::arm(f);
+  EXPECT_TRUE(fence::settle(f, armed, false));
+  EXPECT_EQ(fence::wait(f, armed, ms), fence::State::kFailed);
+  // A waiter for an older write never takes a newer one for its own.
+  const fence::Word old = fence::arm(f);
+  const fence::Word now = fence::arm(f);
+  EXPECT_NE(old, now);
+  EXPECT_FALSE(fence::settle(f, old, true));
+  EXPECT_TRUE(fence::settle(f, now, true));
+  EXPECT_EQ(fence::wait(f, old, ms), fence::State::kFailed);
+  EXPECT_EQ(fence::wait(f, now, ms), fence::State::kReady);
+}
+
+TEST(Fence, SettleWakesAWaiterInAnotherThread) {
+  HostPool p = HostPool::create(1, 4096, "");
+  fence::Word* f = p.fence(0);
+  const fence::Word armed = fence::arm(f);
+  std::atomic<int> seen{-1};
+  std::thread waiter(
+      [&] { seen = static_cast<int>(fence::wait(f, armed, std::chrono::seconds(20))); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(seen.load(), -1);
+  p.slot(0)[0] = 7;
+  EXPECT_TRUE(fence::settle(f, armed, true));
+  waiter.join();
+  EXPECT_EQ(seen.load(), static_cast<int>(fence::State::kReady));
 }
 
 }  // namespace

@@ -57,6 +57,11 @@ class HostPool:
     address: Final[int]
     def slot_address(self, index: int) -> int: ...
     def array(self, first: int, count: int) -> npt.NDArray[np.uint8]: ...
+    fence_address: Final[int]
+    fence_bytes: Final[int]
+    def arm_fences(self, slots: Sequence[int]) -> list[int]: ...
+    def settle_fence(self, slot: int, armed: int, ok: bool) -> bool: ...
+    def fence_word(self, slot: int) -> int: ...
     def close(self) -> None: ...
 
 # engine.cc
@@ -96,7 +101,13 @@ class Engine:
     def register_region(self, address: int, nbytes: int) -> None: ...
     def unregister_region(self, address: int) -> None: ...
     # copy.cc
-    def submit_copy(self, descs: npt.NDArray[np.int64], queue: int = 0) -> int: ...
+    def submit_copy(
+        self,
+        descs: npt.NDArray[np.int64],
+        queue: int = 0,
+        fences: npt.NDArray[np.int64] | None = None,
+        fence_timeout_s: float = 30.0,
+    ) -> int: ...
     def copy_inline(self, descs: npt.NDArray[np.int64]) -> None: ...
     def submit_cuda(
         self,
@@ -106,6 +117,8 @@ class Engine:
         wait_stream: int = 0,
         deps: Sequence[int] = ...,
         queue: int = 0,
+        fences: npt.NDArray[np.int64] | None = None,
+        fence_timeout_s: float = 30.0,
     ) -> int: ...
     # disk.cc
     def submit_disk(
@@ -126,6 +139,7 @@ class Engine:
         payload_len: int,
         digests: npt.NDArray[np.uint8],
         queue: int = 0,
+        fences: npt.NDArray[np.int64] | None = None,
     ) -> int: ...
 
 # copy.cc

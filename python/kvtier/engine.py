@@ -87,8 +87,12 @@ class Engine:
         return int(self._engine.nice)
 
     def register_pool(self, pool: HostPool | Any) -> None:
-        """Allow jobs to touch ``pool``'s slots (keeps the mapping alive until unregistered)."""
-        self.register_memory(pool.address, pool.nbytes, owner=getattr(pool, "native", pool))
+        """Allow jobs to touch ``pool``'s slots and fence words, if it has
+        them (keeps the mapping alive until unregistered)."""
+        owner = getattr(pool, "native", pool)
+        self.register_memory(pool.address, pool.nbytes, owner=owner)
+        if isinstance(pool, HostPool):  # not a view of another's memory
+            self.register_memory(pool.fence_address, pool.fence_bytes, owner=owner)
 
     def register_memory(self, address: int, nbytes: int, owner: Any = None) -> None:
         """Allow jobs to touch ``[address, address + nbytes)``; ``owner`` is kept alive meanwhile."""
@@ -100,13 +104,17 @@ class Engine:
         self._engine.unregister_region(address)
         self._regions.pop(address, None)
 
-    def submit_copy(self, descs: np.ndarray, queue: int = 0) -> int:
+    def submit_copy(
+        self, descs: np.ndarray, queue: int = 0, fences: np.ndarray | None = None
+    ) -> int:
         """Queue host copies from an ``(N, 3)`` int64 array of ``(src, dst, nbytes)``.
 
+        ``fences``: ``(N, 2)`` int64 (fence word, armed value; see
+        :meth:`HostPool.fences`): each copy waits for its source slot's write.
         Returns the job id. Raises InvalidArgument for bad descriptors (outside
         registered memory, size <= 0, overlapping) and Busy when full.
         """
-        return int(self._engine.submit_copy(descs, queue))
+        return int(self._engine.submit_copy(descs, queue, fences))
 
     def submit_cuda(
         self,
@@ -116,6 +124,7 @@ class Engine:
         wait_stream: int = 0,
         deps: Sequence[int] = (),
         queue: int = 0,
+        fences: np.ndarray | None = None,
     ) -> int:
         """Queue copies between device memory and registered host memory on
         ``copier``'s stream ``direction`` (0 store: device -> host, 1 load,
@@ -125,13 +134,17 @@ class Engine:
         compute stream ``wait_stream``, when not 0, and after the still
         running jobs ``deps``); the job ends, for :meth:`poll` and
         :meth:`wait`, once the GPU has passed them. Put one direction's jobs on
-        one serial queue so that they are reported in stream order. Returns the
+        one serial queue so that they are reported in stream order. With
+        ``fences`` (as for :meth:`submit_copy`) the copies are enqueued by a
+        worker once their source slots are filled instead. Returns the
         job id. Raises InvalidArgument when the host side lies outside the
         copier's registered pool or this engine's registered memory, CudaError
         when the runtime cannot create the job's events, Busy when full.
         """
         return int(
-            self._engine.submit_cuda(copier, direction, descs, wait_stream, list(deps), queue)
+            self._engine.submit_cuda(
+                copier, direction, descs, wait_stream, list(deps), queue, fences
+            )
         )
 
     def submit_sleep(self, seconds: float, nbytes: int = 0, fail: str = "", queue: int = 0) -> int:

@@ -26,7 +26,7 @@ import numpy as np
 
 from kvtier.errors import ClosedError, InvalidArgument
 from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent
-from kvtier.tiers.host import HostTier
+from kvtier.tiers.host import FILL_FAILED, HostTier
 
 __all__ = [
     "HostSpec",
@@ -59,6 +59,10 @@ class HostSpec:
 
     slots: np.ndarray  # int64
     stream: StreamSpec | None = None
+    # Per key, the armed fence of a slot a lower tier is still filling (the
+    # worker's copy waits for it: HostPool.arm_fences), 0 when filled; None
+    # when every slot is filled.
+    fences: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -105,6 +109,8 @@ class _Stats:
     scan_waits: int = 0
     scan_wait_s: float = 0.0
     scan_reads: int = 0
+    fenced_reads: int = 0  # read ahead and HIT at once, loads waiting on their fences
+    fenced_failures: int = 0  # of those, reads that failed
     probe_misses: int = 0
     scan_timeouts: int = 0
     cascades: int = 0
@@ -168,6 +174,15 @@ class TieredOffloadingManager:
     only for bytes in a host slot whose read was checked; a read that fails
     (corrupt, vanished, server error) is a MISS, counted; what the deadline
     cuts short stays HIT_PENDING and ends as a promotion.
+
+    ``fenced`` (with ``scan_wait_s``; only for engines whose worker reports
+    failed loads, as the vLLM shim's KVTierConnector does): the read-ahead
+    of keys a tier is known to hold is not waited for. Their slots are armed
+    (:meth:`HostPool.arm_fences`) and the keys are HIT at once; the load's
+    copies wait, slot by slot, for the tier to fill each slot, so the copy
+    into the engine overlaps the reads (promotion pipelined with the load).
+    A read that fails fails the loads waiting on it (the engine recomputes
+    those blocks, :meth:`load_failed`) and is dropped.
     """
 
     def __init__(
@@ -182,6 +197,7 @@ class TieredOffloadingManager:
         scan_bytes: int = 64 << 20,
         key_order: KeyOrder | None = None,
         probe: bool = False,
+        fenced: bool = False,
     ) -> None:
         if not scan_wait_s >= 0 or scan_bytes < 0:
             raise InvalidArgument(
@@ -196,6 +212,8 @@ class TieredOffloadingManager:
         self.scan_bytes = int(scan_bytes)
         self.key_order = key_order
         self.probe = probe
+        self.fenced = fenced
+        self._fills = 0  # host entries with fence != 0 (fast paths skip them when none)
         names = [host.name] + [t.name for t in self.lower]
         if len(set(names)) != len(names):
             raise InvalidArgument(f"tier names must be unique, got {names}")
@@ -263,7 +281,9 @@ class TieredOffloadingManager:
             self._poll_tiers()
             e = self.host.get(key)  # dropped if the promotion failed
         if e is not None:
-            return LookupResult.HIT if e.ref >= 0 else LookupResult.HIT_PENDING
+            if e.ref < 0:
+                return LookupResult.HIT_PENDING
+            return LookupResult.HIT if e.fence != FILL_FAILED else LookupResult.MISS
         for i, tier in enumerate(self.lower):
             r = tier.lookup(key)
             if r is LookupResult.MISS:
@@ -320,10 +340,15 @@ class TieredOffloadingManager:
             source = self.host.pin(k) if slot >= 0 else self.lower[self._streamable[k]].name
             loaded_from[source] = loaded_from.get(source, 0) + 1
         self.stats.loads += len(keys)
+        fences = None
+        if self._fills:
+            armed = [max(entries[k].fence, 0) if s >= 0 else 0 for k, s in zip(keys, slots)]
+            if any(armed):
+                fences = np.asarray(armed, np.int64)
         if not streamed:
-            return HostSpec(np.asarray(slots, np.int64))
+            return HostSpec(np.asarray(slots, np.int64), fences=fences)
         stream = self._pin_streams(keys, streamed, _req_id(req_context))
-        return HostSpec(np.asarray(slots, np.int64), stream)
+        return HostSpec(np.asarray(slots, np.int64), stream, fences)
 
     def _pin_streams(
         self, keys: list[bytes], streamed: dict[int, list[int]], req: Any
@@ -349,6 +374,8 @@ class TieredOffloadingManager:
 
     def complete_load(self, keys: Collection[bytes], req_context: Any = None) -> None:
         """Unpin keys of a finished load (host slots, or streamed records)."""
+        if self._fills:
+            self._unpin_fills(keys)
         if not self._stream_pins:  # the common case, kept to one call per key
             for k in keys:
                 self.host.unpin(k)
@@ -363,6 +390,19 @@ class TieredOffloadingManager:
                 self.lower[t].unpin_read([rec])
             else:
                 self.host.unpin(k)
+
+    def _unpin_fills(self, keys: Collection[bytes]) -> None:
+        """Before the unpins of a load: a block whose fenced read failed is
+        dropped when this load was its last."""
+        entries = self.host.entries
+        dead = []
+        for k in keys:
+            e = entries.get(k)
+            if e is not None and e.fence == FILL_FAILED and e.ref == 1:
+                dead.append(k)
+        for k in dead:
+            self.host.drop(k)
+            self._fills -= 1
 
     def load_failed(self, spec: HostSpec) -> None:
         """The engine's worker reported that the load of ``spec`` (a
@@ -532,7 +572,7 @@ class TieredOffloadingManager:
         return {
             "blocks": len(self.host),
             "pinned": sum(1 for e in entries if e.ref > 0),
-            "writing": sum(1 for e in entries if e.ref < 0),
+            "writing": sum(1 for e in entries if e.ref < 0 or e.fence > 0),
             "cascading": sum(1 for e in entries if e.cascading),
             "held": self.host.held_slots,
             "stale": len(self._stale),
@@ -558,7 +598,9 @@ class TieredOffloadingManager:
             e = self.host.entries[key]
             self.host.detach(key)
             removed.append(key)
-            if e.slot in tier_slots:
+            if e.fence:
+                self._fills -= 1
+            if e.slot in tier_slots and e.ref <= 0:
                 continue  # freed when the tier job completes (see _complete)
             if e.ref != 0:
                 self._stale.add(e.slot)  # a GPU job may still be using it
@@ -573,10 +615,13 @@ class TieredOffloadingManager:
         self._removed(removed)
 
     def on_reset_flushed(self) -> None:
-        """Every GPU job in flight at the last reset has finished: free their slots."""
-        for s in self._stale:
-            self.host.release_slot(s)
-        self._stale.clear()
+        """Every GPU job in flight at the last reset has finished: free their
+        slots (those a tier job still fills are freed when it completes)."""
+        tier_slots = {slot for _, _, slots in self._inflight.values() for slot in slots}
+        stale, self._stale = self._stale, set()
+        for s in stale:
+            if s not in tier_slots:
+                self.host.release_slot(s)
 
     def shutdown(self) -> None:
         """Drain what is in flight, then close the lower tiers. Idempotent; no lock needed."""
@@ -650,6 +695,9 @@ class TieredOffloadingManager:
             if held[idx] and slot is not None:
                 self.host.hold(slot)  # before anything below may free it
                 self.stats.held_slots += 1
+            if kind == "fenced":
+                self._fill_done(k, slot, ok)
+                continue
             e = self.host.get(k)
             mine = e is not None and slot is not None and e.slot == slot
             if kind == "store":
@@ -673,6 +721,51 @@ class TieredOffloadingManager:
                         self.stats.promotion_failures += 1
                 elif slot is not None and not self._slot_in_use(slot):
                     self.host.release_slot(slot)
+
+    def _fill_done(self, key: bytes, slot: int | None, ok: bool) -> None:
+        """A fenced read of ``key`` into ``slot`` ended."""
+        e = self.host.get(key)
+        if e is None or slot is None or e.slot != slot or e.fence <= 0:
+            if slot is not None and not self._slot_in_use(slot):
+                self.host.release_slot(slot)  # detached by reset: free it now
+            return
+        pool = self.host.pool
+        if pool is not None:  # the tier settles its own; this ends those it never ran
+            pool.settle_fence(slot, e.fence, ok)
+        if ok:
+            e.fence = 0
+            self._fills -= 1
+            self.stats.promotions += 1
+            self._events.append(TierEvent([key], self.host.name, removed=False))
+            return
+        self.stats.fenced_failures += 1
+        if e.ref > 0:
+            e.fence = FILL_FAILED  # its loads fail; dropped when the last one lets go
+        else:
+            self.host.drop(key)
+            self._fills -= 1
+
+    def _fence_reads(self, i: int, keys: list[bytes], slots: list[int]) -> bool:
+        """Read ``keys`` from tier ``i`` into ``slots`` under fences and make
+        them HIT now (see the class docstring); False (nothing changed) when
+        the tier cannot or is busy."""
+        pool = self.host.pool
+        if pool is None:
+            return False
+        armed = pool.arm_fences(slots)
+        token = self.lower[i].submit_fenced_load(keys, slots, armed)
+        if token is None:
+            for slot, a in zip(slots, armed.tolist()):
+                pool.settle_fence(slot, a, False)
+            return False
+        self._inflight[(i, token)] = ("fenced", keys, slots)
+        entries = self.host.entries
+        for k, a in zip(keys, armed.tolist()):
+            entries[k].fence = a
+            self.host.mark_ready(k)
+        self._fills += len(keys)
+        self.stats.fenced_reads += len(keys)
+        return True
 
     def _read_ahead(self, key: bytes, req_context: Any) -> None:
         """Read ``key`` and the request's following keys that miss the host
@@ -714,8 +807,12 @@ class TieredOffloadingManager:
             ks.append(k)
             ss.append(slot)
         waits: dict[int, list[int]] = {}
-        for (i, probe), (ks, ss) in groups.items():
+        # Probes first: on the same connections, a probe queued behind the
+        # fenced reads would make the lookup wait for those reads after all.
+        for (i, probe), (ks, ss) in sorted(groups.items(), key=lambda g: not g[0][1]):
             tier = self.lower[i]
+            if not probe and self.fenced and tier.can_fence and self._fence_reads(i, ks, ss):
+                continue
             token = tier.submit_probe(ks, ss) if probe else tier.submit_load(ks, ss)
             if token is not None:
                 self._inflight[(i, token)] = ("probe" if probe else "load", ks, ss)
@@ -787,6 +884,8 @@ class TieredOffloadingManager:
         return picks
 
     def _slot_in_use(self, slot: int) -> bool:
-        return any(slot in s for _, _, s in self._inflight.values()) or any(
-            e.slot == slot for e in self.host.entries.values()
+        return (
+            slot in self._stale
+            or any(slot in s for _, _, s in self._inflight.values())
+            or any(e.slot == slot for e in self.host.entries.values())
         )

@@ -7,6 +7,7 @@ creation and attach, which map and pre-fault memory with the GIL released.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -91,6 +92,40 @@ class HostPool:
 
     def slot_address(self, slot: int) -> int:
         return int(self._pool.slot_address(slot))
+
+    # -- fences: slots a load may copy from while a lower tier still fills them
+    @property
+    def fence_address(self) -> int:
+        """Address of slot 0's fence word in this process (one uint32 per slot)."""
+        return int(self._pool.fence_address)
+
+    @property
+    def fence_bytes(self) -> int:
+        return int(self._pool.fence_bytes)
+
+    def arm_fences(self, slots: Sequence[int]) -> np.ndarray:
+        """Start fenced writes into ``slots`` (the scheduler's tiers, under the
+        manager's lock): their armed values, int64, for the writer and for
+        every copy that waits for them. Non-blocking."""
+        return np.asarray(self._pool.arm_fences(list(slots)), np.int64)
+
+    def settle_fence(self, slot: int, armed: int, ok: bool) -> bool:
+        """End the write armed as ``armed`` (ready or failed) and wake its
+        waiters; False when it had ended already. The remote tier settles its
+        own; this ends writes that never ran (a job cancelled or timed out)."""
+        return bool(self._pool.settle_fence(slot, armed, ok))
+
+    def fence_word(self, slot: int) -> int:
+        """The raw fence word of ``slot`` (generation << 2 | state; tests)."""
+        return int(self._pool.fence_word(slot))
+
+    def fences(self, slots: np.ndarray, armed: np.ndarray) -> np.ndarray:
+        """``(N, 2)`` int64 (fence word address, armed value) for native jobs;
+        rows whose ``armed`` is 0 get address 0 (no fence)."""
+        s = np.asarray(slots, np.int64)
+        a = np.asarray(armed, np.int64)
+        addr = np.where(a != 0, self.fence_address + 4 * s, 0)
+        return np.stack([addr, a], axis=1)
 
     def view(self, slot: int, count: int = 1) -> np.ndarray:
         """Zero-copy ``uint8`` array: shape ``(slot_bytes,)`` for one slot, else ``(count, slot_bytes)``."""

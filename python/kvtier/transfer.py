@@ -173,7 +173,12 @@ class _CpuBackend(_EngineBackend):
                 self.engine.register_memory(ptr, nbytes, owner=t)
 
     def submit(
-        self, queue: int, descs: np.ndarray, wait_stream: int, conflicts: dict[int, int]
+        self,
+        queue: int,
+        descs: np.ndarray,
+        wait_stream: int,
+        conflicts: dict[int, int],
+        fences: np.ndarray | None = None,
     ) -> tuple[int, int] | None:
         queues = set(conflicts.values())
         if len(queues) == 1:
@@ -181,7 +186,7 @@ class _CpuBackend(_EngineBackend):
         elif queues:
             self.engine.wait(list(conflicts))  # rare: depends on both other directions
         try:
-            return self.engine.submit_copy(descs, queue), queue
+            return self.engine.submit_copy(descs, queue, fences), queue
         except Busy:
             return None
 
@@ -206,7 +211,12 @@ class _CudaBackend(_EngineBackend):
         self.engine.register_pool(pool)
 
     def submit(
-        self, queue: int, descs: np.ndarray, wait_stream: int, conflicts: dict[int, int]
+        self,
+        queue: int,
+        descs: np.ndarray,
+        wait_stream: int,
+        conflicts: dict[int, int],
+        fences: np.ndarray | None = None,
     ) -> tuple[int, int] | None:
         if self.copier is None:
             raise ClosedError("device transfer is shut down")
@@ -214,7 +224,7 @@ class _CudaBackend(_EngineBackend):
             # A job of another direction on the same slots: its stream waits
             # for that job's end event (no blocking here).
             job = self.engine.submit_cuda(
-                self.copier, queue, descs, wait_stream, list(conflicts), queue
+                self.copier, queue, descs, wait_stream, list(conflicts), queue, fences
             )
         except Busy:
             return None
@@ -371,15 +381,34 @@ class DeviceTransfer:
         expedited: bool = False,
         first_block_index: int = 0,
         stream: int | None = None,
+        fences: Sequence[int] | np.ndarray | None = None,
     ) -> bool:
-        """Host slots -> KV blocks. Expedited loads have their own queue/stream."""
+        """Host slots -> KV blocks. Expedited loads have their own queue/stream.
+
+        ``fences``: per slot, the armed value of a write still filling it
+        (:meth:`HostPool.arm_fences`; 0 for a slot already filled): its
+        copies wait for that write, slot by slot, and the job fails if the
+        write failed."""
         d = self.descriptors(gpu_block_ids, host_slots, first_block_index, to_host=False)
+        f = None
+        if fences is not None:
+            armed = np.asarray(fences, np.int64)
+            if armed.shape != np.shape(host_slots):
+                raise InvalidArgument(f"{armed.size} fences for {np.size(host_slots)} slots")
+            if armed.any():
+                # Rows of d are block-major (pages of a block together), as
+                # descriptors() builds them.
+                lay, bpc = self.layout, self.blocks_per_chunk
+                pos = np.arange(np.size(gpu_block_ids), dtype=np.int64) + first_block_index % bpc
+                per_row = np.repeat(pos // bpc, len(lay.page_bytes))
+                f = self.pool.fences(np.asarray(host_slots, np.int64)[per_row], armed[per_row])
         return self._submit(
             job_id,
             d,
             EXPEDITED_QUEUE if expedited else LOAD_QUEUE,
             host_slots,
             self._stream(stream),
+            f,
         )
 
     def _stream(self, stream: int | None) -> int:
@@ -399,6 +428,7 @@ class DeviceTransfer:
         queue: int,
         slots: Sequence[int] | np.ndarray,
         stream: int,
+        fences: np.ndarray | None = None,
     ) -> bool:
         if job_id in self._user:
             raise InvalidArgument(f"job id {job_id} is already in flight")
@@ -411,7 +441,7 @@ class DeviceTransfer:
             hit = self._slot_job.get(slot)
             if hit is not None and hit[1] != queue:
                 conflicts[hit[0]] = hit[1]
-        got = self._b.submit(queue, descs, stream, conflicts)
+        got = self._b.submit(queue, descs, stream, conflicts, fences)
         if got is None:
             return False
         iid, q = got

@@ -1,7 +1,8 @@
 """The manager's read-ahead (``scan_wait_s``) over a real redis-server: a
 returning prefix held only by Redis is HIT in the first scheduler step that
 looks it up, every byte checked; what fails is a counted miss; a server that
-stops answering costs one bounded wait."""
+stops answering costs one bounded wait. Fenced (as under KVTierConnector):
+HIT before the values arrive, the engine's copy waiting for each one."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kvtier.manager import TieredOffloadingManager
 from kvtier.pool import HostPool
 from kvtier.tiers import HostTier, LookupResult
 from kvtier.tiers.remote import RemoteTier
+from kvtier.transfer import DeviceTransfer
 
 BLOCK = 16384
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
@@ -223,3 +225,116 @@ def test_read_ahead_checks_past_a_key_the_worker_streams(redis_standalone: Any) 
             m.complete_load(keys[:6], Ctx(keys))
         finally:
             m.shutdown()
+
+
+def settle(m: TieredOffloadingManager) -> None:
+    """Step ends until the manager's tier jobs have all completed."""
+    deadline = time.monotonic() + 20
+    while m.occupancy()["tier_jobs"] and time.monotonic() < deadline:
+        m.on_schedule_end()
+        time.sleep(0.002)
+    assert m.occupancy()["tier_jobs"] == 0
+
+
+def learn(tier: RemoteTier, keys: list[bytes]) -> None:
+    """Have ``tier`` know that Redis holds ``keys`` (as a past step's check would)."""
+    assert all(tier.lookup(k) is RETRY for k in keys)
+    token = tier.submit_checks()
+    assert token is not None and tier.wait([token], 10)
+    tier.poll()
+    assert all(tier.lookup(k) is HIT for k in keys)
+
+
+Fenced = tuple[TieredOffloadingManager, RemoteTier, HostPool, RedisServer]
+
+
+@pytest.fixture
+def fenced(tmp_path: Path) -> Iterator[Fenced]:
+    """A fenced manager (as under KVTierConnector) on a server of its own
+    (the tests stop it), its tier knowing keys 0-3 are there."""
+    s = RedisServer(tmp_path)
+    ns = str(uuid.uuid4())
+    pool = HostPool(16, BLOCK)
+    tier = RemoteTier(s.url, BLOCK, namespace=ns, timeout_s=30.0)
+    m = TieredOffloadingManager(
+        HostTier(pool), [tier], scan_wait_s=10.0, key_order=following, probe=True, fenced=True
+    )
+    try:
+        fill(s.url, ns, list(range(4)))
+        learn(tier, [K(i) for i in range(4)])
+        yield m, tier, pool, s
+    finally:
+        m.shutdown()
+        pool.close()
+        s.stop()
+
+
+def test_a_fenced_read_ahead_is_hit_before_its_values_and_the_copy_waits(fenced: Fenced) -> None:
+    """With the server stopped, the keys are HIT at once (no wait); the
+    engine's copy waits on their fences and ends with every byte once the
+    server answers."""
+    m, _, pool, s = fenced
+    keys = [K(i) for i in range(4)]
+    assert s.proc is not None
+    s.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert [m.lookup(k, Ctx(keys)) for k in keys] == [HIT] * 4
+        assert m.stats.scan_waits == 0 and m.stats.fenced_reads == 4
+        assert m.occupancy()["writing"] == 4 and m.host.free_slots == 12
+        spec = m.prepare_load(keys, Ctx(keys))
+        assert spec.fences is not None and all(spec.fences)
+        kv = np.zeros((8, BLOCK), np.uint8)
+        t = DeviceTransfer([kv], pool, page_bytes=[BLOCK])
+        assert t.submit_load(1, spec.slots, np.arange(4), fences=spec.fences)
+        time.sleep(0.1)
+        assert t.get_finished() == [] and not kv.any()
+    finally:
+        s.proc.send_signal(signal.SIGCONT)
+    t.wait([1], 20)
+    (r,) = t.get_finished()
+    assert r.success, r.error
+    for i in range(4):
+        assert np.array_equal(kv[i], content(i)), i
+    t.shutdown()
+    settle(m)  # the reads' completions: promotions, evictable once unpinned
+    assert m.stats.promotions == 4 and m.stats.fenced_failures == 0
+    m.complete_load(keys, Ctx(keys))
+    assert m.occupancy()["writing"] == 0 and m.occupancy()["pinned"] == 0
+    assert all(m.host.entries[k].evictable for k in keys)
+
+
+def test_a_fenced_read_that_fails_fails_its_copy_and_is_dropped(fenced: Fenced) -> None:
+    """A corrupted value: the copy of its slot fails (the engine recomputes
+    it), never copying those bytes; the block is a MISS from then on and
+    leaves the host tier when its load lets go; the others load whole."""
+    m, tier, pool, s = fenced
+    client = redis.Redis(host="127.0.0.1", port=s.port)
+    client.setrange(tier.server_key(K(2)), 777, b"\x00\x01")
+    keys = [K(i) for i in range(4)]
+    assert s.proc is not None
+    s.proc.send_signal(signal.SIGSTOP)  # so that no read ends before the load is prepared
+    try:
+        assert [m.lookup(k, Ctx(keys)) for k in keys] == [HIT] * 4
+        spec = m.prepare_load(keys, Ctx(keys))
+        assert spec.fences is not None
+        kv = np.zeros((8, BLOCK), np.uint8)
+        t = DeviceTransfer([kv], pool, page_bytes=[BLOCK])
+        assert t.submit_load(1, spec.slots[:2], np.arange(2), fences=spec.fences[:2])
+        assert t.submit_load(2, spec.slots[2:], np.arange(2, 4), fences=spec.fences[2:])
+    finally:
+        s.proc.send_signal(signal.SIGCONT)
+    t.wait([1, 2], 20)
+    res = {r.job_id: r for r in t.get_finished()}
+    assert res[1].success and not res[2].success and "never came" in res[2].error
+    assert np.array_equal(kv[:2], np.stack([content(0), content(1)]))
+    assert not kv[2].any()  # nothing of the bad slot, nor of the slot after it in that job
+    t.shutdown()
+    settle(m)
+    assert m.stats.fenced_failures == 1 and m.stats.promotions == 3
+    assert tier.stats()["corrupt"] == 1
+    assert m.lookup(K(2), Ctx(keys)) is MISS  # still pinned by the failed load: never HIT again
+    m.complete_load(keys, Ctx(keys))
+    assert K(2) not in m.host.entries and len(m.host) == 3
+    assert m.occupancy()["writing"] == 0 and m.occupancy()["pinned"] == 0
+    m.load_failed(spec)  # as KVTierConnector reports a job of them all
+    assert len(m.host) == 0 and m.host.free_slots == 16

@@ -1,5 +1,6 @@
 """bench serve's configurations: each one's kvtier settings are settings the
-vLLM shim accepts, and the streamed one turns promotion and probes off."""
+vLLM shim accepts; the streamed one turns promotion and probes off, the
+waited one the fenced reads."""
 
 from __future__ import annotations
 
@@ -21,3 +22,4 @@ def test_every_configuration_is_a_valid_kvtier_config(tmp_path: Path) -> None:
             assert set(parse_extra_config(spec["kvtier"])) == set(spec["kvtier"]), name
     stream, ahead = specs["host+redis-stream"]["kvtier"], specs["host+redis"]["kvtier"]
     assert stream == {**ahead, "kvtier_promote": False, "kvtier_remote_probe": False}
+    assert specs["host+redis-wait"]["kvtier"] == {**ahead, "kvtier_fenced_reads": False}

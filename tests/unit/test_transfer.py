@@ -316,3 +316,50 @@ def test_read_only_numpy_array_is_refused(pool: HostPool) -> None:
     kv.flags.writeable = False
     with pytest.raises(kvtier.InvalidArgument, match="a numpy KV array must be writeable"):
         DeviceTransfer([kv], pool)
+
+
+def test_a_fenced_load_copies_each_slot_once_its_write_settles(backend: str) -> None:
+    """A load from slots a lower tier still fills (the manager's fenced
+    read-ahead): nothing of a slot is copied before its write settles, the
+    slots already filled go first (CPU copies run slot by slot; CUDA copies
+    are enqueued once all are filled), and a write that failed fails the
+    job without copying its slot."""
+    kv = [torch.zeros((NB, 4096), dtype=torch.uint8) for _ in range(2)]
+    with HostPool(8, 8192) as pool:
+        t = DeviceTransfer(kv, pool, backend=backend)
+        for s in range(4):
+            pool.view(s)[:] = s + 1
+        armed = pool.arm_fences([0, 1, 2])
+        assert [pool.fence_word(s) for s in range(3)] == armed.tolist()
+        fences = armed.copy()
+        fences[0] = 0  # slot 0: already filled, no wait
+        assert t.submit_load(1, [0, 1, 2], [5, 6, 7], fences=fences)
+        if backend == "cpu":  # slot 0 is copied while slot 1 is still being filled
+            deadline = time.monotonic() + 10
+            while int(kv[1][5].min()) != 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert int(kv[1][5].min()) == 1
+        time.sleep(0.05)
+        assert t.get_finished() == []
+        assert int(kv[0][6].max()) == 0 and int(kv[0][7].max()) == 0
+        assert pool.settle_fence(1, int(armed[1]), True)
+        assert not pool.settle_fence(1, int(armed[1]), False)  # settled once
+        time.sleep(0.05)
+        assert t.get_finished() == [] and int(kv[0][7].max()) == 0
+        assert pool.settle_fence(2, int(armed[2]), True)
+        (r,) = finish(t, [1]).values()
+        assert r.success, r.error  # type: ignore[attr-defined]
+        for j in range(3):
+            for tensor in kv:
+                assert int(tensor[5 + j].min()) == int(tensor[5 + j].max()) == j + 1
+        a = pool.arm_fences([3])
+        assert t.submit_load(2, [3], [9], fences=a)
+        assert pool.settle_fence(3, int(a[0]), False)
+        (r,) = finish(t, [2]).values()
+        assert not r.success and "never came" in r.error  # type: ignore[attr-defined]
+        assert int(kv[0][9].max()) == 0 and int(kv[1][9].max()) == 0
+        with pytest.raises(kvtier.InvalidArgument, match="2 slots"):
+            t.submit_load(3, [0, 1], [1, 2], fences=[int(a[0])])
+        with pytest.raises(kvtier.InvalidArgument, match="not an armed fence"):
+            t.submit_load(4, [0], [1], fences=[4])  # a settled word
+        t.shutdown()

@@ -189,10 +189,12 @@ Err Copier::copy(Stream s, const std::vector<CopyDesc>& d) {
 class Copier::CopyJob final : public Job {
  public:
   CopyJob(std::shared_ptr<Copier> c, int direction, std::vector<CopyDesc> descs,
-          std::uintptr_t wait_stream, std::vector<std::uint64_t> deps, Handle start, Handle end)
+          std::uintptr_t wait_stream, std::vector<std::uint64_t> deps, Handle start, Handle end,
+          CopyFences fences)
       : c_(std::move(c)),
         direction_(direction),
         descs_(std::move(descs)),
+        fences_(std::move(fences)),
         wait_stream_(wait_stream),
         deps_(std::move(deps)),
         start_(std::move(start)),
@@ -221,11 +223,13 @@ class Copier::CopyJob final : public Job {
         return "descriptor " + std::to_string(i) +
                ": host range outside the engine's registered memory";
     }
-    return {};
+    return fences_.check(descs_.size(), regions);
   }
 
-  bool start(std::uint64_t id) override {
-    id_ = id;
+  // Enqueues the copies between the start and end events (under the
+  // copier's lock): from start() at admission, or from run() once fenced
+  // sources are filled.
+  void enqueue() {
     Copier& c = *c_;
     const Api& api = c.api_;
     std::lock_guard<std::mutex> g(c.mu_);
@@ -255,10 +259,23 @@ class Copier::CopyJob final : public Job {
     recorded_ = e == kSuccess;
     if (!recorded_ && error_.empty()) error_ = c.msg("cudaEventRecord", e);
     if (recorded_) c.in_flight_[id_] = end_.get();
+  }
+
+  bool start(std::uint64_t id) override {
+    id_ = id;
+    // Sources still being filled: enqueued by run() once they are, so the
+    // stream never waits on the host (a GPU cannot wait for a futex).
+    if (!fences_.refs.empty()) return false;
+    enqueue();
     return true;
   }
 
   std::string run() override {
+    if (!fences_.refs.empty()) {
+      for (std::size_t i = 0; i < descs_.size(); ++i)
+        if (std::string why = fences_.wait(i); !why.empty()) return why;
+      enqueue();
+    }
     const Api& api = c_->api_;
     Err e = kSuccess;
     if (recorded_) {
@@ -291,6 +308,7 @@ class Copier::CopyJob final : public Job {
   std::shared_ptr<Copier> c_;
   int direction_;
   std::vector<CopyDesc> descs_;
+  CopyFences fences_;
   std::uintptr_t wait_stream_;
   std::vector<std::uint64_t> deps_;
   Handle start_;
@@ -304,7 +322,8 @@ class Copier::CopyJob final : public Job {
 };
 
 std::unique_ptr<Job> Copier::make_job(int direction, std::vector<CopyDesc> descs,
-                                      std::uintptr_t wait_stream, std::vector<std::uint64_t> deps) {
+                                      std::uintptr_t wait_stream, std::vector<std::uint64_t> deps,
+                                      CopyFences fences) {
   if (direction < 0 || direction > 2)
     throw_invalid("direction must be 0 (store), 1 (load) or 2 (expedited load)");
   if (descs.empty()) throw_invalid("a copy job needs at least one descriptor");
@@ -316,7 +335,8 @@ std::unique_ptr<Job> Copier::make_job(int direction, std::vector<CopyDesc> descs
     end = take_event();  // on failure `start` is released by its handle
   }
   return std::make_unique<CopyJob>(shared_from_this(), direction, std::move(descs), wait_stream,
-                                   std::move(deps), std::move(start), std::move(end));
+                                   std::move(deps), std::move(start), std::move(end),
+                                   std::move(fences));
 }
 
 Stats Copier::stats() const {

@@ -100,9 +100,12 @@ class Copier : public std::enable_shared_from_this<Copier> {
   // flight. InvalidArgument for a bad direction or a host side outside the
   // registered pool (dst of a store, src of a load); Error(kCuda) when the
   // runtime cannot create its events. Never blocks on the GPU; an enqueue
-  // failure fails the job (reported by the engine).
+  // failure fails the job (reported by the engine). With `fences` (a load
+  // from slots still being filled) the copies are enqueued on a worker once
+  // their sources are filled, not at admission.
   std::unique_ptr<Job> make_job(int direction, std::vector<CopyDesc> descs,
-                                std::uintptr_t wait_stream, std::vector<std::uint64_t> deps);
+                                std::uintptr_t wait_stream, std::vector<std::uint64_t> deps,
+                                CopyFences fences = {});
   Stats stats() const;
   const char* runtime_path() const { return api_.path.c_str(); }
   int runtime_version() const { return api_.version; }

@@ -25,21 +25,28 @@ bool overlaps(std::uintptr_t a, std::uintptr_t b, std::uint64_t n) {
 
 class HostCopyJob final : public Job {
  public:
-  explicit HostCopyJob(std::vector<CopyDesc> d) : descs_(std::move(d)) {
+  HostCopyJob(std::vector<CopyDesc> d, CopyFences f) : descs_(std::move(d)), fences_(std::move(f)) {
     for (const auto& x : descs_) bytes_ += x.nbytes;
   }
   std::uint64_t bytes() const override { return bytes_; }
   std::string check(const RegionSet& regions) const override {
-    return check_copy_descs(descs_, regions);
+    std::string why = check_copy_descs(descs_, regions);
+    return why.empty() ? fences_.check(descs_.size(), regions) : why;
   }
   std::string run() override {
-    for (const auto& d : descs_)
+    for (std::size_t i = 0; i < descs_.size(); ++i) {
+      // Descriptors come slot by slot, so each copy starts as soon as its
+      // own slot is filled, while later slots are still being read.
+      if (std::string why = fences_.wait(i); !why.empty()) return why;
+      const CopyDesc& d = descs_[i];
       std::memcpy(reinterpret_cast<void*>(d.dst), reinterpret_cast<const void*>(d.src), d.nbytes);
+    }
     return {};
   }
 
  private:
   std::vector<CopyDesc> descs_;
+  CopyFences fences_;
   std::uint64_t bytes_ = 0;
 };
 
@@ -68,9 +75,33 @@ std::string check_copy_descs(const std::vector<CopyDesc>& descs, const RegionSet
   return {};
 }
 
-std::unique_ptr<Job> make_host_copy_job(std::vector<CopyDesc> descs) {
+std::string CopyFences::check(std::size_t num_descs, const RegionSet& regions) const {
+  if (refs.empty()) return {};
+  if (refs.size() != num_descs)
+    return std::to_string(refs.size()) + " fences for " + std::to_string(num_descs) +
+           " descriptors";
+  for (std::size_t i = 0; i < refs.size(); ++i) {
+    const FenceRef& r = refs[i];
+    if (r.word != nullptr &&
+        !regions.covers(reinterpret_cast<std::uintptr_t>(r.word), sizeof(fence::Word)))
+      return "fence of descriptor " + std::to_string(i) + " is outside every registered region";
+  }
+  return {};
+}
+
+std::string CopyFences::wait(std::size_t i) const {
+  if (refs.empty() || refs[i].word == nullptr) return {};
+  const FenceRef& r = refs[i];
+  if (i > 0 && refs[i - 1].word == r.word && refs[i - 1].armed == r.armed) return {};
+  fence::State st = fence::wait(r.word, r.armed, timeout);
+  if (st == fence::State::kReady) return {};
+  return std::string("not copied: the source slot's bytes never came (") + fence::describe(st) +
+         ")";
+}
+
+std::unique_ptr<Job> make_host_copy_job(std::vector<CopyDesc> descs, CopyFences fences) {
   if (descs.empty()) throw_invalid("a copy job needs at least one descriptor");
-  return std::make_unique<HostCopyJob>(std::move(descs));
+  return std::make_unique<HostCopyJob>(std::move(descs), std::move(fences));
 }
 
 }  // namespace kvtier

@@ -441,6 +441,10 @@ std::string Store::check_item(Kind kind, const Item& it, const RegionSet& region
   if (kind == Kind::kExists) return {};
   if (it.payload_len == 0 || !regions.covers(it.slot, it.payload_len))
     return "host slot is outside every registered region";
+  if (it.fence != nullptr &&
+      (kind != Kind::kLoad ||
+       !regions.covers(reinterpret_cast<std::uintptr_t>(it.fence), sizeof(fence::Word))))
+    return "fence is not a registered fence word of a load";
   return {};
 }
 
@@ -572,6 +576,14 @@ Connection* Store::conn(std::size_t node, std::int32_t* err) {
 }
 
 void Store::run(Kind kind, std::vector<Item>& items, std::vector<std::int32_t>& out) {
+  run_items(kind, items, out);
+  // Per job (the tier cuts a request's reads into one job per connection),
+  // so a fenced copy starts on the first values while later jobs still read.
+  for (std::size_t i = 0; i < items.size(); ++i)
+    if (items[i].fence != nullptr) fence::settle(items[i].fence, items[i].armed, out[i] == 0);
+}
+
+void Store::run_items(Kind kind, std::vector<Item>& items, std::vector<std::int32_t>& out) {
   out.assign(items.size(), 0);
   if (opts_.cluster && refresh_) {
     try {

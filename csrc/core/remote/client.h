@@ -20,6 +20,7 @@
 
 #include "../disk/record.h"
 #include "../engine.h"
+#include "../fence.h"
 #include "../item_job.h"
 #include "resp.h"
 #include "tls.h"
@@ -55,6 +56,10 @@ struct Item {
   std::uintptr_t slot = 0;  // host memory of the payload (store, load)
   std::uint64_t payload_len = 0;
   Digest digest{};
+  // A load a copy may already wait for: settled (ready or failed) once the
+  // value is in the slot and checked, or is known not to come.
+  fence::Word* fence = nullptr;
+  fence::Word armed = 0;
 };
 
 class Connection;
@@ -84,6 +89,7 @@ class Store : public ItemStore<Store, Kind, Item> {
     std::atomic<std::int64_t> down_until_ms{0};
     std::atomic<int> backoff_ms{50};
   };
+  void run_items(Kind kind, std::vector<Item>& items, std::vector<std::int32_t>& out);
   Connection* conn(std::size_t node, std::int32_t* err);
   void mark_down(std::size_t node);
   std::size_t node_for(const std::string& key);

@@ -16,6 +16,9 @@ run, then the median over runs is reported):
 - ``host``: kvtier's host tier holding the whole working set;
 - ``host+disk`` / ``host+redis`` / ``host+disk+redis``: a host tier of a third
   of the working set, the lower tiers behind it;
+- ``host+redis-wait``: as ``host+redis``, but the lookup waits for the
+  read-ahead's values before HIT (``kvtier_fenced_reads`` false) instead of
+  the engine's copies waiting for each value;
 - ``host+redis-stream``: as ``host+redis``, but a Redis hit is HIT after an
   EXISTS check and the engine's worker reads it itself, its copies to the
   engine's blocks overlapping the reads still in flight (``kvtier_promote``
@@ -48,8 +51,8 @@ from kvtier.errors import InvalidArgument
 from kvtier.integrations.vllm_engine import Sessions
 
 CONFIGS = (
-    "none", "prefix", "host", "host+disk", "host+redis", "host+redis-stream", "host+disk+redis",
-    "small-host+disk", "second-engine", "vllm-cpu-offload",
+    "none", "prefix", "host", "host+disk", "host+redis", "host+redis-wait", "host+redis-stream",
+    "host+disk+redis", "small-host+disk", "second-engine", "vllm-cpu-offload",
 )  # fmt: skip
 TOKENS_PER_BLOCK = 32
 
@@ -79,6 +82,8 @@ def _config_spec(
         kv["kvtier_remote_url"] = redis_url
     if name.endswith("-stream"):
         kv["kvtier_promote"] = kv["kvtier_remote_probe"] = False
+    if name.endswith("-wait"):
+        kv["kvtier_fenced_reads"] = False
     return {"mode": "kvtier", "kvtier": kv}
 
 

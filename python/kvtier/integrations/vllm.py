@@ -125,6 +125,12 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
         "checked with EXISTS first (false; with kvtier_promote false the worker then streams "
         "them); default true when kvtier_admit_after is 1",
     ),
+    "kvtier_fenced_reads": (
+        bool,
+        "under KVTierConnector, a returning prefix read ahead from Redis is HIT before its "
+        "values arrive and the engine's copies wait for each block's value (the read and the "
+        "load overlap; default true); false: the lookup waits for every value first",
+    ),
     "kvtier_stream_slots": (
         int,
         "staging slots per worker for blocks moved straight between the engine and the disk "
@@ -157,6 +163,9 @@ KVTIER_METRICS = {
     "vllm:kv_offload_kvtier_cascades_dropped": "Cascades dropped under backpressure.",
     "vllm:kv_offload_kvtier_allocation_failures": "Stores or promotions refused for lack of room.",
     "vllm:kv_offload_kvtier_scan_reads": "Blocks read ahead by a lookup and readable in its step.",
+    "vllm:kv_offload_kvtier_fenced_reads": "Blocks read ahead and HIT before their value "
+    "arrived (the engine's copy waits for it).",
+    "vllm:kv_offload_kvtier_fenced_failures": "Of those, reads that failed (their loads recomputed).",
     "vllm:kv_offload_kvtier_scan_timeouts": "Read-ahead waits cut short by their deadline.",
     "vllm:kv_offload_kvtier_scan_waits": "Lookups that waited for their request's read-ahead.",
     "vllm:kv_offload_kvtier_scan_wait_us": "Microseconds lookups waited for read-ahead, in all.",
@@ -201,12 +210,20 @@ def parse_extra_config(extra: dict[str, Any] | Any) -> dict[str, Any]:
 
 class KVTierSpec(LoadStoreSpec):
     """Host pool slots, co-indexed with the keys of the manager call that
-    made it; -1 for keys the worker streams from a lower tier (``stream``)."""
+    made it; -1 for keys the worker streams from a lower tier (``stream``);
+    ``fences``: armed fences of slots still being filled (see
+    :class:`~kvtier.manager.HostSpec`)."""
 
-    def __init__(self, slots: np.ndarray, stream: StreamSpec | None = None) -> None:
+    def __init__(
+        self,
+        slots: np.ndarray,
+        stream: StreamSpec | None = None,
+        fences: np.ndarray | None = None,
+    ) -> None:
         self.slots = np.asarray(slots, np.int64)
         self.block_ids = self.slots  # vLLM's BlockIDsLoadStoreSpec spelling
         self.stream = stream
+        self.fences = fences
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -437,6 +454,9 @@ class KVTierOffloadingSpec(OffloadingSpec):
                     # when blocks are stored only after several sightings
                     # that eviction would be wasted, so check first.
                     probe=k.get("kvtier_remote_probe", k.get("kvtier_admit_after", 1) == 1),
+                    # A fenced read that fails fails the load waiting on it:
+                    # only where the connector reports that to vLLM.
+                    fenced=self.reports_load_errors and k.get("kvtier_fenced_reads", True),
                 ),
                 stats_path=k.get("kvtier_stats_path"),
                 shared_tiers=[t.name for t in lower],
@@ -524,7 +544,7 @@ class KVTierManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = self.m.prepare_load([bytes(k) for k in keys], req_context)
-        return KVTierSpec(spec.slots, spec.stream)
+        return KVTierSpec(spec.slots, spec.stream, spec.fences)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.m.complete_load([bytes(k) for k in keys], req_context)
@@ -615,6 +635,8 @@ class KVTierManager(OffloadingManager):
             "cascades_dropped": s.cascades_dropped,
             "allocation_failures": s.allocation_failures,
             "scan_reads": s.scan_reads,
+            "fenced_reads": s.fenced_reads,
+            "fenced_failures": s.fenced_failures,
             "scan_timeouts": s.scan_timeouts,
             "scan_waits": s.scan_waits,
             "scan_wait_us": int(s.scan_wait_s * 1e6),
@@ -732,8 +754,9 @@ class KVTierWorker(OffloadingWorker):
             self._load_blocks[job_id] = gpu.block_ids
         if host.stream is not None:
             return self._submit_streamed(job_id, gpu, host, host.stream, store, expedited)
+        fences = None if store or host.fences is None else self._split(gpu, host.fences)
         parts = []
-        for g, blocks, slots, first in self._split(gpu, host.slots):
+        for n, (g, blocks, slots, first) in enumerate(self._split(gpu, host.slots)):
             if len(blocks) == 0:
                 continue
             self._next += 1
@@ -741,8 +764,9 @@ class KVTierWorker(OffloadingWorker):
             ok = (
                 t.submit_store(self._next, blocks, slots, first_block_index=first)
                 if store
-                else t.submit_load(self._next, slots, blocks, expedited, first_block_index=first)
-            )
+                else t.submit_load(self._next, slots, blocks, expedited, first_block_index=first,
+                                   fences=None if fences is None else fences[n][2])
+            )  # fmt: skip
             if not ok:
                 return False
             parts.append((g, self._next))
@@ -768,7 +792,9 @@ class KVTierWorker(OffloadingWorker):
         parts: list[tuple[int, int]] = []
         chunks: list[StreamChunk] = []
         pos0 = 0  # key position of the group's first chunk
-        for g, blocks, slots, first in self._split(gpu, host.slots):
+        fences = None if store or host.fences is None else self._split(gpu, host.fences)
+        for n_g, (g, blocks, slots, first) in enumerate(self._split(gpu, host.slots)):
+            armed = None if fences is None else fences[n_g][2]
             skip = first % self.bpc
             bounds = [(max(0, c * self.bpc - skip), min(len(blocks), (c + 1) * self.bpc - skip))
                       for c in range(len(slots))]  # fmt: skip
@@ -791,7 +817,8 @@ class KVTierWorker(OffloadingWorker):
                     t.submit_store(self._next, blocks[lo:hi], slots[c:end], first_block_index=first + lo)
                     if store
                     else t.submit_load(self._next, slots[c:end], blocks[lo:hi], expedited,
-                                       first_block_index=first + lo)
+                                       first_block_index=first + lo,
+                                       fences=None if armed is None else armed[c:end])
                 ):  # fmt: skip
                     return False
                 parts.append((g, self._next))

@@ -84,6 +84,7 @@ class LowerTier(ABC):
 
     name: str = "lower"
     can_probe: bool = False  # overrides submit_probe (keys that say RETRY)
+    can_fence: bool = False  # overrides submit_fenced_load
 
     def attach(self, pool: HostPool | None) -> None:
         """Called once by the manager with the host pool (None: no-data mode)."""
@@ -109,6 +110,16 @@ class LowerTier(ABC):
     @abstractmethod
     def poll(self) -> list[TierCompletion]:
         """Finished batches since the last poll, in completion order."""
+
+    def submit_fenced_load(
+        self, keys: Sequence[bytes], slots: Sequence[int], armed: np.ndarray
+    ) -> int | None:
+        """As :meth:`submit_load`, and settle each slot's fence (armed as
+        ``armed``, :meth:`HostPool.arm_fences`) as soon as its value is in
+        and checked, so that a load into the engine may copy it before the
+        batch ends. None when the tier cannot (``can_fence`` false) or is
+        busy; the caller then settles the fences itself. Non-blocking."""
+        return None
 
     def submit_probe(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
         """For keys whose :meth:`lookup` said RETRY: read them into host

@@ -15,6 +15,8 @@ from kvtier.errors import InvalidArgument
 from kvtier.policy import AdmissionFilter, EvictionPolicy, make_policy
 from kvtier.pool import HostPool
 
+FILL_FAILED = -1
+
 
 @dataclass
 class HostEntry:
@@ -22,10 +24,15 @@ class HostEntry:
     ref: int = -1  # -1 being written, 0 ready, >0 pinned by loads
     cascading: int = 0  # lower-tier copies in flight from this slot
     source: str = "host"  # tier the bytes came from (promotion), until first load
+    # A fenced promotion (the manager's ``fenced``): > 0 its armed fence while
+    # a lower tier still fills the slot (loads may already copy from it, each
+    # waiting for the fence); FILL_FAILED once that read failed while a load
+    # held the block (dropped when the last load lets go); 0 otherwise.
+    fence: int = 0
 
     @property
     def evictable(self) -> bool:
-        return self.ref == 0 and self.cascading == 0
+        return self.ref == 0 and self.cascading == 0 and self.fence == 0
 
 
 class HostTier:

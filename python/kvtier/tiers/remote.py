@@ -38,6 +38,7 @@ import numpy as np
 from kvtier.codes import ItemStatus
 from kvtier.errors import ClosedError, InvalidArgument, IoError, TlsError
 from kvtier.policy.admission import WriteGate
+from kvtier.pool import HostPool
 from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
 from kvtier.tiers.records import key_digest, namespace_digest
@@ -300,7 +301,13 @@ class RemoteTier(JobTier):
         return self.gate.admit(key, self.block_bytes, self.counters)
 
     def _submit(
-        self, batch: Batch, skeys: list[bytes], digs: list[bytes], addr: np.ndarray, per_job: int
+        self,
+        batch: Batch,
+        skeys: list[bytes],
+        digs: list[bytes],
+        addr: np.ndarray,
+        per_job: int,
+        fences: np.ndarray | None = None,
     ) -> bool:
         """Jobs of at most ``per_job`` keys for ``batch`` (see TierJobs.submit)."""
         n = len(digs)
@@ -314,12 +321,19 @@ class RemoteTier(JobTier):
                 remote.submit_remote(
                     self.store, kind, skeys[first:end], addr[first:end],
                     self.block_bytes, dig_arr[first:end], 0,
+                    None if fences is None else fences[first:end],
                 )
             )  # fmt: skip
 
         return self.jobs.submit(batch, per_job, submit_one, self._value_bytes)
 
-    def _start(self, kind: str, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
+    def _start(
+        self,
+        kind: str,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        armed: np.ndarray | None = None,
+    ) -> int | None:
         self._check(keys, slots)
         digs = [key_digest(k) for k in keys]
         batch = self.jobs.batch(
@@ -333,7 +347,8 @@ class RemoteTier(JobTier):
         # A batch is spread over every connection: one job per worker thread
         # (at most job_items keys each) rather than whole jobs of job_items.
         per_job = min(self.job_items, -(-len(keys) // self.num_threads))
-        if not self._submit(batch, skeys, digs, addr, per_job):
+        fences = None if armed is None else self.pool.fences(np.asarray(slots, np.int64), armed)
+        if not self._submit(batch, skeys, digs, addr, per_job, fences):
             if kind == "store":
                 self.counters["busy_drops"] += len(keys)
             return None
@@ -348,6 +363,20 @@ class RemoteTier(JobTier):
 
     def submit_load(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
         return self._start("load", keys, slots)
+
+    @property
+    def can_fence(self) -> bool:  # type: ignore[override]
+        return isinstance(getattr(self, "pool", None), HostPool)
+
+    def submit_fenced_load(
+        self, keys: Sequence[bytes], slots: Sequence[int], armed: np.ndarray
+    ) -> int | None:
+        """See :meth:`LowerTier.submit_fenced_load`: the native store settles
+        each job's fences when that job ends (a batch is one job per
+        connection, so the first values are ready while later ones are read)."""
+        if not self.can_fence:
+            return None
+        return self._start("load", keys, slots, np.asarray(armed, np.int64))
 
     def submit_probe(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
         """GETs of ``keys`` straight into host ``slots``, checked like a load
