@@ -26,7 +26,7 @@ import numpy as np
 
 from kvtier.errors import ClosedError, InvalidArgument
 from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent
-from kvtier.tiers.host import FILL_FAILED, HostTier
+from kvtier.tiers.host import HostTier
 
 __all__ = [
     "HostSpec",
@@ -214,6 +214,7 @@ class TieredOffloadingManager:
         self.probe = probe
         self.fenced = fenced
         self._fills = 0  # host entries with fence != 0 (fast paths skip them when none)
+        self._failed_fills: set[bytes] = set()  # entries with fence < 0
         names = [host.name] + [t.name for t in self.lower]
         if len(set(names)) != len(names):
             raise InvalidArgument(f"tier names must be unique, got {names}")
@@ -283,7 +284,7 @@ class TieredOffloadingManager:
         if e is not None:
             if e.ref < 0:
                 return LookupResult.HIT_PENDING
-            return LookupResult.HIT if e.fence != FILL_FAILED else LookupResult.MISS
+            return LookupResult.HIT if e.fence >= 0 else LookupResult.MISS  # < 0: read failed
         for i, tier in enumerate(self.lower):
             r = tier.lookup(key)
             if r is LookupResult.MISS:
@@ -342,7 +343,8 @@ class TieredOffloadingManager:
         self.stats.loads += len(keys)
         fences = None
         if self._fills:
-            armed = [max(entries[k].fence, 0) if s >= 0 else 0 for k, s in zip(keys, slots)]
+            # A failed read's value too: the copy then fails on its fence.
+            armed = [abs(entries[k].fence) if s >= 0 else 0 for k, s in zip(keys, slots)]
             if any(armed):
                 fences = np.asarray(armed, np.int64)
         if not streamed:
@@ -394,15 +396,16 @@ class TieredOffloadingManager:
     def _unpin_fills(self, keys: Collection[bytes]) -> None:
         """Before the unpins of a load: a block whose fenced read failed is
         dropped when this load was its last."""
-        entries = self.host.entries
-        dead = []
+        failed = self._failed_fills
+        if failed:
+            entries = self.host.entries
+            self._drop_failed([k for k in keys if k in failed and entries[k].ref <= 1])
+
+    def _drop_failed(self, keys: Iterable[bytes]) -> None:
         for k in keys:
-            e = entries.get(k)
-            if e is not None and e.fence == FILL_FAILED and e.ref == 1:
-                dead.append(k)
-        for k in dead:
-            self.host.drop(k)
-            self._fills -= 1
+            if self.host.drop(k) is not None:
+                self._fills -= 1
+            self._failed_fills.discard(k)
 
     def load_failed(self, spec: HostSpec) -> None:
         """The engine's worker reported that the load of ``spec`` (a
@@ -554,6 +557,9 @@ class TieredOffloadingManager:
         self._streamable.clear()
         self._polled = False
         self._poll_tiers()
+        if self._failed_fills:  # failed reads of blocks HIT last step and never loaded
+            entries = self.host.entries
+            self._drop_failed([k for k in self._failed_fills if entries[k].ref == 0])
         self._flush()
         self._poll_tiers()
 
@@ -600,6 +606,7 @@ class TieredOffloadingManager:
             removed.append(key)
             if e.fence:
                 self._fills -= 1
+                self._failed_fills.discard(key)
             if e.slot in tier_slots and e.ref <= 0:
                 continue  # freed when the tier job completes (see _complete)
             if e.ref != 0:
@@ -739,11 +746,13 @@ class TieredOffloadingManager:
             self._events.append(TierEvent([key], self.host.name, removed=False))
             return
         self.stats.fenced_failures += 1
-        if e.ref > 0:
-            e.fence = FILL_FAILED  # its loads fail; dropped when the last one lets go
+        if e.ref > 0 or key in self._scanned:
+            # A load holds it, or may still be prepared this step: MISS from
+            # now on, its loads fail on the fence, dropped once none holds it.
+            e.fence = -e.fence
+            self._failed_fills.add(key)
         else:
-            self.host.drop(key)
-            self._fills -= 1
+            self._drop_failed([key])
 
     def _fence_reads(self, i: int, keys: list[bytes], slots: list[int]) -> bool:
         """Read ``keys`` from tier ``i`` into ``slots`` under fences and make

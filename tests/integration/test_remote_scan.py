@@ -338,3 +338,39 @@ def test_a_fenced_read_that_fails_fails_its_copy_and_is_dropped(fenced: Fenced) 
     assert m.occupancy()["writing"] == 0 and m.occupancy()["pinned"] == 0
     m.load_failed(spec)  # as KVTierConnector reports a job of them all
     assert len(m.host) == 0 and m.host.free_slots == 16
+
+
+def test_a_fenced_read_failing_in_the_step_of_its_hit_still_fails_its_load(
+    fenced: Fenced,
+) -> None:
+    """The read of a block HIT this step fails before the engine prepares
+    its load (another request's lookup polled the tier): the load is
+    prepared all the same and fails on the fence, never copying the slot;
+    a failed block no load took is dropped at the step's end."""
+    m, tier, pool, s = fenced
+    client = redis.Redis(host="127.0.0.1", port=s.port)
+    client.setrange(tier.server_key(K(2)), 777, b"\x00\x01")
+    client.setrange(tier.server_key(K(3)), 777, b"\x00\x01")
+    keys = [K(i) for i in range(4)]
+    assert [m.lookup(k, Ctx(keys)) for k in keys] == [HIT] * 4
+    for n in range(2000):  # other requests' lookups (each a read-ahead polling the tier)
+        if m.stats.fenced_failures == 2:
+            break
+        m.lookup(K(100 + n), Ctx([K(100 + n)]))
+        time.sleep(0.01)
+    assert m.stats.fenced_failures == 2
+    assert m.lookup(K(2), Ctx(keys)) is MISS  # failed: no new load takes it
+    spec = m.prepare_load(keys[:3], Ctx(keys))  # HIT earlier this step: still prepared
+    assert spec.fences is not None and spec.fences[2] != 0
+    kv = np.zeros((4, BLOCK), np.uint8)
+    t = DeviceTransfer([kv], pool, page_bytes=[BLOCK])
+    assert t.submit_load(1, spec.slots, np.arange(3), fences=spec.fences)
+    t.wait([1], 20)
+    (r,) = t.get_finished()
+    assert not r.success and "never came" in r.error and not kv[2].any()
+    t.shutdown()
+    m.complete_load(keys[:3], Ctx(keys))
+    assert K(2) not in m.host.entries and K(3) in m.host.entries  # K(3): no load yet
+    m.on_schedule_end()
+    assert K(3) not in m.host.entries and m.occupancy()["writing"] == 0
+    assert m.host.free_slots == 16 - 2  # K(0), K(1) stay

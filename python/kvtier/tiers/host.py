@@ -15,8 +15,6 @@ from kvtier.errors import InvalidArgument
 from kvtier.policy import AdmissionFilter, EvictionPolicy, make_policy
 from kvtier.pool import HostPool
 
-FILL_FAILED = -1
-
 
 @dataclass
 class HostEntry:
@@ -26,8 +24,9 @@ class HostEntry:
     source: str = "host"  # tier the bytes came from (promotion), until first load
     # A fenced promotion (the manager's ``fenced``): > 0 its armed fence while
     # a lower tier still fills the slot (loads may already copy from it, each
-    # waiting for the fence); FILL_FAILED once that read failed while a load
-    # held the block (dropped when the last load lets go); 0 otherwise.
+    # waiting for the fence); minus that value once the read failed while
+    # the block was in use this step (a MISS, its loads fail on the fence;
+    # dropped once no load holds it); 0 otherwise.
     fence: int = 0
 
     @property
