@@ -6,6 +6,7 @@ HIT before the values arrive, the engine's copy waiting for each one."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 import uuid
@@ -46,6 +47,18 @@ class Ctx:
 def following(key: bytes, ctx: Any) -> list[bytes]:
     keys: list[bytes] = ctx.keys
     return keys[keys.index(key) + 1 :] if key in keys else []
+
+
+@contextlib.contextmanager
+def stopped(s: RedisServer) -> Iterator[None]:
+    """The server process stopped (SIGSTOP) for the block: nothing it was
+    sent is answered until the block ends (SIGCONT)."""
+    assert s.proc is not None
+    s.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        s.proc.send_signal(signal.SIGCONT)
 
 
 def fill(url: str, ns: str, ids: list[int]) -> None:
@@ -164,9 +177,7 @@ def test_a_stopped_server_costs_one_bounded_wait(tmp_path: Path, probe: bool) ->
     try:
         fill(s.url, ns, list(range(4)))
         keys = [K(i) for i in range(4)]
-        assert s.proc is not None
-        s.proc.send_signal(signal.SIGSTOP)
-        try:
+        with stopped(s):
             assert [m.lookup(k, Ctx(keys)) for k in keys] == [waiting] * 4
             assert m.stats.scan_timeouts == 1 and m.stats.scan_waits == 1
             assert 0.19 < m.stats.scan_wait_s < 5.0  # it waited until its deadline (0.2 s)
@@ -176,8 +187,6 @@ def test_a_stopped_server_costs_one_bounded_wait(tmp_path: Path, probe: bool) ->
             m.on_schedule_end()
             assert [m.lookup(k, Ctx(keys)) for k in keys] == [waiting] * 4
             assert m.stats.scan_waits == 1  # backing off: no second wait
-        finally:
-            s.proc.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + 20
         got: list[LookupResult] = []
         while got != [HIT] * 4 and time.monotonic() < deadline:
@@ -275,9 +284,7 @@ def test_a_fenced_read_ahead_is_hit_before_its_values_and_the_copy_waits(fenced:
     server answers."""
     m, _, pool, s = fenced
     keys = [K(i) for i in range(4)]
-    assert s.proc is not None
-    s.proc.send_signal(signal.SIGSTOP)
-    try:
+    with stopped(s):
         assert [m.lookup(k, Ctx(keys)) for k in keys] == [HIT] * 4
         assert m.stats.scan_waits == 0 and m.stats.fenced_reads == 4
         assert m.occupancy()["writing"] == 4 and m.host.free_slots == 12
@@ -288,8 +295,6 @@ def test_a_fenced_read_ahead_is_hit_before_its_values_and_the_copy_waits(fenced:
         assert t.submit_load(1, spec.slots, np.arange(4), fences=spec.fences)
         time.sleep(0.1)
         assert t.get_finished() == [] and not kv.any()
-    finally:
-        s.proc.send_signal(signal.SIGCONT)
     t.wait([1], 20)
     (r,) = t.get_finished()
     assert r.success, r.error
@@ -311,9 +316,7 @@ def test_a_fenced_read_that_fails_fails_its_copy_and_is_dropped(fenced: Fenced) 
     client = redis.Redis(host="127.0.0.1", port=s.port)
     client.setrange(tier.server_key(K(2)), 777, b"\x00\x01")
     keys = [K(i) for i in range(4)]
-    assert s.proc is not None
-    s.proc.send_signal(signal.SIGSTOP)  # so that no read ends before the load is prepared
-    try:
+    with stopped(s):  # so that no read ends before the load is prepared
         assert [m.lookup(k, Ctx(keys)) for k in keys] == [HIT] * 4
         spec = m.prepare_load(keys, Ctx(keys))
         assert spec.fences is not None
@@ -321,8 +324,6 @@ def test_a_fenced_read_that_fails_fails_its_copy_and_is_dropped(fenced: Fenced) 
         t = DeviceTransfer([kv], pool, page_bytes=[BLOCK])
         assert t.submit_load(1, spec.slots[:2], np.arange(2), fences=spec.fences[:2])
         assert t.submit_load(2, spec.slots[2:], np.arange(2, 4), fences=spec.fences[2:])
-    finally:
-        s.proc.send_signal(signal.SIGCONT)
     t.wait([1, 2], 20)
     res = {r.job_id: r for r in t.get_finished()}
     assert res[1].success and not res[2].success and "never came" in res[2].error
