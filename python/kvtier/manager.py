@@ -736,15 +736,15 @@ class TieredOffloadingManager:
             if slot is not None and not self._slot_in_use(slot):
                 self.host.release_slot(slot)  # detached by reset: free it now
             return
-        pool = self.host.pool
-        if pool is not None:  # the tier settles its own; this ends those it never ran
-            pool.settle_fence(slot, e.fence, ok)
-        if ok:
+        if ok:  # read and checked by the tier, which settled the fence itself
             e.fence = 0
             self._fills -= 1
             self.stats.promotions += 1
             self._events.append(TierEvent([key], self.host.name, removed=False))
             return
+        pool = self.host.pool
+        if pool is not None:  # a job cancelled or timed out never settled its fences
+            pool.settle_fence(slot, e.fence, False)
         self.stats.fenced_failures += 1
         if e.ref > 0 or key in self._scanned:
             # A load holds it, or may still be prepared this step: MISS from
