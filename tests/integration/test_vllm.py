@@ -474,6 +474,119 @@ def test_vllm_tiering_with_kvtier_secondary_tiers(
     m.shutdown()
 
 
+def _namespaces(tmp_path: Path, cfg: OffloadingConfig, tag: str = "ns") -> tuple[str, str]:
+    """The namespace of ``cfg``'s blocks in both routes, with the same user
+    tag: kvtier as the whole spec (kvtier_namespace) and a KVTierDiskTier
+    under vLLM's TieringOffloadingSpec (its ``namespace``; as the tier
+    factory is given it)."""
+    from dataclasses import replace
+
+    from kvtier.tiers import factory
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    given: list[str] = []
+    build = factory.build_tier
+
+    def record(kind: str, c: Any, block_bytes: int, namespace: str, name: Any = None) -> Any:
+        given.append(namespace)
+        return build(kind, c, block_bytes, namespace, name)
+
+    extra = {**SPEC, "kvtier_host_bytes": "1MiB", "kvtier_num_slots": 16, "kvtier_namespace": tag}
+    whole = OffloadingSpecFactory.create_spec(replace(cfg, extra_config=extra)).namespace
+    tier = {"type": "KVTierDiskTier", "module_path": "kvtier.integrations.vllm",
+            "path": str(tmp_path / "kv"), "capacity_bytes": "1MiB", "namespace": tag}  # fmt: skip
+    extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 64 * PAGE,
+             "tier_poll_interval_s": 0, "secondary_tiers": [tier]}  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(factory, "build_tier", record)
+        TieringOffloadingSpec(replace(cfg, extra_config=extra)).get_manager().shutdown()
+    (secondary,) = given
+    return whole, secondary
+
+
+def test_one_namespace_for_both_routes_covers_topology_and_group_structure(
+    tmp_path: Path,
+) -> None:
+    """Issue 33: the namespace of the whole spec and of the secondary tiers is
+    one function of the same configuration. TP=2 and PP=2 with equal bytes per
+    block (different layers in them) never share a disk directory or a Redis,
+    in either route; nor do models whose KV-cache groups differ (tokens per
+    block, layers per group) though their bytes per block are equal."""
+    from dataclasses import replace
+
+    def group(tokens: int, layers: int, gid: int = 0) -> OffloadingGroupConfig:
+        names = tuple(f"g{gid}l{i}" for i in range(layers))
+        return OffloadingGroupConfig(tokens_per_block=tokens, layer_names=names, group_id=gid)
+
+    base = config({})
+    cfgs = {
+        "tp2": config({}, world=2, pp=1),
+        "pp2": config({}, world=2, pp=2),
+        "tp1": base,
+        "16x3": replace(base, groups=(group(16, 3),)),
+        "32x2": replace(base, groups=(group(32, 2),)),
+        "16x1+16x1": replace(base, groups=(group(16, 1), group(16, 1, gid=1))),
+    }
+    got = {name: _namespaces(tmp_path, c) for name, c in cfgs.items()}
+    for route in (0, 1):  # whole spec, secondary tier
+        assert len({ns[route] for ns in got.values()}) == len(cfgs), (route, got)
+    for name, (whole, secondary) in got.items():
+        assert whole == secondary, f"{name}: the two routes name the same bytes differently"
+    # The same config again: the same namespace; another user tag: another.
+    assert _namespaces(tmp_path, config({}, world=2, pp=2)) == got["pp2"]
+    assert _namespaces(tmp_path, base, tag="other")[0] != got["tp1"][0]
+
+
+@pytest.mark.parametrize(
+    ("pp", "failure"), [(1, "redis down"), (2, "redis down"), (1, "bad host policy")]
+)
+def test_get_manager_closes_the_tiers_it_built_when_one_fails(
+    tmp_path: Path, pp: int, failure: str
+) -> None:
+    """Issue 33: building the lower tiers is all or nothing. With a disk tier
+    built (holding its directory's lock, one per stage) and then Redis
+    refusing the connection, or the host tier's policy unknown, get_manager
+    raises that error and the disk tiers are closed: the same directories are
+    taken again at once, while the error (and with it the failed call's
+    frames) is still alive."""
+    import errno
+
+    from kvtier.bench.redis_server import free_port
+
+    def specs(extra: dict[str, Any]) -> list[Any]:
+        eid = f"test-build-{uuid.uuid4().hex[:8]}"
+        out = [
+            OffloadingSpecFactory.create_spec(
+                config(extra, world=pp, rank=r, pp=pp, kv_bytes=PAGE * (r + 1), engine_id=eid)
+            )
+            for r in range(pp)
+        ]
+        for s in out[1:]:
+            s.host_pool()  # the other stage's workers make their pools
+        return out
+
+    extra: dict[str, Any] = {**SPEC, "kvtier_host_bytes": "1MiB", "kvtier_num_slots": 8,
+                             "kvtier_disk_path": str(tmp_path / "disk"),
+                             "kvtier_disk_bytes": "4MiB"}  # fmt: skip
+    bad = dict(extra)
+    if failure == "redis down":
+        bad["kvtier_remote_url"] = f"redis://127.0.0.1:{free_port()}"
+        failed = specs(bad)  # held: a stage's pool lives as long as its spec
+        with pytest.raises(kvtier.IoError) as e:
+            failed[0].get_manager()
+        assert e.value.errno == errno.ECONNREFUSED
+    else:
+        bad["kvtier_policy"] = "nope"
+        failed = specs(bad)
+        with pytest.raises(kvtier.InvalidArgument, match="unknown policy") as e:
+            failed[0].get_manager()
+    again = specs(extra)
+    m = again[0].get_manager()  # InUse (EBUSY) while a failed build holds a directory
+    assert [t.name for t in m.m.lower] == ["disk"]
+    m.shutdown()
+    assert e.value is not None  # the failed call's frames lived until here
+
+
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Any:
     """An 8 MiB tmpfs mounted for this test alone (root only): no test fills a real disk."""

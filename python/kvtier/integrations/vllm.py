@@ -229,6 +229,37 @@ class KVTierSpec(LoadStoreSpec):
         return len(self.slots)
 
 
+def engine_namespace(
+    *,
+    model: str,
+    dtype: str,
+    worker_kv_bytes_per_block: int,
+    blocks_per_chunk: int,
+    world_size: int,
+    pp_size: int,
+    kv_cache_layout: str | None,
+    canonical_layout: bool,
+    user_namespace: str,
+    groups: Iterable[Any],
+) -> str:
+    """The namespace of this engine's blocks in kvtier's disk and Redis tiers,
+    the same for both routes (the whole spec, per pipeline stage, and the
+    secondary tiers): what makes bytes compatible (DESIGN.md, hard rule 4).
+
+    Model, KV dtype, one worker's KV bytes per block, blocks per chunk, the
+    world and pipeline sizes (TP=2 and PP=2 move equal bytes of different
+    layers), vLLM's KV layout and whether the canonical one was asked for, the
+    user's extra tag, and the KV-cache group structure (``groups``: vLLM's
+    ``OffloadingConfig.groups``; each group's tokens per block and number of
+    layers count). Pure; see :func:`~kvtier.tiers.records.namespace_name`.
+    """
+    structure = tuple((int(g.tokens_per_block), len(g.layer_names)) for g in groups)
+    return namespace_name((
+        model, dtype, int(worker_kv_bytes_per_block), int(blocks_per_chunk), int(world_size),
+        int(pp_size), kv_cache_layout, bool(canonical_layout), structure, user_namespace,
+    ))  # fmt: skip
+
+
 def _pool_name(engine_id: str, stage: int) -> str:
     tag = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:80] or "engine"
     return f"kvtier-{tag}-pp{stage}"
@@ -329,20 +360,18 @@ class KVTierOffloadingSpec(OffloadingSpec):
             num_slots=self.kvtier.get("kvtier_num_slots"),
             setting="kvtier_host_bytes",
         )
-        self.namespace = self._namespace(config)
+        self.namespace = engine_namespace(
+            model=config.model.name, dtype=config.model.dtype,
+            worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
+            blocks_per_chunk=self.blocks_per_chunk, world_size=self.world_size,
+            pp_size=self.pp_size, kv_cache_layout=getattr(config, "kv_cache_layout", None),
+            canonical_layout=getattr(config, "canonical_layout", False),
+            user_namespace=self.kvtier.get("kvtier_namespace", ""), groups=config.groups,
+        )  # fmt: skip
         self.engine_id = str(config.engine_id)
         self.pool_name = _pool_name(self.engine_id, self.stage)
         self._manager: OffloadingManager | None = None
         self._pool: HostPool | None = None
-
-    def _namespace(self, config: Any) -> str:
-        """What makes bytes compatible: model, dtype, layout, chunk size, topology."""
-        return namespace_name((
-            config.model.name, config.model.dtype, config.worker_kv_bytes_per_block,
-            self.blocks_per_chunk, self.world_size, self.pp_size,
-            getattr(config, "kv_cache_layout", None), getattr(config, "canonical_layout", False),
-            self.kvtier.get("kvtier_namespace", ""),
-        ))  # fmt: skip
 
     def _stage_ns(self, stage: int) -> str:
         return self.namespace if self.pp_size == 1 else f"{self.namespace}-stage{stage}"
@@ -363,11 +392,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            from kvtier.manager import TieredOffloadingManager
-            from kvtier.tiers.host import HostTier
-
             k = self.kvtier
-            lower: list[LowerTier] = []
             # One pool per pipeline stage (just this one without PP); the
             # lower tiers move every stage's part of a block.
             pools = [
@@ -376,7 +401,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
             ]
             from dataclasses import replace
 
-            from kvtier.tiers.factory import TierConfig, build_tier
+            from kvtier.tiers.factory import TierConfig, build_tiers, close_after_failure
 
             trailer = TRAILER_BYTES if "kvtier_disk_path" in k else 0
             payloads = [p.slot_bytes - trailer for p in pools]
@@ -395,6 +420,9 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 remote_tls_server_name=k.get("kvtier_remote_tls_server_name"),
                 remote_worker_io=self.reports_load_errors,
             )
+            # (kind, config, block bytes, namespace) of each tier: per kind,
+            # one per pipeline stage, grouped below into a StagedTier.
+            wanted: list[tuple[str, TierConfig, int, str]] = []
             disk_path = cfg.disk_path
             if disk_path is not None:
                 # Each stage its own directory, and a share of the bytes in
@@ -417,51 +445,68 @@ class KVTierOffloadingSpec(OffloadingSpec):
                         disk_bytes=total * payloads[st] // sum(payloads))
                     for st in range(self.pp_size)
                 ]  # fmt: skip
-                lower.append(self._staged([
-                    build_tier("disk", stage_cfgs[st], payloads[st], self._stage_ns(st))
-                    for st in range(self.pp_size)], pools, "disk"))  # fmt: skip
+                wanted += [("disk", stage_cfgs[st], payloads[st], self._stage_ns(st))
+                           for st in range(self.pp_size)]  # fmt: skip
             if cfg.remote_url is not None:
-                lower.append(self._staged([
-                    build_tier("remote", cfg, payloads[st], self._stage_ns(st))
-                    for st in range(self.pp_size)], pools, "remote"))  # fmt: skip
-            host = HostTier(
-                self.host_pool(),
-                self.num_slots,
-                policy=k.get("kvtier_policy", "lru"),
-                admit_after=k.get("kvtier_admit_after", 1),
-            )
-            # Streaming needs one tier per record (no pipeline stages), and
-            # stores a worker holding whole blocks (no tensor parallelism).
-            streaming = self.pp_size == 1 and k.get("kvtier_stream_slots", 32) > 0
-            self._manager = KVTierManager(
-                TieredOffloadingManager(
-                    host,
-                    lower,
-                    streaming=streaming,
-                    streaming_stores=streaming and self.world_size == 1,
-                    # Measured (bench serve, host+disk): loading after a
-                    # promotion beat streaming every hit, 1.24x against 1.43x
-                    # of vLLM's prefix cache; streaming is for what has no room.
-                    promote=k.get("kvtier_promote", True),
-                    scan_wait_s=k.get("kvtier_scan_wait_ms", 20) / 1000,
-                    scan_bytes=k.get("kvtier_scan_bytes", 64 << 20),
-                    key_order=following_keys,
-                    # One GET per key not known yet rather than EXISTS then
-                    # GET: later turns 25.5 ms against 26.8 (bench serve,
-                    # host+redis, 3 runs each). The slots a new prompt's
-                    # probes take (evicting what the host tier would evict
-                    # to store that prompt moments later) come back at once;
-                    # when blocks are stored only after several sightings
-                    # that eviction would be wasted, so check first.
-                    probe=k.get("kvtier_remote_probe", k.get("kvtier_admit_after", 1) == 1),
-                    # A fenced read that fails fails the load waiting on it:
-                    # only where the connector reports that to vLLM.
-                    fenced=self.reports_load_errors and k.get("kvtier_fenced_reads", True),
-                ),
-                stats_path=k.get("kvtier_stats_path"),
-                shared_tiers=[t.name for t in lower],
-            )
+                wanted += [("remote", cfg, payloads[st], self._stage_ns(st))
+                           for st in range(self.pp_size)]  # fmt: skip
+            # All or nothing: a tier that fails to build (Redis down) closes
+            # those built before it (the disk tier's directory lock), and a
+            # failure after them (a bad host policy) closes them all.
+            built = build_tiers(wanted)
+            try:
+                lower = [
+                    self._staged(built[i : i + self.pp_size], pools, wanted[i][0])
+                    for i in range(0, len(built), self.pp_size)
+                ]
+                self._manager = self._build_manager(k, lower)
+            except BaseException:
+                close_after_failure(built)
+                raise
         return self._manager
+
+    def _build_manager(self, k: dict[str, Any], lower: list[LowerTier]) -> KVTierManager:
+        """The manager over kvtier's host tier and the lower tiers ``lower``."""
+        from kvtier.manager import TieredOffloadingManager
+        from kvtier.tiers.host import HostTier
+
+        host = HostTier(
+            self.host_pool(),
+            self.num_slots,
+            policy=k.get("kvtier_policy", "lru"),
+            admit_after=k.get("kvtier_admit_after", 1),
+        )
+        # Streaming needs one tier per record (no pipeline stages), and
+        # stores a worker holding whole blocks (no tensor parallelism).
+        streaming = self.pp_size == 1 and k.get("kvtier_stream_slots", 32) > 0
+        return KVTierManager(
+            TieredOffloadingManager(
+                host,
+                lower,
+                streaming=streaming,
+                streaming_stores=streaming and self.world_size == 1,
+                # Measured (bench serve, host+disk): loading after a
+                # promotion beat streaming every hit, 1.24x against 1.43x
+                # of vLLM's prefix cache; streaming is for what has no room.
+                promote=k.get("kvtier_promote", True),
+                scan_wait_s=k.get("kvtier_scan_wait_ms", 20) / 1000,
+                scan_bytes=k.get("kvtier_scan_bytes", 64 << 20),
+                key_order=following_keys,
+                # One GET per key not known yet rather than EXISTS then
+                # GET: later turns 25.5 ms against 26.8 (bench serve,
+                # host+redis, 3 runs each). The slots a new prompt's
+                # probes take (evicting what the host tier would evict
+                # to store that prompt moments later) come back at once;
+                # when blocks are stored only after several sightings
+                # that eviction would be wasted, so check first.
+                probe=k.get("kvtier_remote_probe", k.get("kvtier_admit_after", 1) == 1),
+                # A fenced read that fails fails the load waiting on it:
+                # only where the connector reports that to vLLM.
+                fenced=self.reports_load_errors and k.get("kvtier_fenced_reads", True),
+            ),
+            stats_path=k.get("kvtier_stats_path"),
+            shared_tiers=[t.name for t in lower],
+        )
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         return KVTierWorker(kv_caches, self)
@@ -947,7 +992,16 @@ class _KVTierSecondary(SecondaryTierManager):
         from kvtier.tiers.factory import build_tier
 
         self.locality = locality
-        ns = _tier_namespace(self._offloading_spec, namespace)
+        spec = self._offloading_spec
+        c = spec.config
+        ns = engine_namespace(
+            model=c.model.name, dtype=c.model.dtype,
+            worker_kv_bytes_per_block=c.worker_kv_bytes_per_block,
+            blocks_per_chunk=spec.blocks_per_chunk, world_size=c.parallel.world_size,
+            pp_size=c.parallel.pp_size, kv_cache_layout=getattr(c, "kv_cache_layout", None),
+            canonical_layout=getattr(c, "canonical_layout", False),
+            user_namespace=namespace, groups=c.groups,
+        )  # fmt: skip
         self._attach(build_tier(kind, cfg, self.block_size_bytes, ns, name=name))
 
     def _attach(self, tier: LowerTier) -> None:
@@ -1038,15 +1092,6 @@ class _KVTierSecondary(SecondaryTierManager):
     def shutdown(self) -> None:
         self.drain_jobs()
         self.tier.close()
-
-
-def _tier_namespace(spec: Any, extra: str) -> str:
-    """The namespace of a secondary tier: model, dtype, block layout, world size."""
-    cfg = spec.config
-    return namespace_name((
-        cfg.model.name, cfg.model.dtype, cfg.worker_kv_bytes_per_block,
-        spec.blocks_per_chunk, cfg.parallel.world_size, extra,
-    ))  # fmt: skip
 
 
 class KVTierDiskTier(_KVTierSecondary):

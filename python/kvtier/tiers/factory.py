@@ -12,7 +12,9 @@ tier connects); nothing else does.
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,22 +119,43 @@ def build_tier(
     )  # fmt: skip
 
 
+def build_tiers(wanted: Iterable[tuple[str, TierConfig, int, str]]) -> list[LowerTier]:
+    """One tier per ``(kind, cfg, block_bytes, namespace)`` of ``wanted``, in
+    order (:func:`build_tier`, named by their kind), all or nothing: if
+    building one fails, those already built are closed (a disk tier lets go of
+    its directory, a remote one of its connections) before the error
+    propagates. Blocks while they are built.
+    """
+    tiers: list[LowerTier] = []
+    try:
+        for kind, cfg, block_bytes, namespace in wanted:
+            # One at a time, not extend(): those built before a failure must be closed.
+            tiers.append(build_tier(kind, cfg, block_bytes, namespace))
+    except BaseException:
+        close_after_failure(tiers)
+        raise
+    return tiers
+
+
+def close_after_failure(tiers: Iterable[LowerTier]) -> None:
+    """Close every tier of ``tiers`` while an error propagates: a tier that
+    fails to close is logged, not raised, so the others still close and the
+    error that made the caller give up is the one reported. Blocks while they
+    close."""
+    for t in tiers:
+        try:
+            t.close()
+        except Exception:
+            logging.getLogger("kvtier").exception("closing tier %s after a failure", t.name)
+
+
 def build_lower_tiers(cfg: TierConfig, block_bytes: int, namespace: str) -> list[LowerTier]:
     """Every configured lower tier, fastest first (disk, then remote). Blocks.
 
     If building one fails, those already built are closed before the error
-    propagates.
+    propagates (:func:`build_tiers`).
     """
-    tiers: list[LowerTier] = []
-    try:
-        for kind in configured(cfg):
-            # One at a time, not extend(): those built before a failure must be closed.
-            tiers.append(build_tier(kind, cfg, block_bytes, namespace))  # noqa: PERF401
-    except BaseException:
-        for t in tiers:
-            t.close()
-        raise
-    return tiers
+    return build_tiers((kind, cfg, block_bytes, namespace) for kind in configured(cfg))
 
 
 def host_slot_bytes(block_bytes: int, cfg: TierConfig) -> int:
