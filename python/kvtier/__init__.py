@@ -21,6 +21,7 @@ from kvtier.errors import (
     NoSpace,
     Timeout,
     TlsError,
+    UnsupportedEngine,
 )
 
 __version__ = "0.1.0"
@@ -62,5 +63,6 @@ __all__ = [
     "TieredOffloadingManager",
     "Timeout",
     "TlsError",
+    "UnsupportedEngine",
     "crc32c",
 ]

@@ -17,6 +17,12 @@ class InvalidArgument(KvtierError, ValueError):
     """Bad input at an API boundary: sizes, alignment, ranges, unknown names."""
 
 
+class UnsupportedEngine(InvalidArgument):
+    """The engine's configuration cannot consume offloaded KV correctly
+    (its attention backend never computes a prompt on top of cached
+    context): refused at start-up rather than serving wrong tokens."""
+
+
 class IoError(KvtierError, OSError):
     """A system call failed; ``errno`` holds the error number."""
 
@@ -65,4 +71,5 @@ __all__ = [
     "NoSpace",
     "Timeout",
     "TlsError",
+    "UnsupportedEngine",
 ]

@@ -125,7 +125,11 @@ def run_engine(
     assert _processes_in_session(p.pid) == [], "engine processes left after shutdown"
     assert _shm() - before == set(), "kvtier shared memory left after shutdown"
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else None
-    return Engine(json.loads((tmp / "out.json").read_text()), log, stats)
+    result = json.loads((tmp / "out.json").read_text())
+    if spec.get("expect_refusal"):
+        assert "refused" in result, "the engine started"
+        return Engine({"requests": [], "counters": {}}, log, stats)
+    return Engine(result, log, stats)
 
 
 def expected_hits(requests: list[dict[str, Any]]) -> dict[str, int]:
@@ -349,4 +353,62 @@ def test_aborts_and_preemption_leave_nothing_held(
     assert {rid for rid, r in done.items() if r["finished"] and not r["aborted"]} >= {
         r["id"] for r in reqs if r["abort_at"] is None
     }
+    _assert_clean(e)
+
+
+def _has_amx() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+@pytest.fixture(scope="session")
+def mla_model(engine_python: str) -> str:
+    path = ROOT / "build" / "engine-model-mla"
+    subprocess.run(
+        [engine_python, "-m", "kvtier.integrations.vllm_engine", "make-model", str(path), "mla"],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return str(path)
+
+
+MLA_REQUESTS = Sessions(
+    sessions=3, system_prompts=1, system_tokens=640, turns=2, user_tokens=64
+).requests()
+
+
+def test_mla_on_the_reference_cpu_backend_is_refused_at_start_up(
+    engine_python: str, mla_model: str, tmp_path: Path
+) -> None:
+    """vLLM's CPU_MLA backend cannot compute a prompt on top of cached
+    context (vLLM turns its own prefix cache off for it): kvtier refuses to
+    start rather than hand it a loaded prefix and serve different tokens."""
+    spec = {
+        "mode": "kvtier", "model": mla_model, "requests": MLA_REQUESTS[:1], "block_size": 16,
+        "attention_backend": "CPU_MLA", "kvtier": {"kvtier_host_bytes": "64MiB"},
+        "expect_refusal": True,
+    }  # fmt: skip
+    e = run_engine(engine_python, tmp_path, spec)
+    assert "kvtier: this engine cannot use offloaded KV for an MLA model" in e.log
+
+
+def test_mla_on_amx_loads_prefixes_token_identical_to_vllms_prefix_cache(
+    engine_python: str, mla_model: str, tmp_path: Path
+) -> None:
+    """Where vLLM keeps its prefix cache on for MLA (AMX_MLA, bfloat16),
+    kvtier's loads give exactly the tokens and hit counts of vLLM's own
+    prefix cache; the latent is one 576-value row per token."""
+    if not _has_amx():
+        pytest.skip("vLLM's AMX_MLA backend needs a CPU with AMX tiles (this one has none)")
+    base = {"model": mla_model, "requests": MLA_REQUESTS, "block_size": 32, "dtype": "bfloat16"}
+    prefix = run_engine(engine_python, tmp_path / "prefix", {**base, "mode": "prefix"})
+    e = run_engine(
+        engine_python, tmp_path / "kvtier",
+        {**base, "mode": "kvtier", "kvtier": {"kvtier_host_bytes": "64MiB"}, "pause_s": 0.3},
+    )  # fmt: skip
+    expected = {"s0t0": 0, "s1t0": 640, "s2t0": 640, "s0t1": 704, "s1t1": 704, "s2t1": 704}
+    assert {r["id"]: r["cached_tokens"] for r in prefix.requests} == expected
+    assert {r["id"]: r["cached_tokens"] for r in e.requests} == expected
+    assert _outputs(e) == _outputs(prefix)
+    assert e.counters["cached_by_source"].get("host") == sum(expected.values())
     _assert_clean(e)

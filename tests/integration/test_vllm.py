@@ -774,3 +774,77 @@ def test_reporting_spec_a_failed_streamed_store_to_redis_finishes(tmp_path: Path
         w.shutdown()
     finally:
         srv.stop()
+
+
+def test_replicated_mla_layout_is_stored_once_written_by_rank0_read_by_every_rank() -> None:
+    """MLA under tensor parallelism (emulated: two ranks of one engine in
+    this process): every rank holds the same latent, so a slot holds one
+    cell, only rank 0's bytes are written, and rank 1 loads rank 0's bytes;
+    the blocks' namespace is the one a TP=1 engine uses."""
+    from dataclasses import replace
+
+    engine = f"test-{uuid.uuid4().hex[:8]}"
+    extra = {**SPEC, "kvtier_host_bytes": 64 * PAGE}
+    specs = [
+        OffloadingSpecFactory.create_spec(
+            replace(config(dict(extra), world=2, rank=r, engine_id=engine), replicated_layout=True)
+        )
+        for r in (0, 1)
+    ]
+    tp1 = OffloadingSpecFactory.create_spec(replace(config(dict(extra)), replicated_layout=True))
+    per_rank = OffloadingSpecFactory.create_spec(config(dict(extra), world=2))
+    assert specs[0].namespace == specs[1].namespace == tp1.namespace != per_rank.namespace
+    assert specs[0].slot_bytes == PAGE and per_rank.slot_bytes == 2 * PAGE
+    m = specs[0].get_manager()
+    (c0, l0), (c1, l1) = _kv_caches(16), _kv_caches(16)
+    w0, w1 = specs[0].get_worker(c0), specs[1].get_worker(c1)
+    keys = [K(i) for i in range(3)]
+    out = m.prepare_store(keys, CTX)
+    assert out is not None
+    blocks = [3, 7, 9]
+    want = [t[blocks].clone() for t in l0]
+    for job, w in ((1, w0), (2, w1)):
+        assert w.submit_store(job, GPULoadStoreSpec(blocks, [3], [0]), out.store_spec)
+        w.wait({job})
+        assert [r.success for r in w.get_finished()] == [True]
+    m.complete_store(keys, CTX)
+    for t in l0 + l1:
+        t.zero_()
+    load = m.prepare_load(keys, CTX)
+    dst = [1, 2, 4]
+    for job, w in ((3, w0), (4, w1)):
+        assert w.submit_load(job, load, GPULoadStoreSpec(dst, [3], [0]))
+        w.wait({job})
+        assert [r.success for r in w.get_finished()] == [True]
+    for layers in (l0, l1):
+        for t, b in zip(layers, want):
+            assert torch.equal(t[dst], b)
+    m.complete_load(keys, CTX)
+    for w in (w0, w1):
+        w.shutdown()
+    m.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("mla", "cpu", "prefix_caching", "refused"),
+    [(True, True, False, True), (True, True, True, False), (True, False, False, False),
+     (False, True, False, False)],
+)  # fmt: skip
+def test_check_engine_refuses_mla_only_where_vllm_turned_prefix_caching_off(
+    monkeypatch: pytest.MonkeyPatch, mla: bool, cpu: bool, prefix_caching: bool, refused: bool
+) -> None:
+    from types import SimpleNamespace
+
+    import vllm.platforms
+    from kvtier.integrations.vllm import check_engine
+
+    monkeypatch.setattr(vllm.platforms, "current_platform", SimpleNamespace(is_cpu=lambda: cpu))
+    cfg = SimpleNamespace(
+        model_config=SimpleNamespace(use_mla=mla),
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching),
+    )
+    if refused:
+        with pytest.raises(kvtier.UnsupportedEngine, match="cannot use offloaded KV for an MLA"):
+            check_engine(cfg)
+    else:
+        check_engine(cfg)

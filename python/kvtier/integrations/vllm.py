@@ -53,7 +53,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvtier.errors import InvalidArgument
+from kvtier.errors import InvalidArgument, UnsupportedEngine
 from kvtier.planner import host_pool_for_chunks
 from kvtier.tiers.records import TRAILER_BYTES, namespace_name
 from kvtier.units import FreeFraction, to_bytes, to_capacity
@@ -208,6 +208,48 @@ def parse_extra_config(extra: dict[str, Any] | Any) -> dict[str, Any]:
     return out
 
 
+def check_engine(vllm_config: Any) -> None:
+    """Refuse an engine that would compute wrong tokens from loaded KV.
+
+    vLLM's CPU platform turns prefix caching and chunked prefill off for MLA
+    models on its reference CPU_MLA backend (not on AMX_MLA), because that
+    backend's prefill over cached context is wrong. A connector that loads a
+    prefix into such an engine gets different tokens (measured with a small
+    DeepSeek-V3-shaped model: the latents kvtier loaded were bitwise equal
+    to the ones the engine computed for the same tokens, and vLLM's own
+    prefix cache, forced on, gave the same wrong tokens). Who calls: the
+    shim's connector and spec, in every engine process, at start-up; cheap.
+    Raises :class:`~kvtier.errors.UnsupportedEngine`."""
+    model = getattr(vllm_config, "model_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    if model is None or cache is None or not getattr(model, "use_mla", False):
+        return
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and not cache.enable_prefix_caching:
+        raise UnsupportedEngine(
+            "kvtier: this engine cannot use offloaded KV for an MLA model: vLLM's CPU "
+            "platform turned prefix caching off for it (its CPU_MLA backend does not "
+            "compute a prompt on top of cached context, so loaded prefixes would give "
+            "wrong tokens). Serve it without kv_transfer_config, or where the engine "
+            "keeps prefix caching on (a GPU, or vLLM's AMX_MLA backend with a bfloat16 "
+            "model on a CPU with AMX)."
+        )
+
+
+def _check_current_engine() -> None:
+    """:func:`check_engine` on the config vLLM is building, where the caller
+    (a spec or secondary tier, handed only vLLM's OffloadingConfig) runs
+    inside vLLM's config context; nothing outside one."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # a vLLM without it: the connector checks
+        return
+    current = get_current_vllm_config_or_none()
+    if current is not None:
+        check_engine(current)
+
+
 class KVTierSpec(LoadStoreSpec):
     """Host pool slots, co-indexed with the keys of the manager call that
     made it; -1 for keys the worker streams from a lower tier (``stream``);
@@ -333,6 +375,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
+        _check_current_engine()
         self.kvtier = parse_extra_config(self.extra_config)
         if "kvtier_host_bytes" not in self.kvtier:
             raise InvalidArgument(
@@ -346,7 +389,17 @@ class KVTierOffloadingSpec(OffloadingSpec):
         self.stage = self.rank // self.tp_size if self.pp_size > 1 else 0
         # A slot holds one chunk of every rank of this stage, rank cells back to back
         # (each stage has its own pool: with uneven layer splits their cells differ).
+        # vLLM's replicated layout (MLA: every TP rank holds the same latent)
+        # keeps one cell a slot: rank 0 writes it and every rank reads it, so
+        # the latent is stored once, and its blocks do not depend on the TP size.
+        self.replicated_layout = bool(getattr(config, "replicated_layout", False))
         self.cell_bytes = int(config.worker_kv_bytes_per_block) * int(self.blocks_per_chunk)
+        rank_in_stage = self.rank % self.tp_size if self.pp_size > 1 else self.rank
+        self.cell_index = 0 if self.replicated_layout else rank_in_stage
+        self.is_writer = not self.replicated_layout or rank_in_stage == 0
+        cells = (
+            1 if self.replicated_layout else (self.tp_size if self.pp_size > 1 else self.world_size)
+        )
         if self.pp_size > 1 and "kvtier_num_slots" not in self.kvtier:
             raise InvalidArgument(
                 "kvtier_num_slots: required with pipeline parallelism (every stage must agree; "
@@ -354,7 +407,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
             )
         self.num_slots, self.slot_bytes = host_pool_for_chunks(
             self.cell_bytes,
-            self.tp_size if self.pp_size > 1 else self.world_size,
+            cells,
             self.kvtier["kvtier_host_bytes"],
             trailer_bytes=TRAILER_BYTES if "kvtier_disk_path" in self.kvtier else 0,
             num_slots=self.kvtier.get("kvtier_num_slots"),
@@ -363,7 +416,8 @@ class KVTierOffloadingSpec(OffloadingSpec):
         self.namespace = engine_namespace(
             model=config.model.name, dtype=config.model.dtype,
             worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
-            blocks_per_chunk=self.blocks_per_chunk, world_size=self.world_size,
+            blocks_per_chunk=self.blocks_per_chunk,
+            world_size=self.pp_size if self.replicated_layout else self.world_size,
             pp_size=self.pp_size, kv_cache_layout=getattr(config, "kv_cache_layout", None),
             canonical_layout=getattr(config, "canonical_layout", False),
             user_namespace=self.kvtier.get("kvtier_namespace", ""), groups=config.groups,
@@ -745,8 +799,7 @@ class KVTierWorker(OffloadingWorker):
         from kvtier.transfer import DeviceTransfer
 
         pool = spec.host_pool()
-        rank_in_pool = spec.rank % spec.tp_size if spec.pp_size > 1 else spec.rank
-        writer = not (spec.replicated_layout and rank_in_pool != 0)
+        offset = spec.cell_index * spec.cell_bytes
         self.transfers = []
         self._groups: list[tuple[list[Any], list[int]]] = []  # per group: tensors, page bytes
         for refs in kv_caches.group_data_refs:
@@ -757,10 +810,10 @@ class KVTierWorker(OffloadingWorker):
             self._groups.append((tensors, list(seen.values())))
             self.transfers.append(DeviceTransfer(
                 tensors, pool, blocks_per_chunk=spec.blocks_per_chunk, page_bytes=list(seen.values()),
-                is_writer=writer, slot_offset=rank_in_pool * spec.cell_bytes))  # fmt: skip
+                is_writer=spec.is_writer, slot_offset=offset))  # fmt: skip
         self.bpc = spec.blocks_per_chunk
         # For loads streamed from a lower tier: a staging ring made at first use.
-        self._stream_args = (spec.slot_bytes, rank_in_pool * spec.cell_bytes,
+        self._stream_args = (spec.slot_bytes, offset,
                              int(spec.kvtier.get("kvtier_stream_slots", 32)))  # fmt: skip
         self._stream: StreamLoader | None = None
         self._next = 0
@@ -991,13 +1044,16 @@ class _KVTierSecondary(SecondaryTierManager):
         """Build this tier's kvtier tier from ``cfg`` and attach it to vLLM's primary region."""
         from kvtier.tiers.factory import build_tier
 
+        _check_current_engine()
         self.locality = locality
         spec = self._offloading_spec
         c = spec.config
         ns = engine_namespace(
             model=c.model.name, dtype=c.model.dtype,
             worker_kv_bytes_per_block=c.worker_kv_bytes_per_block,
-            blocks_per_chunk=spec.blocks_per_chunk, world_size=c.parallel.world_size,
+            blocks_per_chunk=spec.blocks_per_chunk,
+            world_size=(c.parallel.pp_size if getattr(spec, "replicated_layout", False)
+                        else c.parallel.world_size),
             pp_size=c.parallel.pp_size, kv_cache_layout=getattr(c, "kv_cache_layout", None),
             canonical_layout=getattr(c, "canonical_layout", False),
             user_namespace=namespace, groups=c.groups,

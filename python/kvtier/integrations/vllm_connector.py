@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 
 from kvtier.errors import InvalidArgument
-from kvtier.integrations.vllm import KVTierManager, KVTierSpec, KVTierWorker
+from kvtier.integrations.vllm import KVTierManager, KVTierSpec, KVTierWorker, check_engine
 
 __all__ = ["KVTierConnector"]
 
@@ -48,6 +48,7 @@ class KVTierConnector(OffloadingConnector):
         # Scheduler side, per load job in flight: [the manager's spec for it,
         # its engine blocks, workers yet to report it, whether one failed it]
         self._loads: dict[int, list[Any]] = {}
+        check_engine(vllm_config)
         _use_kvtier_spec(vllm_config)
         ktc = vllm_config.kv_transfer_config
         if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":

@@ -45,25 +45,91 @@ TINY_MODEL = {
 }
 
 
-def make_tiny_model(path: str | Path, seed: int = 0, **overrides: int) -> Path:
-    """Write a random-weight Llama (transformers ``save_pretrained``) to
-    ``path``, unless the same one is already there. No download. Blocks for a
-    few seconds; needs torch and transformers."""
+# Shapes of the other model kinds (``make_tiny_model(kind=...)``), each small
+# enough for a few hundred ms of prefill on 2 cores:
+# - ``gemma3``: Gemma-3-style interleaving, sliding-window layers (window
+#   512) with every third layer full attention: vLLM's hybrid KV-cache
+#   manager makes one group per attention type;
+# - ``mla``: DeepSeek-V3-shaped multi-head latent attention, one latent of
+#   512 + rope 64 per token and layer (the only size vLLM's CPU MLA decode
+#   kernel takes), every layer dense (no MoE).
+MODEL_KINDS = ("llama", "gemma3", "mla")
+GEMMA3_MODEL: dict[str, Any] = {
+    "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 6,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "max_position_embeddings": 8192, "sliding_window": 512, "sliding_window_pattern": 3,
+}  # fmt: skip
+MLA_MODEL: dict[str, Any] = {
+    "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512,
+    "moe_intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 4, "kv_lora_rank": 512,
+    "q_lora_rank": 128, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
+    "max_position_embeddings": 8192, "n_group": 1, "topk_group": 1,
+    # Random weights at the default scale (0.02) give one token over and over,
+    # which hides a wrong KV cache; at 0.2 outputs vary token to token.
+    "initializer_range": 0.2,
+}  # fmt: skip
+
+
+def make_tiny_model(path: str | Path, seed: int = 0, kind: str = "llama", **overrides: int) -> Path:
+    """Write a random-weight model of ``kind`` (see ``MODEL_KINDS``;
+    transformers ``save_pretrained``) to ``path``, with a word-level
+    tokenizer over its vocabulary (tokens ``t0``..``tN``) that vLLM's server
+    and benchmark client load, unless the same one is already there. No
+    download. Blocks for a few seconds; needs torch and transformers."""
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"unknown model kind {kind!r}: one of {', '.join(MODEL_KINDS)}")
     out = Path(path)
-    cfg: dict[str, Any] = {**TINY_MODEL, **overrides}
+    base = {"llama": TINY_MODEL, "gemma3": GEMMA3_MODEL, "mla": MLA_MODEL}[kind]
+    cfg: dict[str, Any] = {**base, **overrides}
     stamp = out / "kvtier-model.json"
-    want = json.dumps({"config": cfg, "seed": seed}, sort_keys=True)
+    want = json.dumps({"config": cfg, "seed": seed, "kind": kind, "tokenizer": 1}, sort_keys=True)
     if stamp.exists() and stamp.read_text() == want:
         return out
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model: Any = LlamaForCausalLM(LlamaConfig(**cfg))
+    elif kind == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        c = dict(cfg)
+        every = int(c.pop("sliding_window_pattern"))
+        c["layer_types"] = [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention"
+            for i in range(int(c["num_hidden_layers"]))
+        ]
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**c))
+    else:
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    _save_tokenizer(out, int(cfg["vocab_size"]))
     stamp.write_text(want)
     return out
+
+
+def _save_tokenizer(out: Path, vocab_size: int) -> None:
+    """A word-level tokenizer (``t0``..``tN``, split on whitespace) saved
+    beside the model: vLLM's server and benchmark client need one, and a
+    random model has none to download. Token ``tK`` is id ``K``, so a prompt
+    of token ids and its text map one to one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2", pad_token="t3"
+    )
+    fast.save_pretrained(out)
 
 
 @dataclass(frozen=True)
@@ -128,7 +194,7 @@ def _llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         "skip_tokenizer_init": True,
         "block_size": spec.get("block_size", 32),
         "enforce_eager": True,
-        "dtype": "float32",
+        "dtype": spec.get("dtype", "float32"),
         "disable_log_stats": False,
         "max_model_len": spec.get("max_model_len", 8192),
         "seed": 0,
@@ -142,6 +208,8 @@ def _llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     ):  # fmt: skip
         if spec.get(key):
             kw[key] = spec[key]
+    if spec.get("attention_backend"):
+        kw["attention_config"] = {"backend": spec["attention_backend"]}
     if mode == "kvtier":
         extra = {"block_size": kw["block_size"], **spec["kvtier"]}
         kw["kv_transfer_config"] = KVTransferConfig(
@@ -290,13 +358,13 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     """``run SPEC OUT`` or ``make-model DIR``; see the module docstring."""
-    if len(argv) == 2 and argv[0] == "make-model":
-        print(make_tiny_model(argv[1]))
+    if len(argv) in (2, 3) and argv[0] == "make-model":
+        print(make_tiny_model(argv[1], kind=argv[2] if len(argv) == 3 else "llama"))
         return 0
     if len(argv) != 3 or argv[0] != "run":
         print(__doc__, file=sys.stderr)
         print("usage: python -m kvtier.integrations.vllm_engine run SPEC.json OUT.json | "
-              "make-model DIR", file=sys.stderr)  # fmt: skip
+              "make-model DIR [KIND]", file=sys.stderr)  # fmt: skip
         return 2
     spec = json.loads(Path(argv[1]).read_text())
     result = run_engine(spec)
