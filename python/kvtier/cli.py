@@ -343,7 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = r.add_mutually_exclusive_group()
     g.add_argument("--host", help="host tier size, e.g. 2GiB (or 'inf' with --no-data)")
     g.add_argument("--host-blocks", type=int, help="host tier capacity in blocks")
-    r.add_argument("--policy", default="lru", help="host tier: lru | arc | dotted.path.Class")
+    r.add_argument(
+        "--policy",
+        default="lru",
+        help="host tier: lru | arc | plfu | belady (offline bound) | dotted.path.Class",
+    )
     r.add_argument("--admit-after", type=int, default=1, help="store a key after N offers")
     r.add_argument(
         "--disk", help="disk tier DIR:SIZE, e.g. /mnt/nvme/kv:100GiB, or DIR:80%% of the free space"
@@ -358,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-data", action="store_true", help="policy only: no pool, no bytes")
     r.add_argument("--max-requests", type=int, help="stop after this many requests")
     r.add_argument("--synthetic-requests", type=int, default=4000)
+    r.add_argument(
+        "--workload",
+        default="chat",
+        choices=["chat", "rag", "agent"],
+        help="synthetic trace shape, without TRACE (default chat)",
+    )
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--json", dest="json_path", help="write the summary JSON here")
     r.add_argument("--plot", help="write a PNG of hit rate over time per tier")

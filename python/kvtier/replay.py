@@ -115,6 +115,71 @@ def synthetic_trace(
     return list(itertools.islice(synthetic_requests(seed, system_prompts, zipf_a), num_requests))
 
 
+class _Trie:
+    """Prefix-block ids as a trace has them: one id per (parent id, block content)."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple[int, int], int] = {}
+
+    def ids_of(self, blocks: Sequence[int]) -> list[int]:
+        out: list[int] = []
+        parent = -1
+        for b in blocks:
+            parent = self.ids.setdefault((parent, b), len(self.ids))
+            out.append(parent)
+        return out
+
+
+def rag_trace(num_requests: int = 6000, seed: int = 0) -> list[list[int]]:
+    """Retrieval-augmented QA: one of 4 system prompts (2 blocks), one of 600
+    documents (4-24 blocks) chosen with Zipf(1.1) popularity, then a question
+    of 1-2 blocks seen once. A shallow tree whose reuse is popularity."""
+    rng = np.random.default_rng(seed)
+    trie, fresh = _Trie(), itertools.count(1 << 40)
+    docs = [[next(fresh) for _ in range(int(rng.integers(4, 25)))] for _ in range(600)]
+    out: list[list[int]] = []
+    for _ in range(num_requests):
+        doc = docs[min(int(rng.zipf(1.1)) - 1, len(docs) - 1)]
+        sys_p = int(rng.integers(0, 4))
+        q = [next(fresh) for _ in range(int(rng.integers(1, 3)))]
+        out.append(trie.ids_of([sys_p, sys_p + 4, *doc, *q]))
+    return out
+
+
+def agent_trace(num_requests: int = 6000, seed: int = 0) -> list[list[int]]:
+    """Agent loops beside one-off scans: 24 tasks at a time, each on one of 6
+    tool prompts (6-20 blocks), re-sent every step with 1-3 blocks of tool
+    output appended, for 5-40 steps; a quarter of the requests are one-off
+    documents of 20-60 blocks (a scan). Short reuse distances, deep chains."""
+    rng = np.random.default_rng(seed)
+    trie, fresh = _Trie(), itertools.count(1 << 40)
+    tools = [[next(fresh) for _ in range(int(rng.integers(6, 21)))] for _ in range(6)]
+    tasks: list[tuple[list[int], int]] = []
+    out: list[list[int]] = []
+    while len(out) < num_requests:
+        if rng.random() < 0.25:
+            out.append(trie.ids_of([next(fresh) for _ in range(int(rng.integers(20, 61)))]))
+            continue
+        while len(tasks) < 24:
+            tasks.append((list(tools[int(rng.integers(0, 6))]), int(rng.integers(5, 41))))
+        i = int(rng.integers(0, len(tasks)))
+        blocks, left = tasks[i]
+        blocks.extend(next(fresh) for _ in range(int(rng.integers(1, 4))))
+        out.append(trie.ids_of(blocks))
+        if left <= 1:
+            tasks.pop(i)
+        else:
+            tasks[i] = (blocks, left - 1)
+    return out
+
+
+WORKLOADS: dict[str, Callable[[int, int], list[list[int]]]] = {
+    "chat": lambda n, seed: synthetic_trace(n, seed=seed),
+    "rag": rag_trace,
+    "agent": agent_trace,
+}
+
+
 def key_of(hash_id: int) -> bytes:
     """A 12-byte key shaped like vLLM's (block hash + 4-byte group index)."""
     return struct.pack(">qI", hash_id, 0)
@@ -235,8 +300,12 @@ class Replayer:
         kv: FakeKV | None = None,
         block_bytes: int = 0,
         series_every: int = 200,
+        on_request: Callable[[int], None] | None = None,
     ) -> None:
+        """``on_request(i)`` runs before request ``i`` (0-based): how an
+        offline policy (:class:`~kvtier.policy.belady.BeladyPolicy`) keeps time."""
         self.m = manager
+        self.on_request = on_request
         self.transfer = transfer
         self.kv = kv
         self.block_bytes = block_bytes
@@ -271,6 +340,8 @@ class Replayer:
 
     def run_request(self, hash_ids: Sequence[int]) -> None:
         res = self.result
+        if self.on_request is not None:
+            self.on_request(res.requests)
         keys = [key_of(h) for h in hash_ids]
         hits = self._lookup_prefix(keys)
         gpu = np.arange(len(keys), dtype=np.int64)
@@ -428,6 +499,7 @@ class ReplayOptions:
     no_data: bool = False
     max_requests: int | None = None
     synthetic_requests: int = 4000
+    workload: str = "chat"
     seed: int = 0
     json_path: str | None = None
     plot: str | None = None
@@ -460,13 +532,16 @@ def main_replay(args: ReplayOptions) -> int:
         raise InvalidArgument(f"--seed must be >= 0, got {args.seed}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise InvalidArgument("--plot needs matplotlib: pip install 'kvtier[bench]'")
+    if args.workload not in WORKLOADS:
+        raise InvalidArgument(f"--workload must be one of {', '.join(WORKLOADS)}")
     if args.trace:
         trace = read_trace(args.trace, args.max_requests)
         source = args.trace
     else:
         n = args.max_requests or args.synthetic_requests
-        trace = synthetic_trace(n, seed=args.seed)
-        source = f"synthetic({n} requests, seed {args.seed})"
+        trace = WORKLOADS[args.workload](n, args.seed)
+        kind = "" if args.workload == "chat" else f"{args.workload}, "
+        source = f"synthetic({kind}{n} requests, seed {args.seed})"
     if not trace:
         raise InvalidArgument("the trace has no requests")
 
@@ -498,7 +573,14 @@ def main_replay(args: ReplayOptions) -> int:
         pool = HostPool(capacity, host_slot_bytes(block_bytes, tier_cfg))
         kv = FakeKV(max(len(t) for t in trace), block_bytes, seed=args.seed)
         transfer = DeviceTransfer(kv.layers, pool)
-    host = HostTier(pool, capacity, policy=args.policy, admit_after=args.admit_after)
+    policy: Any = args.policy
+    on_request = None
+    if args.policy.lower() == "belady":
+        from kvtier.policy.belady import BeladyPolicy
+
+        policy = BeladyPolicy(trace, key_of)
+        on_request = policy.advance
+    host = HostTier(pool, capacity, policy=policy, admit_after=args.admit_after)
     manager = TieredOffloadingManager(host, lower)
     cap_txt = "unbounded" if capacity is None else f"{capacity:,} blocks"
     print(
@@ -507,7 +589,7 @@ def main_replay(args: ReplayOptions) -> int:
         + "".join(f"; {t.name} tier" for t in lower)
     )
     try:
-        rep = Replayer(manager, transfer, kv, block_bytes)
+        rep = Replayer(manager, transfer, kv, block_bytes, on_request=on_request)
         res = rep.run(trace, progress=not args.no_progress)
     finally:
         manager.shutdown()

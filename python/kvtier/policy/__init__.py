@@ -10,19 +10,26 @@ from kvtier.policy.admission import AdmissionFilter
 from kvtier.policy.arc import ARCPolicy
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.lru import LRUPolicy
+from kvtier.policy.plfu import PLFUPolicy
 
-_BUILTIN: dict[str, type[Any]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+_BUILTIN: dict[str, type[Any]] = {"lru": LRUPolicy, "arc": ARCPolicy, "plfu": PLFUPolicy}
 
 
 def make_policy(spec: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
-    """``"lru"``, ``"arc"``, ``"pkg.module.Class"`` (constructed with ``capacity``) or an instance."""
+    """``"lru"``, ``"arc"``, ``"plfu"``, ``"pkg.module.Class"`` (constructed with
+    ``capacity``) or an instance. ``"belady"`` needs the future: only
+    ``kvtier replay`` builds it (:func:`kvtier.replay.main_replay`)."""
     if not isinstance(spec, str):
         return spec
     cls = _BUILTIN.get(spec.lower())
+    if spec.lower() == "belady":
+        raise InvalidArgument("policy 'belady' knows the future: only kvtier replay can run it")
     if cls is None:
         module, _, name = spec.rpartition(".")
         if not module:
-            raise InvalidArgument(f"unknown policy {spec!r}: use lru, arc or a dotted class path")
+            raise InvalidArgument(
+                f"unknown policy {spec!r}: use lru, arc, plfu or a dotted class path"
+            )
         try:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as e:
@@ -34,4 +41,11 @@ def make_policy(spec: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
     return policy
 
 
-__all__ = ["ARCPolicy", "AdmissionFilter", "EvictionPolicy", "LRUPolicy", "make_policy"]
+__all__ = [
+    "ARCPolicy",
+    "AdmissionFilter",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "PLFUPolicy",
+    "make_policy",
+]
