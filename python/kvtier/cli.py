@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -140,8 +141,75 @@ def _cmd_bench_disk_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_serve_load(args: argparse.Namespace) -> int:
+    """``kvtier bench serve --server``: see :mod:`kvtier.bench.serve_load`."""
+    import subprocess
+    from pathlib import Path
+
+    from kvtier.bench.harness import default_output_dir
+    from kvtier.bench.serve import check_engine_python
+    from kvtier.bench.serve_load import (
+        CONFIGS,
+        WORKLOADS,
+        EngineSettings,
+        Workloads,
+        default_trace,
+        plot,
+        report_json,
+        run_load,
+        table,
+    )
+
+    python = args.python or sys.executable
+    check_engine_python(python)
+    out = Path(args.out) if args.out else default_output_dir("bench-serve-load")
+    configs = tuple(args.configs.split(",")) if args.configs else CONFIGS
+    names = tuple(args.workloads.split(",")) if args.workloads else WORKLOADS
+    trace = Path(args.trace) if args.trace else default_trace()
+    if trace is None and "trace" in names:
+        if args.workloads:
+            raise InvalidArgument("the trace workload needs --trace FILE (no default trace here)")
+        names = tuple(n for n in names if n != "trace")
+    if trace is not None and not trace.exists():
+        raise InvalidArgument(f"--trace {trace}: no such file")
+    try:
+        conc = tuple(int(c) for c in args.concurrencies.split(","))
+    except ValueError:
+        raise InvalidArgument(f"--concurrencies: integers, got {args.concurrencies!r}") from None
+    if not conc or min(conc) < 1 or args.time_scale <= 0 or args.max_requests < 1:
+        raise InvalidArgument("--concurrencies, --time-scale and --max-requests must be positive")
+    model_dir = out / f"model-{args.model_kind}"
+    subprocess.run(
+        [python, "-m", "kvtier.integrations.vllm_engine", "make-model", str(model_dir),
+         args.model_kind], check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    result = run_load(
+        out, python, str(model_dir), configs=configs, repeats=args.repeats or 3,
+        settings=EngineSettings(),
+        workloads=Workloads(trace=trace, time_scale=args.time_scale,
+                            max_requests=args.max_requests, concurrencies=conc, names=names),
+        progress=None if args.json else (lambda m: print(f"  {m}", flush=True)),
+    )  # fmt: skip
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    path = out / f"serve-load-{stamp}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    report = out / f"serve-load-{stamp}-report.json"
+    report.write_text(json.dumps(report_json(result), indent=2) + "\n")
+    png = out / f"serve-load-{stamp}.png"
+    plot(result, png)
+    if args.json:
+        _print_json_last(result)
+    else:
+        print(table(result))
+        print(f"  saved {path}\n  report {report}\n  plot  {png}")
+    return 0
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
+
+    if args.server:
+        return _cmd_bench_serve_load(args)
 
     from kvtier.bench.harness import default_output_dir
     from kvtier.bench.serve import CONFIGS, plot, run_serve, table
@@ -416,7 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument("--backend", default="auto", choices=["auto", "io_uring", "pread"])
     o.add_argument(
-        "--trace", help="vllm: Mooncake-format JSONL trace to replay (default: synthetic)"
+        "--trace",
+        help="vllm, serve --server: Mooncake-format JSONL trace to replay (vllm default: "
+        "synthetic; serve --server: ../shared/traces/mooncake_conversation_trace.jsonl if there)",
     )
     o = b.add_argument_group("remote")
     o.add_argument("--url", help="redis://HOST:PORT (default: start a local server)")
@@ -450,6 +520,26 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--sessions", type=int, default=6, help="chat sessions")
     o.add_argument("--system-tokens", type=int, default=2000, help="system prompt tokens")
     o.add_argument("--turns", type=int, default=3, help="turns per session")
+    o.add_argument(
+        "--server",
+        action="store_true",
+        help="concurrent load: vLLM's OpenAI server per configuration, driven by vLLM's own "
+        "`vllm bench serve` client (configurations baseline, ideal, host, host+disk, "
+        "host+redis, host+disk+redis, second-server)",
+    )
+    o.add_argument(
+        "--model-kind", default="llama", choices=["llama", "gemma3", "mla"],
+        help="--server: the generated model (default llama)",
+    )  # fmt: skip
+    o.add_argument(
+        "--time-scale", type=float, default=1.0,
+        help="--server: the trace's inter-arrival times multiplied by this (default 1)",
+    )  # fmt: skip
+    o.add_argument("--max-requests", type=int, default=40, help="--server: trace requests")
+    o.add_argument(
+        "--concurrencies", default="1,4", help="--server: prefix and random load levels"
+    )
+    o.add_argument("--workloads", help="--server: comma-separated: trace, prefix, random")
     o = b.add_argument_group("soak")
     o.add_argument(
         "--minutes",

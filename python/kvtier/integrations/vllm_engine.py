@@ -75,7 +75,7 @@ MLA_MODEL: dict[str, Any] = {
 def make_tiny_model(path: str | Path, seed: int = 0, kind: str = "llama", **overrides: int) -> Path:
     """Write a random-weight model of ``kind`` (see ``MODEL_KINDS``;
     transformers ``save_pretrained``) to ``path``, with a word-level
-    tokenizer over its vocabulary (tokens ``t0``..``tN``) that vLLM's server
+    tokenizer over its vocabulary (see :func:`_save_tokenizer`) that vLLM's server
     and benchmark client load, unless the same one is already there. No
     download. Blocks for a few seconds; needs torch and transformers."""
     if kind not in MODEL_KINDS:
@@ -84,7 +84,7 @@ def make_tiny_model(path: str | Path, seed: int = 0, kind: str = "llama", **over
     base = {"llama": TINY_MODEL, "gemma3": GEMMA3_MODEL, "mla": MLA_MODEL}[kind]
     cfg: dict[str, Any] = {**base, **overrides}
     stamp = out / "kvtier-model.json"
-    want = json.dumps({"config": cfg, "seed": seed, "kind": kind, "tokenizer": 1}, sort_keys=True)
+    want = json.dumps({"config": cfg, "seed": seed, "kind": kind, "tokenizer": 2}, sort_keys=True)
     if stamp.exists() and stamp.read_text() == want:
         return out
     import torch
@@ -116,19 +116,24 @@ def make_tiny_model(path: str | Path, seed: int = 0, kind: str = "llama", **over
 
 
 def _save_tokenizer(out: Path, vocab_size: int) -> None:
-    """A word-level tokenizer (``t0``..``tN``, split on whitespace) saved
-    beside the model: vLLM's server and benchmark client need one, and a
-    random model has none to download. Token ``tK`` is id ``K``, so a prompt
-    of token ids and its text map one to one."""
+    """A word-level tokenizer (``<unk> <s> </s> <pad>`` then ``t4``..``tN``,
+    split on whitespace) saved beside the model: vLLM's server and benchmark
+    client need one, and a random model has none to download. Token ``tK``
+    is id ``K``, so a prompt of token ids and its text map one to one. The
+    special tokens must not look like ordinary words: they are matched
+    inside text first (a special ``t1`` would split ``t1746`` in two)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    special = ["<unk>", "<s>", "</s>", "<pad>"]
+    vocab = {tok: i for i, tok in enumerate(special)}
+    vocab.update({f"t{i}": i for i in range(len(special), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2", pad_token="t3"
-    )
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        pad_token="<pad>",
+    )  # fmt: skip
     fast.save_pretrained(out)
 
 

@@ -1,0 +1,121 @@
+"""The pure parts of ``kvtier bench serve --server``: the trace cut, the
+metrics parse, the medians and ratios, the commands it runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from kvtier.bench.serve_load import (
+    EngineSettings,
+    Workloads,
+    client_args,
+    cut_trace,
+    kvtier_extra,
+    parse_metrics,
+    server_command,
+    summarize,
+)
+from kvtier.errors import InvalidArgument
+
+
+def test_cut_trace_caps_lengths_cuts_hash_ids_and_counts_reuse(tmp_path: Path) -> None:
+    src = tmp_path / "t.jsonl"
+    lines = [
+        {"timestamp": 1000, "input_length": 1500, "output_length": 400, "hash_ids": [0, 1, 2]},
+        {"timestamp": 1500, "input_length": 5000, "output_length": 3, "hash_ids": [0, 1, 7, 8, 9]},
+        {"timestamp": 4000, "input_length": 100, "output_length": 9, "hash_ids": [5]},
+    ]
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    info = cut_trace(src, tmp_path / "cut.jsonl", max_requests=2, max_input=1024, max_output=32)
+    out = [json.loads(x) for x in (tmp_path / "cut.jsonl").read_text().splitlines()]
+    assert out == [
+        {"timestamp": 0.0, "input_length": 1024, "output_length": 32, "hash_ids": [0, 1]},
+        {"timestamp": 500.0, "input_length": 1024, "output_length": 3, "hash_ids": [0, 1]},
+    ]
+    # 4 block references, the second request's two hit an unbounded cache.
+    assert info == {"requests": 2, "span_s": 0.5, "input_tokens": 2048, "reusable_block_share": 0.5}
+
+
+def test_cut_trace_refuses_what_is_not_a_trace(tmp_path: Path) -> None:
+    src = tmp_path / "t.jsonl"
+    src.write_text('{"timestamp": 0, "input_length": 5}\n')
+    with pytest.raises(InvalidArgument, match=r"t.jsonl:1: not a Mooncake-format trace"):
+        cut_trace(src, tmp_path / "c", 10, 100, 10)
+    src.write_text("\n")
+    with pytest.raises(InvalidArgument, match="no requests"):
+        cut_trace(src, tmp_path / "c", 10, 100, 10)
+
+
+def test_parse_metrics_sums_label_sets_and_strips_total() -> None:
+    text = "\n".join([
+        "# HELP vllm:kv_offload_kvtier_loaded_host Chunks",
+        'vllm:kv_offload_kvtier_loaded_host_total{engine="0",model_name="m"} 12.0',
+        'vllm:kv_offload_kvtier_loaded_host_total{engine="1",model_name="m"} 3.0',
+        'vllm:prompt_tokens_cached_total{engine="0"} 640.0',
+        'vllm:prompt_tokens_total{engine="0"} 1000.0',
+        "vllm:kv_offload_kvtier_host_busy 2",
+        'vllm:other_total{engine="0"} 5.0',
+    ])  # fmt: skip
+    assert parse_metrics(text) == {
+        "kvtier_loaded_host": 15.0, "prompt_tokens_cached": 640.0, "prompt_tokens": 1000.0,
+        "kvtier_host_busy": 2.0,
+    }  # fmt: skip
+
+
+def _run(config: str, level: float, ttft: float, tps: float, rep: int = 0) -> dict:
+    row = {"config": config, "workload": "prefix", "level": level, "repeat": rep,
+           "completed": 4, "failed": 0, "prompt_tokens": 100.0, "cached_tokens": 10.0,
+           "kvtier": dict.fromkeys(("loaded_host", "loaded_disk", "loaded_remote", "cascades",
+                                    "cascades_dropped", "allocation_failures", "promotions",
+                                    "load_failures"), 1.0)}  # fmt: skip
+    for k in ("throughput_rps", "ttft_mean_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
+              "itl_p50_s", "itl_p99_s"):  # fmt: skip
+        row[k] = 1.0
+    row["ttft_p50_s"], row["ttft_mean_s"], row["output_tps"] = ttft, ttft, tps
+    return row
+
+
+def test_summarize_takes_medians_then_ratios_and_the_share_of_the_ideal_reduction() -> None:
+    runs = [
+        _run("baseline", 1, 1.0, 100, 0), _run("baseline", 1, 3.0, 80, 1),
+        _run("baseline", 1, 2.0, 90, 2),
+        _run("ideal", 1, 0.5, 100), _run("host", 1, 0.8, 99),
+    ]  # fmt: skip
+    rows = {r["config"]: r for r in summarize(runs)}
+    assert rows["baseline"]["runs"] == 3 and rows["baseline"]["ttft_p50_s"] == 2.0
+    assert rows["baseline"]["output_tps"] == 90
+    h = rows["host"]
+    assert h["vs_baseline"]["ttft_p50_s"] == pytest.approx(0.4)
+    assert h["vs_ideal"]["output_tps"] == pytest.approx(0.99)
+    # baseline 2.0, ideal 0.5, host 0.8: (2.0 - 0.8) / (2.0 - 0.5) = 0.8
+    assert h["ttft_reduction_captured"]["p50"] == pytest.approx(0.8)
+    assert rows["ideal"]["ttft_reduction_captured"]["mean"] == pytest.approx(1.0)
+
+
+def test_commands_carry_the_same_engine_settings_and_kvtier_only_where_named(
+    tmp_path: Path,
+) -> None:
+    s = EngineSettings()
+    base = server_command("py", "/m", 8000, "baseline", s, None)
+    ideal = server_command("py", "/m", 8000, "ideal", s, None)
+    extra = kvtier_extra("host+disk", s, 131072, tmp_path, None)
+    assert extra is not None
+    assert extra["kvtier_host_bytes"] == s.large_blocks * 131072 // 3
+    assert extra["kvtier_disk_path"] == str(tmp_path / "disk-host+disk")
+    host = server_command("py", "/m", 8000, "host+disk", s, extra)
+    assert base[base.index("--num-gpu-blocks-override") + 1] == str(s.small_blocks)
+    assert ideal[ideal.index("--num-gpu-blocks-override") + 1] == str(s.large_blocks)
+    assert host[: len(base)] == base  # the same engine settings, then the connector
+    cfg = json.loads(host[host.index("--kv-transfer-config") + 1])
+    assert cfg["kv_connector"] == "KVTierConnector"
+    assert kvtier_extra("baseline", s, 1, tmp_path, None) is None
+    with pytest.raises(InvalidArgument, match="needs a Redis server"):
+        kvtier_extra("host+redis", s, 1, tmp_path, None)
+    args = client_args(
+        "trace", 2.0, "http://h:1", "/m", Workloads(), tmp_path / "t", tmp_path / "r.json"
+    )
+    assert args[args.index("--timed-trace-sec-multiplier") + 1] == "0.002"
+    with pytest.raises(InvalidArgument, match="unknown workload"):
+        client_args("nope", 1, "u", "/m", Workloads(), None, tmp_path / "r.json")
