@@ -54,6 +54,7 @@ def test_parse_metrics_sums_label_sets_and_strips_total() -> None:
         'vllm:kv_offload_kvtier_loaded_host_total{engine="0",model_name="m"} 12.0',
         'vllm:kv_offload_kvtier_loaded_host_total{engine="1",model_name="m"} 3.0',
         'vllm:prompt_tokens_cached_total{engine="0"} 640.0',
+        'vllm:kv_offload_kvtier_loaded_host_created{engine="0"} 1795616682.42',
         'vllm:prompt_tokens_total{engine="0"} 1000.0',
         "vllm:kv_offload_kvtier_host_busy 2",
         'vllm:other_total{engine="0"} 5.0',

@@ -312,7 +312,10 @@ def parse_metrics(text: str) -> dict[str, float]:
         if not line or line.startswith("#") or " " not in line:
             continue
         sample, value = line.rsplit(" ", 1)
-        name = sample.split("{", 1)[0].removesuffix("_total")
+        name = sample.split("{", 1)[0]
+        if name.endswith("_created"):  # prometheus_client's creation timestamps
+            continue
+        name = name.removesuffix("_total")
         if name.startswith("vllm:kv_offload_kvtier_"):
             key = "kvtier_" + name[len("vllm:kv_offload_kvtier_") :]
         elif name in ("vllm:prompt_tokens_cached", "vllm:prompt_tokens"):
