@@ -9,6 +9,8 @@ host tier and manager must give exactly their hit counts.
 from __future__ import annotations
 
 import json
+import struct
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -83,64 +85,136 @@ class RefLRU:
         return sorted(self.last, key=self.last.__getitem__)
 
 
-class RefPLFU:
-    """Priority = burst of last use + beta * capacity / rate * weight(class);
-    lowest first, then the higher class, then the key put last."""
+class RefRank:
+    """One ranking: priority = burst of last use + beta * capacity / rate *
+    weight(class), lowest first, then the higher class, then the key put
+    last; classes 0-3 by count, 4: the last key of an insert run."""
 
-    def __init__(self, capacity: int, beta: float = 1.0, ghost_ratio: float = 16.0,
-                 max_burst: int = 256) -> None:  # fmt: skip
-        self.capacity, self.beta, self.max_burst = capacity, beta, max_burst
-        self.w = [0.0, 1.0, 2.0, 3.0, -0.5]  # classes 0-3 by count, 4: last of a run
-        self.ghost_cap = int(ghost_ratio * capacity)
+    def __init__(self, capacity: int, beta: float, weights: list[float], ghost_cap: int) -> None:
+        self.capacity, self.beta, self.w = capacity, beta, weights
+        self.ghost_cap = ghost_cap
         self.ghost: OrderedDict[int, int] = OrderedDict()
         self.state: dict[int, list[int]] = {}  # key -> [class, burst, count, put order]
-        self.burst = self.run = self.inserts = self.puts = 0
-        self.run_last: int | None = None
         self.rate = 0.0
+        self.inserts = self.puts = 0
+        self.score = 0.0  # as a miniature: decayed hits
 
-    def _put(self, h: int, cls: int, burst: int, count: int) -> None:
+    def put(self, h: int, cls: int, burst: int, count: int) -> None:
         self.puts += 1
         self.state[h] = [cls, burst, count, self.puts]
 
-    def _end_burst(self) -> None:
-        k, self.run_last, self.run = self.run_last, None, 0
-        if k is not None and k in self.state and self.state[k][0] == 0 and self.state[k][2] == 0:
-            self._put(k, 4, self.state[k][1], 0)
+    def add(self, h: int, burst: int) -> int:
+        count = self.ghost.pop(h, 0)
+        self.put(h, min(count, 3), burst, count)
+        self.inserts += 1
+        return count
+
+    def use(self, h: int, burst: int) -> None:
+        count = self.state[h][2] + 1
+        self.put(h, min(count, 3), burst, count)
+
+    def mark_last(self, h: int) -> None:
+        if h in self.state and self.state[h][0] == 0 and self.state[h][2] == 0:
+            self.put(h, 4, self.state[h][1], 0)
+
+    def end_burst(self) -> None:
         self.rate += (self.inserts - self.rate) * (1.0 / 100)
         self.inserts = 0
+
+    def evict(self, h: int) -> None:
+        count = self.state.pop(h)[2]
+        if self.ghost_cap:
+            self.ghost[h] = count + 1
+        while len(self.ghost) > self.ghost_cap:
+            self.ghost.popitem(last=False)
+
+    def rank(self, h: int) -> tuple[float, int, int]:
+        cls, burst, _, put = self.state[h]
+        weight = -0.5 if cls == 4 else self.w[cls]
+        horizon = self.capacity / max(self.rate, 1e-3)
+        return (burst + self.beta * horizon * weight, -cls, -put)
+
+    def order(self) -> list[int]:
+        return sorted(self.state, key=self.rank)
+
+
+class RefPLFU:
+    """Bursts (a touch after an insert, or max_burst inserts, ends one), the
+    last key of each insert run, and miniature caches over a crc32 sample of
+    the keys, one per (beta, weights), whose best sets the main ranking's."""
+
+    def __init__(self, capacity: int, beta: float = 1.0, ghost_ratio: float = 16.0,
+                 max_burst: int = 256, variants: Any = None, sample_keys: int = 512,
+                 window: int = 2000) -> None:  # fmt: skip
+        rising, once = [0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 1.0, 1.0]
+        if variants is None:
+            variants = [(b, rising) for b in (0.0, 0.5, 1.0, 2.0, 4.0)]
+            variants += [(b, once) for b in (1.0, 2.0, 4.0)]
+        ghost_cap = int(ghost_ratio * capacity)
+        self.main = RefRank(capacity, beta, rising, ghost_cap)
+        self.max_burst, self.decay = max_burst, 1.0 - 1.0 / window
+        self.burst = self.run = 0
+        self.run_last: int | None = None
+        self.sample = 1
+        while capacity // (self.sample * 2) >= sample_keys:
+            self.sample *= 2
+        self.minis = [
+            RefRank(max(1, capacity // self.sample), b, list(w), ghost_cap // self.sample)
+            for b, w in variants
+        ]
+
+    def sampled(self, h: int) -> bool:
+        return bool(self.minis) and zlib.crc32(struct.pack(">qI", h, 0)) % self.sample == 0
+
+    def reference_minis(self, h: int) -> None:
+        if not self.sampled(h):
+            return
+        for mini in self.minis:
+            if h in mini.state:
+                mini.score += 1
+                mini.use(h, self.burst)
+            else:
+                mini.add(h, self.burst)
+                if len(mini.state) > mini.capacity:
+                    mini.evict(min(mini.state, key=mini.rank))
+
+    def end_burst(self) -> None:
+        k, self.run_last, self.run = self.run_last, None, 0
+        if k is not None:
+            self.main.mark_last(k)
+        self.main.end_burst()
+        for mini in self.minis:
+            if k is not None and self.sampled(k):
+                mini.mark_last(k)
+            mini.end_burst()
+            mini.score *= self.decay
+        if self.minis:
+            best = max(self.minis, key=lambda m: m.score)  # the first of equals
+            if best.score > 0:
+                self.main.beta, self.main.w = best.beta, best.w
         self.burst += 1
 
     def insert(self, h: int) -> None:
         if self.run >= self.max_burst:
-            self._end_burst()
-        count = self.ghost.pop(h, 0)
-        self._put(h, min(count, 3), self.burst, count)
+            self.end_burst()
+        count = self.main.add(h, self.burst)
         self.run += 1
-        self.inserts += 1
         self.run_last = h if count == 0 else None
+        self.reference_minis(h)
 
     def touch(self, h: int) -> None:
         if self.run:
-            self._end_burst()
-        count = self.state[h][2] + 1
-        self._put(h, min(count, 3), self.burst, count)
+            self.end_burst()
+        self.main.use(h, self.burst)
+        self.reference_minis(h)
 
     def evict(self, h: int) -> None:
-        count = self.state.pop(h)[2]
+        self.main.evict(h)
         if h == self.run_last:
             self.run_last = None
-        self.ghost[h] = count + 1
-        while len(self.ghost) > self.ghost_cap:
-            self.ghost.popitem(last=False)
 
     def order(self) -> list[int]:
-        horizon = self.capacity / max(self.rate, 1e-3)
-
-        def rank(h: int) -> tuple[float, int, int]:
-            cls, burst, _, put = self.state[h]
-            return (burst + self.beta * horizon * self.w[cls], -cls, -put)
-
-        return sorted(self.state, key=rank)
+        return self.main.order()
 
 
 class RefBelady:
@@ -199,20 +273,34 @@ def test_reference_harness_agrees_on_lru(workload: str, requests: int, capacity:
 
 
 @pytest.mark.parametrize("workload,requests,capacity", CASES)
-def test_plfu_exact_hits(workload: str, requests: int, capacity: int) -> None:
+def test_plfu_fixed_exact_hits(workload: str, requests: int, capacity: int) -> None:
     trace = WORKLOADS[workload](requests, 0)
-    want = reference_hits(trace, capacity, RefPLFU(capacity))
-    assert kvtier_hits(trace, capacity, "plfu") == want
-    # and it is not LRU in disguise on at least one of these
-    if workload == "agent":
+    want = reference_hits(trace, capacity, RefPLFU(capacity, variants=[]))
+    assert kvtier_hits(trace, capacity, PLFUPolicy(capacity, variants=())) == want
+    if workload == "agent":  # not LRU in disguise
         assert want != reference_hits(trace, capacity, RefLRU())
+
+
+@pytest.mark.parametrize("workload,requests,capacity", CASES)
+def test_plfu_adaptive_exact_hits(workload: str, requests: int, capacity: int) -> None:
+    """Miniatures of 1/8 to 1/32 of the cache (sample_keys=16), default variants."""
+    trace = WORKLOADS[workload](requests, 0)
+    want = reference_hits(trace, capacity, RefPLFU(capacity, sample_keys=16, window=200))
+    pol = PLFUPolicy(capacity, sample_keys=16, window=200)
+    assert kvtier_hits(trace, capacity, pol) == want
+
+
+def test_plfu_default_is_the_adaptive_one() -> None:
+    trace = WORKLOADS["agent"](200, 2)
+    want = reference_hits(trace, 150, RefPLFU(150))  # miniatures as large as the cache
+    assert kvtier_hits(trace, 150, "plfu") == want
 
 
 def test_plfu_exact_hits_with_small_ghosts_and_bursts() -> None:
     trace = WORKLOADS["agent"](250, 1)
     kw: dict[str, Any] = {"beta": 2.0, "ghost_ratio": 0.5, "max_burst": 8}
-    want = reference_hits(trace, 150, RefPLFU(150, **kw))
-    assert kvtier_hits(trace, 150, PLFUPolicy(150, **kw)) == want
+    want = reference_hits(trace, 150, RefPLFU(150, variants=[], **kw))
+    assert kvtier_hits(trace, 150, PLFUPolicy(150, variants=(), **kw)) == want
 
 
 @pytest.mark.parametrize("workload,requests,capacity", CASES[:3])
@@ -221,7 +309,7 @@ def test_belady_exact_hits(workload: str, requests: int, capacity: int) -> None:
     want = reference_hits(trace, capacity, RefBelady(trace))
     pol = BeladyPolicy(trace, key_of)
     assert kvtier_hits(trace, capacity, pol, pol.advance) == want
-    assert want >= reference_hits(trace, capacity, RefPLFU(capacity))
+    assert want >= reference_hits(trace, capacity, RefPLFU(capacity, variants=[]))
 
 
 def test_plfu_is_deterministic() -> None:
@@ -232,7 +320,7 @@ def test_plfu_is_deterministic() -> None:
 
 
 def test_plfu_evicts_the_deepest_blocks_of_a_request_first() -> None:
-    p = PLFUPolicy(5)
+    p = PLFUPolicy(5, variants=())
     for k in "abcde":  # one request's new blocks, a prefix in order
         p.insert(k)
     assert list(p.victims())[:2] == ["e", "d"]  # e: the run's last (partial) block
@@ -254,6 +342,8 @@ def test_plfu_by_name_and_bad_arguments() -> None:
         make_policy("nope", 10)
     with pytest.raises(kvtier.InvalidArgument, match="non-decreasing"):
         PLFUPolicy(10, weights=(0, 2, 1))
+    with pytest.raises(kvtier.InvalidArgument, match="as many as"):
+        PLFUPolicy(10, variants=[(1.0, (0, 1))])
     with pytest.raises(kvtier.InvalidArgument, match="capacity"):
         PLFUPolicy(0)
 
@@ -269,5 +359,5 @@ def test_replay_cli_runs_new_policies_and_workloads(tmp_path: Path, policy: str)
     r = json.loads(out.read_text())
     assert r["policy"] == policy and r["trace"].startswith("synthetic(rag, 200")
     trace = WORKLOADS["rag"](200, 0)
-    ranker = RefPLFU(80) if policy == "plfu" else RefBelady(trace)
+    ranker = RefPLFU(80) if policy == "plfu" else RefBelady(trace)  # type: Any
     assert sum(r["hit_blocks"].values()) == reference_hits(trace, 80, ranker)
