@@ -1,0 +1,126 @@
+"""Hit rate against host capacity: LRU, ARC, PLFU and Belady's bound.
+
+Run from the repository root (takes a few minutes, one core):
+
+    nice -n 19 .venv/bin/python bench/results/policy/sweep.py
+
+Replays each workload through the host tier with no data (the same path as
+``kvtier replay --no-data --host-blocks N --policy P``) and writes
+``results.json``, ``hit_rate_vs_capacity.png`` and the tables in
+``tables.md`` next to this file. Deterministic: the Mooncake trace as
+stored, the generated workloads with seed 0.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtier.manager import TieredOffloadingManager
+from kvtier.policy.belady import BeladyPolicy
+from kvtier.replay import WORKLOADS, Replayer, key_of, read_trace
+from kvtier.tiers.host import HostTier
+
+HERE = Path(__file__).resolve().parent
+TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+POLICIES = ["lru", "arc", "plfu", "belady"]
+CAPACITIES = [300, 1000, 3000, 10000, 30000, 100000]
+GENERATED = 6000  # requests per generated workload, seed 0
+
+
+def replay(trace: list[list[int]], policy: str, capacity: int) -> dict[str, Any]:
+    pol: Any = policy
+    hook = None
+    if policy == "belady":
+        pol = BeladyPolicy(trace, key_of)
+        hook = pol.advance
+    m = TieredOffloadingManager(HostTier(None, capacity, policy=pol))
+    t0 = time.perf_counter()
+    res = Replayer(m, on_request=hook).run(trace, progress=False)
+    m.shutdown()
+    return {
+        "policy": policy,
+        "capacity": capacity,
+        "hits": res.hits,
+        "block_refs": res.block_refs,
+        "hit_rate": res.hit_rate,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def main() -> int:
+    workloads: dict[str, list[list[int]]] = {}
+    if TRACE.is_file():
+        workloads["mooncake-conversation"] = read_trace(TRACE)
+    for name in ("chat", "rag", "agent"):
+        workloads[f"{name} (seed 0)"] = WORKLOADS[name](GENERATED, 0)
+    out: dict[str, Any] = {"capacities": CAPACITIES, "workloads": {}}
+    for wname, trace in workloads.items():
+        refs = sum(map(len, trace))
+        distinct = len({h for r in trace for h in r})
+        rows = []
+        for cap in CAPACITIES:
+            for pol in POLICIES:
+                r = replay(trace, pol, cap)
+                rows.append(r)
+                print(f"{wname:24s} {pol:7s} {cap:7d} {100 * r['hit_rate']:6.2f}%", flush=True)
+        out["workloads"][wname] = {
+            "requests": len(trace),
+            "block_refs": refs,
+            "distinct_blocks": distinct,
+            "rows": rows,
+        }
+    (HERE / "results.json").write_text(json.dumps(out, indent=1) + "\n")
+    write_tables(out)
+    plot(out)
+    return 0
+
+
+def write_tables(out: dict[str, Any]) -> None:
+    lines = []
+    for wname, w in out["workloads"].items():
+        caps = out["capacities"]
+        lines += [
+            f"### {wname}: {w['requests']:,} requests, {w['block_refs']:,} block references, "
+            f"{w['distinct_blocks']:,} distinct blocks",
+            "",
+            "| policy | " + " | ".join(f"{c:,}" for c in caps) + " |",
+            "| --- |" + " ---: |" * len(caps),
+        ]
+        for pol in POLICIES:
+            rate = {r["capacity"]: r["hit_rate"] for r in w["rows"] if r["policy"] == pol}
+            lines.append(f"| {pol} | " + " | ".join(f"{100 * rate[c]:.2f}" for c in caps) + " |")
+        lines.append("")
+    (HERE / "tables.md").write_text("\n".join(lines))
+
+
+def plot(out: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(out["workloads"])
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 4), squeeze=False)
+    style = {"lru": "C0o-", "arc": "C1s-", "plfu": "C3^-", "belady": "k--"}
+    for ax, wname in zip(axes[0], names):
+        rows = out["workloads"][wname]["rows"]
+        for pol in POLICIES:
+            pts = sorted((r["capacity"], 100 * r["hit_rate"]) for r in rows if r["policy"] == pol)
+            ax.plot([c for c, _ in pts], [h for _, h in pts], style[pol], label=pol, ms=4)
+        ax.set_xscale("log")
+        ax.set_xlabel("host capacity (blocks)")
+        ax.set_title(wname, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("block hit rate (%)")
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(HERE / "hit_rate_vs_capacity.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
