@@ -92,7 +92,13 @@ class EngineSettings:
     max_num_batched_tokens: int = 2048  # chunked prefill's step budget
     small_blocks: int = 384  # the baseline's KV cache (engine blocks)
     large_blocks: int = 4096  # the ideal's: the whole working set
-    omp_threads_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND
+    # VLLM_CPU_OMP_THREADS_BIND, the same for every configuration. vLLM's
+    # "auto" reserves one core more when a KV connector is configured, which
+    # on a 2-core machine leaves none reserved: the model then computes on
+    # both cores with a connector and on one without (a miss computed in
+    # 130-180 ms against 240-290 in bench serve), and under load its OpenMP
+    # threads fight the engine core and the API server for the cores.
+    omp_threads_bind: str = "0"
     kv_cache_space_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE (at least large_blocks' bytes)
 
 
@@ -244,7 +250,10 @@ def client_args(
     for the trace, the time scale)."""
     args = [
         "--backend", "vllm", "--base-url", base_url, "--model", model_dir,
-        "--tokenizer", model_dir, "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+        # Each level its own prompts (a seed per level): a level must not
+        # hit what an earlier level of the same workload left cached.
+        "--tokenizer", model_dir, "--seed", str(int(level * 1000)),
+        "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99", "--disable-tqdm",
     ]  # fmt: skip
     if workload == "trace":
