@@ -418,6 +418,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--admit-after", type=int, default=1, help="store a key after N offers")
     r.add_argument(
+        "--lower-admit-after",
+        type=int,
+        default=1,
+        help="disk and remote tiers: write a key after N offers of the cascade",
+    )
+    r.add_argument(
         "--disk", help="disk tier DIR:SIZE, e.g. /mnt/nvme/kv:100GiB, or DIR:80%% of the free space"
     )
     r.add_argument("--disk-policy", default="lru", help="disk tier (native): lru | clock | clock:N")

@@ -489,6 +489,7 @@ class ReplayOptions:
     host_blocks: int | None = None
     policy: str = "lru"
     admit_after: int = 1
+    lower_admit_after: int = 1
     disk: str | None = None
     disk_policy: str = "lru"
     remote: str | None = None
@@ -512,6 +513,8 @@ class ReplayOptions:
             disk_path=disk_path,
             disk_bytes=disk_bytes,
             disk_policy=self.disk_policy,
+            disk_admit_after=self.lower_admit_after,
+            remote_admit_after=self.lower_admit_after,
             remote_url=self.remote,
             remote_tls_ca_file=self.remote_tls_ca,
             remote_tls_cert_file=self.remote_tls_cert,
@@ -530,6 +533,8 @@ def main_replay(args: ReplayOptions) -> int:
         raise InvalidArgument(f"--max-requests must be >= 1, got {args.max_requests}")
     if args.seed < 0:
         raise InvalidArgument(f"--seed must be >= 0, got {args.seed}")
+    if args.lower_admit_after < 1:
+        raise InvalidArgument(f"--lower-admit-after must be >= 1, got {args.lower_admit_after}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise InvalidArgument("--plot needs matplotlib: pip install 'kvtier[bench]'")
     if args.workload not in WORKLOADS:

@@ -361,3 +361,23 @@ def test_replay_cli_runs_new_policies_and_workloads(tmp_path: Path, policy: str)
     trace = WORKLOADS["rag"](200, 0)
     ranker = RefPLFU(80) if policy == "plfu" else RefBelady(trace)  # type: Any
     assert sum(r["hit_blocks"].values()) == reference_hits(trace, 80, ranker)
+
+
+def test_replay_lower_admit_after_gates_the_disk_tier(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The baseline of lower-tier admission: write on the N-th offer."""
+    from kvtier.cli import main
+
+    stats = []
+    for n in (1, 2):
+        out = tmp_path / f"r{n}.json"
+        args = ["replay", "--max-requests", "300", "--no-data", "--host-blocks", "40",
+                "--disk", f"{tmp_path}/d{n}:8MiB", "--lower-admit-after", str(n),
+                "--no-progress", "--json", str(out)]  # fmt: skip
+        assert main(args) == 0
+        stats.append(json.loads(out.read_text())["tiers"]["disk"])
+    assert stats[0]["not_admitted"] == 0 < stats[1]["not_admitted"]
+    assert 0 < stats[1]["stores"] < stats[0]["stores"]
+    assert main(["replay", "--max-requests", "5", "--no-data", "--lower-admit-after", "0"]) != 0
+    assert "--lower-admit-after must be >= 1" in capsys.readouterr().err
