@@ -250,9 +250,11 @@ def client_args(
     for the trace, the time scale)."""
     args = [
         "--backend", "vllm", "--base-url", base_url, "--model", model_dir,
-        # Each level its own prompts (a seed per level): a level must not
-        # hit what an earlier level of the same workload left cached.
-        "--tokenizer", model_dir, "--seed", str(int(level * 1000)),
+        # Each workload and level its own prompts: the client's datasets draw
+        # their token offsets from the same generator, so equal seeds would
+        # make a random prompt repeat a prefix_repetition one, and a level hit
+        # what an earlier level left cached.
+        "--tokenizer", model_dir, "--seed", str(_SEEDS.get(workload, 0) + int(level * 1000)),
         "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99", "--disable-tqdm",
     ]  # fmt: skip
@@ -286,6 +288,9 @@ def client_args(
         raise InvalidArgument(f"unknown workload {workload!r}: one of {', '.join(WORKLOADS)}")
     return args + ["--save-result", "--result-dir", str(result.parent),
                    "--result-filename", result.name]  # fmt: skip
+
+
+_SEEDS = {"trace": 0, "prefix": 5_000_000, "random": 7_000_000}
 
 
 def levels(workload: str, w: Workloads) -> list[float]:
@@ -480,7 +485,7 @@ def run_load(
                     # reads the one host+redis filled just before it.
                     if redis is not None:
                         redis.stop()
-                    redis = _start_redis(work) if needs_redis else None
+                    redis = _start_redis(work, settings.omp_threads_bind) if needs_redis else None
                 url = None if redis is None else f"redis://127.0.0.1:{redis.port}"
                 extra = kvtier_extra(config, settings, block_bytes, work / f"r{rep}", url)
                 port = _free_port()
@@ -524,10 +529,31 @@ def run_load(
     }
 
 
-def _start_redis(work: Path) -> Any:
+def _start_redis(work: Path, compute_bind: str) -> Any:
+    """A local Redis, its threads kept off the engine's compute cores (as a
+    deployment keeps the pool's servers off the engine's)."""
     from kvtier.bench.redis_server import RedisServer
 
-    return RedisServer(work)
+    server = RedisServer(work)
+    compute = _parse_cpus(compute_bind)
+    spare = set(range(os.cpu_count() or 1)) - compute
+    if server.proc is not None and compute and spare:
+        for tid in os.listdir(f"/proc/{server.proc.pid}/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), spare)
+    return server
+
+
+def _parse_cpus(spec: str) -> set[int]:
+    """CPU ids of a VLLM_CPU_OMP_THREADS_BIND value ("0", "0-3,6"); empty
+    for "auto" or anything else it cannot read."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            return set()
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def _median(values: list[float]) -> float:
@@ -588,7 +614,7 @@ def table(result: dict[str, Any]) -> str:
     lines.append(
         f"{'config':<16}{'workload':<9}{'level':>6}{'req/s':>7}{'out tok/s':>10}"
         f"{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'tput/base':>10}"
-        f"{'TTFT/base':>10}{'TTFT/ideal':>11}{'captured':>9}  kvtier loads h/d/r, dropped"
+        f"{'TTFT/base':>10}{'TTFT/ideal':>11}{'captured':>9}{'cached':>8}  kvtier loads h/d/r, dropped"
     )
     for r in result["rows"]:
         vb, vi = r.get("vs_baseline") or {}, r.get("vs_ideal") or {}
@@ -601,6 +627,7 @@ def table(result: dict[str, Any]) -> str:
             f"{vb.get('output_tps', float('nan')):>10.2f}{vb.get('ttft_p50_s', float('nan')):>10.2f}"
             f"{vi.get('ttft_p50_s', float('nan')):>11.2f}"
             f"{'' if cap is None or r['config'] in ('baseline', 'ideal') else f'{100 * cap:.0f}%':>9}"
+            f"{100 * r['cached_tokens'] / max(1.0, r['prompt_tokens']):>7.0f}%"
             f"  {k['loaded_host']:.0f}/{k['loaded_disk']:.0f}/{k['loaded_remote']:.0f}, "
             f"{k['cascades_dropped']:.0f}"
         )

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from kvtier.pool import HostPool
     from kvtier.streaming import StreamChunk, StreamLoader
     from kvtier.tiers.base import LowerTier
+    from kvtier.transfer import DeviceTransfer
 
 __all__ = [
     "KVTierDiskTier", "KVTierOffloadingSpec", "KVTierRedisTier", "KVTierReportingSpec", "KVTierSpec",
@@ -796,21 +797,14 @@ class KVTierWorker(OffloadingWorker):
     KV-cache group (each group's chunks have their own slots)."""
 
     def __init__(self, kv_caches: CanonicalKVCaches, spec: KVTierOffloadingSpec) -> None:
-        from kvtier.transfer import DeviceTransfer
+        from kvtier.affinity import off_compute_cpus
 
         pool = spec.host_pool()
         offset = spec.cell_index * spec.cell_bytes
-        self.transfers = []
+        self.transfers: list[DeviceTransfer] = []
         self._groups: list[tuple[list[Any], list[int]]] = []  # per group: tensors, page bytes
-        for refs in kv_caches.group_data_refs:
-            seen: dict[int, int] = {}
-            for r in refs:  # layers aliasing one tensor are copied once
-                seen.setdefault(r.tensor_idx, r.page_size_bytes)
-            tensors = [kv_caches.tensors[i].tensor for i in seen]
-            self._groups.append((tensors, list(seen.values())))
-            self.transfers.append(DeviceTransfer(
-                tensors, pool, blocks_per_chunk=spec.blocks_per_chunk, page_bytes=list(seen.values()),
-                is_writer=spec.is_writer, slot_offset=offset))  # fmt: skip
+        with off_compute_cpus():  # the copy threads start off the engine's compute cores
+            self._start_transfers(kv_caches, spec, pool, offset)
         self.bpc = spec.blocks_per_chunk
         # For loads streamed from a lower tier: a staging ring made at first use.
         self._stream_args = (spec.slot_bytes, offset,
@@ -826,6 +820,22 @@ class KVTierWorker(OffloadingWorker):
         self._load_blocks: dict[int, np.ndarray | Sequence[int]] = {}  # load job -> engine blocks
         self._load_errors: set[int] = set()
         self._copy_failed: set[int] = set()  # jobs with a failed copy to or from host slots
+
+    def _start_transfers(
+        self, kv_caches: CanonicalKVCaches, spec: KVTierOffloadingSpec, pool: HostPool, offset: int
+    ) -> None:
+        """One DeviceTransfer (its own copy threads) per KV-cache group."""
+        from kvtier.transfer import DeviceTransfer
+
+        for refs in kv_caches.group_data_refs:
+            seen: dict[int, int] = {}
+            for r in refs:  # layers aliasing one tensor are copied once
+                seen.setdefault(r.tensor_idx, r.page_size_bytes)
+            tensors = [kv_caches.tensors[i].tensor for i in seen]
+            self._groups.append((tensors, list(seen.values())))
+            self.transfers.append(DeviceTransfer(
+                tensors, pool, blocks_per_chunk=spec.blocks_per_chunk, page_bytes=list(seen.values()),
+                is_writer=spec.is_writer, slot_offset=offset))  # fmt: skip
 
     def _split(
         self, gpu: GPULoadStoreSpec, slots: np.ndarray
@@ -923,9 +933,13 @@ class KVTierWorker(OffloadingWorker):
                 c = end
             pos0 += len(slots)
         if self._stream is None:
+            from kvtier.affinity import off_compute_cpus
+
             slot_bytes, offset, num = self._stream_args
-            self._stream = StreamLoader(self._groups, blocks_per_chunk=self.bpc,
-                                        slot_bytes=slot_bytes, slot_offset=offset, num_slots=num)  # fmt: skip
+            with off_compute_cpus():
+                self._stream = StreamLoader(self._groups, blocks_per_chunk=self.bpc,
+                                            slot_bytes=slot_bytes, slot_offset=offset,
+                                            num_slots=num)  # fmt: skip
         self._next += 1
         self._stream.submit(self._next, chunks, st.readers, store=store)
         parts.append((_STREAM, self._next))
