@@ -89,9 +89,12 @@ test-py: engine-venv
 soak: install
 	$(VENV)/bin/kvtier bench soak --minutes 30
 
-# `kvtier bench serve`: a live vLLM engine per configuration (about 5 minutes a run).
+# `kvtier bench serve`: a live vLLM engine per configuration (about 5 minutes a
+# run), then `--server`: vLLM's OpenAI server per configuration under vLLM's
+# own benchmark client (about 50 minutes for 3 repeats).
 bench-serve: install engine-venv
 	$(VENV)/bin/kvtier bench serve --python $(EPY)
+	$(VENV)/bin/kvtier bench serve --server --python $(EPY) --time-scale 3
 
 # The C++ unit tests, plain and under ASan+UBSan and TSan.
 test-cpp: sysdeps

@@ -145,7 +145,7 @@ def test_following_keys_come_from_vllm_req_context_in_prefix_order() -> None:
     assert following_keys(K(3), ctx) == [K(4)] and following_keys(K(4), ctx) == []
     assert following_keys(K(7), ctx) == [] and following_keys(K(1), object()) == []
     # Sorted once per request (kept on its context), again when vLLM adds keys.
-    from kvtier.integrations.vllm import _PrefixOrder
+    from kvtier.integrations.vllm.scheduler import _PrefixOrder
 
     assert ctx.get_state(_PrefixOrder) is not None
     ctx.set_offload_key_position(K(5), 160)
@@ -514,9 +514,12 @@ def test_one_namespace_for_both_routes_covers_topology_and_group_structure(
     block, layers per group) though their bytes per block are equal."""
     from dataclasses import replace
 
-    def group(tokens: int, layers: int, gid: int = 0) -> OffloadingGroupConfig:
+    def group(
+        tokens: int, layers: int, gid: int = 0, window: int | None = None
+    ) -> OffloadingGroupConfig:
         names = tuple(f"g{gid}l{i}" for i in range(layers))
-        return OffloadingGroupConfig(tokens_per_block=tokens, layer_names=names, group_id=gid)
+        return OffloadingGroupConfig(tokens_per_block=tokens, layer_names=names, group_id=gid,
+                                     sliding_window_size_in_chunks=window)  # fmt: skip
 
     base = config({})
     cfgs = {
@@ -526,6 +529,9 @@ def test_one_namespace_for_both_routes_covers_topology_and_group_structure(
         "16x3": replace(base, groups=(group(16, 3),)),
         "32x2": replace(base, groups=(group(32, 2),)),
         "16x1+16x1": replace(base, groups=(group(16, 1), group(16, 1, gid=1))),
+        # The same groups, the second a sliding window (issue 34): of another model.
+        "16x1+16x1w4": replace(base, groups=(group(16, 1), group(16, 1, gid=1, window=4))),
+        "16x1+16x1w8": replace(base, groups=(group(16, 1), group(16, 1, gid=1, window=8))),
     }
     got = {name: _namespaces(tmp_path, c) for name, c in cfgs.items()}
     for route in (0, 1):  # whole spec, secondary tier
@@ -728,7 +734,7 @@ def test_kvtier_connector_names_its_own_spec() -> None:
     from types import SimpleNamespace
 
     from kvtier.errors import InvalidArgument
-    from kvtier.integrations.vllm_connector import _use_kvtier_spec
+    from kvtier.integrations.vllm.connector import _use_kvtier_spec
 
     def cfg(extra: dict[str, Any]) -> Any:
         return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))

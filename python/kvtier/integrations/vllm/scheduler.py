@@ -1,0 +1,250 @@
+"""vLLM shim, scheduler process: vLLM's ``OffloadingManager`` over
+kvtier's :class:`~kvtier.manager.TieredOffloadingManager`, its metrics and
+events.
+
+Who calls: vLLM's offloading connector in the engine core, from the
+scheduler's thread, under ``lock``. Nothing here blocks beyond the
+manager's bounded read-ahead wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+
+if TYPE_CHECKING:
+    from kvtier.manager import TieredOffloadingManager
+from kvtier.integrations.vllm.spec import KVTierSpec
+
+_SOURCE_MEDIUM = {"host": (Medium.CPU, None), "disk": (Medium.STORAGE, Locality.LOCAL),
+                  "remote": (Medium.CPU, Locality.REMOTE)}  # fmt: skip
+
+
+class _PrefixOrder:
+    """A request's keys in prefix order, per KV-cache group, kept on its
+    ReqContext (``set_state``) until vLLM records more keys: sorting them
+    again for every lookup of a long prompt would cost milliseconds."""
+
+    def __init__(self, positions: dict[Any, int]) -> None:
+        self.count = len(positions)
+        self.groups: dict[bytes, list[bytes]] = {}
+        self.index: dict[bytes, int] = {}
+        for k, _ in sorted(positions.items(), key=lambda kv: kv[1]):
+            keys = self.groups.setdefault(k[-4:], [])
+            self.index[k] = len(keys)
+            keys.append(k)
+
+
+def following_keys(key: bytes, req_context: Any) -> list[bytes]:
+    """The keys of ``key``'s KV-cache group that the request looks up after
+    it, in prefix order: vLLM 0.32 and 0.33 record every key's end-token
+    position in ``ReqContext`` before they look any up (``update_offload_keys``).
+    Empty when the context has none (another vLLM, or a key not recorded)."""
+    positions = getattr(req_context, "_offload_key_positions", None)
+    if not isinstance(positions, dict) or key not in positions:
+        return []
+    get_state = getattr(req_context, "get_state", None)
+    order = get_state(_PrefixOrder) if get_state is not None else None
+    if order is None or order.count != len(positions):
+        order = _PrefixOrder(positions)
+        if get_state is not None:
+            req_context.set_state(order)
+    return order.groups[key[-4:]][order.index[key] + 1 :]
+
+
+class KVTierManager(OffloadingManager):
+    """vLLM's OffloadingManager over kvtier's TieredOffloadingManager."""
+
+    def __init__(
+        self,
+        m: TieredOffloadingManager,
+        stats_path: str | None = None,
+        shared_tiers: Sequence[str] = (),
+    ) -> None:
+        self.m = m
+        self._lock = threading.Lock()
+        self._last: dict[str, int] = {}  # counters already reported by get_stats
+        self._stats_path = stats_path
+        self._shared_tiers = list(shared_tiers)  # tiers that outlive this process
+        self._seed_checked = False
+        # vLLM 0.32 has no on_reset_flushed(): its reset flushes in-flight jobs
+        # with the next step's metadata, so the workers are done with them two
+        # step ends later (one more with asynchronous scheduling).
+        self._flush_hook = callable(getattr(OffloadingManager, "on_reset_flushed", None))
+        self._steps_since_reset: int | None = None
+
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return LookupResult[self.m.lookup(bytes(key), req_context).name]
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        source = self.m.get_load_source(bytes(key), req_context)
+        return {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}.get(
+            source, CacheHitSource.EXTERNAL_UNSPECIFIED)  # fmt: skip
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        spec = self.m.prepare_load([bytes(k) for k in keys], req_context)
+        return KVTierSpec(spec.slots, spec.stream, spec.fences)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.m.complete_load([bytes(k) for k in keys], req_context)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.m.touch([bytes(k) for k in keys], req_context)
+
+    def load_failed(self, spec: KVTierSpec) -> None:
+        """See :meth:`TieredOffloadingManager.load_failed` (KVTierConnector
+        calls it, holding the lock, after the load's complete_load)."""
+        from kvtier.manager import HostSpec
+
+        self.m.load_failed(HostSpec(spec.slots, spec.stream))
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        out = self.m.prepare_store([bytes(k) for k in keys], req_context)
+        if out is None:
+            return None
+        return PrepareStoreOutput(
+            keys_to_store=[OffloadKey(k) for k in out.keys_to_store],
+            store_spec=KVTierSpec(out.store_spec.slots, out.store_spec.stream),
+            evicted_keys=[OffloadKey(k) for k in out.evicted_keys],
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        self.m.complete_store([bytes(k) for k in keys], req_context, success)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self.m.on_new_request(req_context)
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self.m.on_request_finished(req_context)
+
+    def on_schedule_end(self, context: Any) -> None:
+        if not self._seed_checked:
+            self._seed_checked = True
+            _warn_unshared_hashes(self._shared_tiers)
+        if self._steps_since_reset is not None:
+            self._steps_since_reset += 1
+            if self._steps_since_reset >= 3:
+                self._steps_since_reset = None
+                self.m.on_reset_flushed()
+        self.m.on_schedule_end(context)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        for e in self.m.take_events():
+            medium, locality = _SOURCE_MEDIUM.get(e.tier, (Medium.STORAGE, None))
+            yield OffloadingEvent(
+                keys=[OffloadKey(k) for k in e.keys],
+                medium=medium,
+                removed=e.removed,
+                locality=locality,
+                ownership=None if e.tier == "host" else e.tier,
+            )
+
+    def has_pending_work(self) -> bool:
+        return self.m.has_pending_work()
+
+    def reset_cache(self) -> None:
+        self.m.reset_cache()
+        if not self._flush_hook:
+            self._steps_since_reset = 0
+
+    def on_reset_flushed(self) -> None:
+        self.m.on_reset_flushed()
+
+    def get_stats(self) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        s = self.m.stats
+        stats = OffloadingConnectorStats()
+        cap = self.m.host.capacity or 1
+        occ = self.m.occupancy()
+        stats.set_gauge("vllm:kv_offload_kvtier_host_usage_perc", len(self.m.host) / cap)
+        busy = occ["pinned"] + occ["writing"] + occ["held"] + occ["stale"]
+        stats.set_gauge("vllm:kv_offload_kvtier_host_busy", busy)
+        stats.set_gauge("vllm:kv_offload_kvtier_tier_jobs", occ["tier_jobs"])
+        counters = {
+            "promotions": s.promotions,
+            "cascades": s.cascades,
+            "cascades_dropped": s.cascades_dropped,
+            "allocation_failures": s.allocation_failures,
+            "scan_reads": s.scan_reads,
+            "fenced_reads": s.fenced_reads,
+            "fenced_failures": s.fenced_failures,
+            "scan_timeouts": s.scan_timeouts,
+            "scan_waits": s.scan_waits,
+            "scan_wait_us": int(s.scan_wait_s * 1e6),
+            "load_failures": s.load_failures,
+            **{f"loaded_{t}": s.loaded_from.get(t, 0) for t in ("host", "disk", "remote")},
+        }
+        for name, value in counters.items():
+            last = self._last.get(name, 0)
+            if value > last:
+                stats.increase_counter(f"vllm:kv_offload_kvtier_{name}", value - last)
+        self._last = counters
+        return stats
+
+    def shutdown(self) -> None:
+        if self._stats_path:
+            import dataclasses
+            import json
+
+            report = {"stats": dataclasses.asdict(self.m.stats), "occupancy": self.m.occupancy(),
+                      "pending_work": self.m.has_pending_work()}  # fmt: skip
+        self.m.shutdown()
+        if self._stats_path:
+            report["closed_occupancy"] = self.m.occupancy()
+            with open(self._stats_path, "w") as f:
+                json.dump(report, f)
+
+
+def _warn_unshared_hashes(shared_tiers: Sequence[str]) -> None:
+    """Say once, with the fix, when this engine's block hashes cannot match
+    another process's: vLLM seeds non-cryptographic prefix hashes (xxhash)
+    per process unless PYTHONHASHSEED is set, and then blocks kept in the
+    disk or Redis tier are never found by another engine or after a restart."""
+    if not shared_tiers or os.environ.get("PYTHONHASHSEED") is not None:
+        return
+    try:
+        from vllm.v1.core import kv_cache_utils as kcu
+    except ImportError:  # pragma: no cover - every vLLM with offloading has it
+        return
+    seed = getattr(kcu, "_NONE_HASH_SEED", None)
+    default = getattr(kcu, "DEFAULT_NONE_HASH_SEED", None)
+    if seed is None or default is None or seed == default:
+        return
+    logging.getLogger("kvtier").warning(
+        "kvtier: this engine's prefix-cache block hashes are seeded per process "
+        "(a non-cryptographic prefix_caching_hash_algo without PYTHONHASHSEED), so blocks in "
+        "kvtier's %s tier(s) will never be found by another engine or after a restart. "
+        "Fix: set PYTHONHASHSEED to the same value for every engine (e.g. PYTHONHASHSEED=0), "
+        "or use prefix_caching_hash_algo=sha256 (vLLM's default).",
+        " and ".join(shared_tiers),
+    )

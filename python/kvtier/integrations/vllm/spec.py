@@ -1,0 +1,344 @@
+"""vLLM shim: kvtier as vLLM's whole offloading spec.
+
+vLLM builds the spec in its engine core (scheduler) and in every worker:
+``get_manager`` runs in the scheduler process, ``get_worker`` in each
+worker. The host pool is one shared-memory region the first process creates
+and the others attach to (blocking up to a timeout). The spec's transfer
+format between them is :class:`KVTierSpec`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import time
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    LoadStoreSpec,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+
+from kvtier.errors import InvalidArgument
+from kvtier.planner import host_pool_for_chunks
+from kvtier.tiers.records import TRAILER_BYTES
+from kvtier.units import FreeFraction
+
+if TYPE_CHECKING:
+    from kvtier.manager import StreamSpec
+    from kvtier.pool import HostPool
+    from kvtier.tiers.base import LowerTier
+from kvtier.integrations.vllm.config import (
+    _GAUGES,
+    KVTIER_METRICS,
+    _check_current_engine,
+    engine_namespace,
+    parse_extra_config,
+)
+
+if TYPE_CHECKING:
+    from kvtier.integrations.vllm.scheduler import KVTierManager
+
+
+class KVTierSpec(LoadStoreSpec):
+    """Host pool slots, co-indexed with the keys of the manager call that
+    made it; -1 for keys the worker streams from a lower tier (``stream``);
+    ``fences``: armed fences of slots still being filled (see
+    :class:`~kvtier.manager.HostSpec`)."""
+
+    def __init__(
+        self,
+        slots: np.ndarray,
+        stream: StreamSpec | None = None,
+        fences: np.ndarray | None = None,
+    ) -> None:
+        self.slots = np.asarray(slots, np.int64)
+        self.block_ids = self.slots  # vLLM's BlockIDsLoadStoreSpec spelling
+        self.stream = stream
+        self.fences = fences
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+def _pool_name(engine_id: str, stage: int) -> str:
+    tag = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)[:80] or "engine"
+    return f"kvtier-{tag}-pp{stage}"
+
+
+def _open_pool(name: str, num_slots: int, slot_bytes: int, timeout_s: float = 60.0) -> HostPool:
+    """Create the shared pool, or attach when another process of the engine did."""
+    from kvtier.errors import IoError
+    from kvtier.pool import HostPool
+
+    try:
+        return HostPool(num_slots, slot_bytes, name=name)
+    except IoError as e:
+        if e.errno != errno.EEXIST:  # the scheduler or another worker created it
+            raise
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            pool = HostPool.attach(name)
+            break
+        except InvalidArgument:  # header not written yet: the creator is pre-faulting
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    if (pool.num_slots, pool.slot_bytes) != (num_slots, slot_bytes):
+        raise InvalidArgument(
+            f"host pool {name} is {pool.num_slots} x {pool.slot_bytes} B, this process expects "
+            f"{num_slots} x {slot_bytes} B: do all ranks share one kvtier configuration?"
+        )
+    return pool
+
+
+def _wait_pool(name: str, timeout_s: float = 300.0) -> HostPool:
+    """Attach to a pool another process creates (a pipeline stage's workers),
+    waiting for it. Blocks up to ``timeout_s``."""
+    from kvtier.errors import IoError
+    from kvtier.pool import HostPool
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return HostPool.attach(name)
+        except (IoError, InvalidArgument):  # not created, or not written yet
+            if time.monotonic() > deadline:
+                raise InvalidArgument(
+                    f"host pool {name} of another pipeline stage did not appear in "
+                    f"{timeout_s:.0f} s: are that stage's workers up?"
+                ) from None
+            time.sleep(0.05)
+
+
+class KVTierOffloadingSpec(OffloadingSpec):
+    """kvtier as vLLM's whole offloading spec (host tier, GPU worker, lower tiers)."""
+
+    # Whether the connector above reports failed loads to vLLM (KVTierConnector
+    # does, through KVTierReportingSpec; vLLM's OffloadingConnector asserts
+    # every load succeeds). Only then may the engine's worker read Redis
+    # values itself: one can vanish between the existence check and the read.
+    reports_load_errors: ClassVar[bool] = False
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        defs: dict[str, OffloadingMetricMetadata] = {}
+        for name, doc in KVTIER_METRICS.items():
+            gauge = name.rsplit("kvtier_", 1)[1] in _GAUGES
+            cls_ = OffloadingGaugeMetadata if gauge else OffloadingCounterMetadata
+            defs[name] = cls_(documentation=doc)
+        return defs
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        _check_current_engine()
+        self.kvtier = parse_extra_config(self.extra_config)
+        if "kvtier_host_bytes" not in self.kvtier:
+            raise InvalidArgument(
+                "kv_connector_extra_config needs kvtier_host_bytes (e.g. '64GiB')"
+            )
+        par = config.parallel
+        self.world_size = int(par.world_size)
+        self.rank = int(par.rank)
+        self.pp_size = int(par.pp_size)
+        self.tp_size = max(1, self.world_size // max(1, self.pp_size))
+        self.stage = self.rank // self.tp_size if self.pp_size > 1 else 0
+        # A slot holds one chunk of every rank of this stage, rank cells back to back
+        # (each stage has its own pool: with uneven layer splits their cells differ).
+        # vLLM's replicated layout (MLA: every TP rank holds the same latent)
+        # keeps one cell a slot: rank 0 writes it and every rank reads it, so
+        # the latent is stored once, and its blocks do not depend on the TP size.
+        self.replicated_layout = bool(getattr(config, "replicated_layout", False))
+        self.cell_bytes = int(config.worker_kv_bytes_per_block) * int(self.blocks_per_chunk)
+        rank_in_stage = self.rank % self.tp_size if self.pp_size > 1 else self.rank
+        self.cell_index = 0 if self.replicated_layout else rank_in_stage
+        self.is_writer = not self.replicated_layout or rank_in_stage == 0
+        cells = (
+            1 if self.replicated_layout else (self.tp_size if self.pp_size > 1 else self.world_size)
+        )
+        if self.pp_size > 1 and "kvtier_num_slots" not in self.kvtier:
+            raise InvalidArgument(
+                "kvtier_num_slots: required with pipeline parallelism (every stage must agree; "
+                "see kvtier plan --host-memory)"
+            )
+        self.num_slots, self.slot_bytes = host_pool_for_chunks(
+            self.cell_bytes,
+            cells,
+            self.kvtier["kvtier_host_bytes"],
+            trailer_bytes=TRAILER_BYTES if "kvtier_disk_path" in self.kvtier else 0,
+            num_slots=self.kvtier.get("kvtier_num_slots"),
+            setting="kvtier_host_bytes",
+        )
+        self.namespace = engine_namespace(
+            model=config.model.name, dtype=config.model.dtype,
+            worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
+            blocks_per_chunk=self.blocks_per_chunk,
+            world_size=self.pp_size if self.replicated_layout else self.world_size,
+            pp_size=self.pp_size, kv_cache_layout=getattr(config, "kv_cache_layout", None),
+            canonical_layout=getattr(config, "canonical_layout", False),
+            user_namespace=self.kvtier.get("kvtier_namespace", ""), groups=config.groups,
+        )  # fmt: skip
+        self.engine_id = str(config.engine_id)
+        self.pool_name = _pool_name(self.engine_id, self.stage)
+        self._manager: OffloadingManager | None = None
+        self._pool: HostPool | None = None
+
+    def _stage_ns(self, stage: int) -> str:
+        return self.namespace if self.pp_size == 1 else f"{self.namespace}-stage{stage}"
+
+    def _staged(self, tiers: list[LowerTier], pools: list[HostPool], name: str) -> LowerTier:
+        if len(tiers) == 1:
+            return tiers[0]
+        from kvtier.tiers.staged import StagedTier
+
+        for t in tiers:
+            t.name = f"{name}-stage"
+        return StagedTier(tiers, pools, name)
+
+    def host_pool(self) -> HostPool:
+        if self._pool is None:
+            self._pool = _open_pool(self.pool_name, self.num_slots, self.slot_bytes)
+        return self._pool
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            k = self.kvtier
+            # One pool per pipeline stage (just this one without PP); the
+            # lower tiers move every stage's part of a block.
+            pools = [
+                self.host_pool() if st == self.stage else _wait_pool(_pool_name(self.engine_id, st))
+                for st in range(self.pp_size)
+            ]
+            from dataclasses import replace
+
+            from kvtier.tiers.factory import TierConfig, build_tiers, close_after_failure
+
+            trailer = TRAILER_BYTES if "kvtier_disk_path" in k else 0
+            payloads = [p.slot_bytes - trailer for p in pools]
+            cfg = TierConfig(
+                disk_path=k.get("kvtier_disk_path"),
+                disk_bytes=k.get("kvtier_disk_bytes", 100 << 30),
+                disk_reserve_bytes=k.get("kvtier_disk_reserve"),
+                disk_policy=k.get("kvtier_disk_policy", "lru"),
+                disk_write_budget_bps=k.get("kvtier_disk_write_budget"),
+                disk_timeout_s=k.get("kvtier_disk_timeout_s", 30.0),
+                remote_url=k.get("kvtier_remote_url"),
+                remote_ttl_s=k.get("kvtier_remote_ttl_s"),
+                remote_tls_ca_file=k.get("kvtier_remote_tls_ca_file"),
+                remote_tls_cert_file=k.get("kvtier_remote_tls_cert_file"),
+                remote_tls_key_file=k.get("kvtier_remote_tls_key_file"),
+                remote_tls_server_name=k.get("kvtier_remote_tls_server_name"),
+                remote_worker_io=self.reports_load_errors,
+            )
+            # (kind, config, block bytes, namespace) of each tier: per kind,
+            # one per pipeline stage, grouped below into a StagedTier.
+            wanted: list[tuple[str, TierConfig, int, str]] = []
+            disk_path = cfg.disk_path
+            if disk_path is not None:
+                # Each stage its own directory, and a share of the bytes in
+                # proportion to its part of a block.
+                if self.pp_size > 1 and isinstance(cfg.disk_bytes, FreeFraction):
+                    # One share of the free space for all stages, taken before
+                    # the first one allocates (their slabs count as free).
+                    from pathlib import Path
+
+                    from kvtier.tiers.disk import resolve_capacity
+
+                    root = Path(disk_path)
+                    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+                    own = root.glob("stage*/kvtier-*/slab-*.dat")
+                    cfg = replace(cfg, disk_bytes=resolve_capacity(cfg.disk_bytes, root, own))
+                total = cfg.disk_bytes if isinstance(cfg.disk_bytes, int) else 0  # pp == 1
+                stage_cfgs = [
+                    cfg if self.pp_size == 1 else replace(
+                        cfg, disk_path=os.path.join(disk_path, f"stage{st}"),
+                        disk_bytes=total * payloads[st] // sum(payloads))
+                    for st in range(self.pp_size)
+                ]  # fmt: skip
+                wanted += [("disk", stage_cfgs[st], payloads[st], self._stage_ns(st))
+                           for st in range(self.pp_size)]  # fmt: skip
+            if cfg.remote_url is not None:
+                wanted += [("remote", cfg, payloads[st], self._stage_ns(st))
+                           for st in range(self.pp_size)]  # fmt: skip
+            # All or nothing: a tier that fails to build (Redis down) closes
+            # those built before it (the disk tier's directory lock), and a
+            # failure after them (a bad host policy) closes them all.
+            built = build_tiers(wanted)
+            try:
+                lower = [
+                    self._staged(built[i : i + self.pp_size], pools, wanted[i][0])
+                    for i in range(0, len(built), self.pp_size)
+                ]
+                self._manager = self._build_manager(k, lower)
+            except BaseException:
+                close_after_failure(built)
+                raise
+        return self._manager
+
+    def _build_manager(self, k: dict[str, Any], lower: list[LowerTier]) -> KVTierManager:
+        """The manager over kvtier's host tier and the lower tiers ``lower``."""
+        from kvtier.integrations.vllm.scheduler import KVTierManager, following_keys
+        from kvtier.manager import TieredOffloadingManager
+        from kvtier.tiers.host import HostTier
+
+        host = HostTier(
+            self.host_pool(),
+            self.num_slots,
+            policy=k.get("kvtier_policy", "lru"),
+            admit_after=k.get("kvtier_admit_after", 1),
+        )
+        # Streaming needs one tier per record (no pipeline stages), and
+        # stores a worker holding whole blocks (no tensor parallelism).
+        streaming = self.pp_size == 1 and k.get("kvtier_stream_slots", 32) > 0
+        return KVTierManager(
+            TieredOffloadingManager(
+                host,
+                lower,
+                streaming=streaming,
+                streaming_stores=streaming and self.world_size == 1,
+                # Measured (bench serve, host+disk): loading after a
+                # promotion beat streaming every hit, 1.24x against 1.43x
+                # of vLLM's prefix cache; streaming is for what has no room.
+                promote=k.get("kvtier_promote", True),
+                scan_wait_s=k.get("kvtier_scan_wait_ms", 20) / 1000,
+                scan_bytes=k.get("kvtier_scan_bytes", 64 << 20),
+                key_order=following_keys,
+                # One GET per key not known yet rather than EXISTS then
+                # GET: later turns 25.5 ms against 26.8 (bench serve,
+                # host+redis, 3 runs each). The slots a new prompt's
+                # probes take (evicting what the host tier would evict
+                # to store that prompt moments later) come back at once;
+                # when blocks are stored only after several sightings
+                # that eviction would be wasted, so check first.
+                probe=k.get("kvtier_remote_probe", k.get("kvtier_admit_after", 1) == 1),
+                # A fenced read that fails fails the load waiting on it:
+                # only where the connector reports that to vLLM.
+                fenced=self.reports_load_errors and k.get("kvtier_fenced_reads", True),
+            ),
+            stats_path=k.get("kvtier_stats_path"),
+            shared_tiers=[t.name for t in lower],
+        )
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        from kvtier.integrations.vllm.worker import KVTierWorker
+
+        return KVTierWorker(kv_caches, self)
+
+
+class KVTierReportingSpec(KVTierOffloadingSpec):
+    """The spec :class:`kvtier.integrations.vllm_connector.KVTierConnector`
+    loads: the same tiers, with failed loads reported to vLLM as blocks to
+    recompute, so the engine's worker may also read Redis hits itself."""
+
+    reports_load_errors: ClassVar[bool] = True

@@ -1,0 +1,280 @@
+"""vLLM shim, worker processes: vLLM's ``OffloadingWorker`` over kvtier's
+:class:`~kvtier.transfer.DeviceTransfer` (KV cache <-> host slots), one per
+KV-cache group, and the stream loader for chunks read straight from a lower
+tier.
+
+Who calls: vLLM's offloading connector in each GPU worker, once per forward
+pass (submit, ``get_finished``) and ``wait`` before blocks are reused;
+only ``wait`` blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+if TYPE_CHECKING:
+    from kvtier.manager import StreamSpec
+    from kvtier.pool import HostPool
+    from kvtier.streaming import StreamChunk, StreamLoader
+    from kvtier.transfer import DeviceTransfer
+from kvtier.integrations.vllm.spec import KVTierSpec
+
+if TYPE_CHECKING:
+    from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
+
+
+_STREAM = -1  # the "group" of a load's streamed part in KVTierWorker._parts
+
+
+class KVTierWorker(OffloadingWorker):
+    """vLLM's OffloadingWorker over kvtier's DeviceTransfer: one transfer per
+    KV-cache group (each group's chunks have their own slots)."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, spec: KVTierOffloadingSpec) -> None:
+        from kvtier.affinity import off_compute_cpus
+
+        pool = spec.host_pool()
+        offset = spec.cell_index * spec.cell_bytes
+        self.transfers: list[DeviceTransfer] = []
+        self._groups: list[tuple[list[Any], list[int]]] = []  # per group: tensors, page bytes
+        with off_compute_cpus():  # the copy threads start off the engine's compute cores
+            self._start_transfers(kv_caches, spec, pool, offset)
+        self.bpc = spec.blocks_per_chunk
+        # For loads streamed from a lower tier: a staging ring made at first use.
+        self._stream_args = (spec.slot_bytes, offset,
+                             int(spec.kvtier.get("kvtier_stream_slots", 32)))  # fmt: skip
+        self._stream: StreamLoader | None = None
+        self._next = 0
+        self._parts: dict[int, list[tuple[int, int]]] = {}  # job -> [(group, sub job)]
+        self._done: dict[int, list[Any]] = {}
+        # Under KVTierConnector a failed load is reported as its engine
+        # blocks (vLLM recomputes them) rather than as a failed job, which
+        # vLLM's offloading worker asserts never happens.
+        self.reports_load_errors = spec.reports_load_errors
+        self._load_blocks: dict[int, np.ndarray | Sequence[int]] = {}  # load job -> engine blocks
+        self._load_errors: set[int] = set()
+        self._copy_failed: set[int] = set()  # jobs with a failed copy to or from host slots
+
+    def _start_transfers(
+        self, kv_caches: CanonicalKVCaches, spec: KVTierOffloadingSpec, pool: HostPool, offset: int
+    ) -> None:
+        """One DeviceTransfer (its own copy threads) per KV-cache group."""
+        from kvtier.transfer import DeviceTransfer
+
+        for refs in kv_caches.group_data_refs:
+            seen: dict[int, int] = {}
+            for r in refs:  # layers aliasing one tensor are copied once
+                seen.setdefault(r.tensor_idx, r.page_size_bytes)
+            tensors = [kv_caches.tensors[i].tensor for i in seen]
+            self._groups.append((tensors, list(seen.values())))
+            self.transfers.append(DeviceTransfer(
+                tensors, pool, blocks_per_chunk=spec.blocks_per_chunk, page_bytes=list(seen.values()),
+                is_writer=spec.is_writer, slot_offset=offset))  # fmt: skip
+
+    def _split(
+        self, gpu: GPULoadStoreSpec, slots: np.ndarray
+    ) -> list[tuple[int, np.ndarray, np.ndarray, int]]:
+        blocks = np.asarray(gpu.block_ids, np.int64)
+        sizes = list(getattr(gpu, "group_sizes", None) or [len(blocks)])
+        firsts = list(getattr(gpu, "block_indices", None) or [0] * len(sizes))
+        out, b0, s0 = [], 0, 0
+        for g, (n, first) in enumerate(zip(sizes, firsts)):
+            chunks = -(-((first % self.bpc) + n) // self.bpc) if n else 0
+            out.append((g, blocks[b0 : b0 + n], slots[s0 : s0 + chunks], int(first)))
+            b0, s0 = b0 + n, s0 + chunks
+        return out
+
+    def _submit(
+        self,
+        job_id: int,
+        gpu: GPULoadStoreSpec,
+        host: KVTierSpec,
+        store: bool,
+        expedited: bool = False,
+    ) -> bool:
+        if not store and self.reports_load_errors:
+            self._load_blocks[job_id] = gpu.block_ids
+        if host.stream is not None:
+            return self._submit_streamed(job_id, gpu, host, host.stream, store, expedited)
+        fences = None if store or host.fences is None else self._split(gpu, host.fences)
+        parts = []
+        for n, (g, blocks, slots, first) in enumerate(self._split(gpu, host.slots)):
+            if len(blocks) == 0:
+                continue
+            self._next += 1
+            t = self.transfers[g]
+            ok = (
+                t.submit_store(self._next, blocks, slots, first_block_index=first)
+                if store
+                else t.submit_load(self._next, slots, blocks, expedited, first_block_index=first,
+                                   fences=None if fences is None else fences[n][2])
+            )  # fmt: skip
+            if not ok:
+                return False
+            parts.append((g, self._next))
+        self._parts[job_id] = parts
+        self._done[job_id] = []
+        return True
+
+    def _submit_streamed(
+        self,
+        job_id: int,
+        gpu: GPULoadStoreSpec,
+        host: KVTierSpec,
+        st: StreamSpec,
+        store: bool,
+        expedited: bool,
+    ) -> bool:
+        """A load or store of which some chunks (slot -1) move between the KV
+        cache and a lower tier through the stream loader: runs of host chunks
+        go as usual, one sub-job each; the streamed chunks make one stream job."""
+        from kvtier.streaming import StreamChunk, StreamLoader
+
+        row = {int(i): n for n, i in enumerate(st.index.tolist())}  # key position -> stream row
+        parts: list[tuple[int, int]] = []
+        chunks: list[StreamChunk] = []
+        pos0 = 0  # key position of the group's first chunk
+        fences = None if store or host.fences is None else self._split(gpu, host.fences)
+        for n_g, (g, blocks, slots, first) in enumerate(self._split(gpu, host.slots)):
+            armed = None if fences is None else fences[n_g][2]
+            skip = first % self.bpc
+            bounds = [(max(0, c * self.bpc - skip), min(len(blocks), (c + 1) * self.bpc - skip))
+                      for c in range(len(slots))]  # fmt: skip
+            c = 0
+            while c < len(slots):
+                if slots[c] < 0:
+                    n = row[pos0 + c]
+                    lo, hi = bounds[c]
+                    chunks.append(StreamChunk(g, blocks[lo:hi], first + lo, st.tiers[n],
+                                              st.locations[n], st.digests[16 * n : 16 * n + 16]))  # fmt: skip
+                    c += 1
+                    continue
+                end = c
+                while end < len(slots) and slots[end] >= 0:
+                    end += 1
+                lo, hi = bounds[c][0], bounds[end - 1][1]
+                self._next += 1
+                t = self.transfers[g]
+                if not (
+                    t.submit_store(self._next, blocks[lo:hi], slots[c:end], first_block_index=first + lo)
+                    if store
+                    else t.submit_load(self._next, slots[c:end], blocks[lo:hi], expedited,
+                                       first_block_index=first + lo,
+                                       fences=None if armed is None else armed[c:end])
+                ):  # fmt: skip
+                    return False
+                parts.append((g, self._next))
+                c = end
+            pos0 += len(slots)
+        if self._stream is None:
+            from kvtier.affinity import off_compute_cpus
+
+            slot_bytes, offset, num = self._stream_args
+            with off_compute_cpus():
+                self._stream = StreamLoader(self._groups, blocks_per_chunk=self.bpc,
+                                            slot_bytes=slot_bytes, slot_offset=offset,
+                                            num_slots=num)  # fmt: skip
+        self._next += 1
+        self._stream.submit(self._next, chunks, st.readers, store=store)
+        parts.append((_STREAM, self._next))
+        self._parts[job_id] = parts
+        self._done[job_id] = []
+        return True
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        assert isinstance(dst_spec, KVTierSpec)
+        return self._submit(job_id, src_spec, dst_spec, store=True)
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        assert isinstance(src_spec, KVTierSpec)
+        return self._submit(job_id, dst_spec, src_spec, store=False, expedited=expedited)
+
+    def get_finished(self) -> list[TransferResult]:
+        owner = {sub: job for job, parts in self._parts.items() for _, sub in parts}
+        for t in self.transfers:
+            for r in t.get_finished():
+                self._done[owner[r.job_id]].append(r)
+                if not r.success:
+                    self._copy_failed.add(owner[r.job_id])
+        for r in self._stream.get_finished() if self._stream is not None else ():
+            self._done[owner[r.job_id]].append(r)
+        out = []
+        for job in [j for j, parts in self._parts.items() if len(self._done[j]) == len(parts)]:
+            rs = self._done.pop(job)
+            del self._parts[job]
+            ok = all(r.success for r in rs)
+            blocks = self._load_blocks.pop(job, None)
+            copy_failed = job in self._copy_failed
+            self._copy_failed.discard(job)
+            if not ok and self.reports_load_errors and (blocks is not None or not copy_failed):
+                # Finished all the same. A failed load's blocks go to
+                # take_load_errors; a store that failed only in what the
+                # worker wrote to a lower tier itself left a value or record
+                # that fails its check when read (recomputed then). A store
+                # into host slots that failed still fails: those bytes are
+                # not checked when loaded, so they must never count as stored.
+                why = "; ".join(sorted({r.error for r in rs if not r.success and r.error}))
+                what = (f"its {len(blocks)} blocks are recomputed" if blocks is not None
+                        else "a later read of it fails its check and is recomputed")  # fmt: skip
+                logging.getLogger("kvtier").warning(
+                    "kvtier: %s job %d failed (%s): %s",
+                    "load" if blocks is not None else "store", job, why or "no reason given", what,
+                )  # fmt: skip
+                if blocks is not None:
+                    self._load_errors.update(int(b) for b in blocks)
+                ok = True
+            out.append(
+                TransferResult(
+                    job_id=job,
+                    success=ok,
+                    transfer_size=sum(r.transfer_size or 0 for r in rs if r.success),
+                    transfer_time=max((r.transfer_time or 0.0 for r in rs), default=0.0),
+                )
+            )
+        return out
+
+    def take_load_errors(self) -> set[int]:
+        """Engine block ids of loads that failed since the last call (their
+        jobs were reported finished). Called by KVTierConnector once per
+        forward pass, after get_finished; non-blocking."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        for job in job_ids:
+            for g, sub in self._parts.get(job, []):
+                if g == _STREAM:
+                    assert self._stream is not None
+                    self._stream.wait([sub])
+                else:
+                    self.transfers[g].wait([sub])
+
+    def shutdown(self) -> None:
+        self._load_blocks.clear()
+        self._copy_failed.clear()
+        if self._stream is not None:
+            self._stream.close()
+        for t in self.transfers:
+            t.shutdown()
+
+
+# -- secondary tiers under vLLM's TieringOffloadingSpec ---------------------------
