@@ -542,9 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="--server: the trace's inter-arrival times multiplied by this (default 1)",
     )  # fmt: skip
     o.add_argument("--max-requests", type=int, default=40, help="--server: trace requests")
-    o.add_argument(
-        "--concurrencies", default="1,4", help="--server: prefix and random load levels"
-    )
+    o.add_argument("--concurrencies", default="1,4", help="--server: prefix and random load levels")
     o.add_argument("--workloads", help="--server: comma-separated: trace, prefix, random")
     o = b.add_argument_group("soak")
     o.add_argument(
