@@ -114,7 +114,8 @@ class RedisServer:
         self.tls = tls
         self.tls_auth_clients = tls_auth_clients
         self.tls_port = free_port(need_bus=cluster) if tls else 0
-        self.dir = workdir / f"redis-{self.port}"
+        # Absolute: redis-server changes into --dir before opening --logfile.
+        self.dir = (workdir / f"redis-{self.port}").resolve()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.password = password
         self.cluster = cluster
