@@ -196,6 +196,12 @@ class TierJobs:
             return False
         return True
 
+    def job_ids(self, tokens: Sequence[int]) -> list[int]:
+        """Engine job ids still queued or running for the batches ``tokens``
+        (for a caller that waits on them itself, without holding the tier)."""
+        want = set(tokens)
+        return [j for j, (b, _, _) in self._jobs.items() if b.token in want]
+
     def in_flight(self) -> set[int]:
         """Engine job ids queued or running (not yet drained by :meth:`poll`)."""
         return set(self._jobs)

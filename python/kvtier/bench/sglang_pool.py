@@ -1,0 +1,138 @@
+"""SGLang's host KV pools (MHA and MLA) on CPU tensors, for the benchmark
+and the tests of :mod:`kvtier.integrations.sglang`, where SGLang's real pool
+classes cannot be imported: their modules import SGLang's model
+configurations, whose dependencies (torchvision, SGLang's CPU kernels) are
+not installed here.
+
+The stand-in runs SGLang's own code: the page methods (``init_kv_buffer``,
+``get_data_page``, ``get_dummy_flat_data_page``, ``set_from_flat_data_page``,
+``get_page_buffer_meta``, ``get_size_per_token``, the ``k_buffer``/
+``v_buffer`` and ``logical_*`` properties) are compiled from the installed
+SGLang's source of ``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost`` and
+``HostKVCache``, not rewritten; only the attributes their constructors set
+are set here (:data:`STANDIN_ATTRIBUTES`, which a test checks against the
+real classes). Who calls: ``kvtier bench sglang`` and tests; never the library.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+#: Methods and properties taken from SGLang's classes, per pool kind.
+METHODS = {
+    "mha": ("init_kv_buffer", "get_data_page", "get_dummy_flat_data_page",
+            "set_from_flat_data_page", "get_page_buffer_meta", "get_size_per_token",
+            "k_buffer", "v_buffer"),
+    "mla": ("init_kv_buffer", "get_data_page", "get_dummy_flat_data_page",
+            "set_from_flat_data_page", "_storage_page_index"),
+}  # fmt: skip
+BASE_METHODS = ("logical_size", "logical_page_size")
+CLASSES = {"mha": ("mha.py", "MHATokenToKVPoolHost"), "mla": ("mla.py", "MLATokenToKVPoolHost")}
+#: Attributes the stand-in sets, as SGLang's constructors do (a test checks
+#: each is set or defined by the real class or its base).
+STANDIN_ATTRIBUTES = {
+    "mha": ("layer_num", "head_num", "head_dim", "v_head_dim", "dtype", "page_size", "size",
+            "page_num", "layout", "device", "pin_memory", "allocator", "_transfer_device",
+            "dcp_size", "dcp_rank", "kv_buffer", "start_layer", "end_layer"),
+    "mla": ("layer_num", "kv_lora_rank", "qk_rope_head_dim", "kv_cache_dim", "dtype",
+            "page_size", "size", "page_num", "layout", "device", "pin_memory", "allocator",
+            "_transfer_device", "dcp_size", "dcp_rank", "kv_buffer", "start_layer", "end_layer"),
+}  # fmt: skip
+
+
+def pool_host_dir() -> Path:
+    """The installed SGLang's ``srt/mem_cache/pool_host`` directory (raises
+    ModuleNotFoundError without SGLang; does not import it)."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("sglang is not installed (pip install --no-deps sglang)")
+    return Path(next(iter(spec.submodule_search_locations))) / "srt" / "mem_cache" / "pool_host"
+
+
+def class_def(file: str, name: str) -> ast.ClassDef:
+    """The AST of class ``name`` in SGLang's ``pool_host/<file>``."""
+    tree = ast.parse((pool_host_dir() / file).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    raise LookupError(f"SGLang's {file} defines no class {name}")
+
+
+def defined_attributes(cls: ast.ClassDef) -> set[str]:
+    """Names a class defines (methods, properties, class attributes) or sets
+    on ``self`` anywhere in its body."""
+    names: set[str] = set()
+    for node in ast.walk(cls):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id == "self":
+                names.add(node.attr)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node in cls.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
+def _compile(cls: ast.ClassDef, wanted: tuple[str, ...], env: dict[str, Any]) -> dict[str, Any]:
+    funcs = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
+    missing = set(wanted) - {f.name for f in funcs}
+    if missing:
+        raise LookupError(f"SGLang's {cls.name} no longer defines {sorted(missing)}")
+    ns: dict[str, Any] = dict(env)
+    code = compile(ast.Module(body=list(funcs), type_ignores=[]), f"<sglang {cls.name}>", "exec")
+    exec(code, ns)  # SGLang's own method bodies, bound below
+    return {name: ns[name] for name in wanted}
+
+
+def _alloc(dims: Any, dtype: torch.dtype, **_: Any) -> torch.Tensor:
+    return torch.empty(dims, dtype=dtype)
+
+
+def host_pool(
+    kind: str = "mha",
+    layout: str = "page_first",
+    *,
+    layers: int = 4,
+    heads: int = 2,
+    head_dim: int = 64,
+    page_size: int = 16,
+    pages: int = 64,
+    dtype: torch.dtype = torch.bfloat16,
+    kv_lora_rank: int = 64,
+    qk_rope_head_dim: int = 32,
+) -> Any:
+    """A host pool of ``kind`` ``"mha"`` or ``"mla"`` in ``layout``
+    (``layer_first``, ``page_first``, ``page_first_direct``) holding
+    ``pages`` pages of ``page_size`` tokens (plus SGLang's padding page),
+    its buffer filled with zeros. Its page methods are SGLang's."""
+    file, name = CLASSES[kind]
+    env = {"torch": torch, "ALLOC_MEMORY_FUNCS": {"cpu": _alloc}}
+    methods = _compile(class_def(file, name), METHODS[kind], env)
+    methods.update(_compile(class_def("base.py", "HostKVCache"), BASE_METHODS, env))
+    standin = type(f"StandIn{name}", (), methods)
+    pool = standin()
+    attrs: dict[str, Any] = dict(
+        layer_num=layers, dtype=dtype, page_size=page_size, page_num=pages + 1,
+        size=(pages + 1) * page_size, layout=layout, device="cpu", pin_memory=False,
+        allocator=None, _transfer_device=SimpleNamespace(type="cpu"), dcp_size=1, dcp_rank=0,
+        start_layer=0, end_layer=layers,
+    )  # fmt: skip
+    if kind == "mha":
+        attrs.update(head_num=heads, head_dim=head_dim, v_head_dim=head_dim)
+    else:
+        attrs.update(
+            kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+            kv_cache_dim=kv_lora_rank + qk_rope_head_dim,
+        )  # fmt: skip
+    for k, v in attrs.items():
+        setattr(pool, k, v)
+    pool.kv_buffer = pool.init_kv_buffer()
+    pool.kv_buffer.zero_()
+    return pool

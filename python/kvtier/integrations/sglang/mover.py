@@ -1,0 +1,334 @@
+"""SGLang HiCache shim: pages between one of SGLang's host pools and kvtier's
+disk and Redis tiers, on kvtier's native threads.
+
+SGLang's host pool tensor is registered with a copy engine as a region; a
+page goes through a staging slot of kvtier's own (one record per page, its
+trailer beside it: one I/O per page on disk, one value in Redis). A store
+gathers the page's runs (:class:`~kvtier.integrations.sglang.pages.PagePlan`)
+into staging slots with one native copy job, then the tiers write the slots;
+a load reads into staging slots, the tiers check every record (namespace,
+key digest, length, crc32c), and only the pages that passed are scattered
+into SGLang's pool: a failed or corrupt page is a miss and none of its
+bytes reach the pool. No page is copied by Python.
+
+Who calls: :class:`kvtier.integrations.sglang.storage.KVTierStorage`, from
+SGLang's storage threads (prefetch and backup), possibly at once. Every
+public method blocks until its pages moved (SGLang's interface returns the
+results): the tiers' state is touched under one short lock, and the waits
+for the native jobs are outside it, so a store and a load overlap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import InvalidArgument, Timeout
+from kvtier.integrations.sglang.pages import PagePlan
+from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion
+from kvtier.tiers.jobs import JobTier
+
+_WAIT_SLICE_S = 5.0
+
+
+class PageMover:
+    """Pages of one SGLang host pool to and from ``tiers`` (fastest first:
+    disk, then remote), through ``staging_bytes`` of kvtier host slots, half
+    for stores and half for loads (at least 2 slots each).
+
+    Results are per page, in the order of the keys given. Closing closes the
+    tiers.
+    """
+
+    def __init__(self, plan: PagePlan, tiers: Sequence[LowerTier], staging_bytes: int) -> None:
+        from kvtier.engine import Engine
+        from kvtier.pool import HostPool
+        from kvtier.tiers.records import record_bytes
+
+        self.plan = plan
+        # The waits below go to each tier's engine jobs: data-moving tiers only.
+        self.tiers: list[JobTier] = [t for t in tiers if isinstance(t, JobTier)]
+        if len(self.tiers) != len(tiers) or not self.tiers:
+            raise InvalidArgument("kvtier: SGLang pages need disk or remote tiers")
+        has_disk = any(getattr(t, "record_bytes", None) for t in self.tiers)
+        self.slot_bytes = record_bytes(plan.page_bytes) if has_disk else plan.page_bytes
+        half = max(2, min(256, staging_bytes // (2 * self.slot_bytes)))
+        self.staging = HostPool(2 * half, self.slot_bytes)
+        self._free = {"store": list(range(half)), "load": list(range(half, 2 * half))}
+        self._held: set[int] = set()  # slots of timed-out jobs, out of use until they end
+        self._dir_locks = {"store": threading.Lock(), "load": threading.Lock()}
+        self._lock = threading.RLock()  # the tiers, the copy engine's results, slot lists
+        self._done: dict[int, dict[int, TierCompletion]] = {id(t): {} for t in self.tiers}
+        self._copied: dict[int, bool] = {}
+        # Host copies (gather before a store, scatter after a load) on their
+        # own threads: SGLang's pool tensor and the staging slots are its regions.
+        self.copier = Engine(2, [(1 << 30, False)])
+        self.copier.register_memory(plan.base, plan.nbytes, owner=plan.buffer)
+        self.copier.register_pool(self.staging)
+        for t in self.tiers:
+            t.attach(self.staging)
+        self.counters = dict.fromkeys(
+            ("pages_stored", "pages_loaded", "store_failures", "load_failures", "copy_failures"), 0
+        )
+        self._closed = False
+
+    # -- waiting on native work, outside the lock ---------------------------
+    def _copy(self, descs: np.ndarray) -> bool:
+        """Run host copies on the copy engine (two jobs: both threads work);
+        True when every copy succeeded. Blocks until they ended."""
+        parts = np.array_split(descs, 2) if len(descs) > 1 else [descs]
+        jids = [self.copier.submit_copy(np.ascontiguousarray(p)) for p in parts if len(p)]
+        while True:
+            try:
+                self.copier.wait(jids, _WAIT_SLICE_S)
+                break
+            except Timeout:
+                continue
+        with self._lock:
+            for r in self.copier.poll():
+                self._copied[int(r.job_id)] = bool(r.ok)
+            ok = all(self._copied.pop(j, False) for j in jids)
+        if not ok:
+            self.counters["copy_failures"] += 1
+        return ok
+
+    def _drain(self, tier: JobTier) -> None:
+        """Poll ``tier`` (lock held): completions kept by token for whichever
+        thread waits on them; events and released slots consumed."""
+        done = self._done[id(tier)]
+        for c in tier.poll():
+            done[c.token] = c
+        tier.take_events()  # nobody subscribes: SGLang asks, it is not told
+        for slot in tier.take_released_slots():
+            self._held.discard(slot)
+
+    def _wait_jobs(self, tier: JobTier, token: int) -> None:
+        """Block until no engine job of batch ``token`` of ``tier`` is queued
+        or running (the lock released while waiting)."""
+        while True:
+            with self._lock:
+                self._drain(tier)
+                jids = tier.jobs.job_ids([token])
+            if not jids:
+                return
+            with contextlib.suppress(Timeout):
+                tier.jobs.engine.wait(jids, _WAIT_SLICE_S)
+
+    def _finish(self, tier: JobTier, token: int) -> TierCompletion:
+        """Block until batch ``token`` of ``tier`` ended; its completion."""
+        while True:
+            self._wait_jobs(tier, token)
+            with self._lock:
+                self._drain(tier)
+                c = self._done[id(tier)].pop(token, None)
+            if c is not None:
+                return c
+
+    def _take_slots(self, kind: str, n: int) -> list[int]:
+        with self._lock:
+            free = [s for s in self._free[kind] if s not in self._held]
+            return free[:n]
+
+    def _note_held(self, c: TierCompletion, slots: Sequence[int]) -> None:
+        if c.held:
+            with self._lock:
+                self._held.update(s for s, h in zip(slots, c.held) if h)
+
+    # -- pages ---------------------------------------------------------------
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: does any tier hold it? A remote key not known yet is
+        asked with one pipelined EXISTS for all of them. Blocks for that
+        round trip only (a disk lookup is in memory)."""
+        hit = [False] * len(keys)
+        for tier in self.tiers:
+            ask = [i for i, h in enumerate(hit) if not h]
+            if not ask:
+                break
+            with self._lock:
+                answers = [tier.lookup(keys[i]) for i in ask]
+                token = tier.submit_checks() if LookupResult.RETRY in answers else None
+            if token is not None:
+                self._wait_jobs(tier, token)
+                with self._lock:
+                    answers = [tier.lookup(keys[i]) for i in ask]
+            for i, a in zip(ask, answers):
+                hit[i] = a == LookupResult.HIT
+        return hit
+
+    def store(self, keys: Sequence[bytes], pages: np.ndarray) -> list[bool]:
+        """Write the pages at addresses ``pages`` as ``keys`` to every tier;
+        per key True when a tier holds it now (it did already, or this
+        write succeeded). Blocks until written."""
+        ok = [False] * len(keys)
+        with self._dir_locks["store"]:
+            todo = []
+            with self._lock:
+                for i, k in enumerate(keys):
+                    if self.tiers[0].lookup(k) == LookupResult.HIT:
+                        ok[i] = True  # stored already: SGLang offers a prefix again
+                    elif any(t.admit(k) for t in self.tiers):
+                        todo.append(i)
+            while todo:
+                slots = self._take_slots("store", len(todo))
+                if not slots:  # every slot held by a timed-out job
+                    break
+                part, todo = todo[: len(slots)], todo[len(slots) :]
+                self._store_part(keys, pages, part, slots[: len(part)], ok)
+        self.counters["pages_stored"] += sum(ok)
+        self.counters["store_failures"] += len(ok) - sum(ok)
+        return ok
+
+    def _store_part(
+        self,
+        keys: Sequence[bytes],
+        pages: np.ndarray,
+        part: list[int],
+        slots: list[int],
+        ok: list[bool],
+    ) -> None:
+        addr = self.staging.address + np.asarray(slots, np.int64) * self.slot_bytes
+        if not self._copy(self.plan.descriptors(pages[part], addr, to_slots=True)):
+            return
+        pkeys = [keys[i] for i in part]
+        with self._lock:
+            tokens = [(tier, tier.submit_store(pkeys, slots)) for tier in self.tiers]
+        for tier, token in tokens:
+            if token is None:  # backpressure: this tier skipped the batch
+                continue
+            c = self._finish(tier, token)
+            self._note_held(c, slots)
+            for j, good in enumerate(c.key_ok or [c.ok] * len(part)):
+                ok[part[j]] = ok[part[j]] or good
+
+    def load(self, keys: Sequence[bytes], pages: np.ndarray) -> list[bool]:
+        """Read ``keys`` into the pages at addresses ``pages``: per key True
+        when its bytes were read, checked and copied in. A page no tier
+        holds, or whose record fails a check, is False and its page in the
+        pool untouched. Tiers are tried in order (a page the disk lost
+        comes from Redis). Blocks until read."""
+        ok = [False] * len(keys)
+        with self._dir_locks["load"]:
+            for tier in self.tiers:
+                with self._lock:
+                    want = [
+                        i for i, k in enumerate(keys)
+                        if not ok[i] and tier.lookup(k) != LookupResult.MISS
+                    ]  # fmt: skip
+                while want:
+                    slots = self._take_slots("load", len(want))
+                    if not slots:
+                        break
+                    part, want = want[: len(slots)], want[len(slots) :]
+                    self._load_part(tier, keys, pages, part, slots[: len(part)], ok)
+        self.counters["pages_loaded"] += sum(ok)
+        self.counters["load_failures"] += len(ok) - sum(ok)
+        return ok
+
+    def _load_part(
+        self,
+        tier: JobTier,
+        keys: Sequence[bytes],
+        pages: np.ndarray,
+        part: list[int],
+        slots: list[int],
+        ok: list[bool],
+    ) -> None:
+        pkeys = [keys[i] for i in part]
+        with self._lock:
+            # A remote key not known to exist is read with a probe (a GET
+            # whose absence is a plain miss); one known is read alike.
+            probe = tier.can_probe
+            token = tier.submit_probe(pkeys, slots) if probe else tier.submit_load(pkeys, slots)
+        if token is None:
+            return
+        c = self._finish(tier, token)
+        self._note_held(c, slots)
+        good = [j for j, g in enumerate(c.key_ok or [c.ok] * len(part)) if g]
+        if not good:
+            return
+        addr = (
+            self.staging.address + np.asarray([slots[j] for j in good], np.int64) * self.slot_bytes
+        )
+        dst = pages[[part[j] for j in good]]
+        if self._copy(self.plan.descriptors(dst, addr, to_slots=False)):
+            for j in good:
+                ok[part[j]] = True
+
+    def read_slot(self, key: bytes) -> np.ndarray | None:
+        """One page's bytes (a copy) from the first tier that holds it and
+        whose record passes its checks; None when none does. Blocks. For the
+        key-value fallbacks (SGLang's generic path), not the page path."""
+        with self._dir_locks["load"]:
+            slots = self._take_slots("load", 1)
+            if not slots:
+                return None
+            for tier in self.tiers:
+                with self._lock:
+                    if tier.lookup(key) == LookupResult.MISS:
+                        continue
+                    probe = tier.can_probe
+                    token = (
+                        tier.submit_probe([key], slots) if probe else tier.submit_load([key], slots)
+                    )
+                if token is None:
+                    continue
+                c = self._finish(tier, token)
+                self._note_held(c, slots)
+                if c.key_ok[0] if c.key_ok else c.ok:
+                    data: np.ndarray = self.staging.view(slots[0])[: self.plan.page_bytes].copy()
+                    return data
+        return None
+
+    def write_slot(self, key: bytes, data: np.ndarray) -> bool:
+        """Store one page given as bytes (SGLang's generic path). Blocks."""
+        with self._dir_locks["store"]:
+            with self._lock:
+                if self.tiers[0].lookup(key) == LookupResult.HIT:
+                    return True
+            slots = self._take_slots("store", 1)
+            if not slots:
+                return False
+            self.staging.view(slots[0])[: self.plan.page_bytes] = data
+            stored = False
+            with self._lock:
+                tokens = [(t, t.submit_store([key], slots)) for t in self.tiers if t.admit(key)]
+            for tier, token in tokens:
+                if token is not None:
+                    c = self._finish(tier, token)
+                    self._note_held(c, slots)
+                    stored = stored or bool(c.key_ok[0] if c.key_ok else c.ok)
+            return stored
+
+    def clear(self) -> None:
+        """Forget every page of these tiers that this rank can drop (disk:
+        its records; Redis: what it remembers — the server keeps the values
+        other engines may share; they expire by their TTL)."""
+        with self._dir_locks["store"], self._dir_locks["load"], self._lock:
+            for t in self.tiers:
+                self._drain(t)
+                t.reset()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "page_bytes": self.plan.page_bytes,
+                "staging_slots": self.staging.num_slots,
+                **self.counters,
+                "tiers": {t.name: t.stats() for t in self.tiers},
+            }
+
+    def close(self) -> None:
+        """Let every job end, close the tiers and the copy engine, free the
+        staging slots. Blocks; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._dir_locks["store"], self._dir_locks["load"], self._lock:
+            for t in self.tiers:
+                t.close()
+            self.copier.close()
+            self.staging.close()

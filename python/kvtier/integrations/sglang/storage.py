@@ -1,0 +1,337 @@
+"""SGLang HiCache shim: kvtier's disk and Redis/Valkey tiers as HiCache's
+storage ("L3") backend, loaded by SGLang's dynamic backend factory.
+
+One line of SGLang configuration::
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
+    '{"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
+      "class_name": "KVTierStorage", "interface_v1": 1,
+      "kvtier_disk_path": "/mnt/nvme/kv", "kvtier_disk_bytes": "500GiB"}'
+
+(``kvtier_remote_url`` for a Redis/Valkey pool, beside or instead of the
+disk; ``interface_v1`` makes SGLang use the zero-copy page calls).
+
+Who calls: SGLang's ``HiCacheController`` in each scheduler process (one per
+TP/PP rank): the constructor and ``register_mem_pool_host`` at attach (they
+block while the disk tier preallocates or Redis connects), then its prefetch
+threads (``batch_exists*``, ``batch_get*``) and its backup thread
+(``batch_set*``), never its scheduler thread. Every call blocks until its
+pages moved, as SGLang's interface requires; results are per page, in the
+order of the keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from kvtier.errors import InvalidArgument
+from kvtier.integrations.sglang.config import parse_extra_config, storage_namespace
+from kvtier.integrations.sglang.mover import PageMover
+from kvtier.integrations.sglang.pages import PagePlan
+from kvtier.units import FreeFraction
+
+log = logging.getLogger("kvtier")
+
+#: The SGLang releases this backend is written and tested against.
+SUPPORTED_SGLANG = ">=0.5.23,<0.6"
+
+
+class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
+    """kvtier as an SGLang ``HiCacheStorage``: pages of SGLang's registered
+    host pools to kvtier's disk tier (io_uring, checksummed records, warm
+    restart) and/or Redis/Valkey tier (cluster, TLS), moved by native threads.
+
+    ``storage_config`` is SGLang's ``HiCacheStorageConfig`` (its
+    ``extra_config`` carries kvtier's keys, see
+    :data:`kvtier.integrations.sglang.config.CONFIG_KEYS`); ``_factory_args``
+    is what SGLang's dynamic factory passes beside it (unused). Raises
+    :class:`~kvtier.errors.InvalidArgument` for a bad extra config.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, _factory_args: Any = None) -> None:
+        self.storage_config = storage_config
+        self.settings = parse_extra_config(storage_config.extra_config)
+        c = storage_config
+        self.is_mla = bool(c.is_mla_model)
+        writer = getattr(c, "is_storage_writer", None)
+        # MLA pages are the same on every TP rank: one writes, all read.
+        self.is_writer = bool(writer) if writer is not None else (not self.is_mla or c.tp_rank == 0)
+        self.movers: dict[str, PageMover] = {}
+        self.metrics: dict[str, list[float]] = {
+            "prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": [],
+        }  # fmt: skip
+
+    # -- host pools ----------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """SGLang's KV host pool: its pages' tiers are built now. Blocks."""
+        super().register_mem_pool_host(mem_pool_host)
+        self._attach(str(PoolName.KV), mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A host pool of the v2 interface (KV, or a sidecar such as Mamba or
+        SWA state): tiers of its own namespace. Blocks."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._attach(str(host_pool_name), host_pool)
+
+    def _attach(self, name: str, pool: Any) -> None:
+        old = self.movers.get(name)
+        if old is not None and old.plan.buffer is getattr(pool, "kv_buffer", None):
+            return  # the KV pool, registered through both calls
+        from kvtier.tiers.factory import build_tiers, configured
+
+        plan = PagePlan(pool)
+        c = self.storage_config
+        ns = storage_namespace(
+            model=c.model_name, dtype=plan.dtype, layout=plan.layout, page_tokens=plan.page_tokens,
+            page_bytes=plan.page_bytes, pool=name, is_mla=self.is_mla, tp_rank=c.tp_rank,
+            tp_size=c.tp_size, pp_rank=c.pp_rank, pp_size=c.pp_size, cp_rank=c.attn_cp_rank,
+            cp_size=c.attn_cp_size, dcp_rank=getattr(c, "dcp_rank", 0),
+            dcp_size=getattr(c, "dcp_size", 1), user_namespace=self.settings.namespace,
+        )  # fmt: skip
+        cfg = self.settings.tier_config()
+        kv = self.movers.get(str(PoolName.KV))
+        if name != PoolName.KV and kv is not None and not isinstance(cfg.disk_bytes, FreeFraction):
+            # A sidecar pool holds at most one page per KV page: its disk
+            # tier gets the KV tier's capacity scaled by their page sizes.
+            scaled = cfg.disk_bytes * plan.page_bytes // kv.plan.page_bytes
+            cfg = type(cfg)(**{**cfg.__dict__, "disk_bytes": max(scaled, 1 << 20)})
+        tiers = build_tiers((kind, cfg, plan.page_bytes, ns) for kind in configured(cfg))
+        if old is not None:
+            old.close()
+        self.movers[name] = PageMover(plan, tiers, self.settings.staging_bytes)
+        log.info(
+            "kvtier: SGLang pool %s (%s, %d B pages) on %s",
+            name, plan.layout, plan.page_bytes, ", ".join(t.name for t in tiers),
+        )  # fmt: skip
+
+    def _mover(self, name: str = PoolName.KV) -> PageMover:
+        mover = self.movers.get(str(name))
+        if mover is None:
+            raise InvalidArgument(f"kvtier: no SGLang host pool {str(name)!r} registered")
+        return mover
+
+    @staticmethod
+    def _keys(keys: Sequence[str]) -> list[bytes]:
+        return [k.encode() if isinstance(k, str) else bytes(k) for k in keys]
+
+    # -- existence -----------------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return self._mover().exists(self._keys([key]))[0]
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """How many of ``keys``, from the first, every page is stored (SGLang
+        stops its prefix there)."""
+        hit = self._mover().exists(self._keys(keys))
+        return hit.index(False) if False in hit else len(hit)
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """Longest stored KV prefix of ``keys``, shortened by each extra pool
+        by its hit policy (``ALL_PAGES``: every page of the prefix;
+        ``TRAILING_PAGES``: the last ``len(transfer.keys)`` pages; a
+        ``BLOCK_GROUPS`` pool reports its leading complete groups and does
+        not gate the KV prefix). An extra pool page is looked up under the
+        KV page's key in that pool's own namespace."""
+        bkeys = self._keys(keys)
+        kv = self._mover().exists(bkeys)
+        kv_pages = kv.index(False) if False in kv else len(kv)
+        hits: dict[str, int] = {str(PoolName.KV): kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for t in pool_transfers or []:
+            if not restorable and t.hit_policy != PoolHitPolicy.BLOCK_GROUPS:
+                break
+            name = str(t.name)
+            mover = self.movers.get(name)
+            have = mover.exists(bkeys[:kv_pages]) if mover is not None else [False] * kv_pages
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                bound = have.index(False) if False in have else kv_pages
+                ok = set(range(1, bound + 1))
+            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                trail = max(1, len(t.keys) if t.keys else 1)
+                ok = {p for p in range(1, kv_pages + 1) if all(have[max(0, p - trail) : p])}
+                bound = max(ok, default=0)
+            elif t.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
+                group = max(1, int(t.group_pages or 1))
+                full = 0
+                while full + group <= kv_pages and all(have[full : full + group]):
+                    full += group
+                if full:
+                    hits[name] = full
+                continue
+            else:
+                raise InvalidArgument(f"kvtier: unknown pool hit policy {t.hit_policy!r}")
+            if bound:
+                hits[name] = bound
+            restorable &= ok
+        final = max(restorable, default=0)
+        return PoolTransferResult(final, hits, sorted(restorable))
+
+    # -- pages: zero-copy interface --------------------------------------------
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Read ``keys`` into the KV host pool at ``host_indices`` (the pages'
+        token indices); per page: read, checked and copied in."""
+        return self._pages("load", str(PoolName.KV), keys, host_indices)
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Write the KV pool's pages at ``host_indices`` as ``keys``; per page:
+        stored (or already there). An MLA rank that is not the writer stores
+        nothing and reports success (the writer's pages serve it)."""
+        return self._pages("store", str(PoolName.KV), keys, host_indices)
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Per transfer (one registered pool each): its pages read, by pool name."""
+        return {str(t.name): self._transfer("load", t) for t in transfers}
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Per transfer (one registered pool each): its pages stored, by pool name."""
+        return {str(t.name): self._transfer("store", t) for t in transfers}
+
+    def _transfer(self, kind: str, t: PoolTransfer) -> list[bool]:
+        keys = list(t.keys or [])
+        if t.host_indices is None or str(t.name) not in self.movers:
+            log.error("kvtier: %s of pool %s: no host indices or no such pool", kind, t.name)
+            return [False] * len(keys)
+        return self._pages(kind, str(t.name), keys, t.host_indices)
+
+    def _pages(self, kind: str, pool: str, keys: Sequence[str], host_indices: Any) -> list[bool]:
+        if not keys:
+            return []
+        if kind == "store" and not self.is_writer:
+            return [True] * len(keys)
+        mover = self._mover(pool)
+        pages = mover.plan.page_starts(host_indices, len(keys))
+        start = time.perf_counter()
+        ok = (mover.store if kind == "store" else mover.load)(self._keys(keys), pages)
+        seconds = max(time.perf_counter() - start, 1e-9)
+        which = "backup" if kind == "store" else "prefetch"
+        self.metrics[f"{which}_pgs"].append(len(keys))
+        self.metrics[f"{which}_bandwidth"].append(sum(ok) * mover.plan.page_bytes / seconds / 1e9)
+        return ok
+
+    # -- key-value fallbacks (SGLang's generic path, without interface_v1) -------
+    def get(
+        self, key: str, target_location: Any = None, target_sizes: Any = None
+    ) -> torch.Tensor | None:
+        """One page's bytes into ``target_location`` (a flat CPU tensor of one
+        page, e.g. ``get_dummy_flat_data_page()``), or a new uint8 tensor;
+        None when no tier holds a page that passes its checks."""
+        mover = self._mover()
+        data = mover.read_slot(self._keys([key])[0])
+        if data is None:
+            return None
+        if target_location is None:
+            return torch.from_numpy(data)
+        dst = _bytes_of(target_location)
+        if dst.size != data.size:
+            raise InvalidArgument(
+                f"kvtier: target of {dst.size} B for a page of {data.size} B (key {key!r})"
+            )
+        dst[:] = data
+        return target_location  # type: ignore[no-any-return]
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        targets = target_locations or [None] * len(keys)
+        return [self.get(k, t) for k, t in zip(keys, targets)]
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        """Store one page given as a tensor of the page's bytes (SGLang's
+        flat data page). Raises InvalidArgument for a value of another size."""
+        if not self.is_writer:
+            return True
+        mover = self._mover()
+        data = _bytes_of(value)
+        if data.size != mover.plan.page_bytes:
+            raise InvalidArgument(
+                f"kvtier: value of {data.size} B for pages of {mover.plan.page_bytes} B (key {key!r})"
+            )
+        return mover.write_slot(self._keys([key])[0], data)
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        return all([self.set(k, v) for k, v in zip(keys, values or [])])
+
+    # -- management ------------------------------------------------------------
+    def clear(self) -> None:
+        """Drop this rank's pages from the disk tier and what it remembers of
+        Redis (values there stay for the other engines sharing them)."""
+        for mover in self.movers.values():
+            mover.clear()
+
+    def kvtier_stats(self) -> dict[str, Any]:
+        """kvtier's counters per host pool (pages moved, failures, each tier's own)."""
+        return {name: m.stats() for name, m in self.movers.items()}
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` of the calls since the last one (pages
+        per call and GB/s, both directions); None where SGLang's metrics
+        module cannot be imported."""
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except Exception:  # its import chain needs SGLang's full dependencies
+            return None
+        m = StorageMetrics()
+        for field, values in self.metrics.items():
+            getattr(m, field).extend(values)
+            values.clear()
+        return m
+
+    def close(self) -> None:
+        """Let every job end and close the tiers (the disk tier's directory
+        is free for the next owner). Blocks; idempotent."""
+        for mover in self.movers.values():
+            mover.close()
+
+
+def _bytes_of(t: Any) -> np.ndarray:
+    """A CPU tensor's bytes as a flat uint8 array (its own memory when contiguous)."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument(f"kvtier: expected a torch tensor, got {type(t).__name__}")
+    t = t.detach()
+    if t.device.type != "cpu":
+        raise InvalidArgument("kvtier: SGLang's host pages are CPU tensors")
+    data: np.ndarray = t.contiguous().view(torch.uint8).reshape(-1).numpy()
+    return data
