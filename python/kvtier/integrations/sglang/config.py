@@ -123,6 +123,7 @@ def storage_namespace(
     page_bytes: int,
     pool: str,
     is_mla: bool,
+    shared_across_tp: bool,
     tp_rank: int,
     tp_size: int,
     pp_rank: int,
@@ -136,15 +137,17 @@ def storage_namespace(
     """The namespace of one rank's pages of one host pool in kvtier's disk
     and Redis tiers: what makes SGLang's page bytes compatible (DESIGN.md,
     hard rule 4). Model, KV dtype, the host pool's layout, tokens and bytes
-    per page, the pool's name, the TP rank and size (MLA pages are the same
-    on every TP rank: one namespace for all of them, written by one rank),
-    the pipeline stage and size, context-parallel shards, the user's tag.
+    per page, the pool's name, whether the model is MLA, the TP rank and
+    size (``shared_across_tp``: an MLA page is the same on every TP rank, so
+    a pool all ranks share, Redis, keeps one namespace for all of them,
+    written by one rank; a disk tier has one owner and stays per rank), the
+    pipeline stage and size, context-parallel shards, the user's tag.
 
     The first part names the engine, so an SGLang page and a vLLM block
     (:func:`kvtier.integrations.vllm.engine_namespace`) never share a digest
     even where every other part agreed. Pure.
     """
-    tp = ("mla", tp_size if dcp_size > 1 else None) if is_mla else (tp_rank, tp_size)
+    tp = ("all", tp_size if dcp_size > 1 else None) if shared_across_tp else (tp_rank, tp_size)
     return namespace_name((
         "sglang-hicache", model or "", dtype, layout, int(page_tokens), int(page_bytes), pool,
         tp, int(pp_rank), int(pp_size), int(cp_rank), int(cp_size), int(dcp_rank),

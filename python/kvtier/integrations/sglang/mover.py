@@ -23,14 +23,16 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvtier.errors import InvalidArgument, Timeout
 from kvtier.integrations.sglang.pages import PagePlan
 from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion
-from kvtier.tiers.jobs import JobTier
+
+if TYPE_CHECKING:
+    from kvtier.tiers.jobs import JobTier
 
 _WAIT_SLICE_S = 5.0
 
@@ -38,15 +40,24 @@ _WAIT_SLICE_S = 5.0
 class PageMover:
     """Pages of one SGLang host pool to and from ``tiers`` (fastest first:
     disk, then remote), through ``staging_bytes`` of kvtier host slots, half
-    for stores and half for loads (at least 2 slots each).
+    for stores and half for loads (at least 2 slots each). ``writes[i]``:
+    this rank stores to ``tiers[i]`` (default all; a store to none of them
+    succeeds: another rank writes).
 
     Results are per page, in the order of the keys given. Closing closes the
     tiers.
     """
 
-    def __init__(self, plan: PagePlan, tiers: Sequence[LowerTier], staging_bytes: int) -> None:
+    def __init__(
+        self,
+        plan: PagePlan,
+        tiers: Sequence[LowerTier],
+        staging_bytes: int,
+        writes: Sequence[bool] | None = None,
+    ) -> None:
         from kvtier.engine import Engine
         from kvtier.pool import HostPool
+        from kvtier.tiers.jobs import JobTier
         from kvtier.tiers.records import record_bytes
 
         self.plan = plan
@@ -54,6 +65,9 @@ class PageMover:
         self.tiers: list[JobTier] = [t for t in tiers if isinstance(t, JobTier)]
         if len(self.tiers) != len(tiers) or not self.tiers:
             raise InvalidArgument("kvtier: SGLang pages need disk or remote tiers")
+        # Tiers this rank writes (MLA: another rank writes the shared one).
+        written = [True] * len(self.tiers) if writes is None else list(writes)
+        self.writable = [t for t, w in zip(self.tiers, written) if w]
         has_disk = any(getattr(t, "record_bytes", None) for t in self.tiers)
         self.slot_bytes = record_bytes(plan.page_bytes) if has_disk else plan.page_bytes
         half = max(2, min(256, staging_bytes // (2 * self.slot_bytes)))
@@ -160,42 +174,47 @@ class PageMover:
         return hit
 
     def store(self, keys: Sequence[bytes], pages: np.ndarray) -> list[bool]:
-        """Write the pages at addresses ``pages`` as ``keys`` to every tier;
-        per key True when a tier holds it now (it did already, or this
-        write succeeded). Blocks until written."""
+        """Write the pages at addresses ``pages`` as ``keys`` to every tier
+        this rank writes; per key True when such a tier holds it now (it did
+        already, or this write succeeded). Blocks until written."""
+        if not self.writable:  # another rank writes these pages
+            return [True] * len(keys)
         ok = [False] * len(keys)
         with self._dir_locks["store"]:
-            todo = []
-            with self._lock:
-                for i, k in enumerate(keys):
-                    if self.tiers[0].lookup(k) == LookupResult.HIT:
-                        ok[i] = True  # stored already: SGLang offers a prefix again
-                    elif any(t.admit(k) for t in self.tiers):
-                        todo.append(i)
+            todo = self._to_store(keys, ok)
             while todo:
                 slots = self._take_slots("store", len(todo))
                 if not slots:  # every slot held by a timed-out job
                     break
                 part, todo = todo[: len(slots)], todo[len(slots) :]
-                self._store_part(keys, pages, part, slots[: len(part)], ok)
+                addr = self.staging.address + np.asarray(slots, np.int64) * self.slot_bytes
+                descs = self.plan.descriptors(pages[part], addr[: len(part)], to_slots=True)
+                if self._copy(descs):
+                    self._store_slots(keys, part, slots, ok)
         self.counters["pages_stored"] += sum(ok)
         self.counters["store_failures"] += len(ok) - sum(ok)
         return ok
 
-    def _store_part(
-        self,
-        keys: Sequence[bytes],
-        pages: np.ndarray,
-        part: list[int],
-        slots: list[int],
-        ok: list[bool],
-    ) -> None:
-        addr = self.staging.address + np.asarray(slots, np.int64) * self.slot_bytes
-        if not self._copy(self.plan.descriptors(pages[part], addr, to_slots=True)):
-            return
-        pkeys = [keys[i] for i in part]
+    def _to_store(self, keys: Sequence[bytes], ok: list[bool]) -> list[int]:
+        """Positions of ``keys`` to write: not stored yet (those already are
+        ``ok``: SGLang offers a prefix again) and admitted by a tier."""
+        todo = []
         with self._lock:
-            tokens = [(tier, tier.submit_store(pkeys, slots)) for tier in self.tiers]
+            for i, k in enumerate(keys):
+                if self.writable[0].lookup(k) == LookupResult.HIT:
+                    ok[i] = True
+                elif any([t.admit(k) for t in self.writable]):
+                    todo.append(i)
+        return todo
+
+    def _store_slots(
+        self, keys: Sequence[bytes], part: list[int], slots: list[int], ok: list[bool]
+    ) -> None:
+        """Write staging ``slots`` (filled) as ``keys[part]`` to the tiers."""
+        pkeys = [keys[i] for i in part]
+        slots = slots[: len(part)]
+        with self._lock:
+            tokens = [(tier, tier.submit_store(pkeys, slots)) for tier in self.writable]
         for tier, token in tokens:
             if token is None:  # backpressure: this tier skipped the batch
                 continue
@@ -284,24 +303,18 @@ class PageMover:
         return None
 
     def write_slot(self, key: bytes, data: np.ndarray) -> bool:
-        """Store one page given as bytes (SGLang's generic path). Blocks."""
+        """Store one page given as bytes (SGLang's generic path: one copy
+        into a staging slot in Python). Blocks."""
+        if not self.writable:
+            return True
+        ok = [False]
         with self._dir_locks["store"]:
-            with self._lock:
-                if self.tiers[0].lookup(key) == LookupResult.HIT:
-                    return True
-            slots = self._take_slots("store", 1)
-            if not slots:
-                return False
-            self.staging.view(slots[0])[: self.plan.page_bytes] = data
-            stored = False
-            with self._lock:
-                tokens = [(t, t.submit_store([key], slots)) for t in self.tiers if t.admit(key)]
-            for tier, token in tokens:
-                if token is not None:
-                    c = self._finish(tier, token)
-                    self._note_held(c, slots)
-                    stored = stored or bool(c.key_ok[0] if c.key_ok else c.ok)
-            return stored
+            todo = self._to_store([key], ok)
+            slots = self._take_slots("store", 1) if todo else []
+            if slots:
+                self.staging.view(slots[0])[: self.plan.page_bytes] = data
+                self._store_slots([key], todo, slots, ok)
+        return ok[0]
 
     def clear(self) -> None:
         """Forget every page of these tiers that this rank can drop (disk:

@@ -96,13 +96,18 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
 
         plan = PagePlan(pool)
         c = self.storage_config
-        ns = storage_namespace(
-            model=c.model_name, dtype=plan.dtype, layout=plan.layout, page_tokens=plan.page_tokens,
-            page_bytes=plan.page_bytes, pool=name, is_mla=self.is_mla, tp_rank=c.tp_rank,
-            tp_size=c.tp_size, pp_rank=c.pp_rank, pp_size=c.pp_size, cp_rank=c.attn_cp_rank,
-            cp_size=c.attn_cp_size, dcp_rank=getattr(c, "dcp_rank", 0),
-            dcp_size=getattr(c, "dcp_size", 1), user_namespace=self.settings.namespace,
-        )  # fmt: skip
+
+        def namespace(shared: bool) -> str:
+            return storage_namespace(
+                model=c.model_name, dtype=plan.dtype, layout=plan.layout,
+                page_tokens=plan.page_tokens, page_bytes=plan.page_bytes, pool=name,
+                is_mla=self.is_mla, shared_across_tp=shared, tp_rank=c.tp_rank,
+                tp_size=c.tp_size, pp_rank=c.pp_rank, pp_size=c.pp_size,
+                cp_rank=c.attn_cp_rank, cp_size=c.attn_cp_size,
+                dcp_rank=getattr(c, "dcp_rank", 0), dcp_size=getattr(c, "dcp_size", 1),
+                user_namespace=self.settings.namespace,
+            )  # fmt: skip
+
         cfg = self.settings.tier_config()
         kv = self.movers.get(str(PoolName.KV))
         if name != PoolName.KV and kv is not None and not isinstance(cfg.disk_bytes, FreeFraction):
@@ -110,10 +115,18 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
             # tier gets the KV tier's capacity scaled by their page sizes.
             scaled = cfg.disk_bytes * plan.page_bytes // kv.plan.page_bytes
             cfg = type(cfg)(**{**cfg.__dict__, "disk_bytes": max(scaled, 1 << 20)})
-        tiers = build_tiers((kind, cfg, plan.page_bytes, ns) for kind in configured(cfg))
+        # MLA: Redis holds one copy for every TP rank, written by the writer
+        # rank; a disk directory has one owner, so each rank keeps (and
+        # writes) its own. Mamba state is sharded by TP even in MLA models.
+        shared = self.is_mla and name != PoolName.MAMBA
+        kinds = configured(cfg)
+        tiers = build_tiers(
+            (kind, cfg, plan.page_bytes, namespace(shared and kind == "remote")) for kind in kinds
+        )
+        writes = [not (shared and kind == "remote") or self.is_writer for kind in kinds]
         if old is not None:
             old.close()
-        self.movers[name] = PageMover(plan, tiers, self.settings.staging_bytes)
+        self.movers[name] = PageMover(plan, tiers, self.settings.staging_bytes, writes)
         log.info(
             "kvtier: SGLang pool %s (%s, %d B pages) on %s",
             name, plan.layout, plan.page_bytes, ", ".join(t.name for t in tiers),
@@ -205,8 +218,9 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Write the KV pool's pages at ``host_indices`` as ``keys``; per page:
-        stored (or already there). An MLA rank that is not the writer stores
-        nothing and reports success (the writer's pages serve it)."""
+        stored (or already there). An MLA rank that is not the writer leaves
+        Redis to the writer (its pages serve every rank) and reports success
+        for it."""
         return self._pages("store", str(PoolName.KV), keys, host_indices)
 
     def batch_get_v2(
@@ -231,8 +245,6 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
     def _pages(self, kind: str, pool: str, keys: Sequence[str], host_indices: Any) -> list[bool]:
         if not keys:
             return []
-        if kind == "store" and not self.is_writer:
-            return [True] * len(keys)
         mover = self._mover(pool)
         pages = mover.plan.page_starts(host_indices, len(keys))
         start = time.perf_counter()
@@ -275,8 +287,6 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
     ) -> bool:
         """Store one page given as a tensor of the page's bytes (SGLang's
         flat data page). Raises InvalidArgument for a value of another size."""
-        if not self.is_writer:
-            return True
         mover = self._mover()
         data = _bytes_of(value)
         if data.size != mover.plan.page_bytes:

@@ -1,0 +1,284 @@
+"""kvtier as SGLang HiCache's storage backend, through the disk tier:
+against SGLang's own storage classes (HiCacheStorageConfig, the
+HiCacheStorage base, its pool names and hit policies) and its host KV pools
+on CPU tensors, whose page methods are SGLang's own code
+(kvtier.bench.sglang_pool)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+hs = pytest.importorskip(
+    "sglang.srt.mem_cache.hicache_storage",
+    reason="sglang is not installed (make venv installs sglang==0.5.23 --no-deps)",
+)
+torch = pytest.importorskip("torch")
+
+from kvtier.bench.sglang_pool import (  # noqa: E402
+    CLASSES,
+    STANDIN_ATTRIBUTES,
+    class_def,
+    defined_attributes,
+    host_pool,
+)
+from kvtier.errors import InvalidArgument  # noqa: E402
+from kvtier.integrations.sglang import KVTierStorage, parse_extra_config  # noqa: E402
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+def config(extra: dict[str, Any], *, mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
+           model: str = "org/model", layout: str = "page_first") -> Any:  # fmt: skip
+    return hs.HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=True,
+        is_page_first_layout=layout != "layer_first", model_name=model, extra_config=extra,
+    )  # fmt: skip
+
+
+def fill(pool: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    raw = pool.kv_buffer.view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+
+
+def page(pool: Any, i: int) -> bytes:
+    """Bytes of page ``i`` as SGLang's flat data page."""
+    return bytes(pool.get_data_page(i * pool.page_size).contiguous().view(torch.uint8).numpy())
+
+
+def indices(pool: Any, first: int, n: int) -> Any:
+    return torch.arange(first * pool.page_size, (first + n) * pool.page_size)
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> dict[str, Any]:
+    return {"backend_name": "kvtier", "interface_v1": 1,
+            "kvtier_disk_path": str(tmp_path / "kv"), "kvtier_disk_bytes": "64MiB"}  # fmt: skip
+
+
+@pytest.fixture
+def opened() -> Iterator[list[Any]]:
+    """Backends a test opened, closed at its end."""
+    out: list[Any] = []
+    yield out
+    for s in out:
+        s.close()
+
+
+def backend(opened: list[Any], extra: dict[str, Any], pool: Any, **kw: Any) -> Any:
+    s = KVTierStorage(config(extra, layout=pool.layout, **kw), {})
+    opened.append(s)
+    s.register_mem_pool_host(pool)
+    return s
+
+
+def test_importing_the_integration_loads_neither_sglang_nor_the_native_core() -> None:
+    code = (
+        "import sys, kvtier.integrations.sglang as m\n"
+        "print(any(k.startswith('sglang') for k in sys.modules), 'kvtier._native' in sys.modules)\n"
+        "m.KVTierStorage\n"
+        "print('sglang.srt.mem_cache.hicache_storage' in sys.modules, 'kvtier._native' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "True", "False"]
+
+
+def test_the_stand_in_pools_set_only_what_sglangs_classes_set() -> None:
+    base = defined_attributes(class_def("base.py", "HostKVCache"))
+    for kind, (file, name) in CLASSES.items():
+        real = defined_attributes(class_def(file, name)) | base
+        assert set(STANDIN_ATTRIBUTES[kind]) <= real, set(STANDIN_ATTRIBUTES[kind]) - real
+        pool = host_pool(kind, "page_first", pages=4)
+        assert {a for a in STANDIN_ATTRIBUTES[kind] if hasattr(pool, a)} == set(
+            STANDIN_ATTRIBUTES[kind]
+        )
+    # SGLang's HiCacheStorage methods the backend overrides exist there.
+    tree = ast.parse(Path(hs.__file__).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "HiCacheStorage")
+    theirs = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    ours = {"batch_exists_v2", "batch_get_v1", "batch_set_v1", "batch_get_v2", "batch_set_v2",
+            "get", "set", "exists", "batch_get", "batch_set", "batch_exists", "clear",
+            "get_stats", "register_mem_pool_host", "register_mem_host_pool_v2"}  # fmt: skip
+    assert ours <= theirs
+    assert {k for k in vars(KVTierStorage) if k in theirs} == ours
+
+
+def test_extra_config_errors_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match="needs kvtier_disk_path or kvtier_remote_url"):
+        parse_extra_config({"backend_name": "kvtier"})
+    with pytest.raises(InvalidArgument, match="unknown hicache extra config key 'kvtier_disk'"):
+        parse_extra_config({"kvtier_disk": "/x"})
+    with pytest.raises(InvalidArgument, match="kvtier_disk_bytes"):
+        parse_extra_config({"kvtier_disk_path": "/x", "kvtier_disk_bytes": "lots"})
+    s = parse_extra_config({"kvtier_disk_path": "/x", "kvtier_disk_bytes": "1GiB",
+                            "enable_metadata_cache": True, "interface_v1": 1})  # fmt: skip
+    assert s.tier_config().disk_bytes == 1 << 30 and s.tier_config().remote_url is None
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pages_round_trip_byte_for_byte(
+    kind: str, layout: str, disk: dict[str, Any], opened: list[Any]
+) -> None:
+    pool = host_pool(kind, layout, pages=24)
+    fill(pool, 1)
+    s = backend(opened, disk, pool, mla=kind == "mla")
+    keys = [f"h{i}" for i in range(8)]
+    want = [page(pool, i) for i in range(8)]
+    assert s.batch_set_v1(keys, indices(pool, 0, 8)) == [True] * 8
+    assert s.batch_exists(keys) == 8 and s.batch_exists(["nope", *keys]) == 0
+    assert s.batch_get_v1(keys[2:], indices(pool, 10, 6)) == [True] * 6
+    assert [page(pool, 10 + i) for i in range(6)] == want[2:]
+    # The key-value fallback reads the same records (SGLang's flat data page).
+    got = s.get("h3", pool.get_dummy_flat_data_page())
+    assert bytes(got.view(torch.uint8).numpy()) == want[3]
+    st = s.kvtier_stats()["kv"]
+    assert (st["pages_stored"], st["pages_loaded"], st["tiers"]["disk"]["loads"]) == (8, 6, 7)
+
+
+def test_generic_and_zero_copy_paths_read_each_others_pages(
+    disk: dict[str, Any], opened: list[Any]
+) -> None:
+    pool = host_pool("mha", "layer_first", pages=16)
+    fill(pool, 2)
+    s = backend(opened, disk, pool)
+    # SGLang's generic path: flat data pages in, dummy pages out.
+    assert s.batch_set(["a", "b"], [pool.get_data_page(i * pool.page_size) for i in (0, 1)])
+    assert s.batch_get_v1(["a", "b"], indices(pool, 5, 2)) == [True, True]
+    assert [page(pool, 5), page(pool, 6)] == [page(pool, 0), page(pool, 1)]
+    assert s.batch_set_v1(["c"], indices(pool, 2, 1)) == [True]
+    out = s.batch_get(["c", "zz"], [pool.get_dummy_flat_data_page() for _ in range(2)])
+    assert bytes(out[0].view(torch.uint8).numpy()) == page(pool, 2) and out[1] is None
+    with pytest.raises(InvalidArgument, match="value of 8 B for pages of"):
+        s.set("x", torch.zeros(4, dtype=torch.int16))
+
+
+def test_exists_is_the_longest_stored_prefix(disk: dict[str, Any], opened: list[Any]) -> None:
+    pool = host_pool("mha", "page_first", pages=16)
+    fill(pool, 3)
+    s = backend(opened, disk, pool)
+    assert s.batch_set_v1(["p0", "p1", "p3"], indices(pool, 0, 3)) == [True] * 3
+    keys = ["p0", "p1", "p2", "p3"]
+    assert s.batch_exists(keys) == 2
+    r = s.batch_exists_v2(keys)
+    assert (r.kv_hit_pages, r.extra_pool_hit_pages, r.restorable_prefix_pages) == (
+        2, {"kv": 2}, [1, 2])  # fmt: skip
+    assert s.exists("p3") and not s.exists("p2")
+
+
+def test_extra_pools_shorten_the_prefix_by_their_hit_policy(
+    disk: dict[str, Any], opened: list[Any]
+) -> None:
+    pool = host_pool("mha", "page_first", pages=16)
+    side = host_pool("mla", "page_first", pages=16, layers=1, kv_lora_rank=32, qk_rope_head_dim=0)
+    fill(pool, 4)
+    fill(side, 5)
+    s = backend(opened, disk, pool)
+    s.register_mem_host_pool_v2(pool, hs.PoolName.KV)
+    s.register_mem_host_pool_v2(side, hs.PoolName.MAMBA)
+    keys = [f"q{i}" for i in range(6)]
+    kv = hs.PoolTransfer(name=hs.PoolName.KV, keys=keys, host_indices=indices(pool, 0, 6))
+    # State for pages 0, 1 and 4 only.
+    st = hs.PoolTransfer(name=hs.PoolName.MAMBA, keys=[keys[i] for i in (0, 1, 4)],
+                         host_indices=torch.cat([indices(side, i, 1) for i in (0, 1, 4)]))  # fmt: skip
+    assert s.batch_set_v2([kv, st]) == {"kv": [True] * 6, "mamba": [True] * 3}
+    all_pages = hs.PoolTransfer(name=hs.PoolName.MAMBA, hit_policy=hs.PoolHitPolicy.ALL_PAGES)
+    r = s.batch_exists_v2(keys, [all_pages])
+    assert (r.kv_hit_pages, r.extra_pool_hit_pages) == (2, {"kv": 6, "mamba": 2})
+    trailing = hs.PoolTransfer(
+        name=hs.PoolName.MAMBA, keys=["x"], hit_policy=hs.PoolHitPolicy.TRAILING_PAGES
+    )
+    r = s.batch_exists_v2(keys, [trailing])
+    assert (r.kv_hit_pages, r.restorable_prefix_pages) == (5, [1, 2, 5])
+    # The sidecar's pages come back into its own pool, byte for byte.
+    back = hs.PoolTransfer(name=hs.PoolName.MAMBA, keys=[keys[4]], host_indices=indices(side, 9, 1))
+    assert s.batch_get_v2([back]) == {"mamba": [True]}
+    assert page(side, 9) == page(side, 4)
+
+
+def test_a_corrupt_record_is_a_miss_and_its_page_untouched(
+    disk: dict[str, Any], opened: list[Any], tmp_path: Path
+) -> None:
+    pool = host_pool("mha", "page_first", pages=16)
+    fill(pool, 6)
+    s = backend(opened, disk, pool)
+    keys = [f"c{i}" for i in range(4)]
+    assert s.batch_set_v1(keys, indices(pool, 0, 4)) == [True] * 4
+    # Flip one byte in every record's payload but the first: which record
+    # holds which page is the tier's business, so damage all but one.
+    slab = next((tmp_path / "kv").glob("kvtier-*/slab-000.dat"))
+    rec = s.movers["kv"].tiers[0].record_bytes
+    with open(slab, "r+b") as f:
+        for r in range(1, 4):
+            f.seek(r * rec + 100)
+            b = f.read(1)
+            f.seek(r * rec + 100)
+            f.write(bytes([b[0] ^ 0xFF]))
+    before = [page(pool, 8 + i) for i in range(4)]
+    got = s.batch_get_v1(keys, indices(pool, 8, 4))
+    assert sum(got) == 1
+    good = got.index(True)
+    assert page(pool, 8 + good) == page(pool, good)
+    # No byte of a page that failed its check reached the pool.
+    assert all(page(pool, 8 + i) == before[i] != page(pool, i) for i in range(4) if not got[i])
+    tier = s.kvtier_stats()["kv"]["tiers"]["disk"]
+    assert (tier["corrupt"], tier["blocks"]) == (3, 1)
+    assert s.batch_exists([keys[good]]) == 1 and sum(s.exists(k) for k in keys) == 1
+
+
+def test_pages_survive_a_restart_and_clear_drops_them(
+    disk: dict[str, Any], opened: list[Any]
+) -> None:
+    pool = host_pool("mha", "page_first", pages=16)
+    fill(pool, 7)
+    s = backend(opened, disk, pool)
+    keys = [f"r{i}" for i in range(5)]
+    assert s.batch_set_v1(keys, indices(pool, 0, 5)) == [True] * 5
+    s.close()
+    s.close()  # idempotent
+    s2 = backend(opened, disk, pool)
+    assert s2.batch_exists(keys) == 5
+    assert s2.batch_get_v1(keys, indices(pool, 8, 5)) == [True] * 5
+    assert [page(pool, 8 + i) for i in range(5)] == [page(pool, i) for i in range(5)]
+    s2.clear()
+    assert s2.batch_exists(keys) == 0
+
+
+def test_namespaces_keep_models_layouts_and_ranks_apart(
+    disk: dict[str, Any], opened: list[Any]
+) -> None:
+    pool = host_pool("mha", "page_first", pages=8)
+    fill(pool, 8)
+    a = backend(opened, disk, pool)
+    assert a.batch_set_v1(["k"], indices(pool, 0, 1)) == [True]
+    a.close()
+    for kw in ({"model": "org/other"}, {"tp_rank": 1, "tp_size": 2}):
+        b = backend(opened, disk, pool, **kw)
+        assert b.batch_exists(["k"]) == 0
+        b.close()
+    lf = host_pool("mha", "layer_first", pages=8)
+    c = backend(opened, disk, lf)
+    assert c.batch_exists(["k"]) == 0
+    c.close()
+    assert backend(opened, disk, pool).batch_exists(["k"]) == 1
+
+
+def test_metrics_count_pages_per_call(disk: dict[str, Any], opened: list[Any]) -> None:
+    pool = host_pool("mha", "page_first", pages=8)
+    s = backend(opened, disk, pool)
+    s.batch_set_v1(["m0", "m1", "m2"], indices(pool, 0, 3))
+    s.batch_get_v1(["m0", "m1"], indices(pool, 4, 2))
+    assert s.metrics["backup_pgs"] == [3] and s.metrics["prefetch_pgs"] == [2]
+    m = s.get_stats()
+    if m is not None:  # SGLang's metrics module imports (its full dependencies)
+        assert (m.backup_pgs, m.prefetch_pgs) == ([3], [2])
+    else:
+        assert s.metrics["backup_pgs"] == [3]
