@@ -43,6 +43,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _cmd_bench_soak(args)
     if args.component == "disk-index":
         return _cmd_bench_disk_index(args)
+    if args.component == "sglang":
+        return _cmd_bench_sglang(args)
     args.repeats = args.repeats or 5
     if args.component == "copy":
         sizes = [parse_size(args.block_bytes)] if args.block_bytes else None
@@ -134,6 +136,28 @@ def _cmd_bench_disk_index(args: argparse.Namespace) -> int:
         return 0
     print(f"[disk-index] {result['note']}")
     print(table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"  wrote {args.json}")
+    return 0
+
+
+def _cmd_bench_sglang(args: argparse.Namespace) -> int:
+    """``kvtier bench sglang``: see :mod:`kvtier.bench.sglang`."""
+    from pathlib import Path
+
+    from kvtier.bench.harness import output_dir, save_result
+    from kvtier.bench.sglang import run_sglang, table
+
+    result = run_sglang(_scratch_dir(args), args.url, args.repeats or 3)
+    path = save_result(result, output_dir(args.out, "bench"))
+    if args.json == "-":
+        _print_json_last(result)
+        return 0
+    print(table(result))
+    if path:
+        print(f"  saved {path}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -451,10 +475,20 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="measure a component against its baseline")
     b.add_argument(
         "component",
-        choices=["copy", "manager", "disk", "disk-index", "remote", "vllm", "serve", "soak"],
+        choices=[
+            "copy",
+            "manager",
+            "disk",
+            "disk-index",
+            "remote",
+            "vllm",
+            "serve",
+            "soak",
+            "sglang",
+        ],
     )
     b.add_argument("--block-bytes", help="one size (default: 64KiB, 256KiB and 2MiB)")
-    b.add_argument("--repeats", type=int, help="repeats (default 5; serve: 3)")
+    b.add_argument("--repeats", type=int, help="repeats (default 5; serve, sglang: 3)")
     b.add_argument(
         "--out",
         help="save results with machine facts in this directory ('' to skip; default: "
@@ -466,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         const="-",
         metavar="PATH",
-        help="print JSON (last line); disk-index: --json PATH writes it to PATH instead",
+        help="print JSON (last line); disk-index, sglang: --json PATH writes it to PATH instead",
     )
     # One group per component, so `kvtier bench --help` says which options matter where.
     o = b.add_argument_group("copy")
@@ -476,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="host",
         help="host: pool<->buffer copies; cpu: DeviceTransfer with a CPU KV cache",
     )
-    o = b.add_argument_group("disk, vllm")
+    o = b.add_argument_group("disk, vllm, sglang")
     o.add_argument(
         "--dir",
         help="directory on the device to measure "
@@ -494,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="vllm, serve --server: Mooncake-format JSONL trace to replay (vllm default: "
         "synthetic; serve --server: ../shared/traces/mooncake_conversation_trace.jsonl if there)",
     )
-    o = b.add_argument_group("remote")
+    o = b.add_argument_group("remote, sglang")
     o.add_argument("--url", help="redis://HOST:PORT (default: start a local server)")
     o.add_argument(
         "--tls",

@@ -1,0 +1,318 @@
+"""``kvtier bench sglang``: kvtier's SGLang HiCache backend against SGLang's
+own file backend (``HiCacheFile``) on the same directory, and against a
+redis-py + hiredis backend (pipelined GET/SET/EXISTS of SGLang's flat data
+pages: the usual Python approach; SGLang ships no Redis backend) on the same
+Redis; same host pool, page size and batch size for every contender.
+
+Each contender runs as SGLang's cache controller drives it: kvtier through
+the zero-copy calls (``interface_v1``: ``batch_set_v1``, ``batch_get_v1``,
+``batch_exists``), ``HiCacheFile`` and the redis-py backend through the
+generic ones (``batch_set`` of ``get_data_page`` pages; ``batch_get`` into
+``get_dummy_flat_data_page`` pages, then ``set_from_flat_data_page``;
+``batch_exists``). A repeat stores fresh pages, checks their keys, reads them
+back (verified byte for byte); contenders take turns in a rotating order.
+
+Who calls: :mod:`kvtier.cli`. Blocks for the whole run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.bench.harness import PAIRED, paired_ratio
+from kvtier.bench.sglang_pool import host_pool
+
+OPS = ("set", "exists", "get")
+#: Page geometries measured by default: (name, pool kwargs, pages per run).
+SHAPES = (
+    ("32KiB pages", {"page_size": 16, "layers": 4, "heads": 2, "head_dim": 64}, 1024),
+    ("1MiB pages", {"page_size": 64, "layers": 8, "heads": 4, "head_dim": 128}, 128),
+)
+
+
+def storage_config(extra: dict[str, Any], layout: str) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False,
+        is_page_first_layout=layout != "layer_first", model_name="bench/model",
+        extra_config=extra,
+    )  # fmt: skip
+
+
+class RedisPyPages:
+    """The redis-py baseline: SGLang's generic storage calls over one
+    connection, pipelines of one batch."""
+
+    def __init__(self, url: str) -> None:
+        import redis
+
+        self.r = redis.Redis.from_url(url)
+        self.prefix = b"sglang-py:"
+
+    def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> bool:
+        p = self.r.pipeline(transaction=False)
+        for k, v in zip(keys, values):
+            p.set(self.prefix + k.encode(), v.contiguous().view(torch.uint8).numpy().tobytes())
+        return all(p.execute())
+
+    def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        p = self.r.pipeline(transaction=False)
+        for k in keys:
+            p.get(self.prefix + k.encode())
+        out: list[torch.Tensor | None] = []
+        for v, t in zip(p.execute(), targets):
+            if v is None:
+                out.append(None)
+                continue
+            t.view(torch.uint8).copy_(torch.frombuffer(bytearray(v), dtype=torch.uint8))
+            out.append(t)
+        return out
+
+    def batch_exists(self, keys: list[str]) -> int:
+        p = self.r.pipeline(transaction=False)
+        for k in keys:
+            p.exists(self.prefix + k.encode())
+        hits = p.execute()
+        return hits.index(0) if 0 in hits else len(hits)
+
+    def close(self) -> None:
+        self.r.flushall()
+        self.r.close()
+
+
+def _page(pool: Any, i: int) -> bytes:
+    return bytes(pool.get_data_page(i * pool.page_size).contiguous().view(torch.uint8).numpy())
+
+
+def _idx(pool: Any, first: int, n: int) -> torch.Tensor:
+    return torch.arange(first * pool.page_size, (first + n) * pool.page_size)
+
+
+def _zero_copy(s: Any, pool: Any, batch: int) -> dict[str, Callable[[list[str]], bool]]:
+    """kvtier through SGLang's zero-copy calls: pages [0, batch) out, [batch, 2 batch) in."""
+    return {
+        "set": lambda keys: all(s.batch_set_v1(keys, _idx(pool, 0, len(keys)))),
+        "exists": lambda keys: s.batch_exists(keys) == len(keys),
+        "get": lambda keys: all(s.batch_get_v1(keys, _idx(pool, batch, len(keys)))),
+    }
+
+
+def _generic(s: Any, pool: Any, batch: int) -> dict[str, Callable[[list[str]], bool]]:
+    """A backend through SGLang's generic calls, as its cache controller makes them."""
+    ps = pool.page_size
+
+    def put(keys: list[str]) -> bool:
+        return bool(s.batch_set(keys, [pool.get_data_page(i * ps) for i in range(len(keys))]))
+
+    def get(keys: list[str]) -> bool:
+        got = s.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+        for i, data in enumerate(got):
+            if data is None:
+                return False
+            pool.set_from_flat_data_page((batch + i) * ps, data)
+        return True
+
+    return {"set": put, "exists": lambda keys: s.batch_exists(keys) == len(keys), "get": get}
+
+
+def _drop_cached(directory: Path) -> None:
+    """Evict ``directory``'s files from the page cache (they are clean after
+    a sync): later reads come from the device, as kvtier's direct reads do."""
+    for path in directory.glob("*.bin"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _run_once(
+    ops: dict[str, Callable[[list[str]], bool]],
+    keys: list[str],
+    batch: int,
+    pool: Any,
+    device: Path | None = None,
+) -> dict[str, float]:
+    """Seconds per op over ``keys`` in batches; checks every page read back.
+    ``device``: the contender's files in that directory go to the device
+    before ``set`` ends (a sync, timed) and leave the page cache before
+    ``get`` (untimed), so both come from the device as kvtier's do."""
+    secs: dict[str, float] = {}
+    want = [_page(pool, i) for i in range(batch)]
+    for op in OPS:
+        if op == "get" and device is not None:
+            _drop_cached(device)
+        t0 = time.perf_counter()
+        for first in range(0, len(keys), batch):
+            if not ops[op](keys[first : first + batch]):
+                raise RuntimeError(f"{op} failed")
+        if op == "set" and device is not None:
+            os.sync()
+        secs[op] = time.perf_counter() - t0
+    n = len(keys) % batch or batch  # the last batch read back sits at [batch, batch + n)
+    if [_page(pool, batch + i) for i in range(n)] != want[:n]:
+        raise RuntimeError("a page read back differs from the page stored")
+    return secs
+
+
+def run_shape(
+    name: str,
+    shape: dict[str, Any],
+    num_pages: int,
+    batch: int,
+    repeats: int,
+    directory: str,
+    url: str,
+    layout: str = "page_first",
+) -> dict[str, Any]:
+    """One page geometry: every contender ``repeats`` times; rates and ratios."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+
+    from kvtier.integrations.sglang import KVTierStorage
+
+    pool = host_pool("mha", layout, pages=2 * batch, **shape)
+    g = torch.Generator().manual_seed(0)
+    raw = pool.kv_buffer.view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+    page_bytes = len(_page(pool, 0))
+    work = Path(tempfile.mkdtemp(prefix="sglang-", dir=directory))
+    cap = (repeats + 2) * num_pages * (page_bytes + 8192) + (64 << 20)
+    disk_cfg = {"kvtier_disk_path": str(work), "kvtier_disk_bytes": cap}
+    disk = KVTierStorage(storage_config(disk_cfg, layout))
+    disk.register_mem_pool_host(pool)
+    remote = KVTierStorage(storage_config({"kvtier_remote_url": url}, layout))
+    remote.register_mem_pool_host(pool)
+    hfile = HiCacheFile(storage_config({"file_storage_path": str(work)}, layout))
+    pyredis = RedisPyPages(url)
+    contenders = {
+        "kvtier_disk": _zero_copy(disk, pool, batch),
+        "hicache_file": _generic(hfile, pool, batch),
+        "hicache_file_device": _generic(hfile, pool, batch),
+        "kvtier_redis": _zero_copy(remote, pool, batch),
+        "redis_py": _generic(pyredis, pool, batch),
+    }
+    runs: dict[str, dict[str, list[float]]] = {c: {op: [] for op in OPS} for c in contenders}
+    try:
+        for r in range(repeats):
+            names = list(contenders)
+            names = names[r % len(names) :] + names[: r % len(names)]
+            for c in names:
+                tag = list(contenders).index(c)
+                keys = [f"{r:04x}{tag:04x}{i:056x}" for i in range(num_pages)]
+                device = work if c == "hicache_file_device" else None
+                for op, s in _run_once(contenders[c], keys, batch, pool, device).items():
+                    runs[c][op].append(num_pages / s)
+            pyredis.r.flushall()
+    finally:
+        for backend in (disk, remote, pyredis):
+            backend.close()
+        hfile.clear()
+        shutil.rmtree(work, ignore_errors=True)
+    med = statistics.median
+    out: dict[str, Any] = {
+        "shape": name, "layout": layout, "page_bytes": page_bytes, "pages_per_run": num_pages,
+        "batch_pages": batch,
+    }  # fmt: skip
+    for c, ops in runs.items():
+        out[c] = {
+            op: {"pages_per_s": round(med(v), 1), "gbps": round(med(v) * page_bytes / 1e9, 3),
+                 "runs_pages_per_s": [round(x, 1) for x in v]}
+            for op, v in ops.items()
+        }  # fmt: skip
+    out["vs_hicache_file"] = {
+        op: paired_ratio(runs["kvtier_disk"][op], runs["hicache_file"][op]) for op in OPS
+    }
+    out["vs_hicache_file_device"] = {
+        op: paired_ratio(runs["kvtier_disk"][op], runs["hicache_file_device"][op]) for op in OPS
+    }
+    out["redis_vs_redis_py"] = {
+        op: paired_ratio(runs["kvtier_redis"][op], runs["redis_py"][op]) for op in OPS
+    }
+    return out
+
+
+def run_sglang(
+    directory: str,
+    url: str | None = None,
+    repeats: int = 3,
+    batch: int = 64,
+    shapes: tuple[tuple[str, dict[str, Any], int], ...] = SHAPES,
+    layout: str = "page_first",
+) -> dict[str, Any]:
+    """Every shape against the baselines (a local redis-server unless
+    ``url``); ``vs_hicache_file`` and ``redis_vs_redis_py``: per op, the
+    median over shapes of the paired ratios."""
+    import sglang
+
+    # One torch thread: the baselines' page copies are torch ops, and on a
+    # small machine shared with kvtier's threads (and anything else) torch's
+    # OpenMP pool waits on busy cores: a 1 MiB copy took 4-7 ms with 2
+    # threads, 0.15-0.25 ms with 1 (2 cores, under load).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    server = None
+    if url is None:
+        from kvtier.bench.redis_server import RedisServer
+
+        server = RedisServer(Path(tempfile.mkdtemp(prefix="kvtier-bench-redis-")))
+        url = server.url
+    try:
+        results = [run_shape(n, s, p, batch, repeats, directory, url, layout) for n, s, p in shapes]
+    finally:
+        torch.set_num_threads(threads)
+        if server is not None:
+            server.stop()
+    med = statistics.median
+    return {
+        "component": "sglang",
+        "sglang": sglang.__version__,
+        "baselines": {
+            "hicache_file": "SGLang's HiCacheFile on the same directory (generic calls), as "
+            "SGLang runs it: writes end in the page cache, reads of them come from it",
+            "hicache_file_device": "the same, its writes synced before set ends and its files "
+            "dropped from the page cache before get: both from the device, as kvtier's",
+            "redis_py": "redis-py + hiredis, one pipeline per batch (generic calls), same Redis",
+        },
+        "vs_hicache_file": {op: med(r["vs_hicache_file"][op] for r in results) for op in OPS},
+        "vs_hicache_file_device": {
+            op: med(r["vs_hicache_file_device"][op] for r in results) for op in OPS
+        },
+        "redis_vs_redis_py": {op: med(r["redis_vs_redis_py"][op] for r in results) for op in OPS},
+        "ratio_method": PAIRED + "; medians over page shapes; contenders rotate between repeats",
+        "repeats": repeats,
+        "shapes": results,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """Pages/s and GB/s per contender and op, then the ratios."""
+    lines = []
+    for r in result["shapes"]:
+        lines.append(
+            f"{r['shape']} ({r['page_bytes']} B, {r['layout']}, batches of {r['batch_pages']})"
+        )
+        for c in ("kvtier_disk", "hicache_file", "hicache_file_device", "kvtier_redis", "redis_py"):
+            cells = "  ".join(
+                f"{op} {r[c][op]['pages_per_s']:>9.0f} p/s {r[c][op]['gbps']:6.3f} GB/s"
+                for op in OPS
+            )
+            lines.append(f"  {c:<19} {cells}")
+        lines.append(
+            f"  kvtier/HiCacheFile {r['vs_hicache_file']}  from the device "
+            f"{r['vs_hicache_file_device']}  kvtier/redis-py {r['redis_vs_redis_py']}"
+        )
+    lines.append(
+        f"vs_hicache_file {result['vs_hicache_file']}  redis_vs_redis_py {result['redis_vs_redis_py']}"
+    )
+    return "\n".join(lines)
