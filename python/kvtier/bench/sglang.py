@@ -226,7 +226,8 @@ def run_shape(
     }  # fmt: skip
     for c, ops in runs.items():
         out[c] = {
-            op: {"pages_per_s": round(med(v), 1), "gbps": round(med(v) * page_bytes / 1e9, 3),
+            op: {"pages_per_s": round(med(v), 1),
+                 **({"gbps": round(med(v) * page_bytes / 1e9, 3)} if op != "exists" else {}),
                  "runs_pages_per_s": [round(x, 1) for x in v]}
             for op, v in ops.items()
         }  # fmt: skip
@@ -273,7 +274,6 @@ def run_sglang(
         torch.set_num_threads(threads)
         if server is not None:
             server.stop()
-    med = statistics.median
     return {
         "component": "sglang",
         "sglang": sglang.__version__,
@@ -284,15 +284,19 @@ def run_sglang(
             "dropped from the page cache before get: both from the device, as kvtier's",
             "redis_py": "redis-py + hiredis, one pipeline per batch (generic calls), same Redis",
         },
-        "vs_hicache_file": {op: med(r["vs_hicache_file"][op] for r in results) for op in OPS},
+        "vs_hicache_file": {op: _med(r["vs_hicache_file"][op] for r in results) for op in OPS},
         "vs_hicache_file_device": {
-            op: med(r["vs_hicache_file_device"][op] for r in results) for op in OPS
+            op: _med(r["vs_hicache_file_device"][op] for r in results) for op in OPS
         },
-        "redis_vs_redis_py": {op: med(r["redis_vs_redis_py"][op] for r in results) for op in OPS},
+        "redis_vs_redis_py": {op: _med(r["redis_vs_redis_py"][op] for r in results) for op in OPS},
         "ratio_method": PAIRED + "; medians over page shapes; contenders rotate between repeats",
         "repeats": repeats,
         "shapes": results,
     }
+
+
+def _med(values: Any) -> float:
+    return round(float(statistics.median(values)), 3)
 
 
 def table(result: dict[str, Any]) -> str:
@@ -304,7 +308,8 @@ def table(result: dict[str, Any]) -> str:
         )
         for c in ("kvtier_disk", "hicache_file", "hicache_file_device", "kvtier_redis", "redis_py"):
             cells = "  ".join(
-                f"{op} {r[c][op]['pages_per_s']:>9.0f} p/s {r[c][op]['gbps']:6.3f} GB/s"
+                f"{op} {r[c][op]['pages_per_s']:>9.0f} p/s"
+                + (f" {r[c][op]['gbps']:6.3f} GB/s" if op != "exists" else "")
                 for op in OPS
             )
             lines.append(f"  {c:<19} {cells}")

@@ -91,11 +91,13 @@ class PageMover:
         self._closed = False
 
     # -- waiting on native work, outside the lock ---------------------------
-    def _copy(self, descs: np.ndarray) -> bool:
-        """Run host copies on the copy engine (two jobs: both threads work);
-        True when every copy succeeded. Blocks until they ended."""
+    def _copy_submit(self, descs: np.ndarray) -> list[int]:
+        """Queue host copies on the copy engine (two jobs: both threads work)."""
         parts = np.array_split(descs, 2) if len(descs) > 1 else [descs]
-        jids = [self.copier.submit_copy(np.ascontiguousarray(p)) for p in parts if len(p)]
+        return [self.copier.submit_copy(np.ascontiguousarray(p)) for p in parts if len(p)]
+
+    def _copy_wait(self, jids: list[int]) -> bool:
+        """Block until the copy jobs ``jids`` ended; True when all succeeded."""
         while True:
             try:
                 self.copier.wait(jids, _WAIT_SLICE_S)
@@ -109,6 +111,12 @@ class PageMover:
         if not ok:
             self.counters["copy_failures"] += 1
         return ok
+
+    @staticmethod
+    def _step(n: int) -> int:
+        """Pages per piece of a batch of ``n``: the host copy of one piece
+        overlaps the I/O of the others (4 pieces from 16 pages on)."""
+        return max(4, -(-n // 4))
 
     def _drain(self, tier: JobTier) -> None:
         """Poll ``tier`` (lock held): completions kept by token for whichever
@@ -187,10 +195,7 @@ class PageMover:
                 if not slots:  # every slot held by a timed-out job
                     break
                 part, todo = todo[: len(slots)], todo[len(slots) :]
-                addr = self.staging.address + np.asarray(slots, np.int64) * self.slot_bytes
-                descs = self.plan.descriptors(pages[part], addr[: len(part)], to_slots=True)
-                if self._copy(descs):
-                    self._store_slots(keys, part, slots, ok)
+                self._store_part(keys, pages, part, slots[: len(part)], ok)
         self.counters["pages_stored"] += sum(ok)
         self.counters["store_failures"] += len(ok) - sum(ok)
         return ok
@@ -207,6 +212,24 @@ class PageMover:
                     todo.append(i)
         return todo
 
+    def _store_part(
+        self, keys: Sequence[bytes], pages: np.ndarray, part: list[int], slots: list[int],
+        ok: list[bool],
+    ) -> None:  # fmt: skip
+        """Gather ``pages[part]`` into ``slots`` and write them, piece by
+        piece: a piece's writes run while the next piece is gathered."""
+        pending: list[tuple[JobTier, int | None, list[int], list[int]]] = []
+        step = self._step(len(part))
+        for a in range(0, len(part), step):
+            pp, ps = part[a : a + step], slots[a : a + step]
+            addr = self.staging.address + np.asarray(ps, np.int64) * self.slot_bytes
+            if not self._copy_wait(self._copy_submit(self.plan.descriptors(pages[pp], addr, True))):
+                continue
+            pkeys = [keys[i] for i in pp]
+            with self._lock:
+                pending += [(t, t.submit_store(pkeys, ps), pp, ps) for t in self.writable]
+        self._end_stores(pending, ok)
+
     def _store_slots(
         self, keys: Sequence[bytes], part: list[int], slots: list[int], ok: list[bool]
     ) -> None:
@@ -214,8 +237,15 @@ class PageMover:
         pkeys = [keys[i] for i in part]
         slots = slots[: len(part)]
         with self._lock:
-            tokens = [(tier, tier.submit_store(pkeys, slots)) for tier in self.writable]
-        for tier, token in tokens:
+            pending = [(t, t.submit_store(pkeys, slots), part, slots) for t in self.writable]
+        self._end_stores(pending, ok)
+
+    def _end_stores(
+        self, pending: list[tuple[JobTier, int | None, list[int], list[int]]], ok: list[bool]
+    ) -> None:
+        """Wait for store batches ``(tier, token, positions, slots)``; a
+        position is ``ok`` once one tier stored it."""
+        for tier, token, part, slots in pending:
             if token is None:  # backpressure: this tier skipped the batch
                 continue
             c = self._finish(tier, token)
@@ -256,26 +286,35 @@ class PageMover:
         slots: list[int],
         ok: list[bool],
     ) -> None:
-        pkeys = [keys[i] for i in part]
+        step = self._step(len(part))
+        reads = []
         with self._lock:
             # A remote key not known to exist is read with a probe (a GET
             # whose absence is a plain miss); one known is read alike.
-            probe = tier.can_probe
-            token = tier.submit_probe(pkeys, slots) if probe else tier.submit_load(pkeys, slots)
-        if token is None:
-            return
-        c = self._finish(tier, token)
-        self._note_held(c, slots)
-        good = [j for j, g in enumerate(c.key_ok or [c.ok] * len(part)) if g]
-        if not good:
-            return
-        addr = (
-            self.staging.address + np.asarray([slots[j] for j in good], np.int64) * self.slot_bytes
-        )
-        dst = pages[[part[j] for j in good]]
-        if self._copy(self.plan.descriptors(dst, addr, to_slots=False)):
-            for j in good:
-                ok[part[j]] = True
+            for a in range(0, len(part), step):
+                pp, ps = part[a : a + step], slots[a : a + step]
+                pkeys = [keys[i] for i in pp]
+                read = tier.submit_probe if tier.can_probe else tier.submit_load
+                reads.append((read(pkeys, ps), pp, ps))
+        # Each piece is scattered into the pool while the later ones are read.
+        copies = []
+        for token, pp, ps in reads:
+            if token is None:
+                continue
+            c = self._finish(tier, token)
+            self._note_held(c, ps)
+            good = [j for j, g in enumerate(c.key_ok or [c.ok] * len(pp)) if g]
+            if good:
+                addr = (
+                    self.staging.address
+                    + np.asarray([ps[j] for j in good], np.int64) * self.slot_bytes
+                )
+                descs = self.plan.descriptors(pages[[pp[j] for j in good]], addr, to_slots=False)
+                copies.append((self._copy_submit(descs), [pp[j] for j in good]))
+        for jids, done in copies:
+            if self._copy_wait(jids):
+                for i in done:
+                    ok[i] = True
 
     def read_slot(self, key: bytes) -> np.ndarray | None:
         """One page's bytes (a copy) from the first tier that holds it and
