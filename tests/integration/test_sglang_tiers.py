@@ -4,6 +4,7 @@ engines and MLA ranks, damaged values and a lost disk record."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -143,3 +144,32 @@ def test_a_page_the_disk_lost_comes_from_redis(
     assert [page(pool, 8 + i) for i in range(3)] == [page(pool, i) for i in range(3)]
     st = s.kvtier_stats()["kv"]["tiers"]
     assert (st["disk"]["corrupt"], st["remote"]["loads"]) == (3, 3)
+
+
+def test_a_dead_server_fails_pages_not_the_caller_then_recovers(
+    tmp_path: Path, opened: list[Any]
+) -> None:
+    from kvtier.bench.redis_server import RedisServer
+
+    server = RedisServer(tmp_path)
+    try:
+        extra = {"kvtier_remote_url": server.url, "kvtier_remote_timeout_s": 0.5}
+        pool = host_pool("mha", "page_first", pages=16)
+        fill(pool, 6)
+        s = backend(opened, extra, pool)
+        keys = [f"x{i}" for i in range(3)]
+        assert s.batch_set_v1(keys, indices(pool, 0, 3)) == [True] * 3
+        server.kill()
+        before = [page(pool, 8 + i) for i in range(3)]
+        assert s.batch_get_v1(keys, indices(pool, 8, 3)) == [False] * 3
+        assert [page(pool, 8 + i) for i in range(3)] == before
+        assert s.batch_set_v1(["y0", "y1"], indices(pool, 3, 2)) == [False, False]
+        server.start()  # same port, empty (no persistence)
+        deadline = time.monotonic() + 10
+        while s.batch_set_v1(["y0", "y1"], indices(pool, 3, 2)) != [True, True]:
+            assert time.monotonic() < deadline, "no recovery after the server came back"
+            time.sleep(0.2)
+        assert s.batch_get_v1(["y0", "y1"], indices(pool, 8, 2)) == [True, True]
+        assert [page(pool, 8), page(pool, 9)] == [page(pool, 3), page(pool, 4)]
+    finally:
+        server.stop()

@@ -282,3 +282,33 @@ def test_metrics_count_pages_per_call(disk: dict[str, Any], opened: list[Any]) -
         assert (m.backup_pgs, m.prefetch_pgs) == ([3], [2])
     else:
         assert s.metrics["backup_pgs"] == [3]
+
+
+def test_stores_and_loads_from_two_threads_at_once(disk: dict[str, Any], opened: list[Any]) -> None:
+    """SGLang's backup thread stores while its prefetch thread loads."""
+    import threading
+
+    pool = host_pool("mha", "layer_first", pages=64)
+    fill(pool, 9)
+    s = backend(opened, disk, pool)
+    first = [f"t{i}" for i in range(16)]
+    assert s.batch_set_v1(first, indices(pool, 0, 16)) == [True] * 16
+    results: dict[str, list[list[bool]]] = {"set": [], "get": []}
+
+    def writer() -> None:
+        for r in range(8):
+            keys = [f"w{r}-{i}" for i in range(16)]
+            results["set"].append(s.batch_set_v1(keys, indices(pool, 16, 16)))
+
+    def reader() -> None:
+        for _ in range(8):
+            results["get"].append(s.batch_get_v1(first, indices(pool, 32, 16)))
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {"set": [[True] * 16] * 8, "get": [[True] * 16] * 8}
+    assert [page(pool, 32 + i) for i in range(16)] == [page(pool, i) for i in range(16)]
+    assert s.batch_exists([f"w7-{i}" for i in range(16)]) == 16
