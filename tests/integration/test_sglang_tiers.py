@@ -173,3 +173,25 @@ def test_a_dead_server_fails_pages_not_the_caller_then_recovers(
         assert [page(pool, 8), page(pool, 9)] == [page(pool, 3), page(pool, 4)]
     finally:
         server.stop()
+
+
+def test_clear_empties_the_namespace_on_redis(redis_standalone: Any, opened: list[Any]) -> None:
+    ns = str(uuid.uuid4())
+    extra = {"kvtier_remote_url": redis_standalone.url, "kvtier_namespace": ns}
+    other = {"kvtier_remote_url": redis_standalone.url, "kvtier_namespace": ns + "-other"}
+    pool = host_pool("mha", "page_first", pages=8)
+    fill(pool, 7)
+    a, b, c = (
+        backend(opened, extra, pool),
+        backend(opened, extra, pool),
+        backend(opened, other, pool),
+    )
+    keys = ["c0", "c1", "c2"]
+    assert a.batch_set_v1(keys, indices(pool, 0, 3)) == [True] * 3
+    assert c.batch_set_v1(keys, indices(pool, 0, 3)) == [True] * 3
+    assert b.batch_exists(keys) == 3
+    a.clear()
+    assert a.batch_exists(keys) == 0
+    time.sleep(2.1)  # b remembers what it saw for 2 s (the remote tier's known_ttl_s)
+    assert b.batch_exists(keys) == 0
+    assert c.batch_exists(keys) == 3  # another namespace keeps its pages

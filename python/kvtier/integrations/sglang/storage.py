@@ -306,10 +306,19 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
 
     # -- management ------------------------------------------------------------
     def clear(self) -> None:
-        """Drop this rank's pages from the disk tier and what it remembers of
-        Redis (values there stay for the other engines sharing them)."""
+        """Empty the storage, as SGLang's ``/clear_hicache_storage_backend``
+        means it: this rank's disk records, and its namespaces' values in
+        Redis (shared with engines of the same namespace: they lose them
+        too, as engines sharing a HiCacheFile directory do). Deleting Redis
+        values needs redis-py (``pip install redis``); without it they stay
+        until their TTL and only this rank's memory of them is dropped.
+        Blocks while the server scans."""
         for mover in self.movers.values():
             mover.clear()
+            for tier in mover.tiers:
+                if tier.name == "remote":
+                    prefix = tier.server_key(b"")[:-32]  # type: ignore[attr-defined]
+                    _delete_values(self.settings.tier_fields, prefix)
 
     def kvtier_stats(self) -> dict[str, Any]:
         """kvtier's counters per host pool (pages moved, failures, each tier's own)."""
@@ -334,6 +343,49 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         is free for the next owner). Blocks; idempotent."""
         for mover in self.movers.values():
             mover.close()
+
+
+def _delete_values(fields: dict[str, Any], prefix: bytes) -> int:
+    """Delete every key under ``prefix`` on the Redis/Valkey of ``fields``
+    (SCAN and UNLINK through redis-py, standalone or cluster); how many."""
+    try:
+        import redis
+        from redis.cluster import ClusterNode, RedisCluster
+    except ImportError:
+        log.warning("kvtier: clear: redis-py is not installed; Redis values stay until their TTL")
+        return 0
+    from kvtier.tiers.remote import parse_url
+
+    cfg = parse_url(str(fields["remote_url"]))
+    auth: dict[str, Any] = {"username": cfg["user"] or None, "password": cfg["password"] or None}
+    if cfg["tls"]:
+        auth.update(
+            ssl=True, ssl_ca_certs=fields.get("remote_tls_ca_file"),
+            ssl_certfile=fields.get("remote_tls_cert_file"),
+            ssl_keyfile=fields.get("remote_tls_key_file"),
+        )  # fmt: skip
+    client: Any
+    if cfg["cluster"]:
+        nodes = [ClusterNode(h, p) for h, p in cfg["seeds"]]  # type: ignore[no-untyped-call]
+        client = RedisCluster(startup_nodes=nodes, **auth)
+    else:
+        host, port = cfg["seeds"][0]
+        client = redis.Redis(host=host, port=port, db=cfg["db"], **auth)
+    deleted = 0
+    try:
+        batch: list[bytes] = []
+        for key in [*client.scan_iter(match=prefix + b"*", count=1000), None]:
+            if key is not None:
+                batch.append(key)
+            if batch and (key is None or len(batch) >= 512):
+                pipe = client.pipeline(transaction=False)
+                for k in batch:
+                    pipe.unlink(k)
+                deleted += sum(pipe.execute())
+                batch = []
+    finally:
+        client.close()
+    return deleted
 
 
 def _bytes_of(t: Any) -> np.ndarray:
