@@ -112,11 +112,16 @@ class PageMover:
             self.counters["copy_failures"] += 1
         return ok
 
-    @staticmethod
-    def _step(n: int) -> int:
-        """Pages per piece of a batch of ``n``: the host copy of one piece
-        overlaps the I/O of the others (4 pieces from 16 pages on)."""
-        return max(4, -(-n // 4))
+    def _step(self, n: int, tiers: Sequence[JobTier]) -> int:
+        """Pages per piece of a batch of ``n`` moved by ``tiers``: on disk a
+        large batch goes in 4 pieces of at least 8 MiB, the host copy of one
+        overlapping the I/O of the others; smaller ones, and Redis (whose
+        batch is spread over its connections), go whole. Measured on 2
+        cores, 64-page batches: 1 MiB pages loaded 1.15-1.65x faster in
+        pieces, 32 KiB ones 1.15x faster whole, from Redis 1.5-1.8x faster whole."""
+        if not any(getattr(t, "record_bytes", 0) for t in tiers):
+            return max(1, n)
+        return max(1, -(-n // 4), -(-(8 << 20) // self.plan.page_bytes))
 
     def _drain(self, tier: JobTier) -> None:
         """Poll ``tier`` (lock held): completions kept by token for whichever
@@ -219,7 +224,7 @@ class PageMover:
         """Gather ``pages[part]`` into ``slots`` and write them, piece by
         piece: a piece's writes run while the next piece is gathered."""
         pending: list[tuple[JobTier, int | None, list[int], list[int]]] = []
-        step = self._step(len(part))
+        step = self._step(len(part), self.writable)
         for a in range(0, len(part), step):
             pp, ps = part[a : a + step], slots[a : a + step]
             addr = self.staging.address + np.asarray(ps, np.int64) * self.slot_bytes
@@ -286,7 +291,7 @@ class PageMover:
         slots: list[int],
         ok: list[bool],
     ) -> None:
-        step = self._step(len(part))
+        step = self._step(len(part), [tier])
         reads = []
         with self._lock:
             # A remote key not known to exist is read with a probe (a GET
