@@ -312,3 +312,16 @@ def test_stores_and_loads_from_two_threads_at_once(disk: dict[str, Any], opened:
     assert results == {"set": [[True] * 16] * 8, "get": [[True] * 16] * 8}
     assert [page(pool, 32 + i) for i in range(16)] == [page(pool, i) for i in range(16)]
     assert s.batch_exists([f"w7-{i}" for i in range(16)]) == 16
+
+
+def test_a_layout_without_flat_pages_is_refused_at_registration(
+    disk: dict[str, Any], opened: list[Any]
+) -> None:
+    from kvtier.errors import UnsupportedEngine
+
+    pool = host_pool("mha", "page_first", pages=4)
+    pool.layout = "page_unified"  # SGLang's get_data_page raises for it
+    s = KVTierStorage(config(disk), {})
+    opened.append(s)
+    with pytest.raises(UnsupportedEngine, match="page_unified layout: Unsupported layout"):
+        s.register_mem_pool_host(pool)

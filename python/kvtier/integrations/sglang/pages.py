@@ -69,8 +69,11 @@ class PagePlan:
         self.dtype = str(buf.dtype).removeprefix("torch.")
         # DCP pools index pages by logical tokens (page_size x dcp_size).
         self.page_tokens = int(getattr(pool, "logical_page_size", None) or pool.page_size)
-        view0 = pool.get_data_page(0, flat=False)
-        view1 = pool.get_data_page(self.page_tokens, flat=False)
+        try:
+            view0 = pool.get_data_page(0, flat=False)
+            view1 = pool.get_data_page(self.page_tokens, flat=False)
+        except (ValueError, NotImplementedError) as e:  # a layout SGLang keeps no flat page of
+            raise UnsupportedEngine(f"kvtier: SGLang's {self.layout} layout: {e}") from None
         self.first = int(view0.data_ptr())
         self.page_stride = int(view1.data_ptr()) - self.first
         offs, run = _runs(tuple(view0.shape), tuple(view0.stride()), view0.element_size())
