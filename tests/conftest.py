@@ -56,6 +56,23 @@ def fake_cudart(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-un
     lib.fake_cuda_set_delay_us(0)
 
 
+@pytest.fixture
+def sglang_open():  # type: ignore[no-untyped-def]
+    """Opens kvtier's SGLang backends (``sglang_open(extra, pool, **config)``,
+    see kvtier.bench.sglang_pool.open_storage) and closes them at the test's end."""
+    from kvtier.bench.sglang_pool import open_storage
+
+    opened = []
+
+    def open_(extra, pool, **config):  # type: ignore[no-untyped-def]
+        opened.append(open_storage(extra, pool, **config))
+        return opened[-1]
+
+    yield open_
+    for s in opened:
+        s.close()
+
+
 @pytest.fixture(scope="session")
 def redis_standalone(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     from kvtier.bench.redis_server import RedisServer

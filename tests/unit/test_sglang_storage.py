@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,10 @@ from kvtier.bench.sglang_pool import (  # noqa: E402
     STANDIN_ATTRIBUTES,
     class_def,
     defined_attributes,
+    fill,
     host_pool,
+    page_bytes,
+    token_indices,
 )
 from kvtier.errors import InvalidArgument  # noqa: E402
 from kvtier.integrations.sglang import KVTierStorage, parse_extra_config  # noqa: E402
@@ -34,50 +36,10 @@ from kvtier.integrations.sglang import KVTierStorage, parse_extra_config  # noqa
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
-def config(extra: dict[str, Any], *, mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
-           model: str = "org/model", layout: str = "page_first") -> Any:  # fmt: skip
-    return hs.HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=mla, enable_storage_metrics=True,
-        is_page_first_layout=layout != "layer_first", model_name=model, extra_config=extra,
-    )  # fmt: skip
-
-
-def fill(pool: Any, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    raw = pool.kv_buffer.view(torch.uint8)
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
-
-
-def page(pool: Any, i: int) -> bytes:
-    """Bytes of page ``i`` as SGLang's flat data page."""
-    return bytes(pool.get_data_page(i * pool.page_size).contiguous().view(torch.uint8).numpy())
-
-
-def indices(pool: Any, first: int, n: int) -> Any:
-    return torch.arange(first * pool.page_size, (first + n) * pool.page_size)
-
-
 @pytest.fixture
 def disk(tmp_path: Path) -> dict[str, Any]:
     return {"backend_name": "kvtier", "interface_v1": 1,
             "kvtier_disk_path": str(tmp_path / "kv"), "kvtier_disk_bytes": "64MiB"}  # fmt: skip
-
-
-@pytest.fixture
-def opened() -> Iterator[list[Any]]:
-    """Backends a test opened, closed at its end."""
-    out: list[Any] = []
-    yield out
-    for s in out:
-        s.close()
-
-
-def backend(opened: list[Any], extra: dict[str, Any], pool: Any, **kw: Any) -> Any:
-    s = KVTierStorage(config(extra, layout=pool.layout, **kw), {})
-    opened.append(s)
-    s.register_mem_pool_host(pool)
-    return s
 
 
 def test_importing_the_integration_loads_neither_sglang_nor_the_native_core() -> None:
@@ -126,17 +88,17 @@ def test_extra_config_errors_are_clear(tmp_path: Path) -> None:
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_pages_round_trip_byte_for_byte(
-    kind: str, layout: str, disk: dict[str, Any], opened: list[Any]
+    kind: str, layout: str, disk: dict[str, Any], sglang_open: Any
 ) -> None:
     pool = host_pool(kind, layout, pages=24)
     fill(pool, 1)
-    s = backend(opened, disk, pool, mla=kind == "mla")
+    s = sglang_open(disk, pool, mla=kind == "mla")
     keys = [f"h{i}" for i in range(8)]
-    want = [page(pool, i) for i in range(8)]
-    assert s.batch_set_v1(keys, indices(pool, 0, 8)) == [True] * 8
+    want = [page_bytes(pool, i) for i in range(8)]
+    assert s.batch_set_v1(keys, token_indices(pool, 0, 8)) == [True] * 8
     assert s.batch_exists(keys) == 8 and s.batch_exists(["nope", *keys]) == 0
-    assert s.batch_get_v1(keys[2:], indices(pool, 10, 6)) == [True] * 6
-    assert [page(pool, 10 + i) for i in range(6)] == want[2:]
+    assert s.batch_get_v1(keys[2:], token_indices(pool, 10, 6)) == [True] * 6
+    assert [page_bytes(pool, 10 + i) for i in range(6)] == want[2:]
     # The key-value fallback reads the same records (SGLang's flat data page).
     got = s.get("h3", pool.get_dummy_flat_data_page())
     assert bytes(got.view(torch.uint8).numpy()) == want[3]
@@ -145,27 +107,27 @@ def test_pages_round_trip_byte_for_byte(
 
 
 def test_generic_and_zero_copy_paths_read_each_others_pages(
-    disk: dict[str, Any], opened: list[Any]
+    disk: dict[str, Any], sglang_open: Any
 ) -> None:
     pool = host_pool("mha", "layer_first", pages=16)
     fill(pool, 2)
-    s = backend(opened, disk, pool)
+    s = sglang_open(disk, pool)
     # SGLang's generic path: flat data pages in, dummy pages out.
     assert s.batch_set(["a", "b"], [pool.get_data_page(i * pool.page_size) for i in (0, 1)])
-    assert s.batch_get_v1(["a", "b"], indices(pool, 5, 2)) == [True, True]
-    assert [page(pool, 5), page(pool, 6)] == [page(pool, 0), page(pool, 1)]
-    assert s.batch_set_v1(["c"], indices(pool, 2, 1)) == [True]
+    assert s.batch_get_v1(["a", "b"], token_indices(pool, 5, 2)) == [True, True]
+    assert [page_bytes(pool, 5), page_bytes(pool, 6)] == [page_bytes(pool, 0), page_bytes(pool, 1)]
+    assert s.batch_set_v1(["c"], token_indices(pool, 2, 1)) == [True]
     out = s.batch_get(["c", "zz"], [pool.get_dummy_flat_data_page() for _ in range(2)])
-    assert bytes(out[0].view(torch.uint8).numpy()) == page(pool, 2) and out[1] is None
+    assert bytes(out[0].view(torch.uint8).numpy()) == page_bytes(pool, 2) and out[1] is None
     with pytest.raises(InvalidArgument, match="value of 8 B for pages of"):
         s.set("x", torch.zeros(4, dtype=torch.int16))
 
 
-def test_exists_is_the_longest_stored_prefix(disk: dict[str, Any], opened: list[Any]) -> None:
+def test_exists_is_the_longest_stored_prefix(disk: dict[str, Any], sglang_open: Any) -> None:
     pool = host_pool("mha", "page_first", pages=16)
     fill(pool, 3)
-    s = backend(opened, disk, pool)
-    assert s.batch_set_v1(["p0", "p1", "p3"], indices(pool, 0, 3)) == [True] * 3
+    s = sglang_open(disk, pool)
+    assert s.batch_set_v1(["p0", "p1", "p3"], token_indices(pool, 0, 3)) == [True] * 3
     keys = ["p0", "p1", "p2", "p3"]
     assert s.batch_exists(keys) == 2
     r = s.batch_exists_v2(keys)
@@ -175,20 +137,20 @@ def test_exists_is_the_longest_stored_prefix(disk: dict[str, Any], opened: list[
 
 
 def test_extra_pools_shorten_the_prefix_by_their_hit_policy(
-    disk: dict[str, Any], opened: list[Any]
+    disk: dict[str, Any], sglang_open: Any
 ) -> None:
     pool = host_pool("mha", "page_first", pages=16)
     side = host_pool("mla", "page_first", pages=16, layers=1, kv_lora_rank=32, qk_rope_head_dim=0)
     fill(pool, 4)
     fill(side, 5)
-    s = backend(opened, disk, pool)
+    s = sglang_open(disk, pool)
     s.register_mem_host_pool_v2(pool, hs.PoolName.KV)
     s.register_mem_host_pool_v2(side, hs.PoolName.MAMBA)
     keys = [f"q{i}" for i in range(6)]
-    kv = hs.PoolTransfer(name=hs.PoolName.KV, keys=keys, host_indices=indices(pool, 0, 6))
+    kv = hs.PoolTransfer(name=hs.PoolName.KV, keys=keys, host_indices=token_indices(pool, 0, 6))
     # State for pages 0, 1 and 4 only.
     st = hs.PoolTransfer(name=hs.PoolName.MAMBA, keys=[keys[i] for i in (0, 1, 4)],
-                         host_indices=torch.cat([indices(side, i, 1) for i in (0, 1, 4)]))  # fmt: skip
+                         host_indices=torch.cat([token_indices(side, i, 1) for i in (0, 1, 4)]))  # fmt: skip
     assert s.batch_set_v2([kv, st]) == {"kv": [True] * 6, "mamba": [True] * 3}
     all_pages = hs.PoolTransfer(name=hs.PoolName.MAMBA, hit_policy=hs.PoolHitPolicy.ALL_PAGES)
     r = s.batch_exists_v2(keys, [all_pages])
@@ -199,19 +161,21 @@ def test_extra_pools_shorten_the_prefix_by_their_hit_policy(
     r = s.batch_exists_v2(keys, [trailing])
     assert (r.kv_hit_pages, r.restorable_prefix_pages) == (5, [1, 2, 5])
     # The sidecar's pages come back into its own pool, byte for byte.
-    back = hs.PoolTransfer(name=hs.PoolName.MAMBA, keys=[keys[4]], host_indices=indices(side, 9, 1))
+    back = hs.PoolTransfer(
+        name=hs.PoolName.MAMBA, keys=[keys[4]], host_indices=token_indices(side, 9, 1)
+    )
     assert s.batch_get_v2([back]) == {"mamba": [True]}
-    assert page(side, 9) == page(side, 4)
+    assert page_bytes(side, 9) == page_bytes(side, 4)
 
 
 def test_a_corrupt_record_is_a_miss_and_its_page_untouched(
-    disk: dict[str, Any], opened: list[Any], tmp_path: Path
+    disk: dict[str, Any], sglang_open: Any, tmp_path: Path
 ) -> None:
     pool = host_pool("mha", "page_first", pages=16)
     fill(pool, 6)
-    s = backend(opened, disk, pool)
+    s = sglang_open(disk, pool)
     keys = [f"c{i}" for i in range(4)]
-    assert s.batch_set_v1(keys, indices(pool, 0, 4)) == [True] * 4
+    assert s.batch_set_v1(keys, token_indices(pool, 0, 4)) == [True] * 4
     # Flip one byte in every record's payload but the first: which record
     # holds which page is the tier's business, so damage all but one.
     slab = next((tmp_path / "kv").glob("kvtier-*/slab-000.dat"))
@@ -222,60 +186,62 @@ def test_a_corrupt_record_is_a_miss_and_its_page_untouched(
             b = f.read(1)
             f.seek(r * rec + 100)
             f.write(bytes([b[0] ^ 0xFF]))
-    before = [page(pool, 8 + i) for i in range(4)]
-    got = s.batch_get_v1(keys, indices(pool, 8, 4))
+    before = [page_bytes(pool, 8 + i) for i in range(4)]
+    got = s.batch_get_v1(keys, token_indices(pool, 8, 4))
     assert sum(got) == 1
     good = got.index(True)
-    assert page(pool, 8 + good) == page(pool, good)
+    assert page_bytes(pool, 8 + good) == page_bytes(pool, good)
     # No byte of a page that failed its check reached the pool.
-    assert all(page(pool, 8 + i) == before[i] != page(pool, i) for i in range(4) if not got[i])
+    assert all(
+        page_bytes(pool, 8 + i) == before[i] != page_bytes(pool, i) for i in range(4) if not got[i]
+    )
     tier = s.kvtier_stats()["kv"]["tiers"]["disk"]
     assert (tier["corrupt"], tier["blocks"]) == (3, 1)
     assert s.batch_exists([keys[good]]) == 1 and sum(s.exists(k) for k in keys) == 1
 
 
 def test_pages_survive_a_restart_and_clear_drops_them(
-    disk: dict[str, Any], opened: list[Any]
+    disk: dict[str, Any], sglang_open: Any
 ) -> None:
     pool = host_pool("mha", "page_first", pages=16)
     fill(pool, 7)
-    s = backend(opened, disk, pool)
+    s = sglang_open(disk, pool)
     keys = [f"r{i}" for i in range(5)]
-    assert s.batch_set_v1(keys, indices(pool, 0, 5)) == [True] * 5
+    assert s.batch_set_v1(keys, token_indices(pool, 0, 5)) == [True] * 5
     s.close()
     s.close()  # idempotent
-    s2 = backend(opened, disk, pool)
+    s2 = sglang_open(disk, pool)
     assert s2.batch_exists(keys) == 5
-    assert s2.batch_get_v1(keys, indices(pool, 8, 5)) == [True] * 5
-    assert [page(pool, 8 + i) for i in range(5)] == [page(pool, i) for i in range(5)]
+    assert s2.batch_get_v1(keys, token_indices(pool, 8, 5)) == [True] * 5
+    assert [page_bytes(pool, 8 + i) for i in range(5)] == [page_bytes(pool, i) for i in range(5)]
     s2.clear()
     assert s2.batch_exists(keys) == 0
 
 
 def test_namespaces_keep_models_layouts_and_ranks_apart(
-    disk: dict[str, Any], opened: list[Any]
+    disk: dict[str, Any], sglang_open: Any
 ) -> None:
     pool = host_pool("mha", "page_first", pages=8)
     fill(pool, 8)
-    a = backend(opened, disk, pool)
-    assert a.batch_set_v1(["k"], indices(pool, 0, 1)) == [True]
+    a = sglang_open(disk, pool)
+    assert a.batch_set_v1(["k"], token_indices(pool, 0, 1)) == [True]
     a.close()
     for kw in ({"model": "org/other"}, {"tp_rank": 1, "tp_size": 2}):
-        b = backend(opened, disk, pool, **kw)
+        b = sglang_open(disk, pool, **kw)
         assert b.batch_exists(["k"]) == 0
         b.close()
     lf = host_pool("mha", "layer_first", pages=8)
-    c = backend(opened, disk, lf)
+    c = sglang_open(disk, lf)
     assert c.batch_exists(["k"]) == 0
     c.close()
-    assert backend(opened, disk, pool).batch_exists(["k"]) == 1
+    assert sglang_open(disk, pool).batch_exists(["k"]) == 1
 
 
-def test_metrics_count_pages_per_call(disk: dict[str, Any], opened: list[Any]) -> None:
+def test_metrics_count_pages_per_call(disk: dict[str, Any], sglang_open: Any) -> None:
     pool = host_pool("mha", "page_first", pages=8)
-    s = backend(opened, disk, pool)
-    s.batch_set_v1(["m0", "m1", "m2"], indices(pool, 0, 3))
-    s.batch_get_v1(["m0", "m1"], indices(pool, 4, 2))
+    s = sglang_open(disk, pool)
+    s.batch_set_v1(["m0", "m1", "m2"], token_indices(pool, 0, 3))
+    s.batch_get_v1(["m0", "m1"], token_indices(pool, 4, 2))
     assert s.metrics["backup_pgs"] == [3] and s.metrics["prefetch_pgs"] == [2]
     m = s.get_stats()
     if m is not None:  # SGLang's metrics module imports (its full dependencies)
@@ -284,25 +250,25 @@ def test_metrics_count_pages_per_call(disk: dict[str, Any], opened: list[Any]) -
         assert s.metrics["backup_pgs"] == [3]
 
 
-def test_stores_and_loads_from_two_threads_at_once(disk: dict[str, Any], opened: list[Any]) -> None:
+def test_stores_and_loads_from_two_threads_at_once(disk: dict[str, Any], sglang_open: Any) -> None:
     """SGLang's backup thread stores while its prefetch thread loads."""
     import threading
 
     pool = host_pool("mha", "layer_first", pages=64)
     fill(pool, 9)
-    s = backend(opened, disk, pool)
+    s = sglang_open(disk, pool)
     first = [f"t{i}" for i in range(16)]
-    assert s.batch_set_v1(first, indices(pool, 0, 16)) == [True] * 16
+    assert s.batch_set_v1(first, token_indices(pool, 0, 16)) == [True] * 16
     results: dict[str, list[list[bool]]] = {"set": [], "get": []}
 
     def writer() -> None:
         for r in range(8):
             keys = [f"w{r}-{i}" for i in range(16)]
-            results["set"].append(s.batch_set_v1(keys, indices(pool, 16, 16)))
+            results["set"].append(s.batch_set_v1(keys, token_indices(pool, 16, 16)))
 
     def reader() -> None:
         for _ in range(8):
-            results["get"].append(s.batch_get_v1(first, indices(pool, 32, 16)))
+            results["get"].append(s.batch_get_v1(first, token_indices(pool, 32, 16)))
 
     threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
     for t in threads:
@@ -310,18 +276,16 @@ def test_stores_and_loads_from_two_threads_at_once(disk: dict[str, Any], opened:
     for t in threads:
         t.join(60)
     assert results == {"set": [[True] * 16] * 8, "get": [[True] * 16] * 8}
-    assert [page(pool, 32 + i) for i in range(16)] == [page(pool, i) for i in range(16)]
+    assert [page_bytes(pool, 32 + i) for i in range(16)] == [page_bytes(pool, i) for i in range(16)]
     assert s.batch_exists([f"w7-{i}" for i in range(16)]) == 16
 
 
 def test_a_layout_without_flat_pages_is_refused_at_registration(
-    disk: dict[str, Any], opened: list[Any]
+    disk: dict[str, Any], sglang_open: Any
 ) -> None:
     from kvtier.errors import UnsupportedEngine
 
     pool = host_pool("mha", "page_first", pages=4)
     pool.layout = "page_unified"  # SGLang's get_data_page raises for it
-    s = KVTierStorage(config(disk), {})
-    opened.append(s)
     with pytest.raises(UnsupportedEngine, match="page_unified layout: Unsupported layout"):
-        s.register_mem_pool_host(pool)
+        sglang_open(disk, pool)

@@ -29,7 +29,14 @@ from typing import Any
 import torch
 
 from kvtier.bench.harness import PAIRED, paired_ratio
-from kvtier.bench.sglang_pool import host_pool
+from kvtier.bench.sglang_pool import (
+    fill,
+    host_pool,
+    open_storage,
+    page_bytes,
+    storage_config,
+    token_indices,
+)
 
 OPS = ("set", "exists", "get")
 #: Page geometries measured by default: (name, pool kwargs, pages per run).
@@ -37,17 +44,6 @@ SHAPES = (
     ("32KiB pages", {"page_size": 16, "layers": 4, "heads": 2, "head_dim": 64}, 1024),
     ("1MiB pages", {"page_size": 64, "layers": 8, "heads": 4, "head_dim": 128}, 128),
 )
-
-
-def storage_config(extra: dict[str, Any], layout: str) -> Any:
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
-    return HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False,
-        is_page_first_layout=layout != "layer_first", model_name="bench/model",
-        extra_config=extra,
-    )  # fmt: skip
 
 
 class RedisPyPages:
@@ -91,20 +87,12 @@ class RedisPyPages:
         self.r.close()
 
 
-def _page(pool: Any, i: int) -> bytes:
-    return bytes(pool.get_data_page(i * pool.page_size).contiguous().view(torch.uint8).numpy())
-
-
-def _idx(pool: Any, first: int, n: int) -> torch.Tensor:
-    return torch.arange(first * pool.page_size, (first + n) * pool.page_size)
-
-
 def _zero_copy(s: Any, pool: Any, batch: int) -> dict[str, Callable[[list[str]], bool]]:
     """kvtier through SGLang's zero-copy calls: pages [0, batch) out, [batch, 2 batch) in."""
     return {
-        "set": lambda keys: all(s.batch_set_v1(keys, _idx(pool, 0, len(keys)))),
+        "set": lambda keys: all(s.batch_set_v1(keys, token_indices(pool, 0, len(keys)))),
         "exists": lambda keys: s.batch_exists(keys) == len(keys),
-        "get": lambda keys: all(s.batch_get_v1(keys, _idx(pool, batch, len(keys)))),
+        "get": lambda keys: all(s.batch_get_v1(keys, token_indices(pool, batch, len(keys)))),
     }
 
 
@@ -149,7 +137,7 @@ def _run_once(
     before ``set`` ends (a sync, timed) and leave the page cache before
     ``get`` (untimed), so both come from the device as kvtier's do."""
     secs: dict[str, float] = {}
-    want = [_page(pool, i) for i in range(batch)]
+    want = [page_bytes(pool, i) for i in range(batch)]
     for op in OPS:
         if op == "get" and device is not None:
             _drop_cached(device)
@@ -161,7 +149,7 @@ def _run_once(
             os.sync()
         secs[op] = time.perf_counter() - t0
     n = len(keys) % batch or batch  # the last batch read back sits at [batch, batch + n)
-    if [_page(pool, batch + i) for i in range(n)] != want[:n]:
+    if [page_bytes(pool, batch + i) for i in range(n)] != want[:n]:
         raise RuntimeError("a page read back differs from the page stored")
     return secs
 
@@ -179,21 +167,14 @@ def run_shape(
     """One page geometry: every contender ``repeats`` times; rates and ratios."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
-    from kvtier.integrations.sglang import KVTierStorage
-
     pool = host_pool("mha", layout, pages=2 * batch, **shape)
-    g = torch.Generator().manual_seed(0)
-    raw = pool.kv_buffer.view(torch.uint8)
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
-    page_bytes = len(_page(pool, 0))
+    fill(pool, 0)
+    nbytes = len(page_bytes(pool, 0))
     work = Path(tempfile.mkdtemp(prefix="sglang-", dir=directory))
-    cap = (repeats + 2) * num_pages * (page_bytes + 8192) + (64 << 20)
-    disk_cfg = {"kvtier_disk_path": str(work), "kvtier_disk_bytes": cap}
-    disk = KVTierStorage(storage_config(disk_cfg, layout))
-    disk.register_mem_pool_host(pool)
-    remote = KVTierStorage(storage_config({"kvtier_remote_url": url}, layout))
-    remote.register_mem_pool_host(pool)
-    hfile = HiCacheFile(storage_config({"file_storage_path": str(work)}, layout))
+    cap = (repeats + 2) * num_pages * (nbytes + 8192) + (64 << 20)
+    disk = open_storage({"kvtier_disk_path": str(work), "kvtier_disk_bytes": cap}, pool)
+    remote = open_storage({"kvtier_remote_url": url}, pool)
+    hfile = HiCacheFile(storage_config({"file_storage_path": str(work)}, layout=layout))
     pyredis = RedisPyPages(url)
     contenders = {
         "kvtier_disk": _zero_copy(disk, pool, batch),
@@ -221,13 +202,13 @@ def run_shape(
         shutil.rmtree(work, ignore_errors=True)
     med = statistics.median
     out: dict[str, Any] = {
-        "shape": name, "layout": layout, "page_bytes": page_bytes, "pages_per_run": num_pages,
+        "shape": name, "layout": layout, "page_bytes": nbytes, "pages_per_run": num_pages,
         "batch_pages": batch,
     }  # fmt: skip
     for c, ops in runs.items():
         out[c] = {
             op: {"pages_per_s": round(med(v), 1),
-                 **({"gbps": round(med(v) * page_bytes / 1e9, 3)} if op != "exists" else {}),
+                 **({"gbps": round(med(v) * nbytes / 1e9, 3)} if op != "exists" else {}),
                  "runs_pages_per_s": [round(x, 1) for x in v]}
             for op, v in ops.items()
         }  # fmt: skip

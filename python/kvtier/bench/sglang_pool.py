@@ -136,3 +136,53 @@ def host_pool(
     pool.kv_buffer = pool.init_kv_buffer()
     pool.kv_buffer.zero_()
     return pool
+
+
+def storage_config(
+    extra: dict[str, Any],
+    *,
+    layout: str = "page_first",
+    mla: bool = False,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    model: str = "org/model",
+) -> Any:
+    """SGLang's ``HiCacheStorageConfig`` for one rank (imports SGLang's storage module)."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=False,
+        is_page_first_layout=layout != "layer_first", model_name=model, extra_config=extra,
+    )  # fmt: skip
+
+
+def open_storage(extra: dict[str, Any], pool: Any, **config: Any) -> Any:
+    """kvtier's SGLang backend for ``extra``, with ``pool`` registered as
+    SGLang registers its KV host pool (``config``: :func:`storage_config`'s)."""
+    from kvtier.integrations.sglang import KVTierStorage
+
+    s = KVTierStorage(storage_config(extra, layout=pool.layout, **config), {})
+    try:
+        s.register_mem_pool_host(pool)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def fill(pool: Any, seed: int) -> None:
+    """Random bytes (from ``seed``) in the whole of ``pool``'s buffer."""
+    g = torch.Generator().manual_seed(seed)
+    raw = pool.kv_buffer.view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+
+
+def page_bytes(pool: Any, i: int) -> bytes:
+    """Page ``i``'s bytes as SGLang's flat data page."""
+    return bytes(pool.get_data_page(i * pool.page_size).contiguous().view(torch.uint8).numpy())
+
+
+def token_indices(pool: Any, first: int, n: int) -> torch.Tensor:
+    """SGLang's host indices of pages ``[first, first + n)``."""
+    return torch.arange(first * pool.page_size, (first + n) * pool.page_size)
