@@ -23,6 +23,7 @@ order of the keys.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -72,6 +73,8 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         # MLA pages are the same on every TP rank: one writes, all read.
         self.is_writer = bool(writer) if writer is not None else (not self.is_mla or c.tp_rank == 0)
         self.movers: dict[str, PageMover] = {}
+        # Appended by SGLang's storage threads, taken by its metrics logger.
+        self._metrics_lock = threading.Lock()
         self.metrics: dict[str, list[float]] = {
             "prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": [],
         }  # fmt: skip
@@ -251,8 +254,11 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         ok = (mover.store if kind == "store" else mover.load)(self._keys(keys), pages)
         seconds = max(time.perf_counter() - start, 1e-9)
         which = "backup" if kind == "store" else "prefetch"
-        self.metrics[f"{which}_pgs"].append(len(keys))
-        self.metrics[f"{which}_bandwidth"].append(sum(ok) * mover.plan.page_bytes / seconds / 1e9)
+        with self._metrics_lock:
+            self.metrics[f"{which}_pgs"].append(len(keys))
+            self.metrics[f"{which}_bandwidth"].append(
+                sum(ok) * mover.plan.page_bytes / seconds / 1e9
+            )
         return ok
 
     # -- key-value fallbacks (SGLang's generic path, without interface_v1) -------
@@ -327,15 +333,15 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` of the calls since the last one (pages
         per call and GB/s, both directions); None where SGLang's metrics
-        module cannot be imported."""
-        try:
-            from sglang.srt.observability.metrics_collector import StorageMetrics
-        except Exception:  # its import chain needs SGLang's full dependencies
+        module cannot be imported (tried once). Cheap."""
+        cls = _storage_metrics_class()
+        if cls is None:
             return None
-        m = StorageMetrics()
-        for field, values in self.metrics.items():
-            getattr(m, field).extend(values)
-            values.clear()
+        m = cls()
+        with self._metrics_lock:
+            for field, values in self.metrics.items():
+                getattr(m, field).extend(values)
+                values.clear()
         return m
 
     def close(self) -> None:
@@ -343,6 +349,19 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         is free for the next owner). Blocks; idempotent."""
         for mover in self.movers.values():
             mover.close()
+
+
+_METRICS: list[Any] = []  # SGLang's StorageMetrics class, or None, once looked up
+
+
+def _storage_metrics_class() -> Any:
+    if not _METRICS:
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except Exception:  # its import chain needs SGLang's full dependencies
+            StorageMetrics = None
+        _METRICS.append(StorageMetrics)
+    return _METRICS[0]
 
 
 def _delete_values(fields: dict[str, Any], prefix: bytes) -> int:
