@@ -186,8 +186,7 @@ class TierJobs:
         """Block until every engine job of the batches ``tokens`` ended, at
         most ``timeout_s`` (the GIL released): True if they did. Their
         results stay for :meth:`poll`."""
-        want = set(tokens)
-        jids = [j for j, (b, _, _) in self._jobs.items() if b.token in want]
+        jids = self.job_ids(tokens)
         if not jids or self.engine is None:
             return True
         try:
