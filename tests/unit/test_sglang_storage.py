@@ -34,6 +34,9 @@ from kvtier.errors import InvalidArgument  # noqa: E402
 from kvtier.integrations.sglang import KVTierStorage, parse_extra_config  # noqa: E402
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+# (kind, layout): every host pool layout SGLang keeps flat data pages of
+# (page_head is MHA's only).
+POOLS = [(k, lay) for k in ("mha", "mla") for lay in LAYOUTS] + [("mha", "page_head")]
 
 
 @pytest.fixture
@@ -85,8 +88,7 @@ def test_extra_config_errors_are_clear(tmp_path: Path) -> None:
     assert s.tier_config().disk_bytes == 1 << 30 and s.tier_config().remote_url is None
 
 
-@pytest.mark.parametrize("kind", ["mha", "mla"])
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("kind", "layout"), POOLS)
 def test_pages_round_trip_byte_for_byte(
     kind: str, layout: str, disk: dict[str, Any], sglang_open: Any
 ) -> None:
