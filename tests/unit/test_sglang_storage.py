@@ -28,6 +28,7 @@ from kvtier.bench.sglang_pool import (  # noqa: E402
     fill,
     host_pool,
     page_bytes,
+    storage_config,
     token_indices,
 )
 from kvtier.errors import InvalidArgument  # noqa: E402
@@ -291,3 +292,30 @@ def test_a_layout_without_flat_pages_is_refused_at_registration(
     pool.layout = "page_unified"  # SGLang's get_data_page raises for it
     with pytest.raises(UnsupportedEngine, match="page_unified layout: Unsupported layout"):
         sglang_open(disk, pool)
+
+
+def test_sglangs_dynamic_factory_builds_the_backend_from_one_line(tmp_path: Path) -> None:
+    """The extra config of the README's launch line, through SGLang's own
+    StorageBackendFactory (what --hicache-storage-backend dynamic runs)."""
+    import json
+    import re
+
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    line = re.search(r"'(\{\"backend_name\": \"kvtier\".*?\})'", readme)
+    assert line is not None, "the README's SGLang launch line"
+    extra = json.loads(line.group(1))
+    extra.pop("kvtier_remote_url")
+    extra.update(kvtier_disk_path=str(tmp_path / "kv"), kvtier_disk_bytes="16MiB")
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(extra), None)
+    try:
+        assert type(backend) is KVTierStorage
+        pool = host_pool("mha", "page_first", pages=4)
+        fill(pool, 10)
+        backend.register_mem_pool_host(pool)
+        assert backend.batch_set_v1(["a"], token_indices(pool, 0, 1)) == [True]
+        assert backend.batch_get_v1(["a"], token_indices(pool, 2, 1)) == [True]
+        assert page_bytes(pool, 2) == page_bytes(pool, 0)
+    finally:
+        backend.close()
