@@ -319,3 +319,18 @@ def test_sglangs_dynamic_factory_builds_the_backend_from_one_line(tmp_path: Path
         assert page_bytes(pool, 2) == page_bytes(pool, 0)
     finally:
         backend.close()
+
+
+def test_a_pool_registered_again_takes_over_the_pages(
+    disk: dict[str, Any], sglang_open: Any
+) -> None:
+    """SGLang re-attaching storage registers a (new) host pool again: the
+    old pool's tiers let go of the directory and the pages stay readable."""
+    a = host_pool("mha", "page_first", pages=8)
+    fill(a, 11)
+    s = sglang_open(disk, a)
+    assert s.batch_set_v1(["g0", "g1"], token_indices(a, 0, 2)) == [True, True]
+    b = host_pool("mha", "page_first", pages=8)
+    s.register_mem_pool_host(b)
+    assert s.batch_get_v1(["g0", "g1"], token_indices(b, 3, 2)) == [True, True]
+    assert [page_bytes(b, 3), page_bytes(b, 4)] == [page_bytes(a, 0), page_bytes(a, 1)]

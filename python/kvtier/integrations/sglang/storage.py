@@ -95,7 +95,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         old = self.movers.get(name)
         if old is not None and old.plan.buffer is getattr(pool, "kv_buffer", None):
             return  # the KV pool, registered through both calls
-        from kvtier.tiers.factory import build_tiers, configured
+        from kvtier.tiers.factory import build_tiers, close_after_failure, configured
 
         plan = PagePlan(pool)
         c = self.storage_config
@@ -123,13 +123,18 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         # writes) its own. Mamba state is sharded by TP even in MLA models.
         shared = self.is_mla and name != PoolName.MAMBA
         kinds = configured(cfg)
+        writes = [not (shared and kind == "remote") or self.is_writer for kind in kinds]
+        if old is not None:  # a pool registered again: its directory is let go of first
+            del self.movers[name]
+            old.close()
         tiers = build_tiers(
             (kind, cfg, plan.page_bytes, namespace(shared and kind == "remote")) for kind in kinds
         )
-        writes = [not (shared and kind == "remote") or self.is_writer for kind in kinds]
-        if old is not None:
-            old.close()
-        self.movers[name] = PageMover(plan, tiers, self.settings.staging_bytes, writes)
+        try:
+            self.movers[name] = PageMover(plan, tiers, self.settings.staging_bytes, writes)
+        except BaseException:
+            close_after_failure(tiers)
+            raise
         log.info(
             "kvtier: SGLang pool %s (%s, %d B pages) on %s",
             name, plan.layout, plan.page_bytes, ", ".join(t.name for t in tiers),
