@@ -250,6 +250,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
             sessions=args.sessions, system_tokens=args.system_tokens, turns=args.turns
         ),
         progress=not args.json,
+        model_kind=args.model_kind,
     )
     stamp = result["machine"]["time"].replace(":", "").replace("-", "")
     path = out / f"serve-{stamp}.json"
@@ -569,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument(
         "--model-kind", default="llama", choices=["llama", "gemma3", "mla"],
-        help="--server: the generated model (default llama)",
+        help="the generated model (default llama; mla runs in bfloat16 on vLLM's AMX backend)",
     )  # fmt: skip
     o.add_argument(
         "--time-scale", type=float, default=1.0,

@@ -47,14 +47,20 @@ def engine_python() -> str:
     return _engine_python()
 
 
-@pytest.fixture(scope="session")
-def model(engine_python: str) -> str:
-    path = ROOT / "build" / "engine-model"
+def _generated_model(engine_python: str, kind: str = "llama") -> str:
+    """A random-weight model of ``kind`` made by the engine's Python (once
+    per build directory: the maker skips an identical one)."""
+    path = ROOT / "build" / ("engine-model" if kind == "llama" else f"engine-model-{kind}")
     subprocess.run(
-        [engine_python, "-m", "kvtier.integrations.vllm_engine", "make-model", str(path)],
+        [engine_python, "-m", "kvtier.integrations.vllm_engine", "make-model", str(path), kind],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def model(engine_python: str) -> str:
+    return _generated_model(engine_python)
 
 
 def _shm() -> set[str]:
@@ -123,7 +129,11 @@ def run_engine(
     while _processes_in_session(p.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _processes_in_session(p.pid) == [], "engine processes left after shutdown"
-    assert _shm() - before == set(), "kvtier shared memory left after shutdown"
+    # Segments are named kvtier-<creator pid>-...: only a creator that is gone
+    # (this engine's processes) can have leaked one; another process's tests
+    # may be making their own meanwhile.
+    left = {n for n in _shm() - before if not Path(f"/proc/{n.split('-')[1]}").exists()}
+    assert left == set(), "kvtier shared memory left after shutdown"
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else None
     result = json.loads((tmp / "out.json").read_text())
     if spec.get("expect_refusal"):
@@ -364,12 +374,7 @@ def _has_amx() -> bool:
 
 @pytest.fixture(scope="session")
 def mla_model(engine_python: str) -> str:
-    path = ROOT / "build" / "engine-model-mla"
-    subprocess.run(
-        [engine_python, "-m", "kvtier.integrations.vllm_engine", "make-model", str(path), "mla"],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
-    return str(path)
+    return _generated_model(engine_python, "mla")
 
 
 MLA_REQUESTS = Sessions(
@@ -412,3 +417,36 @@ def test_mla_on_amx_loads_prefixes_token_identical_to_vllms_prefix_cache(
     assert _outputs(e) == _outputs(prefix)
     assert e.counters["cached_by_source"].get("host") == sum(expected.values())
     _assert_clean(e)
+
+
+@pytest.fixture(scope="session")
+def gemma3_model(engine_python: str) -> str:
+    return _generated_model(engine_python, "gemma3")
+
+
+def test_sliding_window_model_loads_only_the_windows_like_vllms_prefix_cache(
+    engine_python: str, gemma3_model: str, tmp_path: Path
+) -> None:
+    """A Gemma-3-style model (sliding window 512 on 4 of 6 layers: three
+    KV-cache groups of 2 layers): kvtier's hits are exactly those of vLLM's
+    own prefix cache, outputs are those of recomputing, and a sliding-window
+    group loads only its window (16 chunks of 32 tokens), not the whole
+    prefix. Loaded within the prefill's step (the default) or a step ahead
+    (``sync_load_budget_bytes: 0``), the same tokens and hits."""
+    base = {"model": gemma3_model, "requests": REQUESTS}
+    none = run_engine(engine_python, tmp_path / "none", {**base, "mode": "none"})
+    prefix = run_engine(engine_python, tmp_path / "prefix", {**base, "mode": "prefix"})
+    hits = {r["id"]: r["cached_tokens"] for r in prefix.requests}
+    assert sum(hits.values()) > 0
+    window = 512 // BLOCK
+    chunks = sum(h // BLOCK + 2 * min(h // BLOCK, window) for h in hits.values())
+    assert chunks < 3 * sum(hits.values()) // BLOCK  # less than every group's whole prefix
+    for name, budget in (("sync", None), ("async", 0)):
+        kv: dict[str, Any] = {"kvtier_host_bytes": "256MiB"}
+        if budget is not None:
+            kv["sync_load_budget_bytes"] = budget
+        e = run_engine(engine_python, tmp_path / name, {**_kvtier_spec(gemma3_model, **kv)})
+        assert _outputs(e) == _outputs(none), name
+        assert {r["id"]: r["cached_tokens"] for r in e.requests} == hits, name
+        assert e.loaded["host"] == chunks * BLOCK, name  # chunks of every group
+        _assert_clean(e)

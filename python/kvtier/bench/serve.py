@@ -55,11 +55,25 @@ CONFIGS = (
     "host+disk+redis", "small-host+disk", "second-engine", "vllm-cpu-offload",
 )  # fmt: skip
 TOKENS_PER_BLOCK = 32
+LOAD_TIERS = ("host", "disk", "remote")
 
 
-def _kv_bytes_per_token(model: dict[str, int]) -> int:
-    head_dim = model["hidden_size"] // model["num_attention_heads"]
-    return model["num_hidden_layers"] * 2 * model["num_key_value_heads"] * head_dim * 4
+def _kv_layout(kind: str, model: dict[str, Any]) -> tuple[int, int]:
+    """(float32 KV bytes per token over every layer, KV-cache groups vLLM
+    makes): the full-attention equivalent of what a prefix weighs, and how
+    many keys a chunk has. vLLM's hybrid allocator splits the layers into
+    groups of equal size (that of the smallest attention type: Gemma-3-style
+    with every third layer full attention gives groups of L/3 layers), so
+    every group's page weighs the same."""
+    layers = int(model["num_hidden_layers"])
+    if kind == "mla":
+        return layers * (int(model["kv_lora_rank"]) + int(model["qk_rope_head_dim"])) * 4, 1
+    head_dim = int(model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"])
+    per_token = layers * 2 * int(model["num_key_value_heads"]) * head_dim * 4
+    if kind == "gemma3":
+        full = layers // int(model["sliding_window_pattern"])
+        return per_token, layers // min(full, layers - full)
+    return per_token, 1
 
 
 def _config_spec(
@@ -127,6 +141,16 @@ def summarize(result: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, A
         "kvtier_loaded_tokens": {
             t: int(kv.get(f"loaded_{t}", 0)) * TOKENS_PER_BLOCK for t in ("host", "disk", "remote")
         },
+        # Chunks (one key per KV-cache group) loaded from every tier, per
+        # request that loaded anything; the full-attention equivalent is
+        # every layer's KV for the tokens those requests took from kvtier.
+        "kvtier_loaded_chunks": sum(int(kv.get(f"loaded_{t}", 0)) for t in LOAD_TIERS),
+        "kvtier_loading_requests": sum(
+            1 for r in reqs if r["cached_tokens"] and result["mode"] == "kvtier"
+        ),
+        "kvtier_cached_tokens": sum(r["cached_tokens"] for r in reqs)
+        if result["mode"] == "kvtier"
+        else 0,
         # The lookups that waited for their request's lower-tier reads (all
         # turns, warm-up included) and how long, on average: the part of a
         # returning prefix's time to first token spent reading Redis or disk.
@@ -197,13 +221,18 @@ def run_serve(
     workload: Sessions | None = None,
     max_tokens: int = 16,
     progress: bool = True,
+    model_kind: str = "llama",
 ) -> dict[str, Any]:
-    """Run every configuration ``repeats`` times; the JSON-able result with
-    per-run summaries, medians of per-run ratios to ``none`` and machine facts."""
+    """Run every configuration ``repeats`` times on a generated model of
+    ``model_kind`` (:data:`~kvtier.integrations.vllm_engine.MODEL_KINDS`);
+    the JSON-able result with per-run summaries, medians of per-run ratios to
+    ``none`` and machine facts."""
     from kvtier.bench.harness import machine_facts
     from kvtier.bench.redis_server import RedisServer
-    from kvtier.integrations.vllm_engine import TINY_MODEL
+    from kvtier.integrations.vllm_engine import MODEL_KINDS, model_config
 
+    if model_kind not in MODEL_KINDS:
+        raise InvalidArgument(f"unknown model kind {model_kind!r}: one of {', '.join(MODEL_KINDS)}")
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise InvalidArgument(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")
@@ -214,20 +243,26 @@ def run_serve(
     python = python or sys.executable
     check_engine_python(python)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = out_dir / "model"
+    model_dir = out_dir / f"model-{model_kind}"
     subprocess.run(
-        [python, "-m", "kvtier.integrations.vllm_engine", "make-model", str(model_dir)],
-        check=True, capture_output=True,
+        [python, "-m", "kvtier.integrations.vllm_engine", "make-model", str(model_dir),
+         model_kind], check=True, capture_output=True,
     )  # fmt: skip
+    model = model_config(model_kind)
+    # vLLM's CPU MLA backend (float32) cannot take a cached prefix (kvtier
+    # refuses it); its AMX backend (bfloat16, CPUs with AMX) can.
+    dtype = "bfloat16" if model_kind == "mla" else "float32"
     w = workload or Sessions()
     requests = w.requests()
-    per_token = _kv_bytes_per_token(TINY_MODEL)
+    per_token, groups = _kv_layout(model_kind, model)
+    if dtype == "bfloat16":
+        per_token //= 2
     working = per_token * w.distinct_tokens
     one_request = per_token * w.system_tokens
     sizes = {"large": max(2 * working, 64 << 20), "small": working // 3, "tiny": one_request // 2}
     base = {
         "model": str(model_dir), "requests": requests, "max_tokens": max_tokens,
-        "warmup_requests": 2,
+        "warmup_requests": 2, "dtype": dtype,
     }  # fmt: skip
 
     from tqdm import tqdm
@@ -266,12 +301,13 @@ def run_serve(
             "max_tokens": max_tokens,
             "requests": len(requests),
             "kv_bytes_per_token": per_token,
+            "kv_groups": groups,
             "working_set_bytes": working,
             "host_bytes": sizes,
         },
-        "model": dict(TINY_MODEL, dtype="float32"),
+        "model": dict(model, kind=model_kind, dtype=dtype),
         "repeats": repeats,
-        "medians": _medians(runs, configs),
+        "medians": _loaded_bytes(_medians(runs, configs), runs, per_token, groups),
         "runs": runs,
         "machine": machine_facts(),
     }
@@ -321,20 +357,47 @@ def _medians(runs: list[dict[str, Any]], configs: tuple[str, ...]) -> dict[str, 
     return out
 
 
+def _loaded_bytes(
+    medians: dict[str, Any], runs: list[dict[str, Any]], per_token: int, groups: int
+) -> dict[str, Any]:
+    """Add, per kvtier configuration, the KV bytes loaded per request that
+    loaded (median over runs) and the same for the full-attention equivalent
+    (every layer over every token taken from kvtier): on a sliding-window
+    model their ratio is what loading only the windows saves."""
+    chunk = per_token * TOKENS_PER_BLOCK // groups
+    for name, m in medians.items():
+        rs = [r[name] for r in runs if name in r and r[name].get("kvtier_loading_requests")]
+        if "refused" in m or not rs:
+            continue
+        m["loaded_bytes_per_request"] = statistics.median(
+            r["kvtier_loaded_chunks"] * chunk / r["kvtier_loading_requests"] for r in rs
+        )
+        m["full_attention_bytes_per_request"] = statistics.median(
+            r["kvtier_cached_tokens"] * per_token / r["kvtier_loading_requests"] for r in rs
+        )
+    return medians
+
+
 def table(result: dict[str, Any]) -> str:
     """A Markdown table of the medians, one row per configuration."""
     rows = [
         "| configuration | TTFT p50 first / later (ms) | later vs none | later vs prefix "
         "| first vs none | miss p50 (ms) | later vs own miss | p99 later (ms) "
         "| tokens computed / prompt | loaded host / disk / remote | read-ahead wait (ms) "
-        "| identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| MiB loaded per request (full attention) | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in result["medians"].items():
         if "refused" in m:
-            rows.append(f"| {name} | refused: {m['refused'][:150]} | | | | | | | | | | |")
+            rows.append(f"| {name} | refused: {m['refused'][:150]} | | | | | | | | | | | |")
             continue
         lt = m["kvtier_loaded_tokens"]
+        loaded = (
+            f"{m['loaded_bytes_per_request'] / 2**20:.2f} "
+            f"({m['full_attention_bytes_per_request'] / 2**20:.2f})"
+            if "loaded_bytes_per_request" in m
+            else ""
+        )
         rows.append(
             f"| {name} | {m['ttft_first_p50_ms']:.1f} / {m['ttft_later_p50_ms']:.1f} "
             f"| {m.get('ttft_later_p50_vs_none', 1.0):.2f} "
@@ -343,7 +406,7 @@ def table(result: dict[str, Any]) -> str:
             f"| {m.get('ttft_later_p50_vs_own_miss', float('nan')):.2f} | {m['ttft_later_p99_ms']:.1f} "
             f"| {m['computed_tokens']:.0f} / {m['prompt_tokens']} "
             f"| {lt['host']} / {lt['disk']} / {lt['remote']} "
-            f"| {m.get('read_ahead_wait_ms', 0.0):.1f} "
+            f"| {m.get('read_ahead_wait_ms', 0.0):.1f} | {loaded} "
             f"| {'yes' if m['identical_outputs'] else 'NO'} |"
         )
     return "\n".join(rows)

@@ -72,17 +72,21 @@ MLA_MODEL: dict[str, Any] = {
 }  # fmt: skip
 
 
+def model_config(kind: str) -> dict[str, Any]:
+    """The generated model's shape for ``kind`` (a copy). Pure."""
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"unknown model kind {kind!r}: one of {', '.join(MODEL_KINDS)}")
+    return dict({"llama": TINY_MODEL, "gemma3": GEMMA3_MODEL, "mla": MLA_MODEL}[kind])
+
+
 def make_tiny_model(path: str | Path, seed: int = 0, kind: str = "llama", **overrides: int) -> Path:
     """Write a random-weight model of ``kind`` (see ``MODEL_KINDS``;
     transformers ``save_pretrained``) to ``path``, with a word-level
     tokenizer over its vocabulary (see :func:`_save_tokenizer`) that vLLM's server
     and benchmark client load, unless the same one is already there. No
     download. Blocks for a few seconds; needs torch and transformers."""
-    if kind not in MODEL_KINDS:
-        raise ValueError(f"unknown model kind {kind!r}: one of {', '.join(MODEL_KINDS)}")
     out = Path(path)
-    base = {"llama": TINY_MODEL, "gemma3": GEMMA3_MODEL, "mla": MLA_MODEL}[kind]
-    cfg: dict[str, Any] = {**base, **overrides}
+    cfg: dict[str, Any] = {**model_config(kind), **overrides}
     stamp = out / "kvtier-model.json"
     want = json.dumps({"config": cfg, "seed": seed, "kind": kind, "tokenizer": 2}, sort_keys=True)
     if stamp.exists() and stamp.read_text() == want:

@@ -11,6 +11,15 @@ for a cache). Because failed loads are survivable, the engine's worker may
 also read Redis values itself (a hit that finds no room in the host tier
 loads from Redis instead of being recomputed).
 
+It also loads a hit within the step that computes the rest of its prompt
+(``sync_load_budget_bytes`` per step, default 64 MiB; 0 turns it off).
+vLLM 0.33 does that itself; under 0.32 every hit took the asynchronous
+path, two more engine steps before the prefill (measured on a later turn,
+the worker's copy took 2.1-3 ms and the prefill began 5.2 ms after the load
+was handed over), so this connector does it there: the hit is reported
+synchronous, its blocks are loaded from the allocation's fresh blocks, and
+the worker waits for the load before the forward pass.
+
 Use it by module path; kvtier's spec is filled in::
 
     KVTransferConfig(kv_connector="KVTierConnector",
@@ -26,8 +35,9 @@ importing the spec module must not pay for.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import TransferJob
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
@@ -41,6 +51,9 @@ from kvtier.integrations.vllm.worker import KVTierWorker
 __all__ = ["KVTierConnector"]
 
 _SPEC = ("KVTierReportingSpec", "kvtier.integrations.vllm")
+# vLLM 0.33 loads a hit within the step itself (TransferJob.sync).
+_NATIVE_SYNC_LOADS = "sync" in getattr(TransferJob, "__dataclass_fields__", {})
+SYNC_LOAD_BUDGET = 64 << 20
 
 
 class KVTierConnector(OffloadingConnector):
@@ -63,7 +76,14 @@ class KVTierConnector(OffloadingConnector):
                 "cache is recomputed, not an error)", ktc.kv_load_failure_policy,
             )  # fmt: skip
             ktc.kv_load_failure_policy = "recompute"
+        extra = ktc.kv_connector_extra_config
+        extra.setdefault("sync_load_budget_bytes", SYNC_LOAD_BUDGET)
         super().__init__(vllm_config, role, kv_cache_config)
+        # Under vLLM 0.32, on the scheduler's side: the step's synchronous loads.
+        self._sync: _SyncLoads | None = None
+        budget = int(extra["sync_load_budget_bytes"])
+        if not _NATIVE_SYNC_LOADS and budget > 0 and self.connector_scheduler is not None:
+            self._sync = _SyncLoads(budget, _kv_bytes_per_token(kv_cache_config))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
@@ -72,11 +92,54 @@ class KVTierConnector(OffloadingConnector):
         _use_kvtier_spec(vllm_config)
         return super().build_prom_metrics(vllm_config, *args, **kwargs)
 
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        """OffloadingConnector's; under vLLM 0.32 a hit that fits the step's
+        budget is reported synchronous (loaded before this step's forward
+        pass). Called by vLLM's scheduler for each waiting request it
+        considers; non-blocking beyond the manager's lookup."""
+        hit, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        sync = self._sync
+        if (
+            sync is not None
+            and hit
+            and load_async
+            and sync.reserve(request, num_computed_tokens, hit)
+        ):
+            return hit, False
+        return hit, load_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """OffloadingConnector's. A synchronous hit's blocks were hashed when
+        allocated (vLLM caches them at once), which 0.32's connector takes for
+        blocks already holding their KV: it is shown them as fresh, the ones
+        past what the engine computed itself, so it loads them as for an
+        asynchronous hit; the load job is marked synchronous."""
+        sync = self._sync
+        if sync is None or not num_external_tokens or request.request_id not in sync.requests:
+            super().update_state_after_alloc(request, blocks, num_external_tokens)
+            return
+        cs: Any = self.connector_scheduler  # vLLM 0.32's, whose private state this reads
+        local = cs._req_status[request.request_id].num_locally_computed_tokens
+        fresh = _FreshBlocks(blocks, local, cs.config.kv_group_configs)
+        before = set(cs._current_batch_load_jobs)
+        super().update_state_after_alloc(request, cast(Any, fresh), num_external_tokens)
+        jobs = cs._req_status[request.request_id].transfer_jobs
+        for job in set(cs._current_batch_load_jobs) - before:
+            # 0.32 asserts that a request computing this step has no load in
+            # flight (its stores are built in the same step): the job is out
+            # of the request's set until its completion is processed.
+            jobs.discard(job)
+            sync.jobs.add(job)
+            sync.pending[job] = request.request_id
+
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         """OffloadingConnector's, remembering each new load's spec, engine
         blocks and workers still to report it (to tell the manager which
-        load failed)."""
-        meta = super().build_connector_meta(scheduler_output)
+        load failed), and naming the step's synchronous loads for the
+        workers."""
+        meta: Any = super().build_connector_meta(scheduler_output)
+        if self._sync is not None:
+            meta.kvtier_sync_loads = self._sync.end_step()
         workers = int(getattr(self.scheduler.config, "num_workers", 1))
         for job_id, job in getattr(meta, "load_jobs", {}).items():
             if isinstance(job.src_spec, KVTierSpec):
@@ -93,6 +156,13 @@ class KVTierConnector(OffloadingConnector):
         returns, 0.32 does not hold it here)."""
         meta = connector_output.kv_connector_worker_meta
         done = dict(getattr(meta, "completed_jobs", None) or {})
+        if self._sync is not None and self._sync.pending:
+            for job in done:
+                rid = self._sync.pending.pop(job, None)
+                cs: Any = self.connector_scheduler
+                status = cs._req_status.get(rid) if rid else None
+                if status is not None:
+                    status.transfer_jobs.add(job)
         super().update_connector_output(connector_output)
         bad = connector_output.invalid_block_ids
         failed = []
@@ -113,10 +183,30 @@ class KVTierConnector(OffloadingConnector):
                 for spec in failed:
                     manager.load_failed(spec)
 
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """OffloadingConnector's; then waits for the step's synchronous loads
+        (their requests compute this step, on the loaded blocks). Called by
+        vLLM's model runner on each worker before the forward pass; blocks
+        for those loads only. Their requests are running, so their jobs must
+        not come back as finished receiving (vLLM asserts that only a
+        waiting or finished request does)."""
+        sync = getattr(self._connector_metadata, "kvtier_sync_loads", None)
+        cw = self.connector_worker
+        worker = cw.worker if cw is not None else None
+        if sync and isinstance(worker, KVTierWorker):
+            worker.expedite.update(sync)
+        super().start_load_kv(forward_context, **kwargs)
+        if sync and cw is not None and worker is not None:
+            for job in sync:
+                cw._load_jobs[job] = None
+            worker.wait(set(sync))
+
     def reset_cache(self) -> bool | None:
         """OffloadingConnector's; loads in flight across a reset are stale
         (vLLM skips their reports, the manager forgot their keys)."""
         self._loads.clear()
+        if self._sync is not None:
+            self._sync.pending.clear()
         return super().reset_cache()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -143,3 +233,70 @@ def _use_kvtier_spec(vllm_config: Any) -> None:
             f"(got {given[0]!r} from {given[1]!r})"
         )
     extra["spec_name"], extra["spec_module_path"] = _SPEC
+
+
+class _SyncLoads:
+    """The scheduler's synchronous loads of one step (vLLM 0.32 only): the
+    requests reported synchronous, the bytes they take of the budget, and
+    their load jobs, handed to the workers with the step's metadata."""
+
+    def __init__(self, budget: int, bytes_per_token: int) -> None:
+        self.budget, self.bytes_per_token = budget, bytes_per_token
+        self.requests: set[str] = set()
+        self.jobs: set[int] = set()
+        self.used = 0
+        # Sync load job -> its request, until the job's completion is processed.
+        self.pending: dict[int, str] = {}
+
+    def reserve(self, request: Any, num_computed_tokens: int, hit: int) -> bool:
+        """Whether ``hit`` tokens of ``request`` load this step: one token at
+        least is left to compute (or nothing would be scheduled), and the
+        step's budget holds them (sliding-window groups, which load only
+        their window, are counted whole, as vLLM 0.33 does)."""
+        self.requests.discard(request.request_id)
+        size = hit * self.bytes_per_token
+        if num_computed_tokens + hit >= request.num_tokens or self.used + size > self.budget:
+            return False
+        self.used += size
+        self.requests.add(request.request_id)
+        return True
+
+    def end_step(self) -> set[int]:
+        """The step's synchronous load jobs; the next step starts empty."""
+        jobs, self.jobs = self.jobs, set()
+        self.requests.clear()
+        self.used = 0
+        return jobs
+
+
+class _Fresh:
+    """An engine block as a block without KV yet (no hash)."""
+
+    __slots__ = ("block_id", "is_null")
+    block_hash = None
+
+    def __init__(self, block: Any) -> None:
+        self.block_id, self.is_null = block.block_id, block.is_null
+
+
+class _FreshBlocks:
+    """A request's allocated blocks per KV-cache group, those past the
+    first ``computed`` tokens shown as fresh (see update_state_after_alloc)."""
+
+    def __init__(self, blocks: Any, computed: int, groups: Any) -> None:
+        out = list(blocks.blocks)
+        for g in groups:
+            first = computed // g.tokens_per_block
+            row = out[g.group_idx]
+            out[g.group_idx] = list(row[:first]) + [_Fresh(b) for b in row[first:]]
+        self.blocks = tuple(out)
+
+
+def _kv_bytes_per_token(kv_cache_config: Any) -> int:
+    """KV bytes per token on one worker over every layer (for the sync-load
+    budget); 0 when vLLM gives no KV-cache configuration."""
+    total = 0
+    for g in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        spec = g.kv_cache_spec
+        total += len(g.layer_names) * int(spec.page_size_bytes) // int(spec.block_size)
+    return total

@@ -65,6 +65,9 @@ class KVTierWorker(OffloadingWorker):
         self._load_blocks: dict[int, np.ndarray | Sequence[int]] = {}  # load job -> engine blocks
         self._load_errors: set[int] = set()
         self._copy_failed: set[int] = set()  # jobs with a failed copy to or from host slots
+        # Load jobs to put ahead of queued stores: KVTierConnector names those
+        # the forward pass waits for (vLLM 0.33 passes expedited itself).
+        self.expedite: set[int] = set()
 
     def _start_transfers(
         self, kv_caches: CanonicalKVCaches, spec: KVTierOffloadingSpec, pool: HostPool, offset: int
@@ -206,6 +209,9 @@ class KVTierWorker(OffloadingWorker):
         expedited: bool = False,
     ) -> bool:
         assert isinstance(src_spec, KVTierSpec)
+        if job_id in self.expedite:
+            self.expedite.discard(job_id)
+            expedited = True
         return self._submit(job_id, dst_spec, src_spec, store=False, expedited=expedited)
 
     def get_finished(self) -> list[TransferResult]:
