@@ -132,11 +132,15 @@ def test_a_dead_server_fails_pages_not_the_caller_then_recovers(
         assert [page_bytes(pool, 8 + i) for i in range(3)] == before
         assert s.batch_set_v1(["y0", "y1"], token_indices(pool, 3, 2)) == [False, False]
         server.start()  # same port, empty (no persistence)
+        # Each of the tier's connections finds the restart on its next
+        # request (which fails: a miss) and reconnects.
         deadline = time.monotonic() + 10
-        while s.batch_set_v1(["y0", "y1"], token_indices(pool, 3, 2)) != [True, True]:
+        while s.batch_set_v1(["y0", "y1"], token_indices(pool, 3, 2)) != [
+            True,
+            True,
+        ] or s.batch_get_v1(["y0", "y1"], token_indices(pool, 8, 2)) != [True, True]:
             assert time.monotonic() < deadline, "no recovery after the server came back"
             time.sleep(0.2)
-        assert s.batch_get_v1(["y0", "y1"], token_indices(pool, 8, 2)) == [True, True]
         assert [page_bytes(pool, 8), page_bytes(pool, 9)] == [
             page_bytes(pool, 3),
             page_bytes(pool, 4),

@@ -334,3 +334,15 @@ def test_a_pool_registered_again_takes_over_the_pages(
     s.register_mem_pool_host(b)
     assert s.batch_get_v1(["g0", "g1"], token_indices(b, 3, 2)) == [True, True]
     assert [page_bytes(b, 3), page_bytes(b, 4)] == [page_bytes(a, 0), page_bytes(a, 1)]
+
+
+def test_bad_host_indices_are_clear_errors(disk: dict[str, Any], sglang_open: Any) -> None:
+    pool = host_pool("mha", "page_first", pages=4)  # 5 pages with SGLang's padding page
+    s = sglang_open(disk, pool)
+    with pytest.raises(InvalidArgument, match="beyond the pool's 5 pages"):
+        s.batch_set_v1(["a"], token_indices(pool, 5, 1))
+    with pytest.raises(InvalidArgument, match="on page boundaries"):
+        s.batch_get_v1(["a"], token_indices(pool, 0, 1) + 1)
+    with pytest.raises(InvalidArgument, match="16 host indices for 3 pages"):
+        s.batch_get_v1(["a", "b", "c"], token_indices(pool, 0, 1))
+    assert s.batch_exists(["a"]) == 0  # nothing was written

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -73,20 +74,27 @@ class PageMover:
         has_disk = any(getattr(t, "record_bytes", None) for t in self.tiers)
         self.slot_bytes = record_bytes(plan.page_bytes) if has_disk else plan.page_bytes
         half = max(2, min(256, staging_bytes // (2 * self.slot_bytes)))
-        self.staging = HostPool(2 * half, self.slot_bytes)
         self._free = {"store": list(range(half)), "load": list(range(half, 2 * half))}
         self._held: set[int] = set()  # slots of timed-out jobs, out of use until they end
         self._dir_locks = {"store": threading.Lock(), "load": threading.Lock()}
         self._lock = threading.RLock()  # the tiers, the copy engine's results, slot lists
         self._done: dict[int, dict[int, TierCompletion]] = {id(t): {} for t in self.tiers}
         self._copied: dict[int, bool] = {}
-        # Host copies (gather before a store, scatter after a load) on their
-        # own threads: SGLang's pool tensor and the staging slots are its regions.
-        self.copier = Engine(2, [(1 << 30, False)])
-        self.copier.register_memory(plan.base, plan.nbytes, owner=plan.buffer)
-        self.copier.register_pool(self.staging)
-        for t in self.tiers:
-            t.attach(self.staging)
+        self.staging = HostPool(2 * half, self.slot_bytes)
+        try:
+            # Host copies (gather before a store, scatter after a load) on
+            # their own threads: SGLang's pool tensor and the staging slots
+            # are its regions; its budget holds every slot at once.
+            self.copier = Engine(2, [(self.staging.nbytes + 1, False)])
+            self.copier.register_memory(plan.base, plan.nbytes, owner=plan.buffer)
+            self.copier.register_pool(self.staging)
+            for t in self.tiers:
+                t.attach(self.staging)
+        except BaseException:
+            if hasattr(self, "copier"):
+                self.copier.close()
+            self.staging.close()
+            raise
         # SGLang asks for the longest stored prefix at every prefetch: the
         # disk tier's readable test straight from its native index (what
         # DiskTier.lookup answers, about 40% less Python per key).
@@ -189,16 +197,30 @@ class PageMover:
                     for i in ask:
                         hit[i] = ready(key_digest(keys[i]))
                 continue
-            with self._lock:
-                answers = [tier.lookup(keys[i]) for i in ask]
-                token = tier.submit_checks() if LookupResult.RETRY in answers else None
-            if token is not None:
-                self._wait_jobs(tier, token)
-                with self._lock:
-                    answers = [tier.lookup(keys[i]) for i in ask]
+            answers = self._ask(tier, [keys[i] for i in ask])
             for i, a in zip(ask, answers):
                 hit[i] = a == LookupResult.HIT
         return hit
+
+    def _ask(self, tier: JobTier, keys: list[bytes]) -> list[LookupResult]:
+        """``tier``'s answers for ``keys``, waiting for the existence checks
+        they need (the tier's timeout at most: an answer still unknown then
+        is RETRY, which callers take as absent). A check queued by an
+        earlier call may still be in flight, and the tier does not ask
+        twice for a key: then its jobs are waited for too."""
+        deadline = time.monotonic() + float(getattr(tier, "timeout_s", 2.0)) + 1.0
+        while True:
+            with self._lock:
+                self._drain(tier)  # checks that ended since: answered now
+                answers = [tier.lookup(k) for k in keys]
+                if LookupResult.RETRY not in answers or time.monotonic() > deadline:
+                    return answers
+                token = tier.submit_checks()
+                jids = tier.jobs.job_ids([token]) if token is not None else []
+                jids = jids or sorted(tier.jobs.in_flight())
+            if jids:
+                with contextlib.suppress(Timeout):
+                    tier.jobs.engine.wait(jids, min(_WAIT_SLICE_S, tier.timeout_s))  # type: ignore[attr-defined]
 
     def store(self, keys: Sequence[bytes], pages: np.ndarray) -> list[bool]:
         """Write the pages at addresses ``pages`` as ``keys`` to every tier
@@ -223,9 +245,12 @@ class PageMover:
         """Positions of ``keys`` to write: not stored yet (those already are
         ``ok``: SGLang offers a prefix again) and admitted by a tier."""
         todo = []
+        # Only the disk answers at once; a Redis lookup would queue an
+        # existence check per key, dearer than writing the value again.
+        ready = self._ready.get(id(self.writable[0]))
         with self._lock:
             for i, k in enumerate(keys):
-                if self.writable[0].lookup(k) == LookupResult.HIT:
+                if ready is not None and ready(key_digest(k)):
                     ok[i] = True
                 elif any([t.admit(k) for t in self.writable]):
                     todo.append(i)

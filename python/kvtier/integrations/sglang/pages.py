@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.errors import UnsupportedEngine
+from kvtier.errors import InvalidArgument, UnsupportedEngine
 
 
 def _runs(
@@ -107,14 +107,12 @@ class PagePlan:
             return np.zeros(0, np.int64)
         step = len(idx) // num_pages
         if step <= 0 or step * num_pages != len(idx):
-            from kvtier.errors import InvalidArgument
-
             raise InvalidArgument(f"{len(idx)} host indices for {num_pages} pages")
         starts = idx[::step]
         if (starts % self.page_tokens).any() or (starts < 0).any():
-            from kvtier.errors import InvalidArgument
-
             raise InvalidArgument("host indices must start pages on page boundaries")
+        if self.num_pages and (starts // self.page_tokens >= self.num_pages).any():
+            raise InvalidArgument(f"host indices beyond the pool's {self.num_pages} pages")
         return self.first + (starts // self.page_tokens) * self.page_stride
 
     def descriptors(self, pages: np.ndarray, slots: np.ndarray, to_slots: bool) -> np.ndarray:
