@@ -169,3 +169,19 @@ def test_clear_empties_the_namespace_on_redis(redis_standalone: Any, sglang_open
     time.sleep(2.1)  # b remembers what it saw for 2 s (the remote tier's known_ttl_s)
     assert b.batch_exists(keys) == 0
     assert c.batch_exists(keys) == 3  # another namespace keeps its pages
+
+
+def test_a_key_whose_check_is_already_in_flight_is_answered(
+    redis_standalone: Any, sglang_open: Any
+) -> None:
+    """An existence check an earlier call started (and nobody polled since)
+    answers a later exists, which must wait for it rather than say absent."""
+    extra = {"kvtier_remote_url": redis_standalone.url, "kvtier_namespace": str(uuid.uuid4())}
+    pool = host_pool("mha", "page_first", pages=8)
+    writer, reader = sglang_open(extra, pool), sglang_open(extra, pool)
+    assert writer.batch_set_v1(["f0", "f1"], token_indices(pool, 0, 2)) == [True, True]
+    tier = reader.movers["kv"].tiers[0]
+    with reader.movers["kv"]._lock:  # as a call that asked and left
+        assert [tier.lookup(b"f0").name, tier.lookup(b"f1").name] == ["RETRY", "RETRY"]
+        assert tier.submit_checks() is not None
+    assert reader.batch_exists(["f0", "f1"]) == 2
