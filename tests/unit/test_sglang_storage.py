@@ -168,6 +168,10 @@ def test_extra_pools_shorten_the_prefix_by_their_hit_policy(
         name=hs.PoolName.MAMBA, keys=[keys[4]], host_indices=token_indices(side, 9, 1)
     )
     assert s.batch_get_v2([back]) == {"mamba": [True]}
+    # The sidecar's disk tier: the KV tier's 64 MiB scaled by page sizes
+    # (1 KiB / 32 KiB: 2 MiB), records of 1 KiB + a 4 KiB trailer, 4 KiB aligned.
+    caps = {n: st["tiers"]["disk"]["capacity_blocks"] for n, st in s.kvtier_stats().items()}
+    assert caps == {"kv": (64 << 20) // (36 << 10), "mamba": (2 << 20) // (8 << 10)}
     assert page_bytes(side, 9) == page_bytes(side, 4)
 
 

@@ -22,6 +22,7 @@ order of the keys.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -117,7 +118,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
             # A sidecar pool holds at most one page per KV page: its disk
             # tier gets the KV tier's capacity scaled by their page sizes.
             scaled = cfg.disk_bytes * plan.page_bytes // kv.plan.page_bytes
-            cfg = type(cfg)(**{**cfg.__dict__, "disk_bytes": max(scaled, 1 << 20)})
+            cfg = dataclasses.replace(cfg, disk_bytes=max(scaled, 1 << 20))
         # MLA: Redis holds one copy for every TP rank, written by the writer
         # rank; a disk directory has one owner, so each rank keeps (and
         # writes) its own. Mamba state is sharded by TP even in MLA models.
@@ -157,8 +158,8 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """How many of ``keys``, from the first, every page is stored (SGLang
-        stops its prefix there)."""
+        """How many of ``keys`` are stored, counted from the first up to the
+        first absent one (SGLang's prefix stops there)."""
         hit = self._mover().exists(self._keys(keys))
         return hit.index(False) if False in hit else len(hit)
 
