@@ -350,3 +350,34 @@ def test_bad_host_indices_are_clear_errors(disk: dict[str, Any], sglang_open: An
     with pytest.raises(InvalidArgument, match="16 host indices for 3 pages"):
         s.batch_get_v1(["a", "b", "c"], token_indices(pool, 0, 1))
     assert s.batch_exists(["a"]) == 0  # nothing was written
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["interface_v1", "generic"])
+def test_sglangs_controller_backs_up_finds_and_prefetches_pages(
+    zero_copy: bool, disk: dict[str, Any], sglang_open: Any
+) -> None:
+    """SGLang's own cache-controller code (its backup, hit query and
+    prefetch transfer, kvtier.bench.sglang_pool.controller) over the backend:
+    a prompt's pages backed up, found as a prefix, read back byte for byte."""
+    from kvtier.bench.sglang_pool import controller
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    pool = host_pool("mha", "layer_first", pages=24)
+    fill(pool, 12)
+    s = sglang_open(disk, pool)
+    ctl = controller(s, pool, zero_copy=zero_copy)
+    tokens = list(range(1000, 1000 + 10 * pool.page_size))  # 10 pages
+    hashes = get_storage_hash_str(tokens, None, page_size=pool.page_size)
+    backup = ctl.StorageOperation(token_indices(pool, 0, 10), tokens, hash_value=hashes)
+    ctl._page_backup(backup)
+    assert backup.completed_tokens == 10 * pool.page_size
+    # A request whose prompt shares the first 7 pages.
+    asked = tokens[: 7 * pool.page_size] + list(range(5000, 5000 + 3 * pool.page_size))
+    op = ctl.PrefetchOperation("r1", asked)
+    hashes, hit_tokens = ctl._storage_hit_query(op)
+    assert (len(hashes), hit_tokens) == (7, 7 * pool.page_size)
+    op.hash_value, op.host_indices = hashes, token_indices(pool, 12, 7)
+    assert ctl._page_transfer(op) == 7
+    assert [page_bytes(pool, 12 + i) for i in range(7)] == [page_bytes(pool, i) for i in range(7)]
+    ack = ctl.prefetch_sync_queue.get_nowait()
+    assert (ack.rid, ack.completed_tokens) == ("r1", 7 * pool.page_size)

@@ -15,6 +15,7 @@ real classes). Who calls: ``kvtier bench sglang`` and tests; never the library.
 """
 
 from __future__ import annotations
+import __future__
 
 import ast
 import importlib.util
@@ -86,7 +87,10 @@ def _compile(cls: ast.ClassDef, wanted: tuple[str, ...], env: dict[str, Any]) ->
     if missing:
         raise LookupError(f"SGLang's {cls.name} no longer defines {sorted(missing)}")
     ns: dict[str, Any] = dict(env)
-    code = compile(ast.Module(body=list(funcs), type_ignores=[]), f"<sglang {cls.name}>", "exec")
+    # As in SGLang's modules (from __future__ import annotations): annotations stay text.
+    flags = __future__.annotations.compiler_flag
+    module = ast.Module(body=list(funcs), type_ignores=[])
+    code = compile(module, f"<sglang {cls.name}>", "exec", flags=flags, dont_inherit=True)
     exec(code, ns)  # SGLang's own method bodies, bound below
     return {name: ns[name] for name in wanted}
 
@@ -186,3 +190,65 @@ def page_bytes(pool: Any, i: int) -> bytes:
 def token_indices(pool: Any, first: int, n: int) -> torch.Tensor:
     """SGLang's host indices of pages ``[first, first + n)``."""
     return torch.arange(first * pool.page_size, (first + n) * pool.page_size)
+
+
+#: SGLang's cache-controller code that drives a storage backend: its storage
+#: operations and the controller methods of the hit query, the prefetch
+#: transfer and the backup (zero-copy and generic page calls).
+CONTROLLER_CLASSES = ("StorageOperation", "PrefetchOperation", "PrefetchAck")
+CONTROLLER_METHODS = (
+    "_storage_hit_query", "_page_transfer", "_page_transfer_kv_batch", "_page_get_zero_copy",
+    "_generic_page_get", "_page_set_zero_copy", "_generic_page_set", "_page_backup",
+)  # fmt: skip
+
+
+def controller(backend: Any, host_pool: Any, zero_copy: bool = True) -> Any:
+    """SGLang's ``HiCacheController`` as far as it drives a storage backend:
+    its own methods (:data:`CONTROLLER_METHODS`) and operation classes,
+    compiled from the installed ``managers/cache_controller.py`` (whose
+    module cannot be imported here), over ``backend`` and ``host_pool``.
+    ``zero_copy``: the page calls SGLang picks for a dynamic backend with
+    ``interface_v1`` (else its generic ones). The returned object also
+    carries ``StorageOperation``, ``PrefetchOperation`` and ``PrefetchAck``."""
+    import dataclasses
+    import logging
+    import queue
+    import threading
+    import time
+
+    import sglang.srt.mem_cache.hicache_storage as hs
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    path = pool_host_dir().parent.parent / "managers" / "cache_controller.py"
+    tree = ast.parse(path.read_text())
+    nodes: list[ast.stmt] = [
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in CONTROLLER_CLASSES
+    ]
+    if len(nodes) != len(CONTROLLER_CLASSES):
+        raise LookupError("SGLang's cache_controller.py changed its storage operations")
+    ctl = next(
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "HiCacheController"
+    )
+    env: dict[str, Any] = {
+        "torch": torch, "dataclass": dataclasses.dataclass, "threading": threading,
+        "time": time,
+        "logger": logging.getLogger("sglang.cache_controller"),
+        "get_storage_hash_str": get_storage_hash_str,
+        **{k: getattr(hs, k) for k in ("STORAGE_BATCH_SIZE", "HiCacheStorageExtraInfo",
+                                        "PoolName", "PoolTransfer", "count_pool_hits")},
+    }  # fmt: skip
+    code = compile(ast.Module(body=nodes, type_ignores=[]), "<sglang cache_controller>", "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)  # fmt: skip
+    exec(code, env)  # SGLang's own classes
+    methods = _compile(ctl, CONTROLLER_METHODS, env)
+    standin = type("StandInHiCacheController", (), methods)()
+    standin.storage_backend = backend
+    standin.storage_host_pool = standin.mem_pool_host = host_pool
+    standin.page_size = host_pool.page_size
+    standin.prefetch_sync_queue = queue.Queue()
+    get = "_page_get_zero_copy" if zero_copy else "_generic_page_get"
+    put = "_page_set_zero_copy" if zero_copy else "_generic_page_set"
+    standin.page_get_func, standin.page_set_func = getattr(standin, get), getattr(standin, put)
+    for name in CONTROLLER_CLASSES:
+        setattr(standin, name, env[name])
+    return standin
