@@ -381,3 +381,17 @@ def test_sglangs_controller_backs_up_finds_and_prefetches_pages(
     assert [page_bytes(pool, 12 + i) for i in range(7)] == [page_bytes(pool, i) for i in range(7)]
     ack = ctl.prefetch_sync_queue.get_nowait()
     assert (ack.rid, ack.completed_tokens) == ("r1", 7 * pool.page_size)
+
+
+def test_batches_larger_than_the_staging_slots_move_in_parts(
+    disk: dict[str, Any], sglang_open: Any
+) -> None:
+    pool = host_pool("mha", "layer_first", pages=24)
+    fill(pool, 13)
+    s = sglang_open({**disk, "kvtier_staging_bytes": "100KiB"}, pool)
+    assert s.kvtier_stats()["kv"]["staging_slots"] == 4  # 2 for stores, 2 for loads
+    keys = [f"s{i}" for i in range(7)]
+    assert s.batch_set_v1(keys, token_indices(pool, 0, 7)) == [True] * 7
+    assert s.batch_get_v1(keys, token_indices(pool, 10, 7)) == [True] * 7
+    assert [page_bytes(pool, 10 + i) for i in range(7)] == [page_bytes(pool, i) for i in range(7)]
+    assert s.get("s6", pool.get_dummy_flat_data_page()) is not None

@@ -4,13 +4,17 @@ redis-py + hiredis backend (pipelined GET/SET/EXISTS of SGLang's flat data
 pages: the usual Python approach; SGLang ships no Redis backend) on the same
 Redis; same host pool, page size and batch size for every contender.
 
-Each contender runs as SGLang's cache controller drives it: kvtier through
-the zero-copy calls (``interface_v1``: ``batch_set_v1``, ``batch_get_v1``,
-``batch_exists``), ``HiCacheFile`` and the redis-py backend through the
-generic ones (``batch_set`` of ``get_data_page`` pages; ``batch_get`` into
-``get_dummy_flat_data_page`` pages, then ``set_from_flat_data_page``;
-``batch_exists``). A repeat stores fresh pages, checks their keys, reads them
-back (verified byte for byte); contenders take turns in a rotating order.
+Each contender is driven by SGLang's own cache-controller code
+(:func:`kvtier.bench.sglang_pool.controller`: its backup, hit query and
+prefetch transfer, in SGLang's batches of ``STORAGE_BATCH_SIZE`` pages):
+kvtier through the zero-copy calls SGLang picks for a dynamic backend with
+``interface_v1`` (``batch_set_v1``, ``batch_get_v1``), ``HiCacheFile`` and
+the redis-py backend through the generic ones (``batch_set`` of
+``get_data_page`` pages; ``batch_get`` into ``get_dummy_flat_data_page``
+pages, then ``set_from_flat_data_page``); ``exists`` is the hit query
+(page hashes, then ``batch_exists``). A repeat backs up fresh pages, finds
+them, reads them back (verified byte for byte); contenders take turns in a
+rotating order.
 
 Who calls: :mod:`kvtier.cli`. Blocks for the whole run.
 """
@@ -22,7 +26,6 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +78,7 @@ class RedisPyPages:
             out.append(t)
         return out
 
-    def batch_exists(self, keys: list[str]) -> int:
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         p = self.r.pipeline(transaction=False)
         for k in keys:
             p.exists(self.prefix + k.encode())
@@ -85,33 +88,6 @@ class RedisPyPages:
     def close(self) -> None:
         self.r.flushall()
         self.r.close()
-
-
-def _zero_copy(s: Any, pool: Any, batch: int) -> dict[str, Callable[[list[str]], bool]]:
-    """kvtier through SGLang's zero-copy calls: pages [0, batch) out, [batch, 2 batch) in."""
-    return {
-        "set": lambda keys: all(s.batch_set_v1(keys, token_indices(pool, 0, len(keys)))),
-        "exists": lambda keys: s.batch_exists(keys) == len(keys),
-        "get": lambda keys: all(s.batch_get_v1(keys, token_indices(pool, batch, len(keys)))),
-    }
-
-
-def _generic(s: Any, pool: Any, batch: int) -> dict[str, Callable[[list[str]], bool]]:
-    """A backend through SGLang's generic calls, as its cache controller makes them."""
-    ps = pool.page_size
-
-    def put(keys: list[str]) -> bool:
-        return bool(s.batch_set(keys, [pool.get_data_page(i * ps) for i in range(len(keys))]))
-
-    def get(keys: list[str]) -> bool:
-        got = s.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
-        for i, data in enumerate(got):
-            if data is None:
-                return False
-            pool.set_from_flat_data_page((batch + i) * ps, data)
-        return True
-
-    return {"set": put, "exists": lambda keys: s.batch_exists(keys) == len(keys), "get": get}
 
 
 def _drop_cached(directory: Path) -> None:
@@ -126,30 +102,40 @@ def _drop_cached(directory: Path) -> None:
 
 
 def _run_once(
-    ops: dict[str, Callable[[list[str]], bool]],
-    keys: list[str],
-    batch: int,
-    pool: Any,
-    device: Path | None = None,
+    ctl: Any, tokens: list[int], pool: Any, device: Path | None = None
 ) -> dict[str, float]:
-    """Seconds per op over ``keys`` in batches; checks every page read back.
-    ``device``: the contender's files in that directory go to the device
-    before ``set`` ends (a sync, timed) and leave the page cache before
-    ``get`` (untimed), so both come from the device as kvtier's do."""
+    """Seconds per op for the pages of ``tokens`` through SGLang's controller
+    ``ctl``: ``set`` backs up pages ``[0, n)``, ``exists`` is the prefetch's
+    hit query, ``get`` its transfer into pages ``[n, 2 n)`` (verified byte
+    for byte). ``device``: the contender's files in that directory go to the
+    device before ``set`` ends (a sync, timed) and leave the page cache
+    before ``get`` (untimed), so both come from the device as kvtier's do."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    n = len(tokens) // pool.page_size
+    hashes = get_storage_hash_str(tokens, None, page_size=pool.page_size)
     secs: dict[str, float] = {}
-    want = [page_bytes(pool, i) for i in range(batch)]
-    for op in OPS:
-        if op == "get" and device is not None:
-            _drop_cached(device)
-        t0 = time.perf_counter()
-        for first in range(0, len(keys), batch):
-            if not ops[op](keys[first : first + batch]):
-                raise RuntimeError(f"{op} failed")
-        if op == "set" and device is not None:
-            os.sync()
-        secs[op] = time.perf_counter() - t0
-    n = len(keys) % batch or batch  # the last batch read back sits at [batch, batch + n)
-    if [page_bytes(pool, batch + i) for i in range(n)] != want[:n]:
+    backup = ctl.StorageOperation(token_indices(pool, 0, n), tokens, hash_value=hashes)
+    t0 = time.perf_counter()
+    ctl._page_backup(backup)
+    if device is not None:
+        os.sync()
+    secs["set"] = time.perf_counter() - t0
+    op = ctl.PrefetchOperation("bench", tokens)
+    t0 = time.perf_counter()
+    found, hit_tokens = ctl._storage_hit_query(op)
+    secs["exists"] = time.perf_counter() - t0
+    if device is not None:
+        _drop_cached(device)
+    op.hash_value, op.host_indices = found, token_indices(pool, n, n)
+    t0 = time.perf_counter()
+    loaded = ctl._page_transfer(op)
+    secs["get"] = time.perf_counter() - t0
+    while not ctl.prefetch_sync_queue.empty():
+        ctl.prefetch_sync_queue.get_nowait()
+    if (backup.completed_tokens, hit_tokens, loaded) != (len(tokens), len(tokens), n):
+        raise RuntimeError(f"stored {backup.completed_tokens}, found {hit_tokens}, read {loaded}")
+    if [page_bytes(pool, n + i) for i in range(n)] != [page_bytes(pool, i) for i in range(n)]:
         raise RuntimeError("a page read back differs from the page stored")
     return secs
 
@@ -158,16 +144,17 @@ def run_shape(
     name: str,
     shape: dict[str, Any],
     num_pages: int,
-    batch: int,
     repeats: int,
     directory: str,
     url: str,
     layout: str = "page_first",
 ) -> dict[str, Any]:
     """One page geometry: every contender ``repeats`` times; rates and ratios."""
-    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+    from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheFile
 
-    pool = host_pool("mha", layout, pages=2 * batch, **shape)
+    from kvtier.bench.sglang_pool import controller
+
+    pool = host_pool("mha", layout, pages=2 * num_pages, **shape)
     fill(pool, 0)
     nbytes = len(page_bytes(pool, 0))
     work = Path(tempfile.mkdtemp(prefix="sglang-", dir=directory))
@@ -176,12 +163,14 @@ def run_shape(
     remote = open_storage({"kvtier_remote_url": url}, pool)
     hfile = HiCacheFile(storage_config({"file_storage_path": str(work)}, layout=layout))
     pyredis = RedisPyPages(url)
+    # SGLang picks the zero-copy calls for a dynamic backend with
+    # interface_v1 (kvtier), the generic ones for its file backend.
     contenders = {
-        "kvtier_disk": _zero_copy(disk, pool, batch),
-        "hicache_file": _generic(hfile, pool, batch),
-        "hicache_file_device": _generic(hfile, pool, batch),
-        "kvtier_redis": _zero_copy(remote, pool, batch),
-        "redis_py": _generic(pyredis, pool, batch),
+        "kvtier_disk": controller(disk, pool, zero_copy=True),
+        "hicache_file": controller(hfile, pool, zero_copy=False),
+        "hicache_file_device": controller(hfile, pool, zero_copy=False),
+        "kvtier_redis": controller(remote, pool, zero_copy=True),
+        "redis_py": controller(pyredis, pool, zero_copy=False),
     }
     runs: dict[str, dict[str, list[float]]] = {c: {op: [] for op in OPS} for c in contenders}
     try:
@@ -189,10 +178,11 @@ def run_shape(
             names = list(contenders)
             names = names[r % len(names) :] + names[: r % len(names)]
             for c in names:
-                tag = list(contenders).index(c)
-                keys = [f"{r:04x}{tag:04x}{i:056x}" for i in range(num_pages)]
+                # Fresh pages: token ids of their own per repeat and contender.
+                first = (r * len(contenders) + list(contenders).index(c)) * (1 << 24)
+                tokens = list(range(first, first + num_pages * pool.page_size))
                 device = work if c == "hicache_file_device" else None
-                for op, s in _run_once(contenders[c], keys, batch, pool, device).items():
+                for op, s in _run_once(contenders[c], tokens, pool, device).items():
                     runs[c][op].append(num_pages / s)
             pyredis.r.flushall()
     finally:
@@ -203,7 +193,7 @@ def run_shape(
     med = statistics.median
     out: dict[str, Any] = {
         "shape": name, "layout": layout, "page_bytes": nbytes, "pages_per_run": num_pages,
-        "batch_pages": batch,
+        "batch_pages": STORAGE_BATCH_SIZE,
     }  # fmt: skip
     for c, ops in runs.items():
         out[c] = {
@@ -228,7 +218,6 @@ def run_sglang(
     directory: str,
     url: str | None = None,
     repeats: int = 3,
-    batch: int = 64,
     shapes: tuple[tuple[str, dict[str, Any], int], ...] = SHAPES,
     layout: str = "page_first",
 ) -> dict[str, Any]:
@@ -250,7 +239,7 @@ def run_sglang(
         server = RedisServer(Path(tempfile.mkdtemp(prefix="kvtier-bench-redis-")))
         url = server.url
     try:
-        results = [run_shape(n, s, p, batch, repeats, directory, url, layout) for n, s, p in shapes]
+        results = [run_shape(n, s, p, repeats, directory, url, layout) for n, s, p in shapes]
     finally:
         torch.set_num_threads(threads)
         if server is not None:

@@ -172,9 +172,15 @@ class PageMover:
                 return c
 
     def _take_slots(self, kind: str, n: int) -> list[int]:
+        """Staging slots for the next part of ``n`` pages still to move: all
+        of them if there are enough, else parts of equal size (128 pages
+        over 127 slots go as 64 + 64, not 127 + 1)."""
         with self._lock:
             free = [s for s in self._free[kind] if s not in self._held]
-            return free[:n]
+        if not free:
+            return []
+        parts = -(-n // len(free))
+        return free[: -(-n // parts)]
 
     def _note_held(self, c: TierCompletion, slots: Sequence[int]) -> None:
         if c.held:
