@@ -441,12 +441,19 @@ def test_sliding_window_model_loads_only_the_windows_like_vllms_prefix_cache(
     window = 512 // BLOCK
     chunks = sum(h // BLOCK + 2 * min(h // BLOCK, window) for h in hits.values())
     assert chunks < 3 * sum(hits.values()) // BLOCK  # less than every group's whole prefix
-    for name, budget in (("sync", None), ("async", 0)):
-        kv: dict[str, Any] = {"kvtier_host_bytes": "256MiB"}
-        if budget is not None:
-            kv["sync_load_budget_bytes"] = budget
+    # A chunk of one group here is 64 KiB (2 layers); 80 host slots hold
+    # less than the 3 x 56 chunks of the working set: hits come from disk,
+    # read ahead a window at a time for the sliding-window groups.
+    disk = {"kvtier_host_bytes": 80 * (64 + 4) * 1024, "kvtier_disk_path": str(tmp_path / "d"),
+            "kvtier_disk_bytes": "64MiB"}  # fmt: skip
+    runs = (("sync", {"kvtier_host_bytes": "256MiB"}),
+            ("async", {"kvtier_host_bytes": "256MiB", "sync_load_budget_bytes": 0}),
+            ("disk", disk))  # fmt: skip
+    for name, kv in runs:
         e = run_engine(engine_python, tmp_path / name, {**_kvtier_spec(gemma3_model, **kv)})
         assert _outputs(e) == _outputs(none), name
         assert {r["id"]: r["cached_tokens"] for r in e.requests} == hits, name
-        assert e.loaded["host"] == chunks * BLOCK, name  # chunks of every group
+        # Chunks of every group, each loaded once.
+        assert e.loaded["host"] + e.loaded["disk"] == chunks * BLOCK, name
+        assert (e.loaded["disk"] > 0) == (name == "disk"), name
         _assert_clean(e)

@@ -152,6 +152,25 @@ def test_following_keys_come_from_vllm_req_context_in_prefix_order() -> None:
     assert following_keys(K(3), ctx) == [K(4), K(5)]
 
 
+def test_lookup_order_reads_a_sliding_window_group_backwards() -> None:
+    """vLLM scans a sliding-window group from its last chunk back until a
+    window of hits: read-ahead reads the window before the key (and one
+    more), nearest first, in one batch; a full-attention group reads on."""
+    from kvtier.integrations.vllm.scheduler import LookupOrder
+
+    ctx = ReqContext(req_id="r10")
+    swa = [make_offload_key(i.to_bytes(32, "big"), 1) for i in range(8)]
+    for i, k in enumerate(swa):
+        ctx.set_offload_key_position(k, 32 * (i + 1))
+    for i in range(1, 5):
+        ctx.set_offload_key_position(K(i), 32 * i)
+    order = LookupOrder({(1).to_bytes(4, "big"): 3})
+    assert order(swa[6], ctx) == [swa[5], swa[4], swa[3]]
+    assert order(swa[1], ctx) == [swa[0]] and order(swa[0], ctx) == []
+    assert order(K(2), ctx) == [K(3), K(4)]  # group 0 has no window
+    assert order(make_offload_key((99).to_bytes(32, "big"), 1), ctx) == []
+
+
 def test_manager_semantics_through_vllm_types() -> None:
     spec = OffloadingSpecFactory.create_spec(config({**SPEC, "kvtier_host_bytes": 4 * 4096}))
     m = spec.get_manager()

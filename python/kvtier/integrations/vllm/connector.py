@@ -81,6 +81,8 @@ class KVTierConnector(OffloadingConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         # Under vLLM 0.32, on the scheduler's side: the step's synchronous loads.
         self._sync: _SyncLoads | None = None
+        if self.connector_scheduler is not None:
+            _tell_windows(self.connector_scheduler)
         budget = int(extra["sync_load_budget_bytes"])
         if not _NATIVE_SYNC_LOADS and budget > 0 and self.connector_scheduler is not None:
             self._sync = _SyncLoads(budget, _kv_bytes_per_token(kv_cache_config))
@@ -290,6 +292,19 @@ class _FreshBlocks:
             row = out[g.group_idx]
             out[g.group_idx] = list(row[:first]) + [_Fresh(b) for b in row[first:]]
         self.blocks = tuple(out)
+
+
+def _tell_windows(scheduler: Any) -> None:
+    """Give the manager's read-ahead each sliding-window group's window
+    (vLLM 0.32 keeps it in the connector's group configurations only)."""
+    manager = getattr(scheduler, "manager", None)
+    order = getattr(getattr(manager, "m", None), "key_order", None)
+    windows = getattr(order, "windows", None)
+    if windows is None:
+        return
+    for g in scheduler.config.kv_group_configs:
+        if g.sliding_window_size_in_chunks:
+            windows[int(g.group_idx).to_bytes(4, "big")] = int(g.sliding_window_size_in_chunks)
 
 
 def _kv_bytes_per_token(kv_cache_config: Any) -> int:

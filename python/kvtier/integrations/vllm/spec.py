@@ -189,6 +189,13 @@ class KVTierOffloadingSpec(OffloadingSpec):
             canonical_layout=getattr(config, "canonical_layout", False),
             user_namespace=self.kvtier.get("kvtier_namespace", ""), groups=config.groups,
         )  # fmt: skip
+        # Sliding-window groups by key suffix (the group index, as vLLM makes
+        # keys): vLLM 0.33 says here; under 0.32 KVTierConnector fills them in.
+        self.windows: dict[bytes, int] = {
+            int(g.group_id).to_bytes(4, "big"): int(w)
+            for g in config.groups
+            if (w := getattr(g, "sliding_window_size_in_chunks", None))
+        }
         self.engine_id = str(config.engine_id)
         self.pool_name = _pool_name(self.engine_id, self.stage)
         self._manager: OffloadingManager | None = None
@@ -288,7 +295,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
 
     def _build_manager(self, k: dict[str, Any], lower: list[LowerTier]) -> KVTierManager:
         """The manager over kvtier's host tier and the lower tiers ``lower``."""
-        from kvtier.integrations.vllm.scheduler import KVTierManager, following_keys
+        from kvtier.integrations.vllm.scheduler import KVTierManager, LookupOrder
         from kvtier.manager import TieredOffloadingManager
         from kvtier.tiers.host import HostTier
 
@@ -313,7 +320,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 promote=k.get("kvtier_promote", True),
                 scan_wait_s=k.get("kvtier_scan_wait_ms", 20) / 1000,
                 scan_bytes=k.get("kvtier_scan_bytes", 64 << 20),
-                key_order=following_keys,
+                key_order=LookupOrder(self.windows),
                 # One GET per key not known yet rather than EXISTS then
                 # GET: later turns 25.5 ms against 26.8 (bench serve,
                 # host+redis, 3 runs each). The slots a new prompt's
