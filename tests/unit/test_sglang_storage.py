@@ -107,6 +107,7 @@ def test_pages_round_trip_byte_for_byte(
     assert bytes(got.view(torch.uint8).numpy()) == want[3]
     st = s.kvtier_stats()["kv"]
     assert (st["pages_stored"], st["pages_loaded"], st["tiers"]["disk"]["loads"]) == (8, 6, 7)
+    assert st["staging_slots"] == 2 * 128  # SGLang's storage batch, each way
 
 
 def test_generic_and_zero_copy_paths_read_each_others_pages(

