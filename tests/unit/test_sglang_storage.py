@@ -396,3 +396,20 @@ def test_batches_larger_than_the_staging_slots_move_in_parts(
     assert s.batch_get_v1(keys, token_indices(pool, 10, 7)) == [True] * 7
     assert [page_bytes(pool, 10 + i) for i in range(7)] == [page_bytes(pool, i) for i in range(7)]
     assert s.get("s6", pool.get_dummy_flat_data_page()) is not None
+
+
+def test_another_sglang_release_is_used_with_a_warning(
+    disk: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sglang
+    from kvtier.integrations.sglang import SUPPORTED_SGLANG
+
+    assert sglang.__version__ == SUPPORTED_SGLANG == "0.5.23"
+    with caplog.at_level("WARNING", logger="kvtier"):
+        KVTierStorage(storage_config(disk)).close()
+        assert caplog.records == []
+        monkeypatch.setattr(sglang, "__version__", "0.6.0")
+        KVTierStorage(storage_config(disk)).close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "kvtier: SGLang 0.6.0; this backend is tested with SGLang 0.5.23"
+    ]

@@ -49,8 +49,9 @@ from kvtier.units import FreeFraction
 
 log = logging.getLogger("kvtier")
 
-#: The SGLang releases this backend is written and tested against.
-SUPPORTED_SGLANG = ">=0.5.23,<0.6"
+#: The SGLang release this backend is written and tested against (another
+#: one is used with a warning: HiCache's storage interface changes often).
+SUPPORTED_SGLANG = "0.5.23"
 
 
 class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
@@ -66,6 +67,15 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, _factory_args: Any = None) -> None:
+        import sglang
+
+        version = str(getattr(sglang, "__version__", "unknown"))
+        if version != SUPPORTED_SGLANG:
+            log.warning(
+                "kvtier: SGLang %s; this backend is tested with SGLang %s",
+                version,
+                SUPPORTED_SGLANG,
+            )
         self.storage_config = storage_config
         self.settings = parse_extra_config(storage_config.extra_config)
         c = storage_config
