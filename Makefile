@@ -91,9 +91,10 @@ demo: install
 test: install lint test-cpp wheel test-py
 
 # KVTIER_ENGINE_PYTHON: the engine tests (tests/engine) run vLLM there and
-# fail, rather than skip, when it is missing.
+# fail, rather than skip, when it is missing; KVTIER_REQUIRE_SGLANG likewise
+# for SGLang's (the venv has it).
 test-py: engine-venv
-	KVTIER_ENGINE_PYTHON=$(CURDIR)/$(EPY) $(PY) -m pytest -q tests
+	KVTIER_ENGINE_PYTHON=$(CURDIR)/$(EPY) KVTIER_REQUIRE_SGLANG=1 $(PY) -m pytest -q tests
 
 # `kvtier bench soak`: 30 minutes of replay under faults (make test runs 2 minutes of it).
 soak: install

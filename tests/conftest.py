@@ -56,6 +56,22 @@ def fake_cudart(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-un
     lib.fake_cuda_set_delay_us(0)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With KVTIER_REQUIRE_SGLANG set (make test sets it), a missing SGLang
+    fails the run instead of skipping its backend's tests."""
+    import os
+
+    if not os.environ.get("KVTIER_REQUIRE_SGLANG"):
+        return
+    try:
+        import sglang.srt.mem_cache.hicache_storage  # noqa: F401
+    except ImportError as e:
+        raise pytest.UsageError(
+            f"KVTIER_REQUIRE_SGLANG is set but SGLang's storage module does not import ({e}): "
+            "make venv installs sglang==0.5.23 --no-deps"
+        ) from e
+
+
 @pytest.fixture
 def sglang_open():  # type: ignore[no-untyped-def]
     """Opens kvtier's SGLang backends (``sglang_open(extra, pool, **config)``,
