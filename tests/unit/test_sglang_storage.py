@@ -413,3 +413,17 @@ def test_another_sglang_release_is_used_with_a_warning(
     assert [r.getMessage() for r in caplog.records] == [
         "kvtier: SGLang 0.6.0; this backend is tested with SGLang 0.5.23"
     ]
+
+
+def test_a_block_groups_pool_gets_no_verdict_and_does_not_gate(
+    disk: dict[str, Any], sglang_open: Any
+) -> None:
+    pool = host_pool("mha", "page_first", pages=8)
+    s = sglang_open(disk, pool)
+    assert s.batch_set_v1(["b0", "b1"], token_indices(pool, 0, 2)) == [True, True]
+    groups = hs.PoolTransfer(
+        name=hs.PoolName.KV, hit_policy=hs.PoolHitPolicy.BLOCK_GROUPS, block_pages=1, group_pages=1
+    )
+    r = s.batch_exists_v2(["b0", "b1"], [groups])
+    assert (r.kv_hit_pages, r.extra_pool_hit_pages, r.restorable_prefix_pages) == (
+        2, {"kv": 2}, [1, 2])  # fmt: skip

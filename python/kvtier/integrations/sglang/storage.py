@@ -181,17 +181,22 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
     ) -> PoolTransferResult:
         """Longest stored KV prefix of ``keys``, shortened by each extra pool
         by its hit policy (``ALL_PAGES``: every page of the prefix;
-        ``TRAILING_PAGES``: the last ``len(transfer.keys)`` pages; a
-        ``BLOCK_GROUPS`` pool reports its leading complete groups and does
-        not gate the KV prefix). An extra pool page is looked up under the
-        KV page's key in that pool's own namespace."""
+        ``TRAILING_PAGES``: the last ``len(transfer.keys)`` pages). A
+        ``BLOCK_GROUPS`` pool never gates the KV prefix; it reports no pages
+        of its own (no SGLang 0.5.23 backend implements that policy, its file
+        backend refuses it, and a pool left without a verdict loads nothing,
+        where a guessed one could load pages of the wrong blocks). An extra
+        pool page is looked up under the KV page's key in that pool's own
+        namespace."""
         bkeys = self._keys(keys)
         kv = self._mover().exists(bkeys)
         kv_pages = kv.index(False) if False in kv else len(kv)
         hits: dict[str, int] = {str(PoolName.KV): kv_pages} if kv_pages else {}
         restorable = set(range(1, kv_pages + 1))
         for t in pool_transfers or []:
-            if not restorable and t.hit_policy != PoolHitPolicy.BLOCK_GROUPS:
+            if t.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
+                continue
+            if not restorable:
                 break
             name = str(t.name)
             mover = self.movers.get(name)
@@ -203,14 +208,6 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
                 trail = max(1, len(t.keys) if t.keys else 1)
                 ok = {p for p in range(1, kv_pages + 1) if all(have[max(0, p - trail) : p])}
                 bound = max(ok, default=0)
-            elif t.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
-                group = max(1, int(t.group_pages or 1))
-                full = 0
-                while full + group <= kv_pages and all(have[full : full + group]):
-                    full += group
-                if full:
-                    hits[name] = full
-                continue
             else:
                 raise InvalidArgument(f"kvtier: unknown pool hit policy {t.hit_policy!r}")
             if bound:
