@@ -427,3 +427,47 @@ def test_a_block_groups_pool_gets_no_verdict_and_does_not_gate(
     r = s.batch_exists_v2(["b0", "b1"], [groups])
     assert (r.kv_hit_pages, r.extra_pool_hit_pages, r.restorable_prefix_pages) == (
         2, {"kv": 2}, [1, 2])  # fmt: skip
+
+
+def test_exists_v2_answers_as_sglangs_file_backend(
+    disk: dict[str, Any], sglang_open: Any, tmp_path: Path
+) -> None:
+    """The same pages stored in kvtier and in SGLang's HiCacheFile: the same
+    PoolTransferResult for every prefix query and hit policy (seeded cases)."""
+    import random
+
+    rng = random.Random(0)
+    kv = host_pool("mha", "page_first", pages=12)
+    side = host_pool("mla", "page_first", pages=12, layers=1, kv_lora_rank=32, qk_rope_head_dim=0)
+    ours = sglang_open(disk, kv)
+    theirs = hs.HiCacheFile(storage_config({"file_storage_path": str(tmp_path / "hf")}))
+    for backend in (ours, theirs):
+        backend.register_mem_host_pool_v2(kv, hs.PoolName.KV)
+        backend.register_mem_host_pool_v2(side, hs.PoolName.MAMBA)
+    seen = set()
+    for case in range(12):
+        keys = [f"e{case}-{i}" for i in range(8)]
+        kv_pages = [i for i in range(8) if rng.random() < 0.85]
+        side_pages = [i for i in range(8) if rng.random() < 0.6]
+        for backend in (ours, theirs):
+            writes = [
+                hs.PoolTransfer(name=hs.PoolName.KV, keys=[keys[i] for i in kv_pages],
+                                host_indices=torch.cat([token_indices(kv, i, 1) for i in kv_pages])),
+                hs.PoolTransfer(name=hs.PoolName.MAMBA, keys=[keys[i] for i in side_pages],
+                                host_indices=torch.cat([token_indices(side, i, 1) for i in side_pages])),
+            ]  # fmt: skip
+            backend.batch_set_v2([w for w in writes if w.keys])
+        policy = rng.choice([hs.PoolHitPolicy.ALL_PAGES, hs.PoolHitPolicy.TRAILING_PAGES])
+        query = [hs.PoolTransfer(name=hs.PoolName.MAMBA, keys=["x"] * rng.randint(1, 3),
+                                 hit_policy=policy)]  # fmt: skip
+        for pools in ([], query):
+            a, b = ours.batch_exists_v2(keys, pools), theirs.batch_exists_v2(keys, pools)
+            assert (a.kv_hit_pages, a.extra_pool_hit_pages, a.restorable_prefix_pages) == (
+                b.kv_hit_pages,
+                b.extra_pool_hit_pages,
+                b.restorable_prefix_pages,
+            ), (case, policy, kv_pages, side_pages)
+            seen.add((a.kv_hit_pages, bool(pools)))
+        assert ours.batch_exists(keys) == theirs.batch_exists(keys)
+    theirs.clear()
+    assert len(seen) >= 6  # the cases cover short, long and gated prefixes
