@@ -75,6 +75,15 @@ def ratios(results: list[dict[str, Any]]) -> list[tuple[str, float, str]]:
             for name, peer in d.get("peers", {}).items():
                 for k, v in peer["ratio"].items():
                     rows.append((f"remote {size} {k}", v, name))
+        elif c == "sglang":
+            for key, base in (
+                ("vs_hicache_file", "SGLang's HiCacheFile"),
+                ("vs_hicache_file_device", "HiCacheFile from the device"),
+            ):
+                for k, v in d.get(key, {}).items():
+                    rows.append((f"SGLang backend {k}", v, base))
+            for k, v in d.get("redis_vs_redis_py", {}).items():
+                rows.append((f"SGLang backend on Redis {k}", v, "redis-py + hiredis"))
         elif c == "vllm":
             if "manager" in d:
                 rows.append(("vLLM manager cycles", d["manager"]["ratio"], "CPUOffloadingManager"))
