@@ -223,7 +223,8 @@ class PageMover:
         is RETRY, which callers take as absent). A check queued by an
         earlier call may still be in flight, and the tier does not ask
         twice for a key: then its jobs are waited for too."""
-        deadline = time.monotonic() + float(getattr(tier, "timeout_s", 2.0)) + 1.0
+        timeout_s = float(getattr(tier, "timeout_s", 2.0))
+        deadline = time.monotonic() + timeout_s + 1.0
         while True:
             with self._lock:
                 self._drain(tier)  # checks that ended since: answered now
@@ -235,7 +236,7 @@ class PageMover:
                 jids = jids or sorted(tier.jobs.in_flight())
             if jids:
                 with contextlib.suppress(Timeout):
-                    tier.jobs.engine.wait(jids, min(_WAIT_SLICE_S, tier.timeout_s))  # type: ignore[attr-defined]
+                    tier.jobs.engine.wait(jids, min(_WAIT_SLICE_S, timeout_s))
 
     def store(self, keys: Sequence[bytes], pages: np.ndarray) -> list[bool]:
         """Write the pages at addresses ``pages`` as ``keys`` to every tier
