@@ -27,3 +27,22 @@ def test_bench_sglang_reports_ratios_per_op(tmp_path: Path) -> None:
         assert len(s[c]["get"]["runs_pages_per_s"]) == 1 and "gbps" not in s[c]["exists"]
     assert "kvtier_disk" in table(r)
     assert list(tmp_path.iterdir()) == []  # its scratch directory removed
+
+
+def test_kvtier_bench_sglang_json_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvtier bench sglang --json FILE``: an object whose vs_hicache_file
+    maps set, get and exists to kvtier's ratio (a tiny shape here)."""
+    import json
+
+    import kvtier.bench.sglang as bench
+    from kvtier.cli import main
+
+    shape = {"page_size": 4, "layers": 2, "heads": 1, "head_dim": 64}
+    monkeypatch.setattr(bench, "SHAPES", (("tiny", shape, 8),))
+    out = tmp_path / "sglang.json"
+    args = ["bench", "sglang", "--dir", str(tmp_path), "--repeats", "1", "--out", ""]
+    assert main([*args, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["component"] == "sglang" and r["repeats"] == 1
+    assert sorted(r["vs_hicache_file"]) == ["exists", "get", "set"]
+    assert all(isinstance(v, float) and v > 0 for v in r["vs_hicache_file"].values())

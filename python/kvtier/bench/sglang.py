@@ -229,12 +229,12 @@ def run_sglang(
     directory: str,
     url: str | None = None,
     repeats: int = 3,
-    shapes: tuple[tuple[str, dict[str, Any], int], ...] = SHAPES,
+    shapes: tuple[tuple[str, dict[str, Any], int], ...] | None = None,
     layout: str = "page_first",
 ) -> dict[str, Any]:
-    """Every shape against the baselines (a local redis-server unless
-    ``url``); ``vs_hicache_file`` and ``redis_vs_redis_py``: per op, the
-    median over shapes of the paired ratios."""
+    """Every shape (default :data:`SHAPES`) against the baselines (a local
+    redis-server unless ``url``); ``vs_hicache_file`` and
+    ``redis_vs_redis_py``: per op, the median over shapes of the paired ratios."""
     import sglang
 
     # One torch thread: the baselines' page copies are torch ops, and on a
@@ -250,7 +250,9 @@ def run_sglang(
         server = RedisServer(Path(tempfile.mkdtemp(prefix="kvtier-bench-redis-")))
         url = server.url
     try:
-        results = [run_shape(n, s, p, repeats, directory, url, layout) for n, s, p in shapes]
+        results = [
+            run_shape(n, s, p, repeats, directory, url, layout) for n, s, p in shapes or SHAPES
+        ]
     finally:
         torch.set_num_threads(threads)
         if server is not None:
