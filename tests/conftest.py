@@ -75,8 +75,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.fixture
 def sglang_open():  # type: ignore[no-untyped-def]
     """Opens kvtier's SGLang backends (``sglang_open(extra, pool, **config)``,
-    see kvtier.bench.sglang_pool.open_storage) and closes them at the test's end."""
-    from kvtier.bench.sglang_pool import open_storage
+    see kvtier.integrations.sglang.standin.open_storage) and closes them at the test's end."""
+    from kvtier.integrations.sglang.standin import open_storage
 
     opened = []
 

@@ -18,7 +18,7 @@ hs = pytest.importorskip(
 torch = pytest.importorskip("torch")
 redis = pytest.importorskip("redis")
 
-from kvtier.bench.sglang_pool import (  # noqa: E402
+from kvtier.integrations.sglang.standin import (  # noqa: E402
     fill,
     host_pool,
     page_bytes,

@@ -2,7 +2,7 @@
 against SGLang's own storage classes (HiCacheStorageConfig, the
 HiCacheStorage base, its pool names and hit policies) and its host KV pools
 on CPU tensors, whose page methods are SGLang's own code
-(kvtier.bench.sglang_pool)."""
+(kvtier.integrations.sglang.standin)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ hs = pytest.importorskip(
 )
 torch = pytest.importorskip("torch")
 
-from kvtier.bench.sglang_pool import (  # noqa: E402
+from kvtier.errors import InvalidArgument  # noqa: E402
+from kvtier.integrations.sglang import KVTierStorage, parse_extra_config  # noqa: E402
+from kvtier.integrations.sglang.standin import (  # noqa: E402
     CLASSES,
     STANDIN_ATTRIBUTES,
     class_def,
@@ -31,8 +33,6 @@ from kvtier.bench.sglang_pool import (  # noqa: E402
     storage_config,
     token_indices,
 )
-from kvtier.errors import InvalidArgument  # noqa: E402
-from kvtier.integrations.sglang import KVTierStorage, parse_extra_config  # noqa: E402
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 # (kind, layout): every host pool layout SGLang keeps flat data pages of
@@ -358,9 +358,9 @@ def test_sglangs_controller_backs_up_finds_and_prefetches_pages(
     zero_copy: bool, disk: dict[str, Any], sglang_open: Any
 ) -> None:
     """SGLang's own cache-controller code (its backup, hit query and
-    prefetch transfer, kvtier.bench.sglang_pool.controller) over the backend:
+    prefetch transfer, kvtier.integrations.sglang.standin.controller) over the backend:
     a prompt's pages backed up, found as a prefix, read back byte for byte."""
-    from kvtier.bench.sglang_pool import controller
+    from kvtier.integrations.sglang.standin import controller
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     pool = host_pool("mha", "layer_first", pages=24)

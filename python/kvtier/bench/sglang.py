@@ -5,7 +5,7 @@ pages: the usual Python approach; SGLang ships no Redis backend) on the same
 Redis; same host pool, page size and batch size for every contender.
 
 Each contender is driven by SGLang's own cache-controller code
-(:func:`kvtier.bench.sglang_pool.controller`: its backup, hit query and
+(:func:`kvtier.integrations.sglang.standin.controller`: its backup, hit query and
 prefetch transfer, in SGLang's batches of ``STORAGE_BATCH_SIZE`` pages):
 kvtier through the zero-copy calls SGLang picks for a dynamic backend with
 ``interface_v1`` (``batch_set_v1``, ``batch_get_v1``), ``HiCacheFile`` and
@@ -33,12 +33,16 @@ from typing import Any
 import torch
 
 from kvtier.bench.harness import PAIRED, paired_ratio
-from kvtier.bench.sglang_pool import (
+from kvtier.integrations.sglang.standin import (
+    controller,
     fill,
+    hicache_file,
     host_pool,
     open_storage,
     page_bytes,
-    storage_config,
+    page_hashes,
+    sglang_version,
+    storage_batch_pages,
     token_indices,
 )
 
@@ -111,10 +115,8 @@ def _run_once(
     for byte). ``device``: the contender's files in that directory go to the
     device before ``set`` ends (a sync, timed) and leave the page cache
     before ``get`` (untimed), so both come from the device as kvtier's do."""
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
-
     n = len(tokens) // pool.page_size
-    hashes = get_storage_hash_str(tokens, None, page_size=pool.page_size)
+    hashes = page_hashes(tokens, pool.page_size)
     # Each contender starts on a quiet device: the file backend's writes of
     # the run before would otherwise be written back during this one.
     os.sync()
@@ -129,13 +131,14 @@ def _run_once(
     # The hit query hashes the tokens first, the same work for every
     # backend (most of the query at 1 MiB pages): hashed beforehand here.
     scope = ctl._storage_hit_query.__globals__
+    original = scope["get_storage_hash_str"]
     scope["get_storage_hash_str"] = lambda *_, **__: hashes
     try:
         t0 = time.perf_counter()
         found, hit_tokens = ctl._storage_hit_query(op)
         secs["exists"] = time.perf_counter() - t0
     finally:
-        scope["get_storage_hash_str"] = get_storage_hash_str
+        scope["get_storage_hash_str"] = original
     if device is not None:
         _drop_cached(device)
     op.hash_value, op.host_indices = found, token_indices(pool, n, n)
@@ -161,10 +164,6 @@ def run_shape(
     layout: str = "page_first",
 ) -> dict[str, Any]:
     """One page geometry: every contender ``repeats`` times; rates and ratios."""
-    from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, HiCacheFile
-
-    from kvtier.bench.sglang_pool import controller
-
     pool = host_pool("mha", layout, pages=2 * num_pages, **shape)
     fill(pool, 0)
     nbytes = len(page_bytes(pool, 0))
@@ -172,7 +171,7 @@ def run_shape(
     cap = (repeats + 2) * num_pages * (nbytes + 8192) + (64 << 20)
     disk = open_storage({"kvtier_disk_path": str(work), "kvtier_disk_bytes": cap}, pool)
     remote = open_storage({"kvtier_remote_url": url}, pool)
-    hfile = HiCacheFile(storage_config({"file_storage_path": str(work)}, layout=layout))
+    hfile = hicache_file({"file_storage_path": str(work)}, layout=layout)
     pyredis = RedisPyPages(url)
     # SGLang picks the zero-copy calls for a dynamic backend with
     # interface_v1 (kvtier), the generic ones for its file backend.
@@ -204,7 +203,7 @@ def run_shape(
     med = statistics.median
     out: dict[str, Any] = {
         "shape": name, "layout": layout, "page_bytes": nbytes, "pages_per_run": num_pages,
-        "batch_pages": STORAGE_BATCH_SIZE,
+        "batch_pages": storage_batch_pages(),
     }  # fmt: skip
     for c, ops in runs.items():
         out[c] = {
@@ -235,8 +234,6 @@ def run_sglang(
     """Every shape (default :data:`SHAPES`) against the baselines (a local
     redis-server unless ``url``); ``vs_hicache_file`` and
     ``redis_vs_redis_py``: per op, the median over shapes of the paired ratios."""
-    import sglang
-
     # One torch thread: the baselines' page copies are torch ops, and on a
     # small machine shared with kvtier's threads (and anything else) torch's
     # OpenMP pool waits on busy cores: a 1 MiB copy took 4-7 ms with 2
@@ -259,7 +256,7 @@ def run_sglang(
             server.stop()
     return {
         "component": "sglang",
-        "sglang": sglang.__version__,
+        "sglang": sglang_version(),
         "baselines": {
             "hicache_file": "SGLang's HiCacheFile on the same directory (generic calls), as "
             "SGLang runs it: writes end in the page cache, reads of them come from it",

@@ -1,8 +1,10 @@
-"""SGLang's host KV pools (MHA and MLA) on CPU tensors, for the benchmark
-and the tests of :mod:`kvtier.integrations.sglang`, where SGLang's real pool
-classes cannot be imported: their modules import SGLang's model
-configurations, whose dependencies (torchvision, SGLang's CPU kernels) are
-not installed here.
+"""SGLang HiCache shim, for the benchmark and the tests only: SGLang's host
+KV pools (MHA and MLA) on CPU tensors and its cache controller's storage
+code, where SGLang's real classes cannot be imported (their modules import
+SGLang's model configurations, whose dependencies, torchvision and SGLang's
+CPU kernels, are not installed here); and the few SGLang calls the
+benchmark makes, so that this package stays the only kvtier code importing
+sglang.
 
 The stand-in runs SGLang's own code: the page methods (``init_kv_buffer``,
 ``get_data_page``, ``get_dummy_flat_data_page``, ``set_from_flat_data_page``,
@@ -11,7 +13,9 @@ The stand-in runs SGLang's own code: the page methods (``init_kv_buffer``,
 SGLang's source of ``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost`` and
 ``HostKVCache``, not rewritten; only the attributes their constructors set
 are set here (:data:`STANDIN_ATTRIBUTES`, which a test checks against the
-real classes). Who calls: ``kvtier bench sglang`` and tests; never the library.
+real classes). :func:`controller` does the same for the cache controller.
+Who calls: ``kvtier bench sglang`` and tests, never the library; the
+compilations read SGLang's source files (blocking, once per call).
 """
 
 from __future__ import annotations
@@ -252,3 +256,31 @@ def controller(backend: Any, host_pool: Any, zero_copy: bool = True) -> Any:
     for name in CONTROLLER_CLASSES:
         setattr(standin, name, env[name])
     return standin
+
+
+def hicache_file(extra: dict[str, Any], layout: str = "page_first") -> Any:
+    """SGLang's own file backend (``HiCacheFile``) for ``extra``."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+
+    return HiCacheFile(storage_config(extra, layout=layout))
+
+
+def page_hashes(tokens: list[int], page_tokens: int) -> list[str]:
+    """SGLang's storage keys of the pages of ``tokens`` (a chain from the start)."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    hashes: list[str] = get_storage_hash_str(tokens, None, page_size=page_tokens)
+    return hashes
+
+
+def storage_batch_pages() -> int:
+    """Pages per storage call of SGLang's controller (its STORAGE_BATCH_SIZE)."""
+    from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE
+
+    return int(STORAGE_BATCH_SIZE)
+
+
+def sglang_version() -> str:
+    import sglang
+
+    return str(sglang.__version__)
