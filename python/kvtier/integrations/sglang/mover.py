@@ -134,8 +134,14 @@ class PageMover:
                 self._copied[int(r.job_id)] = bool(r.ok)
             ok = all(self._copied.pop(j, False) for j in jids)
         if not ok:
-            self.counters["copy_failures"] += 1
+            self._count("copy_failures", 1)
         return ok
+
+    def _count(self, *pairs: str | int) -> None:
+        """Add to counters (name, amount, ...): stores and loads run at once."""
+        with self._lock:
+            for name, n in zip(pairs[::2], pairs[1::2]):
+                self.counters[str(name)] += int(n)
 
     def _step(self, n: int, tiers: Sequence[JobTier]) -> int:
         """Pages per piece of a batch of ``n`` moved by ``tiers``: on disk a
@@ -253,8 +259,7 @@ class PageMover:
                     break
                 part, todo = todo[: len(slots)], todo[len(slots) :]
                 self._store_part(keys, pages, part, slots[: len(part)], ok)
-        self.counters["pages_stored"] += sum(ok)
-        self.counters["store_failures"] += len(ok) - sum(ok)
+        self._count("pages_stored", sum(ok), "store_failures", len(ok) - sum(ok))
         return ok
 
     def _to_store(self, keys: Sequence[bytes], ok: list[bool]) -> list[int]:
@@ -333,8 +338,7 @@ class PageMover:
                         break
                     part, want = want[: len(slots)], want[len(slots) :]
                     self._load_part(tier, keys, pages, part, slots[: len(part)], ok)
-        self.counters["pages_loaded"] += sum(ok)
-        self.counters["load_failures"] += len(ok) - sum(ok)
+        self._count("pages_loaded", sum(ok), "load_failures", len(ok) - sum(ok))
         return ok
 
     def _load_part(
