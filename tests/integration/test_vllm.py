@@ -769,6 +769,52 @@ def test_kvtier_connector_names_its_own_spec() -> None:
         _use_kvtier_spec(cfg({"spec_name": "CPUOffloadingSpec", "spec_module_path": "vllm.x"}))
 
 
+def test_sync_loads_budget_and_fresh_blocks() -> None:
+    """KVTierConnector's loads within the step (its own under vLLM 0.32): the
+    budget as bytes, a step's reservations, and the blocks 0.32's load
+    planning is shown (past what the engine computed itself: no hash)."""
+    from types import SimpleNamespace
+
+    from kvtier.errors import InvalidArgument
+    from kvtier.integrations.vllm.connector import _FreshBlocks, _SyncLoads, sync_load_budget
+
+    assert sync_load_budget({}) == 64 << 20
+    assert sync_load_budget({"sync_load_budget_bytes": "1MiB"}) == 1 << 20
+    assert sync_load_budget({"sync_load_budget_bytes": 0}) == 0
+    for bad in ("lots", -1, True):
+        with pytest.raises(InvalidArgument, match="sync_load_budget_bytes"):
+            sync_load_budget({"sync_load_budget_bytes": bad})
+
+    def req(rid: str, tokens: int) -> Any:
+        return SimpleNamespace(request_id=rid, num_tokens=tokens)
+
+    s = _SyncLoads(budget=1000, bytes_per_token=2)
+    assert s.reserve(req("a", 400), 0, 300)  # 600 bytes
+    assert not s.reserve(req("b", 400), 0, 300)  # 1,200 would pass the budget
+    assert not s.reserve(req("c", 300), 0, 300)  # nothing left to compute
+    assert s.reserve(req("d", 300), 32, 150)  # 300 more: 900
+    assert s.requests == {"a", "d"}
+    s.jobs.update({7, 9})
+    assert s.end_step() == {7, 9}
+    assert (s.requests, s.jobs, s.used) == (set(), set(), 0)
+    assert s.reserve(req("b", 400), 0, 300)  # a new step's budget
+
+    def block(i: int) -> Any:
+        return SimpleNamespace(block_id=i, is_null=i == 0, block_hash=b"h%d" % i)
+
+    blocks = SimpleNamespace(
+        blocks=([block(i) for i in (1, 2, 3, 4)], [block(i) for i in (0, 5, 6, 7)])
+    )
+    groups = [SimpleNamespace(group_idx=0, tokens_per_block=32),
+              SimpleNamespace(group_idx=1, tokens_per_block=32)]  # fmt: skip
+    fresh = _FreshBlocks(blocks, 64, groups)
+    assert [b.block_hash for b in fresh.blocks[0]] == [b"h1", b"h2", None, None]
+    assert [(b.block_id, b.is_null, b.block_hash) for b in fresh.blocks[1][2:]] == [
+        (6, False, None), (7, False, None)
+    ]  # fmt: skip
+    assert fresh.blocks[1][0].is_null
+
+
 def test_reporting_spec_a_failed_streamed_store_to_redis_finishes(tmp_path: Path) -> None:
     """Under KVTierConnector's spec blocks that find no host slot are written
     to Redis by the worker itself; with the server gone that write fails,

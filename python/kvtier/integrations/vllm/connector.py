@@ -47,6 +47,7 @@ from kvtier.integrations.vllm.config import check_engine
 from kvtier.integrations.vllm.scheduler import KVTierManager
 from kvtier.integrations.vllm.spec import KVTierSpec
 from kvtier.integrations.vllm.worker import KVTierWorker
+from kvtier.units import to_bytes
 
 __all__ = ["KVTierConnector"]
 
@@ -77,13 +78,13 @@ class KVTierConnector(OffloadingConnector):
             )  # fmt: skip
             ktc.kv_load_failure_policy = "recompute"
         extra = ktc.kv_connector_extra_config
-        extra.setdefault("sync_load_budget_bytes", SYNC_LOAD_BUDGET)
+        extra["sync_load_budget_bytes"] = sync_load_budget(extra)
         super().__init__(vllm_config, role, kv_cache_config)
         # Under vLLM 0.32, on the scheduler's side: the step's synchronous loads.
         self._sync: _SyncLoads | None = None
         if self.connector_scheduler is not None:
             _tell_windows(self.connector_scheduler)
-        budget = int(extra["sync_load_budget_bytes"])
+        budget = extra["sync_load_budget_bytes"]
         if not _NATIVE_SYNC_LOADS and budget > 0 and self.connector_scheduler is not None:
             self._sync = _SyncLoads(budget, _kv_bytes_per_token(kv_cache_config))
 
@@ -292,6 +293,22 @@ class _FreshBlocks:
             row = out[g.group_idx]
             out[g.group_idx] = list(row[:first]) + [_Fresh(b) for b in row[first:]]
         self.blocks = tuple(out)
+
+
+def sync_load_budget(extra: dict[str, Any]) -> int:
+    """``sync_load_budget_bytes`` of the connector's extra config as the int
+    of bytes vLLM 0.33 reads: 64 MiB when not given, ``"64MiB"`` taken, 0
+    (off) kept. Raises InvalidArgument for anything else."""
+    budget = extra.get("sync_load_budget_bytes", SYNC_LOAD_BUDGET)
+    if budget in (0, "0") and not isinstance(budget, bool):
+        return 0
+    try:
+        return to_bytes("sync_load_budget_bytes", budget)
+    except InvalidArgument as e:
+        msg = str(e)
+        raise InvalidArgument(
+            msg if msg.startswith("sync_load_budget_bytes") else f"sync_load_budget_bytes: {msg}"
+        ) from None
 
 
 def _tell_windows(scheduler: Any) -> None:
