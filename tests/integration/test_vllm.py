@@ -412,6 +412,22 @@ def test_whole_spec_with_a_lower_tier_round_trips_every_stage(
         assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["stage0", "stage1"]
 
 
+def test_secondary_tier_that_cannot_attach_is_closed(tmp_path: Path) -> None:
+    """A kvtier tier built for vLLM's tiering spec that cannot use vLLM's
+    primary region is closed (its directory lock let go) before the error
+    reaches vLLM: another tier can take the directory at once."""
+    from kvtier.integrations.vllm.secondary import _KVTierSecondary
+    from kvtier.tiers.disk import DiskTier
+
+    disk = DiskTier(tmp_path, 1 << 20, 4096)
+    s = object.__new__(_KVTierSecondary)
+    # Rows of 4,000 bytes: too small for a 4 KiB block and its record trailer.
+    s._primary_kv_view = memoryview(np.zeros((8, 4000), np.uint8))
+    with pytest.raises(kvtier.InvalidArgument, match="cannot hold a disk record"):
+        s._attach(disk)
+    DiskTier(tmp_path, 1 << 20, 4096).close()  # the directory is free again
+
+
 def _tiering(tmp_path: Path, tier: dict[str, Any]) -> Any:
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 

@@ -74,8 +74,17 @@ class _KVTierSecondary(SecondaryTierManager):
         self._attach(build_tier(kind, cfg, self.block_size_bytes, ns, name=name))
 
     def _attach(self, tier: LowerTier) -> None:
+        """Attach ``tier`` to vLLM's primary region; a tier that cannot be
+        attached (a region it cannot use) is closed before the error
+        propagates, so its directory lock or connections do not outlive it."""
+        from kvtier.tiers.factory import close_after_failure
+
         self.tier = tier
-        tier.attach(_ViewPool(self._primary_kv_view))  # type: ignore[arg-type]
+        try:
+            tier.attach(_ViewPool(self._primary_kv_view))  # type: ignore[arg-type]
+        except BaseException:
+            close_after_failure([tier])
+            raise
         self._jobs: dict[int, TransferJob] = {}  # kvtier token -> vLLM job
         self._ready: list[JobResult] = []
         # Results of jobs that timed out while the device still held some of
