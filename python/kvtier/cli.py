@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.errors import InvalidArgument, KvtierError
@@ -214,19 +214,10 @@ def _cmd_bench_serve_load(args: argparse.Namespace) -> int:
                             max_requests=args.max_requests, concurrencies=conc, names=names),
         progress=None if args.json else (lambda m: print(f"  {m}", flush=True)),
     )  # fmt: skip
-    stamp = time.strftime("%Y%m%dT%H%M%S")
-    path = out / f"serve-load-{stamp}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    report = out / f"serve-load-{stamp}-report.json"
+    base = out / f"serve-load-{time.strftime('%Y%m%dT%H%M%S')}"
+    report = base.with_name(base.name + "-report.json")
     report.write_text(json.dumps(report_json(result), indent=2) + "\n")
-    png = out / f"serve-load-{stamp}.png"
-    plot(result, png)
-    if args.json:
-        _print_json_last(result)
-    else:
-        print(table(result))
-        print(f"  saved {path}\n  report {report}\n  plot  {png}")
-    return 0
+    return _save_and_show(args, result, base, plot, table, f"  report {report}\n")
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -253,15 +244,28 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         model_kind=args.model_kind,
     )
     stamp = result["machine"]["time"].replace(":", "").replace("-", "")
-    path = out / f"serve-{stamp}.json"
+    return _save_and_show(args, result, out / f"serve-{stamp}", plot, table)
+
+
+def _save_and_show(
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    base: Any,
+    plot: Callable[[dict[str, Any], Any], None],
+    table: Callable[[dict[str, Any]], str],
+    more: str = "",
+) -> int:
+    """Write ``result`` to BASE.json and its plot to BASE.png; print the
+    JSON's last line (``--json``) or the table and where they went. Blocks
+    for the plot."""
+    path, png = base.with_name(base.name + ".json"), base.with_name(base.name + ".png")
     path.write_text(json.dumps(result, indent=2) + "\n")
-    png = out / f"serve-{stamp}.png"
     plot(result, png)
     if args.json:
         _print_json_last(result)
     else:
         print(table(result))
-        print(f"  saved {path}\n  plot  {png}")
+        print(f"  saved {path}\n{more}  plot  {png}")
     return 0
 
 
