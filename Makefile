@@ -148,8 +148,9 @@ ALL_PYTHONS = $(shell for p in $$(command -v python3.10 python3.11 python3.12 py
 wheel-all:
 	$(MAKE) wheel WHEEL_PYTHONS="$(ALL_PYTHONS)"
 
+# `make bench` writes to build/bench; `make bench OUT=bench/results` for a run to quote.
 bench: install
-	$(PY) bench/run.py
+	$(PY) bench/run.py $(if $(OUT),--out $(OUT))
 
 lint: venv
 	$(VENV)/bin/ruff check python tests bench

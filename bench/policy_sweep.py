@@ -1,18 +1,21 @@
 """Hit rate against host capacity: LRU, ARC, PLFU and Belady's bound.
 
-Run from the repository root (takes a few minutes, one core):
+A command-line tool (its own process, one core, blocks for about five
+minutes); run by hand from the repository root:
 
-    nice -n 19 .venv/bin/python bench/results/policy/sweep.py
+    nice -n 19 .venv/bin/python bench/policy_sweep.py [--out DIR]
 
 Replays each workload through the host tier with no data (the same path as
 ``kvtier replay --no-data --host-blocks N --policy P``) and writes
 ``results.json``, ``hit_rate_vs_capacity.png`` and the tables in
-``tables.md`` next to this file. Deterministic: the Mooncake trace as
-stored, the generated workloads with seed 0.
+``tables.md`` to ``--out`` (default ``build/bench-policy`` of the checkout;
+``bench/results/policy/`` holds the run the README quotes). Deterministic:
+the Mooncake trace as stored, the generated workloads with seed 0.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -24,7 +27,7 @@ from kvtier.policy.belady import BeladyPolicy
 from kvtier.replay import WORKLOADS, Replayer, key_of, read_trace
 from kvtier.tiers.host import HostTier
 
-HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "build" / "bench-policy"
 TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
 POLICIES = ["lru", "arc", "plfu", "belady"]
 CAPACITIES = [300, 1000, 3000, 10000, 30000, 100000]
@@ -51,7 +54,11 @@ def replay(trace: list[list[int]], policy: str, capacity: int) -> dict[str, Any]
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="hit rate against host capacity per policy")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
+    dest: Path = ap.parse_args(argv).out
+    dest.mkdir(parents=True, exist_ok=True)
     workloads: dict[str, list[list[int]]] = {}
     if TRACE.is_file():
         workloads["mooncake-conversation"] = read_trace(TRACE)
@@ -73,13 +80,13 @@ def main() -> int:
             "distinct_blocks": distinct,
             "rows": rows,
         }
-    (HERE / "results.json").write_text(json.dumps(out, indent=1) + "\n")
-    write_tables(out)
-    plot(out)
+    (dest / "results.json").write_text(json.dumps(out, indent=1) + "\n")
+    write_tables(out, dest)
+    plot(out, dest)
     return 0
 
 
-def write_tables(out: dict[str, Any]) -> None:
+def write_tables(out: dict[str, Any], dest: Path) -> None:
     lines = []
     for wname, w in out["workloads"].items():
         caps = out["capacities"]
@@ -94,10 +101,10 @@ def write_tables(out: dict[str, Any]) -> None:
             rate = {r["capacity"]: r["hit_rate"] for r in w["rows"] if r["policy"] == pol}
             lines.append(f"| {pol} | " + " | ".join(f"{100 * rate[c]:.2f}" for c in caps) + " |")
         lines.append("")
-    (HERE / "tables.md").write_text("\n".join(lines))
+    (dest / "tables.md").write_text("\n".join(lines))
 
 
-def plot(out: dict[str, Any]) -> None:
+def plot(out: dict[str, Any], dest: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,7 +125,7 @@ def plot(out: dict[str, Any]) -> None:
     axes[0][0].set_ylabel("block hit rate (%)")
     axes[0][0].legend()
     fig.tight_layout()
-    fig.savefig(HERE / "hit_rate_vs_capacity.png", dpi=110)
+    fig.savefig(dest / "hit_rate_vs_capacity.png", dpi=110)
     plt.close(fig)
 
 
