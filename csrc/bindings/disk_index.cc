@@ -39,10 +39,20 @@ std::uint32_t rec_of(const Index& ix, std::int64_t rec) {
   return static_cast<std::uint32_t>(rec);
 }
 
-// One journal entry (tiers/disk.py's _JOURNAL): magic, op, 3 pad, record,
-// digest, length, seq, then a zlib crc32 of the 48 bytes before it.
-constexpr std::size_t kEntry = 52;
-constexpr char kMagic[4] = {'K', 'V', 'J', '1'};
+// One journal entry, little-endian: magic, op, 3 pad, record, digest,
+// length, seq, then a zlib crc32 of the bytes before it. Python writes it:
+// JOURNAL_ENTRY, JOURNAL_ENTRY_BYTES and JOURNAL_MAGIC in
+// python/kvtier/tiers/disk/journal.py (change both together;
+// tests/integration/test_disk_index.py replays a journal Python wrote).
+constexpr std::size_t kJournalEntryBytes = 52;
+constexpr char kJournalMagic[4] = {'K', 'V', 'J', '1'};
+constexpr std::size_t kJournalOp = 4;  // uint8: kJournalPut or kJournalDrop (index.h)
+constexpr std::size_t kJournalRecord = 8;
+constexpr std::size_t kJournalDigest = 16;  // 16 bytes
+constexpr std::size_t kJournalLength = 32;
+constexpr std::size_t kJournalSeq = 40;
+constexpr std::size_t kJournalCrc = 48;
+static_assert(kJournalCrc + 4 == kJournalEntryBytes, "the crc ends the entry");
 
 template <typename T>
 T load_le(const std::uint8_t* p) {
@@ -232,7 +242,7 @@ void bind_disk_index(py::module_& m) {
              for (py::ssize_t i = 0; i < r.shape(0); ++i) {
                Digest d;
                std::memcpy(d.b, dv.data(i, 0), 16);
-               ix.apply(1, rec_of(ix, r(i)), d);
+               ix.apply(disk::kJournalPut, rec_of(ix, r(i)), d);
              }
            })
       .def(
@@ -245,21 +255,22 @@ void bind_disk_index(py::module_& m) {
             std::uint64_t max_seq = 0;
             {
               py::gil_scoped_release nogil;
-              for (std::size_t off = 0; off + kEntry <= n; off += kEntry) {
+              for (std::size_t off = 0; off + kJournalEntryBytes <= n; off += kJournalEntryBytes) {
                 const std::uint8_t* e = p + off;
-                std::uint32_t crc = load_le<std::uint32_t>(e + 48);
-                if (std::memcmp(e, kMagic, 4) != 0 || crc32(0L, e, 48) != crc)
+                std::uint32_t crc = load_le<std::uint32_t>(e + kJournalCrc);
+                if (std::memcmp(e, kJournalMagic, sizeof kJournalMagic) != 0 ||
+                    crc32(0L, e, kJournalCrc) != crc)
                   break;  // torn tail: everything after it is ignored
-                good = off + kEntry;
-                std::uint8_t op = e[4];
-                auto rec = load_le<std::uint64_t>(e + 8);
-                auto len = load_le<std::uint64_t>(e + 32);
-                auto seq = load_le<std::uint64_t>(e + 40);
+                good = off + kJournalEntryBytes;
+                std::uint8_t op = e[kJournalOp];
+                auto rec = load_le<std::uint64_t>(e + kJournalRecord);
+                auto len = load_le<std::uint64_t>(e + kJournalLength);
+                auto seq = load_le<std::uint64_t>(e + kJournalSeq);
                 if (seq > max_seq) max_seq = seq;
                 if (rec >= ix.num_records() || len != block_bytes)
                   continue;  // from a larger or different configuration
                 Digest d;
-                std::memcpy(d.b, e + 16, 16);
+                std::memcpy(d.b, e + kJournalDigest, sizeof d.b);
                 ix.apply(op, static_cast<std::uint32_t>(rec), d);
                 ++applied;
               }

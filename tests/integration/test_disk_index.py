@@ -14,6 +14,13 @@ import pytest
 from kvtier import _native
 from kvtier.tiers import LookupResult
 from kvtier.tiers.disk import DiskTier, key_digest, record_bytes
+from kvtier.tiers.disk.journal import (
+    JOURNAL_ENTRY_BYTES,
+    IndexJournal,
+    JournalOp,
+    RecordState,
+    journal_entry,
+)
 
 BLOCK = 4096
 REC = record_bytes(BLOCK)
@@ -154,6 +161,44 @@ def test_checkpoint_in_the_journal_format_is_still_read(tmp_path: Path) -> None:
     assert t2.stats()["recovered"] == 2
     assert t2.index[key_digest(K(0))] == 5 and t2.index[key_digest(K(1))] == 2
     t2.close()
+
+
+def test_a_journal_python_writes_is_what_the_native_index_reads(tmp_path: Path) -> None:
+    # The journal's format has two sides: IndexJournal writes it, the native
+    # index replays it (csrc/bindings/disk_index.cc). This fails when they drift.
+    j = IndexJournal(tmp_path, BLOCK, 8, sync=False)
+    j.recover(_native.DiskIndex(8))  # nothing to recover: opens the journal
+    for rec in range(4):
+        j.append(JournalOp.PUT, rec, key_digest(K(rec)))
+    j.append(JournalOp.DROP, 2, key_digest(K(2)))
+    j.append(JournalOp.PUT, 5, key_digest(K(0)))  # the same digest in a later record
+    assert j.flush()
+    j.close()
+    data = (tmp_path / "index.journal").read_bytes()
+    assert len(data) == 6 * JOURNAL_ENTRY_BYTES
+    other = journal_entry(JournalOp.PUT, 6, key_digest(K(6)), 2 * BLOCK, 7)  # other blocks
+    ix = _native.DiskIndex(8)
+    good, seq, applied = ix.replay_journal(data + other + b"torn", BLOCK)
+    assert (good, seq, applied) == (len(data) + len(other), 7, 6)
+    assert ix.rebuild() == 3
+    states = [RecordState(ix.state(r)) for r in range(8)]
+    ready, free = RecordState.READY, RecordState.FREE
+    assert states == [free, ready, free, ready, free, ready, free, free]
+    assert ix[key_digest(K(0))] == 5 and ix.digest(3) == key_digest(K(3))
+
+
+def test_record_states_are_the_native_index_states() -> None:
+    ix = _native.DiskIndex(4)
+    assert ix.state(0) == RecordState.FREE
+    ix.insert(b"x" * 16, 0)
+    assert ix.state(0) == RecordState.WRITING
+    ix.set_ready(0)
+    assert ix.state(0) == RecordState.READY
+    ix.remove(0, hold=True)
+    assert ix.state(0) == RecordState.HELD
+    ix.release(0)
+    assert ix.state(0) == RecordState.FREE
+    assert [s.value for s in RecordState] == [0, 1, 2, 3]
 
 
 def test_native_index_rejects_bad_input() -> None:

@@ -127,9 +127,9 @@ def test_failed_preallocation_removes_what_it_created(
 ) -> None:
     # Space taken between the check and the allocation (another program
     # writing): the second slab's fallocate fails, nothing stays behind.
-    import kvtier.tiers.disk as disk
+    import kvtier.tiers.disk.directory as directory
 
-    monkeypatch.setattr(disk, "_EXTENT_MAX", 2 << 20)  # 2 MiB slabs
+    monkeypatch.setattr(directory, "EXTENT_MAX", 2 << 20)  # 2 MiB slabs
     real = os.posix_fallocate
     calls = []
 
@@ -326,7 +326,7 @@ def test_losing_a_new_directory_to_another_owner_removes_nothing_of_theirs(
 ) -> None:
     # Another process takes the directory between our mkdir and our flock:
     # the refusal must leave its files alone.
-    import kvtier.tiers.disk as disk
+    import kvtier.tiers.disk.directory as disk
 
     real = disk.OwnerLock
     theirs: list[disk.OwnerLock] = []

@@ -226,14 +226,14 @@ std::vector<std::uint32_t> Index::ready_records() const {
 void Index::apply(std::uint8_t op, std::uint32_t rec, const Digest& d) {
   Rec& r = recs_[rec];
   bool linked = r.state == RecState::kReady;
-  if (op == 1) {
+  if (op == kJournalPut) {
     r.digest = d;
     r.state = RecState::kReady;
     if (policy_ == EvictPolicy::kLru) {
       if (linked) lru_unlink(rec);
       lru_push_back(rec);  // the last entry for a record sets its place
     }
-  } else if (op == 2 && linked) {
+  } else if (op == kJournalDrop && linked) {
     r.state = RecState::kFree;
     if (policy_ == EvictPolicy::kLru) lru_unlink(rec);
   }

@@ -24,6 +24,8 @@
 
 namespace kvtier::disk {
 
+// A record's state. Python names the same values RecordState
+// (python/kvtier/tiers/disk/journal.py): change both together.
 enum class RecState : std::uint8_t {
   kFree = 0,
   kReady = 1,    // readable
@@ -32,6 +34,11 @@ enum class RecState : std::uint8_t {
 };
 
 enum class EvictPolicy : std::uint8_t { kLru, kClock };
+
+// The op byte of a journal entry (JournalOp in
+// python/kvtier/tiers/disk/journal.py, which writes the journal).
+constexpr std::uint8_t kJournalPut = 1;   // the record holds the digest, readable
+constexpr std::uint8_t kJournalDrop = 2;  // the record was dropped
 
 class Index {
  public:
@@ -71,8 +78,8 @@ class Index {
   // Readable records, least valuable first (LRU order; record order for CLOCK).
   std::vector<std::uint32_t> ready_records() const;
 
-  // Warm restart: apply journal or checkpoint entries in their order (op 1:
-  // `rec` holds `d`; op 2: `rec` was dropped), then rebuild() once. Between
+  // Warm restart: apply journal or checkpoint entries in their order (op
+  // kJournalPut or kJournalDrop; others are ignored), then rebuild() once. Between
   // the two the table is not searchable.
   void apply(std::uint8_t op, std::uint32_t rec, const Digest& d);
   // The table from the applied records; of two records with one digest the

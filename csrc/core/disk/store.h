@@ -1,6 +1,8 @@
 // Slab store: preallocated extent files of fixed-size records (payload +
 // trailer, see record.h), read and written from host pool slots by engine jobs.
-// The index (which key is in which record) lives in Python with its journal.
+// The index (which key is in which record) is native (index.h, bound as
+// DiskIndex in bindings/disk_index.cc); its journal and checkpoint files are
+// written by python/kvtier/tiers/disk/journal.py and replayed natively.
 #pragma once
 
 #include <cstdint>

@@ -1,194 +1,50 @@
 """The disk tier: a slab store on local NVMe, read and written by C++ worker
 threads through io_uring (or pread/pwrite), never under the GIL.
 
-Who calls: the manager, under its lock, once per step (``poll``) and when it
-cascades or promotes. Nothing here blocks except construction (directory
-checks, preallocation, index recovery) and :meth:`DiskTier.close`.
+Runs in the scheduler process. Who calls: the manager, under its lock, once
+per step (``poll``) and when it cascades or promotes. Nothing here blocks
+except construction (directory checks, preallocation, index recovery) and
+:meth:`DiskTier.close`.
 
 Layout of ``DIR/kvtier-<namespace>/``: ``slab-NNN.dat`` extent files of
 fixed-size records (payload + 4 KiB trailer holding magic, version, namespace
-and key digests, length and crc32c), ``index.journal`` (append-only, one
-entry per committed or dropped record) and ``index.ckpt`` (a snapshot that
-bounds the journal). A record enters the journal only after its data write
-completed, and every load re-checks the trailer, so a crash can lose recent
-blocks but never serve wrong bytes.
+and key digests, length and crc32c; :mod:`kvtier.tiers.disk.directory`),
+``index.journal`` and ``index.ckpt`` (:mod:`kvtier.tiers.disk.journal`). A
+record enters the journal only after its data write completed, and every
+load re-checks the trailer, so a crash can lose recent blocks but never
+serve wrong bytes.
 
 The index (digest -> record, each record's state and eviction state) is
 native (``_native.DiskIndex``, 30-38 bytes per record): a disk holds
 hundreds of millions of records, too many for a Python object each. Its
 eviction policy (``lru`` or ``clock``) is chosen here; admission stays a
-Python decision per offered key (:class:`WriteGate`). The checkpoint is the
-index's readable records in bulk (record numbers, then digests, one crc32),
-so a warm restart reads it in one go; the journal since then is replayed
-natively.
+Python decision per offered key (:class:`WriteGate`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import os
-import stat
-import struct
 import time
 import warnings
-import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from kvtier.codes import ItemStatus
-from kvtier.errors import ClosedError, InUse, InvalidArgument, IoError, NoSpace
+from kvtier.errors import InvalidArgument, IoError, NoSpace
 from kvtier.policy.admission import WriteGate
 from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
+from kvtier.tiers.disk.directory import SlabFiles, check_directory
+from kvtier.tiers.disk.journal import IndexJournal, JournalOp, RecordState
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
-from kvtier.tiers.records import TRAILER_BYTES, key_digest, namespace_digest, record_bytes
-from kvtier.units import FreeFraction, format_size, to_capacity
+from kvtier.tiers.records import key_digest, namespace_digest, record_bytes
+from kvtier.units import FreeFraction
 
-__all__ = [
-    "TRAILER_BYTES",
-    "DiskIO",
-    "DiskTier",
-    "OwnerLock",
-    "check_directory",
-    "directory_mode_ok",
-    "key_digest",
-    "namespace_digest",
-    "record_bytes",
-    "resolve_capacity",
-]
-
-_JOURNAL = struct.Struct("<4sBxxxQ16sQQI")  # magic, op, record, digest, length, seq, crc
-_J_BODY = struct.Struct(_JOURNAL.format[:-1])  # all but the crc, which covers it
-_J_CRC = struct.Struct("<I")
-_J_MAGIC = b"KVJ1"
-_PUT, _DEL = 1, 2
-# Checkpoint: magic, format, block bytes, records of the tier, entries, seq,
-# crc32 of the body; the body is the entries' record numbers (uint32), then
-# their digests (16 bytes each), least valuable first (LRU order).
-_CKPT = struct.Struct("<4sIQQQQI4x")
-_C_MAGIC = b"KVC2"
-_EXTENT_MAX = 8 << 30
-_READY, _WRITING, _HELD = 1, 2, 3  # record states of the native index
-_LOCK_FILE = "owner.lock"
-_SIZE_OPTIONS = "DiskTier(capacity_bytes=...), --disk DIR:SIZE or kvtier_disk_bytes"
-_T = TypeVar("_T")
-
-
-def _sys(what: str, path: Path | str, call: Callable[..., _T], *args: Any) -> _T:
-    """``call(*args)`` with an OSError turned into the error a user reads:
-    :class:`NoSpace` for ENOSPC/EDQUOT, else :class:`IoError`, naming ``path``."""
-    try:
-        return call(*args)
-    except OSError as e:
-        code = e.errno or errno.EIO
-        cls = NoSpace if code in (errno.ENOSPC, errno.EDQUOT) else IoError
-        raise cls(code, f"disk tier: {what} {path}: {os.strerror(code)}") from None
-
-
-def _allocated(path: Path) -> int:
-    """Bytes the file system has allocated to ``path`` (0 when missing)."""
-    try:
-        return path.stat().st_blocks * 512
-    except FileNotFoundError:
-        return 0
-
-
-def _fs_space(path: Path) -> tuple[int, int]:
-    """(bytes free to unprivileged users, total bytes) of ``path``'s file system."""
-    st = _sys("statvfs", path, os.statvfs, path)
-    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
-
-
-def resolve_capacity(
-    value: int | str | FreeFraction, path: str | os.PathLike[str], own: Iterable[Path] = ()
-) -> int:
-    """A disk capacity in bytes: ``value`` as is, or a share of the free space
-    of ``path``'s file system (``"80%"``). The files in ``own`` (the tier's
-    slabs from an earlier run) count as free, so a restart asks for the same
-    capacity again. Who calls: :class:`DiskTier`, the vLLM shim (pipeline
-    stages share one capacity). Blocks on one ``statvfs``.
-    """
-    cap = to_capacity("disk capacity", value)
-    if not isinstance(cap, FreeFraction):
-        return cap
-    free, _ = _fs_space(Path(path))
-    return int(cap.fraction * (free + sum(_allocated(p) for p in own)))
-
-
-class OwnerLock:
-    """One owner per directory: an exclusive ``flock`` on ``DIR/owner.lock``
-    holding the owner's pid, taken without waiting.
-
-    The kernel drops an flock when its holder dies (kill -9 included), so a
-    directory left by a killed process is simply taken over. Who calls:
-    :class:`DiskTier` at construction and close. Never blocks.
-    """
-
-    fd = -1
-
-    def __init__(self, directory: Path, what: str = "disk tier directory") -> None:
-        self.path = directory / _LOCK_FILE
-        while True:
-            fd = _sys(
-                "open", self.path, os.open, self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
-            )
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = self._holder(fd)
-                os.close(fd)
-                raise InUse(
-                    errno.EBUSY,
-                    f"{what} {directory} is in use by pid {holder} (it holds {self.path}); "
-                    "give each process its own directory, or close the other first",
-                ) from None
-            except OSError as e:
-                os.close(fd)
-                raise IoError(e.errno or errno.EIO, f"flock {self.path}: {e.strerror}") from None
-            # An owner that failed while creating the directory unlinks the
-            # file it locked: hold the file that is on the path, not that one.
-            try:
-                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
-            os.close(fd)
-        self.fd = fd
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError:
-            pass  # a full file system: the lock holds without the pid in it
-
-    @staticmethod
-    def _holder(fd: int) -> str:
-        try:
-            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-        except OSError:
-            text = ""
-        return text if text.isdigit() else "unknown"
-
-    def release(self, unlink: bool = False) -> None:
-        """Let go (idempotent); ``unlink``: remove the file first (the
-        directory is being removed)."""
-        if self.fd < 0:
-            return
-        if unlink:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
-        os.close(self.fd)
-        self.fd = -1
-
-    def __del__(self) -> None:
-        # A tier dropped without close (its constructor's caller failed
-        # later) must not keep the directory locked for the process's life.
-        with contextlib.suppress(Exception):
-            self.release()
+__all__ = ["DISK_POLICIES", "DiskTier"]
 
 
 #: Eviction policies of the disk tier (native): ``lru``, or ``clock`` /
@@ -206,29 +62,6 @@ def _parse_policy(spec: str) -> tuple[str, int]:
     if not 1 <= n <= 255:
         raise InvalidArgument(f"disk tier policy {spec!r}: N must be in 1..255")
     return name, n
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def check_directory(path: Path) -> None:
-    """Clear errors for a missing, foreign or read-only directory."""
-    if not path.exists():
-        raise IoError(errno.ENOENT, f"disk tier directory {path} does not exist")
-    if not path.is_dir():
-        raise IoError(errno.ENOTDIR, f"disk tier path {path} is not a directory")
-    st = path.stat()
-    if st.st_uid != os.geteuid():
-        raise IoError(
-            errno.EPERM,
-            f"disk tier directory {path} is owned by uid {st.st_uid}, not by us "
-            f"(uid {os.geteuid()}): refusing to share it",
-        )
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise IoError(errno.EACCES, f"disk tier directory {path} is not writable")
 
 
 class DiskTier(JobTier):
@@ -291,13 +124,13 @@ class DiskTier(JobTier):
         self.ns = namespace_digest(namespace, block_bytes)
         self.dir = root / f"kvtier-{self.ns.hex()[:16]}"
         self.no_data = no_data
-        self._journal_fd = -1
-        self._owner: OwnerLock | None = None
         # What this constructor creates, removed again if it fails.
-        self._created: list[Path] = []
-        self._grown: list[tuple[Path, int]] = []
+        self._files = files = SlabFiles(self.dir, self.record_bytes)
+        self.journal: IndexJournal | None = None
         try:
-            self._open_directory(capacity_bytes, reserve_bytes)
+            files.open(capacity_bytes, reserve_bytes, no_data)
+            self.num_records, self.per_file = files.num_records, files.per_file
+            self.paths, self.file_bytes = files.paths, files.file_bytes
             self.opts: dict[str, Any] = dict(
                 backend=backend,
                 queue_depth=queue_depth,
@@ -322,126 +155,18 @@ class DiskTier(JobTier):
             self._held = 0  # records out of use until a timed-out write ends
             self._ended_early: set[int] = set()  # such writes that ended before their batch
             self._released: list[int] = []  # host slots of timed-out jobs that ended
-            self._seq = 0
-            self._journal_buf = bytearray()
-            self._journal_entries = 0
-            self._journal_size = 0  # bytes known good: a failed append is cut back to it
-            self._journal_lost = False  # entries dropped (disk full): checkpoint when possible
             self._nospace_until = 0.0
             self.engine: Any = None
             self.store: Any = None
-            self._recover()
-            jpath = self.dir / "index.journal"
-            self._journal_fd = _sys(
-                "open",
-                jpath,
-                os.open,
-                jpath,
-                os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
-                0o600,
-            )
-            self._journal_size = os.fstat(self._journal_fd).st_size
+            self.journal = IndexJournal(self.dir, block_bytes, self.num_records, sync)
+            self.journal.recover(self.index)  # warm restart
+            self.counters["recovered"] = self.index.rebuild()
         except BaseException:
-            self._undo_open()
+            if self.journal is not None:
+                self.journal.close()
+            files.undo()
             raise
-        self._created, self._grown = [], []
-
-    # -- construction helpers ------------------------------------------------
-    def _open_directory(self, capacity: int | str | FreeFraction, reserve: int | None) -> None:
-        """Make and own ``self.dir``, size the tier, allocate its slabs.
-
-        Every path it creates is listed in ``_created`` (files grown, with
-        their old size, in ``_grown``) for :meth:`_undo_open`.
-        """
-        if not self.dir.exists():
-            _sys("mkdir", self.dir, self.dir.mkdir, 0o700)
-            self._created.append(self.dir)
-        _sys("chmod", self.dir, os.chmod, self.dir, 0o700)
-        if self.dir.stat().st_uid != os.geteuid():
-            raise IoError(errno.EPERM, f"{self.dir} is owned by another user: refusing it")
-        self._owner = OwnerLock(self.dir)
-        own = sorted(self.dir.glob("slab-*.dat"))
-        capacity_bytes = resolve_capacity(capacity, self.dir, own)
-        self.num_records = capacity_bytes // self.record_bytes
-        if self.num_records < 1:
-            raise InvalidArgument(
-                f"disk capacity {capacity_bytes} B holds no record of {self.record_bytes} B"
-            )
-        self.per_file = max(1, _EXTENT_MAX // self.record_bytes)
-        nfiles = -(-self.num_records // self.per_file)
-        self.paths = [str(self.dir / f"slab-{i:03d}.dat") for i in range(nfiles)]
-        self.file_bytes = min(self.num_records, self.per_file) * self.record_bytes
-        if not self.no_data:  # an index-only tier moves no bytes: no slabs
-            self._preallocate(capacity, reserve)
-
-    def _preallocate(self, capacity: int | str | FreeFraction, reserve: int | None) -> None:
-        """Allocate every slab now, after checking the file system has room.
-
-        Why preallocate rather than grow slabs as records arrive: the write
-        path then never allocates extents (direct I/O into allocated space,
-        no ENOSPC in the middle of a record, no per-write free-space check),
-        and the one check here, at start, refuses a capacity the machine
-        cannot give before anything is written. The reserve keeps other
-        programs (and this tier's own journal) running beside a full tier.
-        """
-        paths = [Path(p) for p in self.paths]
-        need = sum(max(0, self.file_bytes - _allocated(p)) for p in paths)
-        if reserve is not None and reserve < 0:
-            raise InvalidArgument(f"reserve_bytes must be >= 0, got {reserve}")
-        free, total = _fs_space(self.dir)
-        keep = min(total // 20, 4 << 30) if reserve is None else reserve
-        if need > free - keep:
-            raise NoSpace(
-                errno.ENOSPC,
-                f"disk tier in {self.dir}: capacity "
-                f"{f'{capacity} B' if isinstance(capacity, int) else capacity} "
-                f"({format_size(self.num_records * self.record_bytes)}) needs "
-                f"{format_size(need)} more, but the file system has {format_size(free)} free "
-                f"and {format_size(keep)} of it stays free: give a smaller capacity "
-                f"({_SIZE_OPTIONS}; e.g. '80%' of the free space)",
-            )
-        for p in paths:
-            existed = p.exists()
-            fd = _sys("create", p, os.open, p, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                if not existed:
-                    self._created.append(p)
-                size = os.fstat(fd).st_size
-                if existed and size < self.file_bytes:
-                    self._grown.append((p, size))
-                _sys("preallocate", p, os.posix_fallocate, fd, 0, self.file_bytes)
-            finally:
-                os.close(fd)
-
-    def _undo_open(self) -> None:
-        """Remove what a failed construction created (newest first), shrink
-        what it grew, let go of the directory."""
-        if self._journal_fd >= 0:
-            os.close(self._journal_fd)
-            self._journal_fd = -1
-        for p, size in self._grown:
-            with contextlib.suppress(OSError):
-                os.truncate(p, size)
-        made_dir = self.dir in self._created
-        owned = self._owner is not None
-        if made_dir and owned:  # ours alone: nothing of anyone else's can be inside
-            for p in self.dir.iterdir():
-                if p.name != _LOCK_FILE:
-                    with contextlib.suppress(OSError):
-                        p.unlink()
-        elif owned:
-            for p in reversed(self._created):
-                with contextlib.suppress(OSError):
-                    p.unlink()
-        # Not owned (another process took the directory we had just made):
-        # everything in it is that process's; at most the empty directory goes.
-        if self._owner is not None:
-            self._owner.release(unlink=made_dir)
-            self._owner = None
-        if made_dir:
-            with contextlib.suppress(OSError):
-                self.dir.rmdir()
-        self._created, self._grown = [], []
+        files.keep()
 
     @staticmethod
     def slot_bytes_for(block_bytes: int) -> int:
@@ -504,89 +229,29 @@ class DiskTier(JobTier):
     def backend(self) -> str:
         return getattr(self, "_backend", "none (no data)")
 
-    # -- index and journal ---------------------------------------------------
-    def _recover(self) -> None:
-        """Rebuild the index from the checkpoint and the journal (warm restart).
-
-        Both are applied natively in their order (the journal entry by entry
-        up to its first torn or foreign entry, which is cut off), then the
-        table is built once; of two records claiming one digest the later
-        record number wins."""
-        for fname in ("index.ckpt", "index.journal"):
-            p = self.dir / fname
-            if not p.exists():
-                continue
-            data = _sys("read", p, p.read_bytes)
-            if fname == "index.ckpt" and data[:4] == _C_MAGIC:
-                self._apply_checkpoint(data)
-                continue
-            # A journal, or a checkpoint in the journal's format (before KVC2).
-            good, seq, _ = self.index.replay_journal(data, self.block_bytes)
-            self._seq = max(self._seq, seq)
-            if fname == "index.journal" and good < len(data):
-                _sys("truncate", p, os.truncate, p, good)
-        self.counters["recovered"] = self.index.rebuild()
-
-    def _apply_checkpoint(self, data: bytes) -> None:
-        where = self.dir / "index.ckpt"
-        if len(data) < _CKPT.size:
-            warnings.warn(f"kvtier disk tier: {where} is truncated: ignored", stacklevel=3)
-            return
-        _, _fmt, block_bytes, _, count, seq, crc = _CKPT.unpack_from(data)
-        body = memoryview(data)[_CKPT.size :]
-        if len(body) != 20 * count or zlib.crc32(body) != crc:
-            warnings.warn(f"kvtier disk tier: {where} is damaged: ignored", stacklevel=3)
-            return
-        self._seq = max(self._seq, seq)
-        if block_bytes != self.block_bytes:
-            return  # from a different configuration
-        recs = np.frombuffer(body, np.uint32, count)
-        digs = np.frombuffer(body, np.uint8, 16 * count, 4 * count).reshape(count, 16)
-        keep = recs < self.num_records  # from a larger configuration
-        if not keep.all():
-            recs, digs = recs[keep], digs[keep]
-        self.index.apply(recs, digs)
-
-    def _journal(self, op: int, rec: int, dig: bytes) -> None:
-        # Wraps: a journal from elsewhere may end at seq 2**64-1 (only order in the file counts).
-        self._seq = (self._seq + 1) & 0xFFFF_FFFF_FFFF_FFFF
-        body = _J_BODY.pack(_J_MAGIC, op, rec, dig, self.block_bytes, self._seq)
-        self._journal_buf += body
-        self._journal_buf += _J_CRC.pack(zlib.crc32(body))
-        self._journal_entries += 1
+    # -- journal ---------------------------------------------------------------
+    def _journal(self, op: JournalOp, rec: int, dig: bytes) -> None:
+        assert self.journal is not None
+        self.journal.append(op, rec, dig)
 
     def _flush_journal(self) -> None:
-        """Append the buffered entries. A failed append (the file system
-        full) is cut back to the last whole entry and the entries dropped:
-        the index in memory stays right and every load re-checks its record,
-        so what a restart would miss is only recent blocks; a checkpoint
-        written once there is room again brings the files up to date."""
-        if self._journal_lost:
-            self._journal_buf = bytearray()
+        """Append the buffered entries; once an append failed (the file
+        system full), stop admitting for a while and retry with a checkpoint
+        (see :class:`IndexJournal`)."""
+        j = self.journal
+        assert j is not None
+        if j.lost:
+            j.discard()
             if time.monotonic() >= self._nospace_until or self._closed:
                 with contextlib.suppress(NoSpace, IoError):
-                    self.checkpoint()  # clears _journal_lost once it is written
+                    self.checkpoint()  # clears j.lost once it is written
                 self._nospace_until = time.monotonic() + 1.0
             return
-        if not self._journal_buf:
-            return
-        try:
-            n = os.write(self._journal_fd, self._journal_buf)
-            if n != len(self._journal_buf):
-                raise OSError(errno.ENOSPC, "short write")
-            if self.opts["sync"]:
-                os.fdatasync(self._journal_fd)
-        except OSError:
+        if not j.flush():
             self.counters["nospace"] += 1
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._journal_fd, self._journal_size)
-            self._journal_buf = bytearray()
-            self._journal_lost = True
             self._nospace_until = time.monotonic() + 1.0  # stop admitting for a while
             return
-        self._journal_size += n
-        self._journal_buf = bytearray()
-        if self._journal_entries > max(100_000, 4 * self.num_records):
+        if j.entries > max(100_000, 4 * self.num_records):
             with contextlib.suppress(NoSpace, IoError):
                 self.checkpoint()
 
@@ -596,33 +261,8 @@ class DiskTier(JobTier):
 
         Who calls: the tier itself when the journal grows past a bound, and
         users. Blocks while it writes and fsyncs about 20 bytes per record."""
-        tmp = self.dir / "index.ckpt.tmp"
-        recs = self.index.ready_records()
-        body = recs.tobytes() + self.index.digests(recs).tobytes()
-        head = _CKPT.pack(
-            _C_MAGIC, 1, self.block_bytes, self.num_records, len(recs), self._seq, zlib.crc32(body)
-        )
-
-        def write() -> None:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                _write_all(fd, head)
-                _write_all(fd, body)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.dir / "index.ckpt")
-
-        try:
-            _sys("checkpoint", tmp, write)
-        except IoError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        os.ftruncate(self._journal_fd, 0)
-        self._journal_size = 0
-        self._journal_entries = 0
-        self._journal_lost = False
+        assert self.journal is not None
+        self.journal.checkpoint(self.index)
 
     # -- tier interface --------------------------------------------------------
     def lookup(self, key: bytes) -> LookupResult:
@@ -775,7 +415,7 @@ class DiskTier(JobTier):
         digs = [key_digest(k) for k in keys]
         for i, d in enumerate(digs):
             rec = self.index.get(d)
-            if rec is None or self.index.state(rec) != _READY:
+            if rec is None or self.index.state(rec) != RecordState.READY:
                 raise InvalidArgument(f"pin_for_read of a key that is not a HIT: {d.hex()[:16]}")
             out[i] = (rec, *self._locate(rec))
         for rec in out[:, 0].tolist():
@@ -798,10 +438,10 @@ class DiskTier(JobTier):
         it was reused since."""
         self.counters["load_failures"] += 1
         ix = self.index
-        if ix.state(rec) == _READY and ix.loading(rec) == 0 and ix.digest(rec) == dig:
+        if ix.state(rec) == RecordState.READY and ix.loading(rec) == 0 and ix.digest(rec) == dig:
             key = key if key is not None else self._event_keys.get(dig)
             self._forget(dig, rec)
-            self._journal(_DEL, rec, dig)
+            self._journal(JournalOp.DROP, rec, dig)
             if key is not None:
                 self._events.append(TierEvent([key], self.name, removed=True))
 
@@ -829,11 +469,11 @@ class DiskTier(JobTier):
         """The write of ``record`` reserved for ``key`` ended: readable (and
         journaled) when ``ok``, else the record is free again."""
         d = key_digest(key)
-        if self.index.state(record) != _WRITING or self.index.digest(record) != d:
+        if self.index.state(record) != RecordState.WRITING or self.index.digest(record) != d:
             return  # not ours any more (reset)
         if ok:
             self.index.set_ready(record)
-            self._journal(_PUT, record, d)
+            self._journal(JournalOp.PUT, record, d)
             count_moved(self.counters, "store", 1, self.record_bytes)
             self._events.append(TierEvent([key], self.name, removed=False))
         else:
@@ -849,10 +489,10 @@ class DiskTier(JobTier):
                 for i in idx:
                     rec = d["recs"][i]
                     state = self.index.state(rec)
-                    if state == _HELD:
+                    if state == RecordState.HELD:
                         self.index.release(rec)
                         self._held -= 1
-                    elif state == _WRITING:  # its batch has not ended: free it then
+                    elif state == RecordState.WRITING:  # its batch has not ended: free it then
                         self._ended_early.add(rec)
             self._released.extend(d["slots"][i] for i in idx)
         out = [self._finish(b) for b in ended]
@@ -872,7 +512,7 @@ class DiskTier(JobTier):
             if b.kind == "store":
                 if code == 0:
                     self.index.set_ready(rec)
-                    self._journal(_PUT, rec, dig)
+                    self._journal(JournalOp.PUT, rec, dig)
                     ok[i] = True
                     stored.append(keys[i])
                 else:
@@ -912,19 +552,17 @@ class DiskTier(JobTier):
             if self.index.loading(rec) == 0:
                 dig = self.index.digest(rec)
                 self._forget(dig, rec)
-                self._journal(_DEL, rec, dig)
+                self._journal(JournalOp.DROP, rec, dig)
         self._flush_journal()
 
     def _release(self) -> None:
         self._flush_journal()
-        os.close(self._journal_fd)
-        self._journal_fd = -1
+        assert self.journal is not None
+        self.journal.close()
         # The native store holds the extent files open: let go of them now,
         # not whenever the tier object is collected (an unmount waits on it).
         self.store = None
-        if self._owner is not None:  # after the files: the next owner may start now
-            self._owner.release()
-            self._owner = None
+        self._files.release()  # after the files: the next owner may start now
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -935,61 +573,3 @@ class DiskTier(JobTier):
             "held_jobs": self.jobs.held_jobs,
             **self.counters,
         }
-
-
-class DiskIO:
-    """Reads and writes records of a :class:`DiskTier` owned by another
-    process (the engine's scheduler) from and to slots of ``pool``: an engine
-    worker streaming blocks between its KV cache and the disk. The owner pins
-    the records (:meth:`DiskTier.pin_for_read`, :meth:`DiskTier.reserve_for_write`)
-    for as long as the I/O may run; every read re-checks the record's
-    trailer (namespace, key digest, length, crc32c), so a record that changed
-    under it fails rather than serving wrong bytes; a write builds the
-    trailer in the slot.
-
-    Who calls: one thread of the worker. :meth:`submit` never blocks; results
-    come from ``engine.poll()`` in completion order, one status per record.
-    """
-
-    def __init__(self, spec: dict[str, Any], pool: Any, num_threads: int = 2) -> None:
-        from kvtier import _native
-        from kvtier.engine import Engine
-
-        if pool.slot_bytes < record_bytes(int(spec["block_bytes"])) or pool.slot_bytes % 4096:
-            raise InvalidArgument(
-                f"reader slots of {pool.slot_bytes} B cannot hold a record of "
-                f"{record_bytes(int(spec['block_bytes']))} B"
-            )
-        self.block_bytes = int(spec["block_bytes"])
-        self.pool = pool
-        self.store: _native.DiskStore | None = _native.DiskStore(
-            list(spec["paths"]), int(spec["file_bytes"]), str(spec["backend"]), 32, 1 << 20,
-            True, False, bytes(spec["ns"]), [(pool.address, pool.nbytes)], True,
-        )  # fmt: skip
-        self.engine = Engine(num_threads, [(256 << 20, False, float(spec["timeout_s"]))])
-        self.engine.register_pool(pool)
-
-    def submit(
-        self, slots: Sequence[int], locations: np.ndarray, digests: bytes, write: bool = False
-    ) -> int:
-        """One job reading record ``locations[i]`` (record, file, offset)
-        into slot ``slots[i]`` (or writing it from there); returns its engine job id."""
-        n = len(slots)
-        arr = np.empty((n, 4), np.int64)
-        arr[:, 0] = self.pool.address + np.asarray(slots, np.int64) * self.pool.slot_bytes
-        arr[:, 1:3] = locations[:, 1:3]
-        arr[:, 3] = self.block_bytes
-        keys = np.frombuffer(digests, np.uint8).reshape(n, 16)
-        if self.store is None:
-            raise ClosedError("disk reader is closed")
-        return int(self.engine._engine.submit_disk(self.store, write, arr, keys, 0))
-
-    def close(self) -> None:
-        """Drain the reads in flight and let go of the files. Blocks."""
-        self.engine.close()
-        self.store = None
-
-
-def directory_mode_ok(path: Path) -> bool:
-    """True when ``path`` is private to its owner (0700)."""
-    return stat.S_IMODE(path.stat().st_mode) == 0o700

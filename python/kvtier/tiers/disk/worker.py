@@ -1,0 +1,73 @@
+"""Disk I/O in an engine worker: reads and writes of a disk tier's records
+owned by another process.
+
+Runs in the engine's worker process (never in the scheduler that owns the
+:class:`~kvtier.tiers.disk.DiskTier`). Who calls: the worker's stream loader
+(:mod:`kvtier.streaming`), from its one driver thread. Opening the files
+blocks briefly; :meth:`DiskIO.submit` never blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import ClosedError, InvalidArgument
+from kvtier.tiers.records import record_bytes
+
+__all__ = ["DiskIO"]
+
+
+class DiskIO:
+    """Reads and writes records of a :class:`DiskTier` owned by another
+    process (the engine's scheduler) from and to slots of ``pool``: an engine
+    worker streaming blocks between its KV cache and the disk. The owner pins
+    the records (:meth:`DiskTier.pin_for_read`, :meth:`DiskTier.reserve_for_write`)
+    for as long as the I/O may run; every read re-checks the record's
+    trailer (namespace, key digest, length, crc32c), so a record that changed
+    under it fails rather than serving wrong bytes; a write builds the
+    trailer in the slot.
+
+    Who calls: one thread of the worker. :meth:`submit` never blocks; results
+    come from ``engine.poll()`` in completion order, one status per record.
+    """
+
+    def __init__(self, spec: dict[str, Any], pool: Any, num_threads: int = 2) -> None:
+        from kvtier import _native
+        from kvtier.engine import Engine
+
+        if pool.slot_bytes < record_bytes(int(spec["block_bytes"])) or pool.slot_bytes % 4096:
+            raise InvalidArgument(
+                f"reader slots of {pool.slot_bytes} B cannot hold a record of "
+                f"{record_bytes(int(spec['block_bytes']))} B"
+            )
+        self.block_bytes = int(spec["block_bytes"])
+        self.pool = pool
+        self.store: _native.DiskStore | None = _native.DiskStore(
+            list(spec["paths"]), int(spec["file_bytes"]), str(spec["backend"]), 32, 1 << 20,
+            True, False, bytes(spec["ns"]), [(pool.address, pool.nbytes)], True,
+        )  # fmt: skip
+        self.engine = Engine(num_threads, [(256 << 20, False, float(spec["timeout_s"]))])
+        self.engine.register_pool(pool)
+
+    def submit(
+        self, slots: Sequence[int], locations: np.ndarray, digests: bytes, write: bool = False
+    ) -> int:
+        """One job reading record ``locations[i]`` (record, file, offset)
+        into slot ``slots[i]`` (or writing it from there); returns its engine job id."""
+        n = len(slots)
+        arr = np.empty((n, 4), np.int64)
+        arr[:, 0] = self.pool.address + np.asarray(slots, np.int64) * self.pool.slot_bytes
+        arr[:, 1:3] = locations[:, 1:3]
+        arr[:, 3] = self.block_bytes
+        keys = np.frombuffer(digests, np.uint8).reshape(n, 16)
+        if self.store is None:
+            raise ClosedError("disk reader is closed")
+        return int(self.engine._engine.submit_disk(self.store, write, arr, keys, 0))
+
+    def close(self) -> None:
+        """Drain the reads in flight and let go of the files. Blocks."""
+        self.engine.close()
+        self.store = None
