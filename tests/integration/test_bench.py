@@ -134,7 +134,8 @@ def test_bench_writes_only_where_asked(
 def test_bench_disk_scratch_defaults_outside_the_cwd(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvtier.cli import _scratch_dir, build_parser
+    from kvtier.bench.commands import _scratch_dir
+    from kvtier.cli import build_parser
 
     root = tmp_path / "root"
     _fake_kvtier_file(monkeypatch, root, repo=True)

@@ -1,0 +1,415 @@
+"""``kvtier bench COMPONENT``: its arguments and what each component runs.
+
+A command-line tool: runs in the ``kvtier`` process (never imported by the
+library). Who calls: :func:`kvtier.cli.build_parser` adds the subcommand with
+:func:`add_bench_parser`; :func:`kvtier.cli.main` runs it. Blocks for the
+whole benchmark. Results go to ``--out`` (default: ``build/...`` of the
+checkout, else a printed temporary directory; see
+:func:`kvtier.bench.harness.output_dir`), never into bench/results unasked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvtier.cli import _add_tls_arguments, _print_json_last
+from kvtier.errors import InvalidArgument, KvtierError
+
+
+def _scratch_dir(args: argparse.Namespace) -> str:
+    """``--dir``, else ``build/bench-disk`` of the repo (or a printed temporary
+    directory): a bench never writes into the current directory unasked."""
+    from kvtier.bench.harness import default_output_dir
+
+    if args.dir:
+        return str(args.dir)
+    d = default_output_dir("bench-disk")
+    d.mkdir(parents=True, exist_ok=True)
+    return str(d)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from kvtier.bench.harness import output_dir, save_result
+    from kvtier.units import parse_size
+
+    if args.component == "serve":
+        return _cmd_bench_serve(args)
+    if args.component == "soak":
+        return _cmd_bench_soak(args)
+    if args.component == "disk-index":
+        return _cmd_bench_disk_index(args)
+    if args.component == "sglang":
+        return _cmd_bench_sglang(args)
+    args.repeats = args.repeats or 5
+    if args.component == "copy":
+        sizes = [parse_size(args.block_bytes)] if args.block_bytes else None
+        if args.device == "cpu":
+            from kvtier.bench.device import run_device_copy
+
+            results = [run_device_copy(s) for s in (sizes or [262144])]
+        else:
+            from kvtier.bench.copy import DEFAULT_SIZES, run_copy
+
+            results = [run_copy(s, repeats=args.repeats) for s in (sizes or DEFAULT_SIZES)]
+    elif args.component == "disk":
+        from kvtier.bench.disk import run_disk
+
+        sizes = [parse_size(args.block_bytes)] if args.block_bytes else [262144, 2 << 20]
+        results = [
+            run_disk(
+                _scratch_dir(args),
+                s,
+                args.queue_depth,
+                parse_size(args.total),
+                args.repeats,
+                args.backend,
+            )
+            for s in sizes
+        ]
+    elif args.component == "remote":
+        from kvtier.bench.remote import run_remote, run_remote_tls
+
+        sizes = [parse_size(args.block_bytes)] if args.block_bytes else [262144, 2 << 20]
+        tls = {k: getattr(args, k) for k in ("tls_ca", "tls_cert", "tls_key", "tls_server_name")}
+        if args.tls and args.url:
+            raise InvalidArgument(
+                "--tls measures TLS on a local server; for a server of yours give a rediss:// --url"
+            )
+        if args.tls:
+            results = [
+                run_remote_tls(s, parse_size(args.total) // 2, args.repeats, args.connections)
+                for s in sizes
+            ]
+        else:
+            results = [
+                run_remote(
+                    args.url,
+                    s,
+                    parse_size(args.total) // 2,
+                    args.repeats,
+                    args.connections,
+                    tls,
+                    peers=args.peer,
+                )
+                for s in sizes
+            ]
+    elif args.component == "vllm":
+        from kvtier.integrations.vllm_bench import run_vllm
+
+        chunks = (parse_size(args.block_bytes),) if args.block_bytes else (262144, 2 << 20)
+        results = [run_vllm(_scratch_dir(args), chunks, args.repeats or 3, trace_path=args.trace)]
+    elif args.component == "manager":
+        from kvtier.bench.manager import run_manager
+
+        results = [run_manager(num_keys=args.keys, policy=args.policy)]
+    else:  # pragma: no cover - argparse restricts choices
+        raise KvtierError(f"unknown component {args.component}")
+    out = output_dir(args.out, "bench")
+    for r in results:
+        path = save_result(r, out)
+        if not args.json:
+            _print_human(r)
+            if path:
+                print(f"  saved {path}")
+    if args.json:
+        for r in results[:-1]:
+            print(json.dumps(r))
+        _print_json_last(results[-1])
+    return 0
+
+
+def _cmd_bench_disk_index(args: argparse.Namespace) -> int:
+    from kvtier.bench.disk_index import run_disk_index, table
+    from kvtier.bench.harness import output_dir, save_result
+
+    if args.records < 1:
+        raise InvalidArgument(f"--records must be >= 1, got {args.records}")
+    result = run_disk_index(args.records, args.policy)
+    path = save_result(result, output_dir(args.out, "bench"))
+    return _table_or_json(args, result, f"[disk-index] {result['note']}\n{table(result)}", path)
+
+
+def _cmd_bench_sglang(args: argparse.Namespace) -> int:
+    """``kvtier bench sglang``: see :mod:`kvtier.bench.sglang`."""
+    from kvtier.bench.harness import output_dir, save_result
+    from kvtier.bench.sglang import run_sglang, table
+
+    result = run_sglang(_scratch_dir(args), args.url, args.repeats or 3)
+    path = save_result(result, output_dir(args.out, "bench"))
+    return _table_or_json(args, result, table(result), path)
+
+
+def _table_or_json(args: argparse.Namespace, result: dict[str, Any], text: str, saved: Any) -> int:
+    """``--json`` (no PATH): the JSON as the last line, nothing else; else
+    ``text`` and where the result was saved, and with ``--json PATH`` the
+    JSON written to PATH too."""
+    from pathlib import Path
+
+    if args.json == "-":
+        _print_json_last(result)
+        return 0
+    print(text)
+    if saved:
+        print(f"  saved {saved}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"  wrote {args.json}")
+    return 0
+
+
+def _cmd_bench_serve_load(args: argparse.Namespace) -> int:
+    """``kvtier bench serve --server``: see :mod:`kvtier.bench.serve_load`."""
+    import subprocess
+    from pathlib import Path
+
+    from kvtier.bench.harness import default_output_dir
+    from kvtier.bench.serve import check_engine_python
+    from kvtier.bench.serve_load import (
+        CONFIGS,
+        WORKLOADS,
+        EngineSettings,
+        Workloads,
+        default_trace,
+        plot,
+        report_json,
+        run_load,
+        table,
+    )
+
+    python = args.python or sys.executable
+    check_engine_python(python)
+    out = Path(args.out) if args.out else default_output_dir("bench-serve-load")
+    configs = tuple(args.configs.split(",")) if args.configs else CONFIGS
+    names = tuple(args.workloads.split(",")) if args.workloads else WORKLOADS
+    trace = Path(args.trace) if args.trace else default_trace()
+    if trace is None and "trace" in names:
+        if args.workloads:
+            raise InvalidArgument("the trace workload needs --trace FILE (no default trace here)")
+        names = tuple(n for n in names if n != "trace")
+    if trace is not None and not trace.exists():
+        raise InvalidArgument(f"--trace {trace}: no such file")
+    try:
+        conc = tuple(int(c) for c in args.concurrencies.split(","))
+    except ValueError:
+        raise InvalidArgument(f"--concurrencies: integers, got {args.concurrencies!r}") from None
+    if not conc or min(conc) < 1 or args.time_scale <= 0 or args.max_requests < 1:
+        raise InvalidArgument("--concurrencies, --time-scale and --max-requests must be positive")
+    model_dir = out / f"model-{args.model_kind}"
+    subprocess.run(
+        [python, "-m", "kvtier.integrations.vllm_engine", "make-model", str(model_dir),
+         args.model_kind], check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    result = run_load(
+        out, python, str(model_dir), configs=configs, repeats=args.repeats or 3,
+        settings=EngineSettings(),
+        workloads=Workloads(trace=trace, time_scale=args.time_scale,
+                            max_requests=args.max_requests, concurrencies=conc, names=names),
+        progress=None if args.json else (lambda m: print(f"  {m}", flush=True)),
+    )  # fmt: skip
+    base = out / f"serve-load-{time.strftime('%Y%m%dT%H%M%S')}"
+    report = base.with_name(base.name + "-report.json")
+    report.write_text(json.dumps(report_json(result), indent=2) + "\n")
+    return _save_and_show(args, result, base, plot, table, f"  report {report}\n")
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.server:
+        return _cmd_bench_serve_load(args)
+
+    from kvtier.bench.harness import default_output_dir
+    from kvtier.bench.serve import CONFIGS, plot, run_serve, table
+    from kvtier.integrations.vllm_engine import Sessions
+
+    out = Path(args.out) if args.out else default_output_dir("bench-serve")
+    configs = tuple(args.configs.split(",")) if args.configs else CONFIGS
+    result = run_serve(
+        out,
+        python=args.python,
+        configs=configs,
+        repeats=args.repeats or 3,
+        workload=Sessions(
+            sessions=args.sessions, system_tokens=args.system_tokens, turns=args.turns
+        ),
+        progress=not args.json,
+        model_kind=args.model_kind,
+    )
+    stamp = result["machine"]["time"].replace(":", "").replace("-", "")
+    return _save_and_show(args, result, out / f"serve-{stamp}", plot, table)
+
+
+def _save_and_show(
+    args: argparse.Namespace,
+    result: dict[str, Any],
+    base: Any,
+    plot: Callable[[dict[str, Any], Any], None],
+    table: Callable[[dict[str, Any]], str],
+    more: str = "",
+) -> int:
+    """Write ``result`` to BASE.json and its plot to BASE.png; print the
+    JSON's last line (``--json``) or the table and where they went. Blocks
+    for the plot."""
+    path, png = base.with_name(base.name + ".json"), base.with_name(base.name + ".png")
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, png)
+    if args.json:
+        _print_json_last(result)
+    else:
+        print(table(result))
+        print(f"  saved {path}\n{more}  plot  {png}")
+    return 0
+
+
+def _cmd_bench_soak(args: argparse.Namespace) -> int:
+    from kvtier.bench.harness import output_dir
+    from kvtier.bench.soak import SoakConfig, report, run_soak
+
+    if not 1 <= args.minutes <= 24 * 60:  # (NaN fails too) a minute holds one round of faults
+        raise InvalidArgument(f"--minutes must be in [1, 1440], got {args.minutes}")
+    result = run_soak(
+        SoakConfig(minutes=args.minutes, seed=args.seed),
+        output_dir(args.out, "bench/soak"),
+        progress=not args.json,
+        log=(lambda _: None) if args.json else print,
+    )
+    if args.json:
+        _print_json_last(result)
+    else:
+        print(report(result))
+        if "json_path" in result:
+            print(f"  saved {result['json_path']}\n  plot  {result['plot_path']}")
+    return 0 if result["passed"] else 1
+
+
+def _print_human(r: dict[str, Any]) -> None:
+    keys = [k for k, v in r.items() if not isinstance(v, (dict, list))]
+    print(f"[{r['component']}]")
+    for k in keys:
+        if k != "component":
+            print(f"  {k:>22}: {r[k]}")
+
+
+def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``bench`` subcommand and its options, one group per component."""
+    b = sub.add_parser("bench", help="measure a component against its baseline")
+    b.add_argument(
+        "component",
+        choices=[
+            "copy",
+            "manager",
+            "disk",
+            "disk-index",
+            "remote",
+            "vllm",
+            "serve",
+            "soak",
+            "sglang",
+        ],
+    )
+    b.add_argument("--block-bytes", help="one size (default: 64KiB, 256KiB and 2MiB)")
+    b.add_argument("--repeats", type=int, help="repeats (default 5; serve, sglang: 3)")
+    b.add_argument(
+        "--out",
+        help="save results with machine facts in this directory ('' to skip; default: "
+        "build/bench, serve: build/bench-serve, of the repo, else a printed temporary directory)",
+    )
+    b.add_argument("--results-dir", dest="out", help=argparse.SUPPRESS)  # the old name of --out
+    b.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="print JSON (last line); disk-index, sglang: --json PATH writes it to PATH as well",
+    )
+    # One group per component, so `kvtier bench --help` says which options matter where.
+    o = b.add_argument_group("copy")
+    o.add_argument(
+        "--device",
+        choices=["host", "cpu"],
+        default="host",
+        help="host: pool<->buffer copies; cpu: DeviceTransfer with a CPU KV cache",
+    )
+    o = b.add_argument_group("disk, vllm, sglang")
+    o.add_argument(
+        "--dir",
+        help="directory on the device to measure "
+        "(default: build/bench-disk of the repo, else a temporary directory)",
+    )
+    o.add_argument("--queue-depth", type=int, default=32, help="disk: I/O queue depth")
+    o.add_argument(
+        "--total",
+        default="1GiB",
+        help="disk: bytes per run; remote: each client stores and loads half of it per run",
+    )
+    o.add_argument("--backend", default="auto", choices=["auto", "io_uring", "pread"])
+    o.add_argument(
+        "--trace",
+        help="vllm, serve --server: Mooncake-format JSONL trace to replay (vllm default: "
+        "synthetic; serve --server: ../shared/traces/mooncake_conversation_trace.jsonl if there)",
+    )
+    o = b.add_argument_group("remote, sglang")
+    o.add_argument("--url", help="redis://HOST:PORT (default: start a local server)")
+    o.add_argument(
+        "--tls",
+        action="store_true",
+        help="without --url, the local server also serves TLS; kvtier's runs alternate "
+        "between its plain and TLS ports (the ratio is TLS's cost)",
+    )
+    _add_tls_arguments(o, "--tls")
+    o.add_argument(
+        "--connections",
+        type=int,
+        help="connections (worker threads; default: the remote tier's, chosen from this machine)",
+    )
+    o.add_argument(
+        "--peer",
+        action="append",
+        choices=["lmcache"],
+        default=[],
+        help="also run this client on the same server, alternating with kvtier: lmcache "
+        "(LMCache 0.5.6's native client from its PyPI wheel, cached under build/bench-peers)",
+    )
+    o = b.add_argument_group("manager, disk-index")
+    o.add_argument("--keys", type=int, default=1_000_000, help="manager: distinct keys")
+    o.add_argument("--records", type=int, default=1_000_000, help="disk-index: records to store")
+    o.add_argument("--policy", default="lru", help="manager: host policy; disk-index: disk policy")
+    o = b.add_argument_group("serve")
+    o.add_argument("--python", help="a Python with vLLM's engine and kvtier (default: this one)")
+    o.add_argument("--configs", help="comma-separated configurations (default: all)")
+    o.add_argument("--sessions", type=int, default=6, help="chat sessions")
+    o.add_argument("--system-tokens", type=int, default=2000, help="system prompt tokens")
+    o.add_argument("--turns", type=int, default=3, help="turns per session")
+    o.add_argument(
+        "--server",
+        action="store_true",
+        help="concurrent load: vLLM's OpenAI server per configuration, driven by vLLM's own "
+        "`vllm bench serve` client (configurations baseline, ideal, host, host+disk, "
+        "host+redis, host+disk+redis, second-server)",
+    )
+    o.add_argument(
+        "--model-kind", default="llama", choices=["llama", "gemma3", "mla"],
+        help="the generated model (default llama; mla runs in bfloat16 on vLLM's AMX backend)",
+    )  # fmt: skip
+    o.add_argument(
+        "--time-scale", type=float, default=1.0,
+        help="--server: the trace's inter-arrival times multiplied by this (default 1)",
+    )  # fmt: skip
+    o.add_argument("--max-requests", type=int, default=40, help="--server: trace requests")
+    o.add_argument("--concurrencies", default="1,4", help="--server: prefix and random load levels")
+    o.add_argument("--workloads", help="--server: comma-separated: trace, prefix, random")
+    o = b.add_argument_group("soak")
+    o.add_argument(
+        "--minutes",
+        type=float,
+        default=2.0,
+        help="soak: minutes of replay under faults (default 2; the README quotes 30)",
+    )
+    o.add_argument("--seed", type=int, default=0, help="soak: workload and fault seed")
+    b.set_defaults(func=_cmd_bench)
