@@ -449,8 +449,8 @@ def test_read_ahead_answers_hit_in_the_first_scan(policy: str) -> None:
     n = 6
     m, _, big = _long_prefix(policy, n)
     keys = [K(i) for i in range(n + 2)]  # the last two are nowhere
-    m.scan_wait_s, m._wait_left_s = 5.0, 5.0
-    m.key_order = _in_order(keys)
+    m.options.scan_wait_s = m.read_ahead.wait_left_s = 5.0
+    m.options.key_order = _in_order(keys)
     try:
         assert [m.lookup(k) for k in keys] == [HIT] * n + [MISS] * 2
         assert m.stats.scan_waits == 1 and m.stats.scan_reads == n
@@ -469,8 +469,8 @@ def test_read_ahead_failures_are_misses_and_counted(policy: str) -> None:
     m, tier, big = _long_prefix(policy, 5)
     keys = [K(i) for i in range(5)]
     tier.fail_loads.add(K(2))
-    m.scan_wait_s, m._wait_left_s = 5.0, 5.0
-    m.key_order = _in_order(keys)
+    m.options.scan_wait_s = m.read_ahead.wait_left_s = 5.0
+    m.options.key_order = _in_order(keys)
     try:
         assert [m.lookup(k) for k in keys[:3]] == [HIT, HIT, MISS]  # the engine stops here
         assert m.stats.promotion_failures == 1
@@ -488,9 +488,9 @@ def test_read_ahead_is_bounded_by_the_step_budget(policy: str) -> None:
     comes back at the step end."""
     m, _, big = _long_prefix(policy, 6)
     keys = [K(i) for i in range(6)]
-    m.scan_wait_s, m._wait_left_s = 5.0, 5.0
-    m.scan_bytes = m._bytes_left = 5 * big.slot_bytes
-    m.key_order = _in_order(keys)
+    m.options.scan_wait_s = m.read_ahead.wait_left_s = 5.0
+    m.options.scan_bytes = m.read_ahead.bytes_left = 5 * big.slot_bytes
+    m.options.key_order = _in_order(keys)
     try:
         assert [m.lookup(k) for k in keys] == [PENDING] * 6
         assert m.stats.scan_waits == 0
@@ -498,7 +498,7 @@ def test_read_ahead_is_bounded_by_the_step_budget(policy: str) -> None:
         assert [m.lookup(k) for k in keys] == [HIT] * 6
         m.reset_cache()
         m.on_reset_flushed()
-        m.scan_bytes = 6 * big.slot_bytes
+        m.options.scan_bytes = 6 * big.slot_bytes
         m.on_schedule_end()
         assert [m.lookup(k) for k in keys] == [HIT] * 6  # fits now: read in the scan
         assert m.stats.scan_waits == 1
@@ -520,8 +520,8 @@ def test_read_ahead_never_evicts_a_key_of_the_same_request(policy: str) -> None:
             tier.data[K(i)] = np.full(4096, i, np.uint8)
         store(m, [K(1), K(3), K(8), K(9)])
         m.on_schedule_end()
-        m.scan_wait_s, m._wait_left_s = 5.0, 5.0
-        m.key_order = _in_order(keys)
+        m.options.scan_wait_s = m.read_ahead.wait_left_s = 5.0
+        m.options.key_order = _in_order(keys)
         assert m.lookup(keys[0]) is HIT
         # Two slots free up (8 and 9 evicted); 4 finds none: its promotion
         # is left to the ordinary path when the scan gets there.

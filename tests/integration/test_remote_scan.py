@@ -111,7 +111,7 @@ def test_a_prefix_only_in_redis_is_a_hit_in_the_first_scan(
     assert [m.lookup(k, ctx) for k in keys[:7]] == [HIT] * 6 + [MISS]
     s = tier.stats()
     assert s["loads"] == 6 and s["load_failures"] == 0 and s["vanished"] == 0
-    if m.probe:  # one round trip: GETs of all 8, two nil replies
+    if m.options.probe:  # one round trip: GETs of all 8, two nil replies
         assert s["probes"] == 8 and s["probe_misses"] == 2 and s["exists_checks"] == 0
         assert m.stats.scan_waits == 1 and m.stats.probe_misses == 2
     else:  # EXISTS of all 8, then GETs of the 6 there: no slot for the others

@@ -130,7 +130,7 @@ def test_a_corrupt_record_fails_its_stream_job(setup) -> None:  # type: ignore[n
 
 def test_without_streaming_a_full_host_ends_the_hit(setup) -> None:  # type: ignore[no-untyped-def]
     m, _, _ = setup
-    m.streaming = False
+    m.options.streaming = False
     prefix = [K(i) for i in (8, 9, 10, 11, *range(8))]
     assert scan(m, prefix)[:5] == [HIT] * 4 + [MISS]
     assert m.stats.streamed == 0
@@ -226,7 +226,7 @@ def test_without_promotion_every_disk_hit_streams(setup) -> None:  # type: ignor
     """promote=False: a disk hit is streamed even where promoting it would
     have found a slot (by evicting ready host blocks), and nothing is evicted."""
     m, _, _ = setup
-    m.promote = False
+    m.options.promote = False
     assert scan(m, [K(0), K(1)]) == [HIT, HIT]
     assert m.get_load_source(K(0)) == "disk"
     spec = m.prepare_load([K(0), K(1)])

@@ -8,6 +8,7 @@ held while lower tiers copy it (``cascading``).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -16,22 +17,31 @@ from kvtier.policy import AdmissionFilter, EvictionPolicy, make_policy
 from kvtier.pool import HostPool
 
 
+class Fill(enum.Enum):
+    """Where a fenced promotion (the manager's ``fenced`` option) stands.
+
+    A fenced block is readable (HIT) before its bytes are: loads copy from
+    its slot, each waiting on the slot's fence word, while a lower tier
+    still fills it."""
+
+    NONE = 0  # not a fenced fill, or its read ended well
+    FILLING = 1  # a lower tier still fills the slot; loads wait on ``fence``
+    FAILED = 2  # the read failed while the block was in use this step: a
+    # MISS from now on, its loads fail on the fence; dropped once none holds it
+
+
 @dataclass
 class HostEntry:
     slot: int
     ref: int = -1  # -1 being written, 0 ready, >0 pinned by loads
     cascading: int = 0  # lower-tier copies in flight from this slot
     source: str = "host"  # tier the bytes came from (promotion), until first load
-    # A fenced promotion (the manager's ``fenced``): > 0 its armed fence while
-    # a lower tier still fills the slot (loads may already copy from it, each
-    # waiting for the fence); minus that value once the read failed while
-    # the block was in use this step (a MISS, its loads fail on the fence;
-    # dropped once no load holds it); 0 otherwise.
-    fence: int = 0
+    fill: Fill = Fill.NONE
+    fence: int = 0  # the armed fence value while ``fill`` is not NONE
 
     @property
     def evictable(self) -> bool:
-        return self.ref == 0 and self.cascading == 0 and self.fence == 0
+        return self.ref == 0 and self.cascading == 0 and self.fill is Fill.NONE
 
 
 class HostTier:
@@ -64,6 +74,9 @@ class HostTier:
         self.policy = make_policy(policy, capacity or (1 << 62))
         self.admission = AdmissionFilter(admit_after, max_tracked)
         self.entries: dict[bytes, HostEntry] = {}
+        # slot -> key of the entry that owns it: who owns a slot is asked on
+        # every tier completion and reset, so it must not scan the entries.
+        self._owner: dict[int, bytes] = {}
         self._free: list[int] = list(range(capacity - 1, -1, -1)) if capacity else []
         self._next_virtual = 0  # unbounded mode
         # slot -> [holds, release asked]: slots a timed-out device job may
@@ -73,6 +86,10 @@ class HostTier:
     # -- queries ---------------------------------------------------------
     def get(self, key: bytes) -> HostEntry | None:
         return self.entries.get(key)
+
+    def owner(self, slot: int) -> bytes | None:
+        """The key whose entry holds ``slot`` (None: no entry does). O(1)."""
+        return self._owner.get(slot)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -112,12 +129,15 @@ class HostTier:
                 n = len(self._free) + len(victims)
             for key in victims:
                 self.policy.remove(key, evicted=True)
-                self._free.append(self.entries.pop(key).slot)
+                slot = self.entries.pop(key).slot
+                del self._owner[slot]
+                self._free.append(slot)
         return [self._free.pop() for _ in range(n)], victims
 
     def add_writing(self, key: bytes, slot: int, source: str = "host") -> HostEntry:
         e = HostEntry(slot=slot, ref=-1, source=source)
         self.entries[key] = e
+        self._owner[slot] = key
         return e
 
     # -- references (pins by loads, copies to lower tiers) ----------------------
@@ -156,6 +176,7 @@ class HostTier:
         e = self.entries.pop(key, None)
         if e is not None:
             self.policy.remove(key)
+            self._owner.pop(e.slot, None)
             self.release_slot(e.slot)
         return e
 
@@ -194,4 +215,5 @@ class HostTier:
         e = self.entries.pop(key, None)
         if e is not None:
             self.policy.remove(key)
+            self._owner.pop(e.slot, None)
         return e
