@@ -24,7 +24,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ import numpy as np
 
 from kvtier.errors import ClosedError, InvalidArgument, KvtierError, Timeout
 from kvtier.pool import HostPool
+from kvtier.tiers.base import ReaderSpec, TierIO
 from kvtier.transfer import DeviceTransfer, TransferResult
 
 __all__ = ["StreamChunk", "StreamLoader"]
@@ -56,7 +57,7 @@ class _Job:
     job_id: int
     store: bool  # KV cache -> tier (else tier -> KV cache)
     chunks: list[StreamChunk]
-    readers: dict[str, dict[str, Any]]
+    readers: Mapping[str, ReaderSpec]
     left: int
     start: float = field(default_factory=time.monotonic)
     ok: bool = True
@@ -93,7 +94,7 @@ class StreamLoader:
                            page_bytes=list(pages), slot_offset=slot_offset, num_threads=1)
             for tensors, pages in groups
         ]  # fmt: skip
-        self._readers: dict[str, Any] = {}
+        self._readers: dict[str, TierIO] = {}
         # Reads go in jobs of a quarter of the ring, so the first copies
         # overlap the later reads (measured, 62 chunks of 128 KiB from this
         # machine's disk: one job for all then one copy took 14.6 ms against
@@ -115,7 +116,7 @@ class StreamLoader:
         self,
         job_id: int,
         chunks: list[StreamChunk],
-        readers: dict[str, dict[str, Any]],
+        readers: Mapping[str, ReaderSpec],
         store: bool = False,
     ) -> None:
         """Queue a job moving ``chunks`` from their tier into the KV cache (or,
@@ -182,20 +183,10 @@ class StreamLoader:
             with self._cv:
                 self._end(job)
 
-    def _reader(self, tier: str, spec: dict[str, Any]) -> Any:
+    def _reader(self, tier: str, spec: ReaderSpec) -> TierIO:
         r = self._readers.get(tier)
         if r is None:
-            kind = spec.get("kind")
-            if kind == "disk":
-                from kvtier.tiers.disk import DiskIO
-
-                r = self._readers[tier] = DiskIO(spec, self.pool)
-            elif kind == "remote":
-                from kvtier.tiers.remote import RemoteIO
-
-                r = self._readers[tier] = RemoteIO(spec, self.pool)
-            else:
-                raise InvalidArgument(f"no stream reader for tier kind {kind!r}")
+            r = self._readers[tier] = spec.open(self.pool)
         return r
 
     def _run(self) -> None:

@@ -12,13 +12,14 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from kvtier.errors import InvalidArgument
 
 if TYPE_CHECKING:
+    from kvtier.engine import Engine
     from kvtier.pool import HostPool
 
 
@@ -57,6 +58,46 @@ class TierEvent:
     tier: str
     removed: bool
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class TierIO(Protocol):
+    """A lower tier's medium opened by an engine worker (a process other than
+    the scheduler that owns the tier), moving blocks between it and slots
+    of the worker's own pool: :class:`kvtier.tiers.disk.DiskIO`,
+    :class:`kvtier.tiers.remote_worker.RemoteIO`.
+
+    Who calls: the worker's stream loader, one thread. :meth:`submit` never
+    blocks; its results come from ``engine.poll()``, one code per item;
+    :meth:`close` blocks until the jobs in flight ended.
+    """
+
+    block_bytes: int
+    engine: Engine
+
+    def submit(
+        self, slots: Sequence[int], locations: np.ndarray, digests: bytes, write: bool = False
+    ) -> int:
+        """One engine job reading the blocks at ``locations`` (as
+        :meth:`LowerTier.pin_for_read` gave them; 16-byte ``digests``) into
+        ``slots``, or with ``write`` writing them from there; its job id."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ReaderSpec(ABC):
+    """What an engine worker needs to open a lower tier's medium itself.
+
+    Made in the scheduler by :meth:`LowerTier.reader_spec`, carried to the
+    worker inside the engine's per-step metadata (so every subclass is a
+    frozen, picklable dataclass of plain values), opened there once per
+    tier by :meth:`open`. Nothing here blocks but :meth:`open`.
+    """
+
+    @abstractmethod
+    def open(self, pool: HostPool) -> TierIO:
+        """The medium, moving blocks through slots of ``pool`` (the worker's
+        staging ring, registered with the reader's own engine)."""
 
 
 def check_slots(
@@ -159,7 +200,7 @@ class LowerTier(ABC):
 
     # -- reads by another process: tiers whose blocks an engine worker can
     # read itself (streaming a hit larger than the host tier) override these.
-    def reader_spec(self) -> dict[str, Any] | None:
+    def reader_spec(self) -> ReaderSpec | None:
         """What a reader in another process needs to open this tier (None:
         it cannot be read elsewhere, hits go through host slots)."""
         return None

@@ -30,18 +30,24 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
+from kvtier._lazy import lazy_getattr
 from kvtier.codes import ItemStatus
-from kvtier.errors import ClosedError, InvalidArgument, IoError, TlsError
+from kvtier.errors import InvalidArgument, IoError, TlsError
 from kvtier.policy.admission import WriteGate
 from kvtier.pool import HostPool
 from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
 from kvtier.tiers.records import key_digest, namespace_digest
+
+if TYPE_CHECKING:
+    from kvtier import _native
+    from kvtier.tiers.remote_worker import RemoteReaderSpec
 
 _RESETS = (errno.ECONNRESET, errno.EPIPE)
 _EXISTS_PER_JOB = 1024  # an EXISTS pipeline moves no payload: large jobs are cheap
@@ -135,6 +141,46 @@ def redact_url(url: str) -> str:
     return parts._replace(netloc=(f"{user}:***" if sep else "***") + "@" + hosts).geturl()
 
 
+@dataclass(frozen=True)
+class RemoteConnection:
+    """How to open a native client to one Redis/Valkey pool: the URL's parts
+    (:func:`parse_url`), timeouts, pipelining, TTL, namespace and TLS files.
+    Plain values only: it travels inside a
+    :class:`~kvtier.tiers.remote_worker.RemoteReaderSpec` to engine workers,
+    which open their own client to the same pool. ``lazy``: start even when
+    the servers do not answer yet (``degraded_ok``)."""
+
+    seeds: tuple[tuple[str, int], ...]
+    cluster: bool
+    user: str
+    password: str = field(repr=False)
+    db: int
+    connect_timeout_ms: int
+    io_timeout_ms: int
+    pipeline: int
+    ttl_ms: int
+    lazy: bool
+    ns: bytes
+    window_bytes: int
+    tls: bool
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_server_name: str = ""
+
+    def open_store(self) -> _native.RemoteStore:
+        """A connected native client. Blocks while it connects (and, for a
+        cluster, reads the slot map)."""
+        from kvtier import _native
+
+        return _native.RemoteStore(
+            list(self.seeds), self.cluster, self.user, self.password, self.db,
+            self.connect_timeout_ms, self.io_timeout_ms, self.pipeline, self.ttl_ms, self.lazy,
+            self.ns, self.window_bytes, self.tls, self.tls_ca_file, self.tls_cert_file,
+            self.tls_key_file, self.tls_server_name,
+        )  # fmt: skip
+
+
 class RemoteTier(JobTier):
     """Remote tier over a Redis/Valkey URL; blocks of ``block_bytes``.
 
@@ -204,14 +250,15 @@ class RemoteTier(JobTier):
         self._prefix = b"kvt:" + self.ns.hex()[:16].encode() + b":"
         # What opens a client to the same pool, here and in an engine worker
         # that streams blocks itself (RemoteIO).
-        self._store_args = (
-            cfg["seeds"], cfg["cluster"], cfg["user"], cfg["password"], cfg["db"],
-            int(timeout_s * 1000), int(timeout_s * 1000), pipeline, int((ttl_s or 0) * 1000),
-            degraded_ok, self.ns, window_bytes, cfg["tls"], *(tls[k] or "" for k in tls),
+        ms = int(timeout_s * 1000)
+        self.connection = RemoteConnection(
+            tuple(cfg["seeds"]), cfg["cluster"], cfg["user"], cfg["password"], cfg["db"],
+            ms, ms, pipeline, int((ttl_s or 0) * 1000), degraded_ok, self.ns, window_bytes,
+            cfg["tls"], **{k: v or "" for k, v in tls.items()},
         )  # fmt: skip
         self.timeout_s = timeout_s
         try:
-            self.store = _native.RemoteStore(*self._store_args)
+            self.store = self.connection.open_store()
         except IoError as e:
             # TLS 1.3 ends the handshake before the server checks the client
             # certificate: a refusal may arrive as a reset of the first command
@@ -387,13 +434,14 @@ class RemoteTier(JobTier):
         return self._start("probe", keys, slots)
 
     # -- I/O by another process (an engine worker streaming blocks) -------------
-    def reader_spec(self) -> dict[str, Any] | None:
-        """What a :class:`RemoteIO` in another process needs (None without
-        data, or unless built with ``worker_io``)."""
+    def reader_spec(self) -> RemoteReaderSpec | None:
+        """What a :class:`~kvtier.tiers.remote_worker.RemoteIO` in another
+        process needs (None without data, or unless built with ``worker_io``)."""
         if not self.worker_io or getattr(self, "pool", None) is None:
             return None
-        return {"kind": "remote", "args": self._store_args, "block_bytes": self.block_bytes,
-                "prefix": self._prefix, "timeout_s": self.timeout_s}  # fmt: skip
+        from kvtier.tiers.remote_worker import RemoteReaderSpec
+
+        return RemoteReaderSpec(self.connection, self.block_bytes, self._prefix, self.timeout_s)
 
     def pin_for_read(self, keys: Sequence[bytes]) -> tuple[np.ndarray, bytes]:
         """Digests of ``keys`` (the server holds no pins: a value evicted
@@ -545,46 +593,8 @@ class RemoteTier(JobTier):
         }
 
 
-class RemoteIO:
-    """Reads and writes a :class:`RemoteTier`'s values from another process
-    (an engine worker streaming blocks between its KV cache and the pool)
-    through slots of ``pool``, with its own native client. Every read checks
-    the value's header (namespace, key digest, length, crc32c).
-
-    Who calls: one thread of the worker. :meth:`submit` never blocks; results
-    come from ``engine.poll()`` in completion order, one status per value.
-    """
-
-    def __init__(self, spec: dict[str, Any], pool: Any, num_threads: int = 2) -> None:
-        from kvtier import _native
-        from kvtier.engine import Engine
-
-        self.block_bytes = int(spec["block_bytes"])
-        self.prefix = bytes(spec["prefix"])
-        self.pool = pool
-        self.store: _native.RemoteStore | None = _native.RemoteStore(*spec["args"])
-        self.engine = Engine(num_threads, [(256 << 20, False, 4 * float(spec["timeout_s"]))])
-        self.engine.register_pool(pool)
-
-    def submit(
-        self, slots: Sequence[int], locations: np.ndarray, digests: bytes, write: bool = False
-    ) -> int:
-        """One job moving the values of ``digests`` (16 bytes each) from or
-        to ``slots``; returns its engine job id."""
-        if self.store is None:
-            raise ClosedError("remote I/O is closed")
-        n = len(slots)
-        digs = np.frombuffer(digests, np.uint8).reshape(n, 16)
-        skeys = [self.prefix + digests[16 * i : 16 * i + 16].hex().encode() for i in range(n)]
-        addr = self.pool.address + np.asarray(slots, np.int64) * self.pool.slot_bytes
-        kind = "store" if write else "load"
-        return int(
-            self.engine._engine.submit_remote(
-                self.store, kind, skeys, addr, self.block_bytes, digs, 0
-            )
-        )
-
-    def close(self) -> None:
-        """Drain what is in flight and disconnect. Blocks."""
-        self.engine.close()
-        self.store = None
+# RemoteIO moved to remote_worker (which imports this module): the old name
+# still resolves, on first use.
+__getattr__ = lazy_getattr(
+    __name__, dict.fromkeys(("RemoteIO", "RemoteReaderSpec"), "kvtier.tiers.remote_worker")
+)

@@ -19,13 +19,14 @@ from kvtier.tiers.disk.directory import (
 )
 from kvtier.tiers.disk.journal import JournalOp, RecordState
 from kvtier.tiers.disk.tier import DISK_POLICIES, DiskTier
-from kvtier.tiers.disk.worker import DiskIO
+from kvtier.tiers.disk.worker import DiskIO, DiskReaderSpec
 from kvtier.tiers.records import TRAILER_BYTES, key_digest, namespace_digest, record_bytes
 
 __all__ = [
     "DISK_POLICIES",
     "TRAILER_BYTES",
     "DiskIO",
+    "DiskReaderSpec",
     "DiskTier",
     "JournalOp",
     "OwnerLock",

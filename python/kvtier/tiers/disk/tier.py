@@ -40,6 +40,7 @@ from kvtier.policy.admission import WriteGate
 from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
 from kvtier.tiers.disk.directory import SlabFiles, check_directory
 from kvtier.tiers.disk.journal import IndexJournal, JournalOp, RecordState
+from kvtier.tiers.disk.worker import DiskReaderSpec
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
 from kvtier.tiers.records import key_digest, namespace_digest, record_bytes
 from kvtier.units import FreeFraction
@@ -397,14 +398,16 @@ class DiskTier(JobTier):
         return batch.token
 
     # -- reads by another process (an engine worker streaming a hit) ----------
-    def reader_spec(self) -> dict[str, Any] | None:
-        """What a :class:`DiskReader` in another process needs to read this
-        tier's records (None without data: nothing to read)."""
+    def reader_spec(self) -> DiskReaderSpec | None:
+        """What a :class:`DiskIO` in another process needs to read and write
+        this tier's records (None without data: nothing to read)."""
         if self.no_data or self.store is None:
             return None
-        return {"kind": "disk", "paths": list(self.paths), "file_bytes": self.file_bytes,
-                "ns": self.ns, "block_bytes": self.block_bytes, "backend": self.opts["backend"],
-                "timeout_s": self.opts["timeout_s"]}  # fmt: skip
+        o = self.opts
+        return DiskReaderSpec(
+            tuple(self.paths), self.file_bytes, self.ns, self.block_bytes, o["backend"],
+            o["timeout_s"],
+        )  # fmt: skip
 
     def pin_for_read(self, keys: Sequence[bytes]) -> tuple[np.ndarray, bytes]:
         """Locations of ``keys`` (all HIT) as ``(n, 3)`` int64 of record,

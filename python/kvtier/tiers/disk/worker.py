@@ -1,8 +1,9 @@
 """Disk I/O in an engine worker: reads and writes of a disk tier's records
-owned by another process.
+owned by another process, and the spec that opens them.
 
-Runs in the engine's worker process (never in the scheduler that owns the
-:class:`~kvtier.tiers.disk.DiskTier`). Who calls: the worker's stream loader
+:class:`DiskReaderSpec` is made in the scheduler process (by
+:meth:`DiskTier.reader_spec`) and pickled to the engine's worker process,
+where :class:`DiskIO` runs. Who calls: the worker's stream loader
 (:mod:`kvtier.streaming`), from its one driver thread. Opening the files
 blocks briefly; :meth:`DiskIO.submit` never blocks.
 """
@@ -10,14 +11,37 @@ blocks briefly; :meth:`DiskIO.submit` never blocks.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtier.errors import ClosedError, InvalidArgument
+from kvtier.tiers.base import ReaderSpec
 from kvtier.tiers.records import record_bytes
 
-__all__ = ["DiskIO"]
+if TYPE_CHECKING:
+    from kvtier.pool import HostPool
+
+__all__ = ["DiskIO", "DiskReaderSpec"]
+
+
+@dataclass(frozen=True)
+class DiskReaderSpec(ReaderSpec):
+    """What a worker needs to open a disk tier's slab files: their ``paths``
+    (each of ``file_bytes``), the tier's namespace digest ``ns`` (checked in
+    every trailer), its ``block_bytes``, the I/O ``backend`` (``auto``,
+    ``io_uring`` or ``pread``) and the deadline of one job (``timeout_s``)."""
+
+    paths: tuple[str, ...]
+    file_bytes: int
+    ns: bytes
+    block_bytes: int
+    backend: str
+    timeout_s: float
+
+    def open(self, pool: HostPool) -> DiskIO:
+        return DiskIO(self, pool)
 
 
 class DiskIO:
@@ -34,22 +58,22 @@ class DiskIO:
     come from ``engine.poll()`` in completion order, one status per record.
     """
 
-    def __init__(self, spec: dict[str, Any], pool: Any, num_threads: int = 2) -> None:
+    def __init__(self, spec: DiskReaderSpec, pool: HostPool, num_threads: int = 2) -> None:
         from kvtier import _native
         from kvtier.engine import Engine
 
-        if pool.slot_bytes < record_bytes(int(spec["block_bytes"])) or pool.slot_bytes % 4096:
+        need = record_bytes(spec.block_bytes)
+        if pool.slot_bytes < need or pool.slot_bytes % 4096:
             raise InvalidArgument(
-                f"reader slots of {pool.slot_bytes} B cannot hold a record of "
-                f"{record_bytes(int(spec['block_bytes']))} B"
+                f"reader slots of {pool.slot_bytes} B cannot hold a record of {need} B"
             )
-        self.block_bytes = int(spec["block_bytes"])
+        self.block_bytes = spec.block_bytes
         self.pool = pool
         self.store: _native.DiskStore | None = _native.DiskStore(
-            list(spec["paths"]), int(spec["file_bytes"]), str(spec["backend"]), 32, 1 << 20,
-            True, False, bytes(spec["ns"]), [(pool.address, pool.nbytes)], True,
+            list(spec.paths), spec.file_bytes, spec.backend, 32, 1 << 20,
+            True, False, spec.ns, [(pool.address, pool.nbytes)], True,
         )  # fmt: skip
-        self.engine = Engine(num_threads, [(256 << 20, False, float(spec["timeout_s"]))])
+        self.engine = Engine(num_threads, [(256 << 20, False, spec.timeout_s)])
         self.engine.register_pool(pool)
 
     def submit(
