@@ -89,6 +89,21 @@ def sglang_open():  # type: ignore[no-untyped-def]
         s.close()
 
 
+@pytest.fixture
+def sglang_filled(sglang_open):  # type: ignore[no-untyped-def]
+    """A stand-in SGLang host pool filled with seeded pages and kvtier's
+    backend opened on it: ``pool, storage = sglang_filled(extra, seed,
+    kind="mha", layout="page_first", pages=16, **config)``."""
+    from kvtier.integrations.sglang.standin import fill, host_pool
+
+    def open_(extra, seed, *, kind="mha", layout="page_first", pages=16, **config):  # type: ignore[no-untyped-def]
+        pool = host_pool(kind, layout, pages=pages)
+        fill(pool, seed)
+        return pool, sglang_open(extra, pool, **config)
+
+    return open_
+
+
 @pytest.fixture(scope="session")
 def redis_standalone(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     from kvtier.bench.redis_server import RedisServer

@@ -69,12 +69,10 @@ def test_mla_pages_are_written_once_for_every_tp_rank(
 
 
 def test_damaged_values_are_misses_and_their_pages_untouched(
-    redis_standalone: Any, sglang_open: Any
+    redis_standalone: Any, sglang_filled: Any
 ) -> None:
     extra = {"kvtier_remote_url": redis_standalone.url, "kvtier_namespace": str(uuid.uuid4())}
-    pool = host_pool("mha", "page_first", pages=16)
-    fill(pool, 4)
-    s = sglang_open(extra, pool)
+    pool, s = sglang_filled(extra, 4)
     keys = [f"d{i}" for i in range(4)]
     assert s.batch_set_v1(keys, token_indices(pool, 0, 4)) == [True] * 4
     tier = s.movers["kv"].tiers[0]
@@ -89,13 +87,11 @@ def test_damaged_values_are_misses_and_their_pages_untouched(
 
 
 def test_a_page_the_disk_lost_comes_from_redis(
-    redis_standalone: Any, sglang_open: Any, tmp_path: Path
+    redis_standalone: Any, sglang_filled: Any, tmp_path: Path
 ) -> None:
     extra = {"kvtier_disk_path": str(tmp_path / "kv"), "kvtier_disk_bytes": "64MiB",
              "kvtier_remote_url": redis_standalone.url, "kvtier_namespace": str(uuid.uuid4())}  # fmt: skip
-    pool = host_pool("mha", "layer_first", pages=16)
-    fill(pool, 5)
-    s = sglang_open(extra, pool)
+    pool, s = sglang_filled(extra, 5, layout="layer_first")
     keys = [f"l{i}" for i in range(3)]
     assert s.batch_set_v1(keys, token_indices(pool, 0, 3)) == [True] * 3
     disk, remote = s.movers["kv"].tiers
@@ -114,16 +110,14 @@ def test_a_page_the_disk_lost_comes_from_redis(
 
 
 def test_a_dead_server_fails_pages_not_the_caller_then_recovers(
-    tmp_path: Path, sglang_open: Any
+    tmp_path: Path, sglang_filled: Any
 ) -> None:
     from kvtier.bench.redis_server import RedisServer
 
     server = RedisServer(tmp_path)
     try:
         extra = {"kvtier_remote_url": server.url, "kvtier_remote_timeout_s": 0.5}
-        pool = host_pool("mha", "page_first", pages=16)
-        fill(pool, 6)
-        s = sglang_open(extra, pool)
+        pool, s = sglang_filled(extra, 6)
         keys = [f"x{i}" for i in range(3)]
         assert s.batch_set_v1(keys, token_indices(pool, 0, 3)) == [True] * 3
         server.kill()

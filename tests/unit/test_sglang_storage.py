@@ -91,11 +91,9 @@ def test_extra_config_errors_are_clear(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("kind", "layout"), POOLS)
 def test_pages_round_trip_byte_for_byte(
-    kind: str, layout: str, disk: dict[str, Any], sglang_open: Any
+    kind: str, layout: str, disk: dict[str, Any], sglang_filled: Any
 ) -> None:
-    pool = host_pool(kind, layout, pages=24)
-    fill(pool, 1)
-    s = sglang_open(disk, pool, mla=kind == "mla")
+    pool, s = sglang_filled(disk, 1, kind=kind, layout=layout, pages=24, mla=kind == "mla")
     keys = [f"h{i}" for i in range(8)]
     want = [page_bytes(pool, i) for i in range(8)]
     assert s.batch_set_v1(keys, token_indices(pool, 0, 8)) == [True] * 8
@@ -111,11 +109,9 @@ def test_pages_round_trip_byte_for_byte(
 
 
 def test_generic_and_zero_copy_paths_read_each_others_pages(
-    disk: dict[str, Any], sglang_open: Any
+    disk: dict[str, Any], sglang_filled: Any
 ) -> None:
-    pool = host_pool("mha", "layer_first", pages=16)
-    fill(pool, 2)
-    s = sglang_open(disk, pool)
+    pool, s = sglang_filled(disk, 2, layout="layer_first")
     # SGLang's generic path: flat data pages in, dummy pages out.
     assert s.batch_set(["a", "b"], [pool.get_data_page(i * pool.page_size) for i in (0, 1)])
     assert s.batch_get_v1(["a", "b"], token_indices(pool, 5, 2)) == [True, True]
@@ -127,10 +123,8 @@ def test_generic_and_zero_copy_paths_read_each_others_pages(
         s.set("x", torch.zeros(4, dtype=torch.int16))
 
 
-def test_exists_is_the_longest_stored_prefix(disk: dict[str, Any], sglang_open: Any) -> None:
-    pool = host_pool("mha", "page_first", pages=16)
-    fill(pool, 3)
-    s = sglang_open(disk, pool)
+def test_exists_is_the_longest_stored_prefix(disk: dict[str, Any], sglang_filled: Any) -> None:
+    pool, s = sglang_filled(disk, 3)
     assert s.batch_set_v1(["p0", "p1", "p3"], token_indices(pool, 0, 3)) == [True] * 3
     keys = ["p0", "p1", "p2", "p3"]
     assert s.batch_exists(keys) == 2
@@ -177,11 +171,9 @@ def test_extra_pools_shorten_the_prefix_by_their_hit_policy(
 
 
 def test_a_corrupt_record_is_a_miss_and_its_page_untouched(
-    disk: dict[str, Any], sglang_open: Any, tmp_path: Path
+    disk: dict[str, Any], sglang_filled: Any, tmp_path: Path
 ) -> None:
-    pool = host_pool("mha", "page_first", pages=16)
-    fill(pool, 6)
-    s = sglang_open(disk, pool)
+    pool, s = sglang_filled(disk, 6)
     keys = [f"c{i}" for i in range(4)]
     assert s.batch_set_v1(keys, token_indices(pool, 0, 4)) == [True] * 4
     # Flip one byte in every record's payload but the first: which record
@@ -209,11 +201,9 @@ def test_a_corrupt_record_is_a_miss_and_its_page_untouched(
 
 
 def test_pages_survive_a_restart_and_clear_drops_them(
-    disk: dict[str, Any], sglang_open: Any
+    disk: dict[str, Any], sglang_open: Any, sglang_filled: Any
 ) -> None:
-    pool = host_pool("mha", "page_first", pages=16)
-    fill(pool, 7)
-    s = sglang_open(disk, pool)
+    pool, s = sglang_filled(disk, 7)
     keys = [f"r{i}" for i in range(5)]
     assert s.batch_set_v1(keys, token_indices(pool, 0, 5)) == [True] * 5
     s.close()
@@ -227,11 +217,9 @@ def test_pages_survive_a_restart_and_clear_drops_them(
 
 
 def test_namespaces_keep_models_layouts_and_ranks_apart(
-    disk: dict[str, Any], sglang_open: Any
+    disk: dict[str, Any], sglang_open: Any, sglang_filled: Any
 ) -> None:
-    pool = host_pool("mha", "page_first", pages=8)
-    fill(pool, 8)
-    a = sglang_open(disk, pool)
+    pool, a = sglang_filled(disk, 8, pages=8)
     assert a.batch_set_v1(["k"], token_indices(pool, 0, 1)) == [True]
     a.close()
     for kw in ({"model": "org/other"}, {"tp_rank": 1, "tp_size": 2}):
@@ -258,13 +246,13 @@ def test_metrics_count_pages_per_call(disk: dict[str, Any], sglang_open: Any) ->
         assert s.metrics["backup_pgs"] == [3]
 
 
-def test_stores_and_loads_from_two_threads_at_once(disk: dict[str, Any], sglang_open: Any) -> None:
+def test_stores_and_loads_from_two_threads_at_once(
+    disk: dict[str, Any], sglang_filled: Any
+) -> None:
     """SGLang's backup thread stores while its prefetch thread loads."""
     import threading
 
-    pool = host_pool("mha", "layer_first", pages=64)
-    fill(pool, 9)
-    s = sglang_open(disk, pool)
+    pool, s = sglang_filled(disk, 9, layout="layer_first", pages=64)
     first = [f"t{i}" for i in range(16)]
     assert s.batch_set_v1(first, token_indices(pool, 0, 16)) == [True] * 16
     results: dict[str, list[list[bool]]] = {"set": [], "get": []}
@@ -327,13 +315,11 @@ def test_sglangs_dynamic_factory_builds_the_backend_from_one_line(tmp_path: Path
 
 
 def test_a_pool_registered_again_takes_over_the_pages(
-    disk: dict[str, Any], sglang_open: Any
+    disk: dict[str, Any], sglang_filled: Any
 ) -> None:
     """SGLang re-attaching storage registers a (new) host pool again: the
     old pool's tiers let go of the directory and the pages stay readable."""
-    a = host_pool("mha", "page_first", pages=8)
-    fill(a, 11)
-    s = sglang_open(disk, a)
+    a, s = sglang_filled(disk, 11, pages=8)
     assert s.batch_set_v1(["g0", "g1"], token_indices(a, 0, 2)) == [True, True]
     b = host_pool("mha", "page_first", pages=8)
     s.register_mem_pool_host(b)
@@ -355,7 +341,7 @@ def test_bad_host_indices_are_clear_errors(disk: dict[str, Any], sglang_open: An
 
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["interface_v1", "generic"])
 def test_sglangs_controller_backs_up_finds_and_prefetches_pages(
-    zero_copy: bool, disk: dict[str, Any], sglang_open: Any
+    zero_copy: bool, disk: dict[str, Any], sglang_filled: Any
 ) -> None:
     """SGLang's own cache-controller code (its backup, hit query and
     prefetch transfer, kvtier.integrations.sglang.standin.controller) over the backend:
@@ -363,9 +349,7 @@ def test_sglangs_controller_backs_up_finds_and_prefetches_pages(
     from kvtier.integrations.sglang.standin import controller
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    pool = host_pool("mha", "layer_first", pages=24)
-    fill(pool, 12)
-    s = sglang_open(disk, pool)
+    pool, s = sglang_filled(disk, 12, layout="layer_first", pages=24)
     ctl = controller(s, pool, zero_copy=zero_copy)
     tokens = list(range(1000, 1000 + 10 * pool.page_size))  # 10 pages
     hashes = get_storage_hash_str(tokens, None, page_size=pool.page_size)

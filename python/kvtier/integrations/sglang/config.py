@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import InvalidArgument
+from kvtier.integrations._keys import kvtier_keys
 from kvtier.tiers.records import namespace_name
 from kvtier.units import to_bytes, to_capacity
 
@@ -77,17 +78,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> StorageSettings:
         raise InvalidArgument(
             f"hicache storage extra config must be a mapping, got {type(extra).__name__}"
         )
-    got: dict[str, Any] = {}
-    for key, value in extra.items():
-        if not isinstance(key, str) or not key.startswith("kvtier_"):
-            continue
-        if key not in CONFIG_KEYS:
-            known = ", ".join(sorted(CONFIG_KEYS))
-            raise InvalidArgument(f"unknown hicache extra config key {key!r}; known: {known}")
-        typ, _ = CONFIG_KEYS[key]
-        if (isinstance(value, bool) and typ is not bool) or not isinstance(value, typ):
-            raise InvalidArgument(f"{key}: expected {typ}, got {value!r}")
-        got[key] = value
+    got = kvtier_keys(extra, CONFIG_KEYS, "hicache extra config", skip_non_str=True)
     if "kvtier_disk_path" not in got and "kvtier_remote_url" not in got:
         raise InvalidArgument(
             "kvtier's SGLang backend needs kvtier_disk_path or kvtier_remote_url "

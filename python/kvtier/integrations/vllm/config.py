@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvtier.errors import InvalidArgument, UnsupportedEngine
+from kvtier.integrations._keys import kvtier_keys
 from kvtier.tiers.records import namespace_name
 from kvtier.units import to_bytes, to_capacity
 
@@ -126,19 +127,7 @@ def parse_extra_config(extra: dict[str, Any] | Any) -> dict[str, Any]:
         raise InvalidArgument(
             f"kv_connector_extra_config must be a mapping, got {type(extra).__name__}"
         )
-    out: dict[str, Any] = {}
-    for key, value in extra.items():
-        if not isinstance(key, str):
-            raise InvalidArgument(f"kv_connector_extra_config keys must be strings, got {key!r}")
-        if not key.startswith("kvtier_"):
-            continue
-        if key not in CONFIG_KEYS:
-            known = ", ".join(sorted(CONFIG_KEYS))
-            raise InvalidArgument(f"unknown kv_connector_extra_config key {key!r}; known: {known}")
-        typ, _ = CONFIG_KEYS[key]
-        if (isinstance(value, bool) and typ is not bool) or not isinstance(value, typ):
-            raise InvalidArgument(f"{key}: expected {typ}, got {value!r}")
-        out[key] = value
+    out = kvtier_keys(extra, CONFIG_KEYS, "kv_connector_extra_config")
     for key in (
         "kvtier_host_bytes", "kvtier_disk_reserve", "kvtier_disk_write_budget", "kvtier_scan_bytes",
     ):  # fmt: skip
