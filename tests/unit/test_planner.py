@@ -176,33 +176,20 @@ def test_bad_input_names_the_field(call, field: str) -> None:  # type: ignore[no
         call()
 
 
-def test_cli_json() -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvtier.cli",
-            "plan",
-            "--layers",
-            "64",
-            "--kv-heads",
-            "8",
-            "--head-dim",
-            "128",
-            "--dtype",
-            "bfloat16",
-            "--block-tokens",
-            "16",
-            "--partition",
-            "48,16",
-            "--kv-memory",
-            str(6000 * BLOCK),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
+def _kvtier_plan(*args: str) -> subprocess.CompletedProcess[str]:
+    """``kvtier plan`` as a user runs it (its own process), for the Llama-70B shape."""
+    shape = ["--layers", "64", "--kv-heads", "8", "--head-dim", "128"]
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "plan", *shape, *args], capture_output=True, text=True
     )
+
+
+def test_cli_json() -> None:
+    out = _kvtier_plan(
+        "--dtype", "bfloat16", "--block-tokens", "16", "--partition", "48,16",
+        "--kv-memory", str(6000 * BLOCK), "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
     js = json.loads(out.stdout.strip().splitlines()[-1])
     assert [s["max_tokens"] for s in js["stages"]] == [96_000, 96_000]
     assert js["saved_bytes"] == 2 * 6000 * BLOCK // 3
@@ -210,25 +197,6 @@ def test_cli_json() -> None:
 
 
 def test_cli_bad_partition_exit_code() -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvtier.cli",
-            "plan",
-            "--layers",
-            "64",
-            "--kv-heads",
-            "8",
-            "--head-dim",
-            "128",
-            "--partition",
-            "40,16",
-            "--kv-memory",
-            "20GiB",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    out = _kvtier_plan("--partition", "40,16", "--kv-memory", "20GiB")
     assert out.returncode == 2
     assert "partition: [40, 16] sums to 56" in out.stderr
