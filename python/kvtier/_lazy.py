@@ -3,6 +3,8 @@
 Who calls: ``kvtier/__init__.py`` and ``kvtier/tiers/__init__.py``, so that
 importing them (as every vLLM process does through the shim) loads neither
 the native core nor numpy-heavy modules. Never blocks beyond the import.
+
+Any process.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ equal to the plain ints the core reports.
 
 Importing this module loads the native core (``kvtier._native``); modules that
 must stay cheap to import (the vLLM shim) import it where they use it.
+
+Any process. Who calls: the tiers, the jobs layer and the integrations
+reading per-item outcomes; nothing here blocks beyond the native core's
+first import.
 """
 
 from __future__ import annotations

@@ -3,6 +3,10 @@ backends in use, native core and how it was built, crc32c, shared memory,
 io_uring and O_DIRECT, CUDA runtime, limits).
 
 Every check runs in isolation: one failing check is reported, not raised.
+
+A command-line tool: runs in the ``kvtier`` process. Who calls: ``kvtier
+doctor`` (:mod:`kvtier.cli`). Blocks while the checks run (a few disk and
+pool operations in ``--dir``, default the temporary directory).
 """
 
 from __future__ import annotations

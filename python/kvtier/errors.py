@@ -4,6 +4,9 @@ Every public entry point raises these (the native core's errors are translated
 into them once, in ``csrc/bindings/``). Catch :class:`KvtierError` for all of
 them; the standard-library bases let callers that know nothing of kvtier catch
 ``ValueError``, ``OSError`` or ``TimeoutError`` as usual.
+
+Any process: defining and raising them never blocks. Who calls: every
+kvtier module raises them; engines and users catch them.
 """
 
 from __future__ import annotations

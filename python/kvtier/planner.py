@@ -8,6 +8,8 @@ counts are equal and nothing is wasted.
 
 Who calls: ``kvtier plan``, the vLLM shim (host pool per pipeline rank) and
 users' scripts. Pure arithmetic: nothing blocks, no native code is loaded.
+
+Any process.
 """
 
 from __future__ import annotations

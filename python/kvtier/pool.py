@@ -3,6 +3,9 @@
 Who calls: the scheduler-side tiers (they own the pool) and the worker-side
 device transfers (they attach to it by name). Nothing here blocks except
 creation and attach, which map and pre-fault memory with the GIL released.
+
+Runs in the scheduler process (the owner creates the pool) and in the
+worker processes (they attach).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Who calls: every configuration surface (the CLI, ``replay``, the planner, the
 vLLM shim's ``kv_connector_extra_config``, the tier factory). Pure functions:
 nothing blocks, nothing is imported beyond the error types.
+
+Any process.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """``kvtier bench copy``: gather/scatter of blocks between scattered pool slots
 and a contiguous buffer through the engine, against a plain single-threaded
 memcpy of the same descriptors in the same run.
+
+A command-line tool: runs in the ``kvtier`` process. Who calls:
+:mod:`kvtier.bench.commands`. Blocks for the whole run.
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """``kvtier bench copy --device cpu``: KV blocks through DeviceTransfer with a
 numpy array as the KV cache (as in ``kvtier replay``; no torch needed),
 against a plain single-threaded memcpy of the same descriptors in the same
-run; also the cost of building descriptors."""
+run; also the cost of building descriptors.
+
+A command-line tool: runs in the ``kvtier`` process. Who calls:
+:mod:`kvtier.bench.commands`. Blocks for the whole run.
+"""
 
 from __future__ import annotations
 

@@ -2,6 +2,10 @@
 (io_uring, direct=1, same block size, queue depth and directory) measured in
 the same run, beside a Python thread pool writing one file per block with
 O_DIRECT (what a file-per-block tier does), and a GIL probe.
+
+A command-line tool: runs in the ``kvtier`` process (fio and the
+thread-pool baseline as child processes or threads of it). Who calls:
+:mod:`kvtier.bench.commands`. Blocks for the whole run.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ journal and the checkpoint are written, to a temporary directory).
 Each phase runs in a fresh Python process so the resident-memory delta is the
 tier's alone: the fill (store N records, look them up, admit, close), a
 restart that replays the journal (then checkpoints), and a restart from the
-checkpoint. Who calls: ``kvtier bench disk-index`` (cli.py). Blocks for the
+checkpoint. Who calls: ``kvtier bench disk-index`` (:mod:`kvtier.bench.commands`),
+a command-line tool: the phases are child processes of the ``kvtier`` process. Blocks for the
 whole measurement (about 10 s per million records with the Python index).
 """
 

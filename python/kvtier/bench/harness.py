@@ -1,6 +1,8 @@
 """Shared benchmark machinery: repetition and medians, machine facts, result files.
 
 Who calls: the ``kvtier bench`` subcommands. Everything here blocks.
+
+A command-line tool's module: runs in the ``kvtier`` process.
 """
 
 from __future__ import annotations

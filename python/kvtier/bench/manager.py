@@ -1,6 +1,11 @@
 """``kvtier bench manager``: manager overhead, in lookup + prepare_store +
 complete_store + prepare_load + complete_load cycles per second over many keys
-(no data moves; this is the policy layer's cost per block)."""
+(no data moves; this is the policy layer's cost per block).
+
+A command-line tool: runs in the ``kvtier`` process, the
+manager on its calling thread. Who calls: :mod:`kvtier.bench.commands`.
+Blocks for the whole run.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ same size as kvtier's run, from and into a buffer of as many slots as kvtier's
 pool, and every loaded byte is compared with what was stored.
 
 Who calls: :mod:`kvtier.bench.remote`. Everything here blocks.
+
+A command-line tool's module: runs in the ``kvtier`` process.
 """
 
 from __future__ import annotations

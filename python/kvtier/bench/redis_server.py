@@ -3,7 +3,11 @@ standalone or a 3-master cluster, with TLS when asked (certificates made by
 :func:`make_certificates`), stopped by PID; nothing reaches beyond loopback.
 
 Who calls: ``kvtier bench remote`` without ``--url`` and the tests. Starting
-and stopping block until the server answers or is gone."""
+and stopping block until the server answers or is gone.
+
+Runs in the process of a command-line tool (``kvtier bench``) or a test;
+the servers are its child processes.
+"""
 
 from __future__ import annotations
 

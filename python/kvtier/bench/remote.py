@@ -1,6 +1,12 @@
 """``kvtier bench remote``: the remote tier's store and load throughput against
 redis-benchmark (same value size and connection count, same run) and against
-redis-py + hiredis with a pipeline (the usual Python approach)."""
+redis-py + hiredis with a pipeline (the usual Python approach).
+
+A command-line tool: runs in the ``kvtier`` process (the
+baselines' clients as child processes or threads of it, the server local
+unless ``--url``). Who calls: :mod:`kvtier.bench.commands`. Blocks for the
+whole run.
+"""
 
 from __future__ import annotations
 

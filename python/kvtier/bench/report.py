@@ -4,6 +4,9 @@ kind in a results directory.
 
 Who calls: ``bench/run.py`` after a run (``make bench``), or by hand. Blocks
 while it reads the files and draws.
+
+A command-line tool's module: runs in the process of ``bench/run.py`` or
+of whoever calls it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """``kvtier bench serve``: how much prefill a running vLLM engine saves.
 
-Who calls: the CLI. Blocks for the whole run (each configuration starts its
+A command-line tool: runs in the ``kvtier`` process. Who calls:
+:mod:`kvtier.bench.commands`. Blocks for the whole run (each configuration starts its
 own engine: tens of seconds here). Every configuration runs in a child
 process of ``python`` (a Python with vLLM's engine: ``make engine-venv``
 makes one), on the same multi-turn sessions, one request at a time so that a

@@ -1,7 +1,8 @@
 """``kvtier bench serve --server``: kvtier under concurrent load, through
 vLLM's own OpenAI server and vLLM's own benchmark client.
 
-Who calls: the CLI (and the engine tests' smoke run). Blocks for the whole
+A command-line tool: runs in the ``kvtier`` process. Who calls:
+:mod:`kvtier.bench.commands` (and the engine tests' smoke run). Blocks for the whole
 run: per repeat and configuration one ``vllm serve`` process (vLLM's API
 server, ``python -m vllm.entrypoints.openai.api_server``: the CPU build's
 console script cannot start, see ``../shared/reference/serving.md``) on a

@@ -17,7 +17,8 @@ backend, computed beforehand). A repeat backs up fresh pages, finds
 them, reads them back (verified byte for byte); contenders take turns in a
 rotating order.
 
-Who calls: :mod:`kvtier.cli`. Blocks for the whole run.
+A command-line tool: runs in the ``kvtier`` process. Who calls:
+:mod:`kvtier.bench.commands`. Blocks for the whole run.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ the child's host pools, prints one row per minute and judges the run
 (:func:`verdict`): resources flat after warm-up, no wrong byte, no hang, no
 crash, recovery after every fault.
 
-Who calls: ``kvtier bench soak`` (cli.py) and the tests. Everything blocks
+A command-line tool. Who calls: ``kvtier bench soak``
+(:mod:`kvtier.bench.commands`) and the tests. Everything blocks
 for the run's length.
 """
 

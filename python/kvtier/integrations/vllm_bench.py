@@ -6,6 +6,8 @@ through both managers at the same capacity (hit rates).
 
 It lives under ``integrations/`` because every part of it drives vLLM's
 classes. Who calls: ``kvtier bench vllm`` (the CLI). Everything blocks.
+
+A command-line tool: runs in the ``kvtier`` process, vLLM's classes in it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """The module path configurations name for kvtier's connector
 (``kv_connector_module_path``); the connector lives in
 :mod:`kvtier.integrations.vllm.connector`. Imported by vLLM in its engine
-core and workers only (it loads vLLM's connector modules)."""
+core and workers only (it loads vLLM's connector modules).
+
+Importing it blocks only for those imports.
+"""
 
 from kvtier.integrations.vllm.connector import KVTierConnector
 

@@ -17,6 +17,8 @@ own prefix cache, never reset: the reference), ``kvtier`` (kvtier's spec,
 vLLM's prefix cache reset after every request so a returning prefix can only
 come from offloading) and ``vllm-cpu-offload`` (vLLM's own CPU offloading,
 where the platform allows it).
+
+A command-line tool's child process: never imported by the library.
 """
 
 from __future__ import annotations

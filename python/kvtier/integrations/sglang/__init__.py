@@ -11,6 +11,9 @@ in ``--hicache-storage-backend-extra-config``; see
 Importing this package loads neither SGLang nor kvtier's native core: the
 backend class (and with it SGLang's storage base class) is imported when
 first named, the native core when SGLang registers its host pool.
+
+Runs in each SGLang scheduler process (one per TP/PP rank); importing it
+never blocks.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 and the one namespace of a rank's pages.
 
 Runs in every SGLang scheduler process (one per TP/PP rank) when the backend
-is built; pure and cheap, imports neither SGLang nor kvtier's native core.
+is built; pure and cheap (never blocks), imports neither SGLang nor kvtier's native core.
 Callers: :class:`kvtier.integrations.sglang.storage.KVTierStorage`, the
 benchmark and the tests.
 """

@@ -16,6 +16,8 @@ SGLang's storage threads (prefetch and backup), possibly at once. Every
 public method blocks until its pages moved (SGLang's interface returns the
 results): the tiers' state is touched under one short lock, and the waits
 for the native jobs are outside it, so a store and a load overlap.
+
+Runs in each SGLang scheduler process (one per TP/PP rank).
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ key-value one and the other way round.
 Who calls: :class:`kvtier.integrations.sglang.mover.PageMover` once per host
 pool when SGLang registers it; then per batch, :meth:`PagePlan.addresses`
 (vectorised, nothing blocks). Imports torch only through the pool's tensors.
+
+Runs in each SGLang scheduler process (one per TP/PP rank).
 """
 
 from __future__ import annotations

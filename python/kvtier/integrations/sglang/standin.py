@@ -16,6 +16,9 @@ are set here (:data:`STANDIN_ATTRIBUTES`, which a test checks against the
 real classes). :func:`controller` does the same for the cache controller.
 Who calls: ``kvtier bench sglang`` and tests, never the library; the
 compilations read SGLang's source files (blocking, once per call).
+
+Runs in the command-line tool's process (``kvtier bench sglang``) or a
+test's.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ subclass of it, :mod:`kvtier.integrations.vllm_connector`) from
 vLLM imports this module in its API server, engine core and every worker, so
 importing it loads only vLLM's light base modules: kvtier's native core,
 torch-side transfers and vLLM's heavy stats module are imported on first use.
+
+Importing it never blocks.
 """
 
 from kvtier.integrations.vllm.config import (

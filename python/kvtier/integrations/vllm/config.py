@@ -2,7 +2,7 @@
 the start-up check of the engine and the one namespace of an engine's blocks.
 
 Runs in every vLLM process (API server, engine core, workers); pure and
-cheap except :func:`check_engine`, which reads vLLM's platform. Callers: the
+cheap (never blocks) except :func:`check_engine`, which reads vLLM's platform. Callers: the
 spec, the secondary tiers and the connector.
 """
 

@@ -30,6 +30,11 @@ Use it by module path; kvtier's spec is filled in::
 Not imported by the package :mod:`kvtier.integrations.vllm` because importing
 vLLM's connector loads torch and vLLM's engine modules, which the API server
 importing the spec module must not pay for.
+
+Runs in vLLM's engine core (the scheduler side: the hit and the step's
+loads) and in each worker (the load before the forward pass, which blocks
+until a synchronous load is done). Who calls: vLLM, through the module path
+:mod:`kvtier.integrations.vllm_connector`.
 """
 
 from __future__ import annotations
