@@ -29,12 +29,13 @@ if TYPE_CHECKING:
     from kvtier.streaming import StreamChunk, StreamLoader
     from kvtier.transfer import DeviceTransfer
 from kvtier.integrations.vllm.spec import KVTierSpec
+from kvtier.jobs import Joined
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
 
 
-_STREAM = -1  # the "group" of a load's streamed part in KVTierWorker._parts
+_STREAM = -1  # the "group" of a job's streamed part in KVTierWorker._jobs
 
 
 class KVTierWorker(OffloadingWorker):
@@ -56,15 +57,19 @@ class KVTierWorker(OffloadingWorker):
                              int(spec.kvtier.get("kvtier_stream_slots", 32)))  # fmt: skip
         self._stream: StreamLoader | None = None
         self._next = 0
-        self._parts: dict[int, list[tuple[int, int]]] = {}  # job -> [(group, sub job)]
-        self._done: dict[int, list[Any]] = {}
+        # vLLM's jobs, each made of parts: (group, transfer job) or (_STREAM, stream job).
+        # A job is known here by an id of ours, so a job vLLM had refused (submit
+        # returned False part way) never meets a later job of the same id.
+        self._jobs: Joined[int, tuple[int, int], Any] = Joined()
+        self._ours: dict[int, int] = {}  # vLLM's job id -> ours
+        self._vllm: dict[int, int] = {}  # ours -> vLLM's job id
+        self._refused: set[int] = set()  # ours, whose parts still run
         # Under KVTierConnector a failed load is reported as its engine
         # blocks (vLLM recomputes them) rather than as a failed job, which
         # vLLM's offloading worker asserts never happens.
         self.reports_load_errors = spec.reports_load_errors
         self._load_blocks: dict[int, np.ndarray | Sequence[int]] = {}  # load job -> engine blocks
         self._load_errors: set[int] = set()
-        self._copy_failed: set[int] = set()  # jobs with a failed copy to or from host slots
         # Load jobs to put ahead of queued stores: KVTierConnector names those
         # the forward pass waits for (vLLM 0.33 passes expedited itself).
         self.expedite: set[int] = set()
@@ -108,10 +113,26 @@ class KVTierWorker(OffloadingWorker):
     ) -> bool:
         if not store and self.reports_load_errors:
             self._load_blocks[job_id] = gpu.block_ids
-        if host.stream is not None:
-            return self._submit_streamed(job_id, gpu, host, host.stream, store, expedited)
+        self._next += 1
+        ours = self._next
+        self._ours[job_id], self._vllm[ours] = ours, job_id
+        ok = (
+            self._submit_streamed(ours, gpu, host, host.stream, store, expedited)
+            if host.stream is not None
+            else self._submit_host(ours, gpu, host, store, expedited)
+        )
+        if not ok:  # vLLM takes the job back: what was submitted of it is dropped when it ends
+            del self._ours[job_id]
+            self._load_blocks.pop(job_id, None)
+            self._refused.add(ours)
+        self._jobs.seal(ours)
+        return ok
+
+    def _submit_host(
+        self, ours: int, gpu: GPULoadStoreSpec, host: KVTierSpec, store: bool, expedited: bool
+    ) -> bool:
+        """Every chunk in a host slot: one transfer job per KV-cache group."""
         fences = None if store or host.fences is None else self._split(gpu, host.fences)
-        parts = []
         for n, (g, blocks, slots, first) in enumerate(self._split(gpu, host.slots)):
             if len(blocks) == 0:
                 continue
@@ -125,14 +146,12 @@ class KVTierWorker(OffloadingWorker):
             )  # fmt: skip
             if not ok:
                 return False
-            parts.append((g, self._next))
-        self._parts[job_id] = parts
-        self._done[job_id] = []
+            self._jobs.add(ours, (g, self._next))
         return True
 
     def _submit_streamed(
         self,
-        job_id: int,
+        ours: int,
         gpu: GPULoadStoreSpec,
         host: KVTierSpec,
         st: StreamSpec,
@@ -145,7 +164,6 @@ class KVTierWorker(OffloadingWorker):
         from kvtier.streaming import StreamChunk, StreamLoader
 
         row = {int(i): n for n, i in enumerate(st.index.tolist())}  # key position -> stream row
-        parts: list[tuple[int, int]] = []
         chunks: list[StreamChunk] = []
         pos0 = 0  # key position of the group's first chunk
         fences = None if store or host.fences is None else self._split(gpu, host.fences)
@@ -177,7 +195,7 @@ class KVTierWorker(OffloadingWorker):
                                        fences=None if armed is None else armed[c:end])
                 ):  # fmt: skip
                     return False
-                parts.append((g, self._next))
+                self._jobs.add(ours, (g, self._next))
                 c = end
             pos0 += len(slots)
         if self._stream is None:
@@ -190,9 +208,7 @@ class KVTierWorker(OffloadingWorker):
                                             num_slots=num)  # fmt: skip
         self._next += 1
         self._stream.submit(self._next, chunks, st.readers, store=store)
-        parts.append((_STREAM, self._next))
-        self._parts[job_id] = parts
-        self._done[job_id] = []
+        self._jobs.add(ours, (_STREAM, self._next))
         return True
 
     def submit_store(
@@ -215,22 +231,27 @@ class KVTierWorker(OffloadingWorker):
         return self._submit(job_id, dst_spec, src_spec, store=False, expedited=expedited)
 
     def get_finished(self) -> list[TransferResult]:
-        owner = {sub: job for job, parts in self._parts.items() for _, sub in parts}
-        for t in self.transfers:
+        """vLLM's jobs whose every part ended, in the order they ended."""
+        for g, t in enumerate(self.transfers):
             for r in t.get_finished():
-                self._done[owner[r.job_id]].append(r)
-                if not r.success:
-                    self._copy_failed.add(owner[r.job_id])
+                self._jobs.done((g, r.job_id), r)
         for r in self._stream.get_finished() if self._stream is not None else ():
-            self._done[owner[r.job_id]].append(r)
+            self._jobs.done((_STREAM, r.job_id), r)
         out = []
-        for job in [j for j, parts in self._parts.items() if len(self._done[j]) == len(parts)]:
-            rs = self._done.pop(job)
-            del self._parts[job]
+        for ended in self._jobs.take_ended():
+            ours = ended.parent
+            job = self._vllm.pop(ours)
+            if ours in self._refused:
+                self._refused.discard(ours)
+                continue
+            del self._ours[job]
+            rs = ended.results
             ok = all(r.success for r in rs)
             blocks = self._load_blocks.pop(job, None)
-            copy_failed = job in self._copy_failed
-            self._copy_failed.discard(job)
+            # A failed copy between the KV cache and host slots (not a stream's part).
+            copy_failed = any(
+                not p.result.success for p in ended.parts if p.result and p.sub[0] != _STREAM
+            )
             if not ok and self.reports_load_errors and (blocks is not None or not copy_failed):
                 # Finished all the same. A failed load's blocks go to
                 # take_load_errors; a store that failed only in what the
@@ -267,7 +288,8 @@ class KVTierWorker(OffloadingWorker):
 
     def wait(self, job_ids: set[int]) -> None:
         for job in job_ids:
-            for g, sub in self._parts.get(job, []):
+            ours = self._ours.get(job)
+            for g, sub in [] if ours is None else self._jobs.subs(ours):
                 if g == _STREAM:
                     assert self._stream is not None
                     self._stream.wait([sub])
@@ -276,7 +298,6 @@ class KVTierWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         self._load_blocks.clear()
-        self._copy_failed.clear()
         if self._stream is not None:
             self._stream.close()
         for t in self.transfers:
