@@ -23,6 +23,7 @@ import numpy as np
 
 from kvtier.engine import Engine
 from kvtier.errors import Busy, ClosedError, InvalidArgument
+from kvtier.jobs import Joined
 from kvtier.pool import HostPool
 
 if TYPE_CHECKING:
@@ -306,8 +307,9 @@ class DeviceTransfer:
                 device = int(dev.split(":")[1]) if ":" in dev else 0
             self._b = _CudaBackend(pool, device, use_batch, budget_bytes, deadline_s)
         self.backend = self._b.name
-        self._to_user: dict[int, int] = {}
-        self._user: dict[int, int] = {}
+        # The caller's jobs, one engine job each; a timed-out one held (its
+        # slots kept from later jobs' ordering) until the engine releases it.
+        self._jobs: Joined[int, int, Any] = Joined()
         self._job_slots: dict[int, np.ndarray] = {}
         self._slot_job: dict[int, tuple[int, int]] = {}  # slot -> (internal id, queue)
         self._acks: list[TransferResult] = []
@@ -430,7 +432,7 @@ class DeviceTransfer:
         stream: int,
         fences: np.ndarray | None = None,
     ) -> bool:
-        if job_id in self._user:
+        if job_id in self._jobs:
             raise InvalidArgument(f"job id {job_id} is already in flight")
         if len(descs) == 0:
             self._acks.append(TransferResult(job_id, True, 0, 0.0))
@@ -445,8 +447,8 @@ class DeviceTransfer:
         if got is None:
             return False
         iid, q = got
-        self._to_user[iid] = job_id
-        self._user[job_id] = iid
+        self._jobs.add(job_id, iid)
+        self._jobs.seal(job_id)
         self._job_slots[iid] = s
         for slot in s.tolist():
             self._slot_job[slot] = (iid, q)
@@ -457,13 +459,15 @@ class DeviceTransfer:
         out, self._acks = self._acks, []
         for r in self._b.poll():
             if r.released:  # a timed-out job has really ended: its slots are free
+                self._jobs.release(r.job_id)
                 self._free_slots(r.job_id)
                 continue
-            job = self._to_user.pop(r.job_id)
-            self._user.pop(job, None)
+            self._jobs.done(r.job_id, r, held=r.held)
             if not r.held:
                 self._free_slots(r.job_id)
-            out.append(TransferResult(job, r.ok, int(r.nbytes), float(r.seconds), r.error))
+        for e in self._jobs.take_ended():
+            r = e.parts[0].result
+            out.append(TransferResult(e.parent, r.ok, int(r.nbytes), float(r.seconds), r.error))
         return out
 
     def _free_slots(self, iid: int) -> None:
@@ -473,7 +477,7 @@ class DeviceTransfer:
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
         """Block until ``job_ids`` finished; their destination bytes are final."""
-        ids = [self._user[j] for j in job_ids if j in self._user]
+        ids = [sub for j in job_ids for sub in self._jobs.subs(j)]
         if ids:
             self._b.wait(ids, timeout)
 
