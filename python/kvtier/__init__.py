@@ -1,5 +1,8 @@
 """kvtier: tiered KV-cache offloading for LLM inference engines.
 
+Process: any (the engine's scheduler and workers, tools). Who calls: users and
+the engine integrations import it; importing never blocks.
+
 Importing ``kvtier`` is cheap: the native core (``kvtier._native``) is loaded
 on first use of a name that needs it, so engine processes that only import the
 vLLM shim never load it.

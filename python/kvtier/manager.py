@@ -1,8 +1,9 @@
 """The public path of the manager (``kvtier.manager``): it lives in
 :mod:`kvtier.scheduler` now, split into a facade and its rooms.
 
-Process: the engine's scheduler. Importing this module loads neither the
-native core nor vLLM.
+Process: the engine's scheduler. Who calls: users and the vLLM shim build a
+manager through this path. Importing this module blocks on nothing and
+loads neither the native core nor vLLM.
 """
 
 from kvtier.scheduler.manager import TieredOffloadingManager

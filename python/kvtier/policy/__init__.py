@@ -1,4 +1,8 @@
-"""Eviction policies and admission filters (plain Python, pluggable by dotted path)."""
+"""Eviction policies and admission filters (plain Python, pluggable by dotted path).
+
+Process: wherever a tier lives (the engine's scheduler; ``kvtier replay``).
+Who calls: the tiers, under the manager's lock. Pure bookkeeping: nothing
+blocks or does I/O."""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """Admission: store a key only after it was offered N times.
 
+Process: the engine's scheduler (or ``kvtier replay``). Who calls: a tier's
+``admit``, under the manager's lock, once per offered block. Never blocks.
+
 One-off prefixes (a unique user message) are the bulk of a chat workload's
 blocks; writing them costs bandwidth and evicts blocks that would be reused.
 """

@@ -1,5 +1,8 @@
 """Adaptive Replacement Cache (Megiddo & Modha, FAST'03).
 
+Process: the engine's scheduler (or ``kvtier replay``). Who calls: the host
+tier, under the manager's lock, never concurrently. Never blocks.
+
 Two resident lists, T1 (seen once recently) and T2 (seen at least twice), and
 two ghost lists of evicted keys, B1 and B2. A hit in a ghost list moves the
 target size ``p`` of T1 toward the list that would have kept the key, so the

@@ -1,5 +1,7 @@
 """The interface every eviction policy implements.
 
+Process: the engine's scheduler (or ``kvtier replay``); nothing blocks.
+
 Who calls: a tier, always under the manager's lock, never concurrently. The
 tier decides *whether* a key may be evicted (pinned, being written, part of
 the current offer); the policy only orders the candidates.

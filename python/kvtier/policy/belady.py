@@ -1,5 +1,7 @@
 """Belady's MIN for prefix lookups: the offline bound policies are measured against.
 
+Process: ``kvtier replay`` (a command-line tool), never an engine.
+
 Who calls: ``kvtier replay --policy belady`` only (it knows the whole trace
 and calls :meth:`BeladyPolicy.advance` before each request); the host tier
 calls the rest, under the manager's lock. Never blocks.

@@ -1,4 +1,7 @@
-"""Least-recently-used eviction."""
+"""Least-recently-used eviction.
+
+Process: the engine's scheduler (or ``kvtier replay``). Who calls: the host
+tier, under the manager's lock, never concurrently. Never blocks."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """PLFU: prefix-consistent LRU weighted by how often a key came back.
 
+Process: the engine's scheduler (or ``kvtier replay``).
+
 Who calls: the host tier (``HostTier(policy="plfu")``, ``kvtier_policy``,
 ``kvtier replay --policy plfu``), under the manager's lock, never
 concurrently. Pure bookkeeping: no call blocks or does I/O. Deterministic:

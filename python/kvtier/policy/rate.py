@@ -1,5 +1,7 @@
 """Write budgets: how many bytes a tier may write per second.
 
+Process: the engine's scheduler (where the disk and remote tiers' indexes live).
+
 Who calls: the disk and remote tiers' ``admit`` (the manager's cascade, under
 its lock, once per offered block). Never blocks: a refusal drops the offer.
 """

@@ -12,5 +12,7 @@ the facade (vLLM 0.33's ``OffloadingManager`` interface); the rooms behind it:
 - :mod:`.options`, :mod:`.stats`, :mod:`.specs`: configuration, counters,
   and what crosses to the worker.
 
-Importing this package loads neither the native core nor vLLM.
+Who calls: the vLLM shim, replay, benchmarks. Only the read-ahead blocks
+(bounded per step). Importing this package loads neither the native core
+nor vLLM.
 """

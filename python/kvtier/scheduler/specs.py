@@ -1,8 +1,9 @@
 """What the scheduler hands the engine's worker for one load or store.
 
 Process: made in the scheduler (by the manager), read in the engine's worker
-(the vLLM shim pickles them into its connector metadata). Plain data; nothing
-here blocks.
+(the vLLM shim pickles them into its connector metadata). Who calls: the
+manager makes them, the shim's worker reads them. Plain data; nothing here
+blocks.
 """
 
 from __future__ import annotations

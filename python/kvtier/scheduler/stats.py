@@ -1,7 +1,7 @@
 """The manager's counters.
 
-Process: the engine's scheduler. Written by the manager's rooms under its
-lock; read by the vLLM shim's metrics, replay and benchmarks (plain ints, no
+Process: the engine's scheduler. Who calls: written by the manager's rooms
+under its lock; read by the vLLM shim's metrics, replay and benchmarks (plain ints, no
 lock needed for a racy read). Nothing here blocks.
 """
 

@@ -1,6 +1,10 @@
 """Tiers: the host tier (owns the shared pool's slots) and lower tiers (disk,
 remote, in-memory) that move bytes between their medium and host slots.
 
+Process: the engine's scheduler (each tier's ``*_worker`` module: the
+engine's worker). Who calls: the manager, under its lock; see each module
+for what blocks.
+
 What each module owns: ``base`` the manager/tier interface, ``host`` the host
 tier, ``memory``/``disk``/``remote`` one medium each, ``staged`` one tier over
 pipeline stages, ``jobs`` the native-engine job machinery every data-moving

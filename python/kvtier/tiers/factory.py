@@ -1,5 +1,7 @@
 """The tier factory: lower tiers built from one configuration shape.
 
+Process: the engine's scheduler (or ``kvtier replay``, the benchmarks).
+
 Every front end (``kvtier replay`` through the CLI, the vLLM shim's
 ``kv_connector_extra_config`` and its secondary tiers) fills a
 :class:`TierConfig` and asks here for tiers, so a setting means the same

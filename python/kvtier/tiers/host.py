@@ -1,5 +1,7 @@
 """The host tier: the slots of the shared host pool, indexed by key.
 
+Process: the engine's scheduler. Nothing here blocks.
+
 Who calls: the manager, under its lock. A slot's reference count is -1 while
 bytes are being written into it (a GPU store or a promotion from a lower
 tier), 0 when ready and evictable, > 0 while pinned by loads; a block is also

@@ -1,6 +1,8 @@
 """What a block carries on disk and in the remote pool: the one owner of the
 record format's Python side and of the namespace and key digests.
 
+Process: any (the scheduler's tiers, the worker's readers, the shim).
+
 Every stored block carries its key digest, its namespace digest, its length
 and a crc32c (DESIGN.md, hard rules 3 and 4). The native core writes and
 checks the trailer (disk: a 4 KiB trailer after the 4 KiB-padded payload;
