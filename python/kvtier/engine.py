@@ -1,9 +1,13 @@
 """The native engine: job queues served by C++ worker threads.
 
-Who calls: tiers and device transfers submit jobs; the manager drains
-completions with :meth:`Engine.poll` once per scheduler step. ``submit_*``
-never blocks (it raises :class:`kvtier.Busy` when the queue's byte budget is
-full); :meth:`Engine.wait` blocks with the GIL released and honours Ctrl-C.
+Runs in any process that moves bytes (the scheduler's tiers, an engine
+worker's transfers and stream readers). Who calls: tiers and device
+transfers submit jobs; the manager drains completions with
+:meth:`Engine.poll` once per scheduler step. ``submit_*`` never blocks (it
+raises :class:`kvtier.Busy` when the queue's byte budget is full);
+:meth:`Engine.wait` blocks with the GIL released and honours Ctrl-C. This is
+the only module that touches ``_native.Engine``: everyone else goes through
+these methods.
 """
 
 from __future__ import annotations
@@ -63,6 +67,12 @@ class Engine:
     job not finished ``deadline_s`` after submit is reported failed with
     ``timed_out`` (and ``held`` if it had started: the memory it touches stays
     in use until a later result for the same id with ``released``).
+
+    Jobs are submitted with one method per medium, each taking that medium's
+    descriptors: :meth:`submit_copy` (host memcpy), :meth:`submit_cuda`
+    (host <-> device), :meth:`submit_disk` (a ``DiskStore``'s records),
+    :meth:`submit_remote` (a ``RemoteStore``'s values), :meth:`submit_sleep`
+    (tests); :meth:`copy_inline` copies on the calling thread (a baseline).
 
     ``nice`` (0..19) is the niceness of the worker threads: the remote tier
     runs its at :func:`io_nice` (10 unless told) so that background I/O takes a
@@ -146,6 +156,52 @@ class Engine:
                 copier, direction, descs, wait_stream, list(deps), queue, fences
             )
         )
+
+    def submit_disk(
+        self,
+        store: _native.DiskStore,
+        write: bool,
+        records: np.ndarray,
+        digests: np.ndarray,
+        queue: int = 0,
+    ) -> int:
+        """Queue reads (or, ``write``, writes) of disk records between
+        ``store``'s slab files and registered host memory: ``records`` is
+        ``(N, 4)`` int64 of (host address, file, offset, payload bytes),
+        ``digests`` ``(N, 16)`` uint8 key digests checked against (or written
+        into) each record's trailer. Returns the job id; per-item codes come
+        with its result. Raises InvalidArgument for bad descriptors, Busy
+        when full."""
+        return int(self._engine.submit_disk(store, write, records, digests, queue))
+
+    def submit_remote(
+        self,
+        store: _native.RemoteStore,
+        kind: str,
+        keys: Sequence[bytes],
+        slots: np.ndarray,
+        payload_bytes: int,
+        digests: np.ndarray,
+        queue: int = 0,
+        fences: np.ndarray | None = None,
+    ) -> int:
+        """Queue one pipelined batch of ``kind`` (``store``, ``load`` or
+        ``exists``) for the server ``keys`` of ``store``, their values of
+        ``payload_bytes`` at the host addresses ``slots`` (int64, one per
+        key), checked against ``digests`` (``(N, 16)`` uint8). ``fences`` (as
+        for :meth:`submit_copy`, loads only): each slot's fence is settled when
+        the job ends. Returns the job id. Raises InvalidArgument, Busy when full."""
+        return int(
+            self._engine.submit_remote(
+                store, kind, keys, slots, payload_bytes, digests, queue, fences
+            )
+        )
+
+    def copy_inline(self, descs: np.ndarray) -> None:
+        """The copies of an ``(N, 3)`` int64 array of ``(src, dst, nbytes)``
+        done now, on the calling thread (no job: a baseline for benchmarks).
+        Blocks."""
+        self._engine.copy_inline(descs)
 
     def submit_sleep(self, seconds: float, nbytes: int = 0, fail: str = "", queue: int = 0) -> int:
         """Queue a job that sleeps then succeeds (or fails with ``fail``): for tests and drills."""

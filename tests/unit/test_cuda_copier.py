@@ -148,17 +148,14 @@ def interleave(pool: HostPool, tmp_path: Path, redis_port: int) -> None:
     remote = _native.RemoteStore(
         [("127.0.0.1", redis_port)], False, "", "", 0, 2000, 2000, 8, 0, False, ns
     )
-    raw = engine._engine
     payload = 8192 - _native.DISK_TRAILER_BYTES
     key = np.zeros((1, 16), np.uint8)
     ids = [
         engine.submit_cuda(copier, STORE, store_desc(dev, pool, 0), queue=STORE),
-        int(raw.submit_disk(disk, True, np.array([[pool.slot_address(3), 0, 0, payload]]), key, 2)),
+        engine.submit_disk(disk, True, np.array([[pool.slot_address(3), 0, 0, payload]]), key, 2),
         engine.submit_cuda(copier, STORE, store_desc(dev, pool, 1, 4096), queue=STORE),
-        int(
-            raw.submit_remote(
-                remote, "exists", [b"kvt:h17"], np.array([pool.slot_address(2)]), 4096, key, 2
-            )
+        engine.submit_remote(
+            remote, "exists", [b"kvt:h17"], np.array([pool.slot_address(2)]), 4096, key, 2
         ),
         engine.submit_sleep(0.0, queue=2),
         0,

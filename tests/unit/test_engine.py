@@ -221,7 +221,7 @@ def test_workers_run_at_the_engine_niceness_and_callers_keep_theirs() -> None:
     before, mine = thread_nices(), os.getpriority(os.PRIO_PROCESS, 0)
     e = Engine(3, nice=7)
     try:
-        e.wait([e._engine.submit_sleep(0.0)])  # every worker has started by now
+        e.wait([e.submit_sleep(0.0)])  # every worker has started by now
         deadline = time.monotonic() + 5
         while thread_nices().count(7) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -249,14 +249,14 @@ def test_deadline_reports_timeouts_then_release() -> None:
     assert set(first) == {slow, queued}
     assert all(r.timed_out and not r.ok and not r.released for r in first.values())
     assert first[slow].held and not first[queued].held
-    assert e._engine.in_flight_bytes(0) == 100  # the sleeping job still holds its bytes
+    assert e.in_flight_bytes(0) == 100  # the sleeping job still holds its bytes
     late: list = []
     deadline = time.monotonic() + 5
     while not late and time.monotonic() < deadline:
         late = e.poll()
         time.sleep(0.01)
     assert [(r.job_id, r.released, r.timed_out) for r in late] == [(slow, True, False)]
-    assert e._engine.in_flight_bytes(0) == 0
+    assert e.in_flight_bytes(0) == 0
     ok = e.submit_sleep(0.0)
     e.wait([ok])
     assert [r.ok for r in e.poll()] == [True]

@@ -76,7 +76,7 @@ def run_copy(
             return moved
 
         def baseline(descs: np.ndarray) -> int:
-            engine._engine.copy_inline(descs)
+            engine.copy_inline(descs)
             return moved
 
         out: dict[str, Any] = {}

@@ -59,7 +59,7 @@ def run_device_copy(
 
         def base(d: np.ndarray) -> float:
             t0 = time.perf_counter()
-            t._b.engine._engine.copy_inline(d)
+            t._b.engine.copy_inline(d)
             return n * block_bytes / (time.perf_counter() - t0) / 1e9
 
         run(True), run(False), base(store_d)  # warm-up

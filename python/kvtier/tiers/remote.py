@@ -359,17 +359,14 @@ class RemoteTier(JobTier):
         """Jobs of at most ``per_job`` keys for ``batch`` (see TierJobs.submit)."""
         n = len(digs)
         dig_arr = np.frombuffer(b"".join(digs), np.uint8).reshape(n, 16)
-        remote = self.engine._engine
+        engine = self.engine
         kind = "load" if batch.kind == "probe" else batch.kind  # a probe is a GET
 
         def submit_one(first: int, count: int) -> int:
             end = first + count
-            return int(
-                remote.submit_remote(
-                    self.store, kind, skeys[first:end], addr[first:end],
-                    self.block_bytes, dig_arr[first:end], 0,
-                    None if fences is None else fences[first:end],
-                )
+            return engine.submit_remote(
+                self.store, kind, skeys[first:end], addr[first:end], self.block_bytes,
+                dig_arr[first:end], fences=None if fences is None else fences[first:end],
             )  # fmt: skip
 
         return self.jobs.submit(batch, per_job, submit_one, self._value_bytes)

@@ -74,11 +74,7 @@ class RemoteIO:
         skeys = [self.prefix + digests[16 * i : 16 * i + 16].hex().encode() for i in range(n)]
         addr = self.pool.address + np.asarray(slots, np.int64) * self.pool.slot_bytes
         kind = "store" if write else "load"
-        return int(
-            self.engine._engine.submit_remote(
-                self.store, kind, skeys, addr, self.block_bytes, digs, 0
-            )
-        )
+        return self.engine.submit_remote(self.store, kind, skeys, addr, self.block_bytes, digs)
 
     def close(self) -> None:
         """Drain what is in flight and disconnect. Blocks."""

@@ -319,11 +319,11 @@ class DiskTier(JobTier):
         digs = d["digs"]
         keys = np.frombuffer(b"".join(digs[i] for i in d["io_idx"]), np.uint8).reshape(n, 16)
         per = min(self.job_records, -(-n // self.opts["num_threads"]))
-        disk = self.engine._engine
+        engine = self.engine
 
         def submit_one(first: int, count: int) -> int:
             end = first + count
-            return int(disk.submit_disk(self.store, write, arr[first:end], keys[first:end], 0))
+            return int(engine.submit_disk(self.store, write, arr[first:end], keys[first:end]))
 
         return self.jobs.submit(batch, per, submit_one, self.record_bytes)
 

@@ -89,7 +89,7 @@ class DiskIO:
         keys = np.frombuffer(digests, np.uint8).reshape(n, 16)
         if self.store is None:
             raise ClosedError("disk reader is closed")
-        return int(self.engine._engine.submit_disk(self.store, write, arr, keys, 0))
+        return self.engine.submit_disk(self.store, write, arr, keys)
 
     def close(self) -> None:
         """Drain the reads in flight and let go of the files. Blocks."""
