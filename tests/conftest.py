@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from kvtier.engine import Engine
@@ -161,3 +162,30 @@ def redis_tls(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unty
     s = RedisServer(tmp_path_factory.mktemp("rtls"), tls=certs)
     yield s
     s.stop()
+
+
+@pytest.fixture
+def freezable_dir(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A small ext4 filesystem on a loop device that the test can freeze
+    (fsfreeze): writes to it block in the kernel, as on a hung device."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a loop device")
+    img, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with open(img, "wb") as f:
+        f.truncate(64 << 20)
+    if (
+        subprocess.run(["mkfs.ext4", "-q", str(img)], capture_output=True).returncode != 0
+        or subprocess.run(["mount", "-o", "loop", str(img), str(mnt)]).returncode != 0
+    ):
+        pytest.skip("cannot mount a loop device here")
+    os.chmod(mnt, 0o700)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["fsfreeze", "--unfreeze", str(mnt)], capture_output=True)
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)  # detach once unused

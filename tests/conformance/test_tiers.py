@@ -1,10 +1,15 @@
 """One conformance suite that every lower tier passes (memory, disk on both backends,
-disk split over pipeline stages, remote standalone and cluster on Redis and on Valkey)."""
+disk split over pipeline stages, remote standalone and cluster on Redis and on Valkey);
+then one test per optional capability (probes, fenced loads, reads and writes by an
+engine worker, failed-read reports, slots released after a timeout), run on every
+tier that declares it."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +19,8 @@ import pytest
 from kvtier.manager import TieredOffloadingManager
 from kvtier.pool import HostPool
 from kvtier.tiers import HostTier, LookupResult, LowerTier, MemoryTier, TierCompletion
-from kvtier.tiers.disk import DiskTier, record_bytes
+from kvtier.tiers.base import TierIO
+from kvtier.tiers.disk import DiskTier, key_digest, record_bytes
 
 BLOCK = 16384
 SLOT = record_bytes(BLOCK)
@@ -23,6 +29,17 @@ HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDI
 
 def K(i: int) -> bytes:
     return b"key-%08d" % i
+
+
+@dataclass
+class Setup:
+    """How a factory builds its tier: where, how big, and the options a
+    capability needs (the defaults are each tier's own)."""
+
+    root: Path
+    capacity: int = 16
+    worker_io: bool = False  # remote: offer reads and writes by another process
+    timeout_s: float | None = None  # disk: the I/O deadline
 
 
 class TierUnderTest:
@@ -34,14 +51,12 @@ class TierUnderTest:
         self.bounded = bounded  # evicts by its own capacity (the remote pool evicts server-side)
 
 
-def _memory(tmp_path: Path, capacity: int) -> TierUnderTest:
-    t = MemoryTier(capacity=capacity)
+def _memory(s: Setup) -> TierUnderTest:
+    t = MemoryTier(capacity=s.capacity)
     return TierUnderTest(t, lambda k: t.fail_loads.add(k))
 
 
 def _flip_record_byte(t: DiskTier, key: bytes) -> None:
-    from kvtier.tiers.disk import key_digest
-
     rec = t.index[key_digest(key)]
     f, off = t._locate(rec)
     with open(t.paths[f], "r+b") as fh:
@@ -51,23 +66,31 @@ def _flip_record_byte(t: DiskTier, key: bytes) -> None:
         fh.write(bytes([b[0] ^ 0xFF]))
 
 
-def _disk(backend: str) -> Callable[[Path, int], TierUnderTest]:
-    def make(tmp_path: Path, capacity: int) -> TierUnderTest:
-        t = DiskTier(tmp_path, capacity * SLOT, BLOCK, backend=backend, queue_depth=8)
+def _disk_tier(s: Setup, root: Path, capacity: int, block: int, **kw: Any) -> DiskTier:
+    if s.timeout_s is not None:
+        kw["timeout_s"] = s.timeout_s
+    return DiskTier(root, capacity * record_bytes(block), block, queue_depth=8, **kw)
+
+
+def _disk(backend: str) -> Callable[[Setup], TierUnderTest]:
+    def make(s: Setup) -> TierUnderTest:
+        t = _disk_tier(s, s.root, s.capacity, BLOCK, backend=backend)
         return TierUnderTest(t, lambda key: _flip_record_byte(t, key))
 
     return make
 
 
 def _remote(fixture: str) -> Callable[..., TierUnderTest]:
-    def make(tmp_path: Path, capacity: int, server: Any) -> TierUnderTest:
+    def make(s: Setup, server: Any) -> TierUnderTest:
         import uuid
 
         import redis
         from kvtier.tiers.remote import RemoteTier
         from redis.cluster import RedisCluster
 
-        t = RemoteTier(server.url, BLOCK, namespace=f"conformance-{uuid.uuid4()}")
+        t = RemoteTier(
+            server.url, BLOCK, namespace=f"conformance-{uuid.uuid4()}", worker_io=s.worker_io
+        )
         if fixture.endswith("_cluster"):
             client: Any = RedisCluster(host="127.0.0.1", port=server.nodes[0].port)
         else:
@@ -84,15 +107,15 @@ def _remote(fixture: str) -> Callable[..., TierUnderTest]:
     return make
 
 
-def _staged(tmp_path: Path, capacity: int) -> TierUnderTest:
+def _staged(s: Setup) -> TierUnderTest:
     """Two pipeline stages on disk: the manager's pool and a second stage's
     pool with slots twice as big; a block is in the tier when both hold it."""
     from kvtier.tiers.staged import StagedTier
 
-    (tmp_path / "s0").mkdir()
-    (tmp_path / "s1").mkdir()
-    s0 = DiskTier(tmp_path / "s0", capacity * SLOT, BLOCK, queue_depth=8)
-    s1 = DiskTier(tmp_path / "s1", capacity * 2 * SLOT, 2 * BLOCK, queue_depth=8)
+    (s.root / "s0").mkdir()
+    (s.root / "s1").mkdir()
+    s0 = _disk_tier(s, s.root / "s0", s.capacity, BLOCK)
+    s1 = _disk_tier(s, s.root / "s1", s.capacity * 2, 2 * BLOCK)
     other = HostPool(32, record_bytes(2 * BLOCK))
     other.view(0, 32)[:] = 0x3C
     t = StagedTier([s0, s1], [None, other], "disk-staged")
@@ -111,22 +134,28 @@ FACTORIES: dict[str, Callable[..., TierUnderTest]] = {
 }
 
 
-@pytest.fixture(params=list(FACTORIES))
-def make_tier(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> Iterator[Callable[[int], TierUnderTest]]:
-    made: list[TierUnderTest] = []
-    factory = FACTORIES[request.param]
-    server = getattr(factory, "fixture", None)
-    extra = (request.getfixturevalue(server),) if server else ()
+class MakeTier:
+    """The test's tier factory: ``make_tier(capacity, **setup)``; ``kind``
+    names the factory (a key of FACTORIES)."""
 
-    def make(capacity: int = 16) -> TierUnderTest:
-        t = factory(tmp_path, capacity, *extra)
-        made.append(t)
+    def __init__(self, kind: str, root: Path, server: tuple[Any, ...]) -> None:
+        self.kind, self.root, self.server = kind, root, server
+        self.made: list[TierUnderTest] = []
+
+    def __call__(self, capacity: int = 16, **setup: Any) -> TierUnderTest:
+        s = Setup(setup.pop("root", self.root), capacity, **setup)
+        t = FACTORIES[self.kind](s, *self.server)
+        self.made.append(t)
         return t
 
+
+@pytest.fixture(params=list(FACTORIES))
+def make_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MakeTier]:
+    server = getattr(FACTORIES[request.param], "fixture", None)
+    extra = (request.getfixturevalue(server),) if server else ()
+    make = MakeTier(request.param, tmp_path, extra)
     yield make
-    for t in made:
+    for t in make.made:
         t.tier.close()
 
 
@@ -271,3 +300,223 @@ def test_cascade_reset_promote_with_manager(make_tier, pool: HostPool) -> None: 
         assert np.array_equal(pool.view(int(s))[:BLOCK], w)
     m.complete_load(keys)
     m.shutdown()
+
+
+# -- capabilities -------------------------------------------------------------
+# A tier offers some of the interface's optional parts; one test per part,
+# run on every tier that declares it and skipped (by that declaration) on the
+# rest. OFFERS says which factories must declare what, so that a tier that
+# stops declaring a capability fails here instead of skipping its test.
+
+_REMOTES = {"remote", "remote-cluster", "remote-valkey", "remote-valkey-cluster"}
+_DISKS = {"disk-io_uring", "disk-pread"}
+OFFERS: dict[str, set[str]] = {
+    "probe": _REMOTES,
+    "fenced_load": _REMOTES,
+    "pin_for_read": _DISKS | _REMOTES,
+    "read_failed": _DISKS | _REMOTES,
+    "write_by_worker": _DISKS | _REMOTES,
+    "released_slots": _DISKS | {"staged-disk"},
+}
+
+
+def declares(t: LowerTier, capability: str) -> bool:
+    """What ``t`` (attached to its pool) says it offers: the flags of
+    :class:`LowerTier`, a reader spec for the parts another process uses,
+    its own ``take_released_slots`` for slots held past a timeout."""
+    if capability == "probe":
+        return bool(t.can_probe)
+    if capability == "fenced_load":
+        return bool(t.can_fence)
+    if capability in ("pin_for_read", "read_failed", "write_by_worker"):
+        return t.reader_spec() is not None
+    assert capability == "released_slots", capability
+    return type(t).take_released_slots is not LowerTier.take_released_slots
+
+
+def offered(make_tier: MakeTier, pool: HostPool, capability: str, **setup: Any) -> TierUnderTest:
+    """A tier of this test's kind attached to ``pool``, built to offer
+    ``capability``; the test is skipped when the tier does not declare it."""
+    tut = make_tier(worker_io=True, **setup)
+    tut.tier.attach(pool)
+    if not declares(tut.tier, capability):
+        assert make_tier.kind not in OFFERS[capability], f"{make_tier.kind} lost {capability}"
+        pytest.skip(f"{make_tier.kind} does not offer {capability}")
+    assert make_tier.kind in OFFERS[capability], f"{make_tier.kind} declares {capability}: test it"
+    return tut
+
+
+def test_declared_capabilities(make_tier: MakeTier, pool: HostPool) -> None:
+    tut = make_tier(worker_io=True)
+    tut.tier.attach(pool)
+    got = {c for c in OFFERS if declares(tut.tier, c)}
+    assert got == {c for c, kinds in OFFERS.items() if make_tier.kind in kinds}
+
+
+def test_probe_reads_what_is_there_and_misses_the_rest(make_tier: MakeTier, pool: HostPool) -> None:
+    tut = offered(make_tier, pool, "probe")
+    t = tut.tier
+    want = [fill(pool, i, 40 + i) for i in range(3)]
+    assert wait_done(t, t.submit_store([K(0), K(1), K(2)], [0, 1, 2])).ok
+    pool.view(21)[:] = 0x5A
+    c = wait_done(t, t.submit_probe([K(1), K(7), K(0)], [20, 21, 22]))
+    assert (c.kind, c.ok, c.keys) == ("probe", False, [K(1), K(7), K(0)])
+    assert c.key_ok == [True, False, True] and c.missing == [False, True, False]
+    assert np.array_equal(pool.view(20)[:BLOCK], want[1])
+    assert np.array_equal(pool.view(22)[:BLOCK], want[0])
+    assert (pool.view(21) == 0x5A).all()  # an absent key leaves its slot alone
+    assert look(t, K(7)) is MISS and look(t, K(1)) is HIT
+    # A value that fails its checks is a failed read, not an absent key.
+    tut.corrupt(K(2))
+    c = wait_done(t, t.submit_probe([K(2)], [23]))
+    assert (c.ok, c.key_ok, c.missing) == (False, [False], None)
+    assert look(t, K(2)) is MISS
+
+
+def test_fenced_load_settles_each_fence_before_the_batch_is_polled(
+    make_tier: MakeTier, pool: HostPool
+) -> None:
+    t = offered(make_tier, pool, "fenced_load").tier
+    want = [fill(pool, i, 60 + i) for i in range(2)]
+    assert wait_done(t, t.submit_store([K(0), K(1)], [0, 1])).ok
+    slots = [10, 11, 12]
+    armed = pool.arm_fences(slots)
+    assert [pool.fence_word(s) & 3 for s in slots] == [1, 1, 1]  # pending
+    token = t.submit_fenced_load([K(1), K(0), K(9)], slots, armed)
+    assert token is not None
+    deadline = time.monotonic() + 10
+    while any(pool.fence_word(s) & 3 == 1 for s in slots) and time.monotonic() < deadline:
+        time.sleep(0.001)  # no poll: the fences settle without the scheduler
+    ready, failed = [int(a) & ~3 for a in armed], [(int(a) & ~3) | 2 for a in armed]
+    assert [pool.fence_word(s) for s in slots] == [ready[0], ready[1], failed[2]]
+    assert np.array_equal(pool.view(10)[:BLOCK], want[1])
+    assert np.array_equal(pool.view(11)[:BLOCK], want[0])
+    assert not any(pool.settle_fence(s, int(a), True) for s, a in zip(slots, armed))
+    c = wait_done(t, token)
+    assert (c.kind, c.keys, c.key_ok) == ("load", [K(1), K(0), K(9)], [True, True, False])
+
+
+def _worker_io(t: LowerTier, pool: HostPool) -> TierIO:
+    """What an engine worker opens from the tier's reader spec."""
+    spec = t.reader_spec()
+    assert spec is not None
+    return spec.open(pool)
+
+
+def _worker_job(
+    io: TierIO, slots: list[int], locs: np.ndarray, digs: bytes, write: bool
+) -> list[int]:
+    """One worker I/O job to its end: each item's code."""
+    job = io.submit(slots, locs, digs, write=write)
+    io.engine.wait([job], 10.0)
+    (r,) = [r for r in io.engine.poll() if int(r.job_id) == job]
+    return list(r.items)
+
+
+def test_pinned_records_are_read_by_a_worker_byte_for_byte(
+    make_tier: MakeTier, pool: HostPool
+) -> None:
+    tut = offered(make_tier, pool, "pin_for_read", capacity=4)
+    t = tut.tier
+    want = [fill(pool, i, 80 + i) for i in range(2)]
+    assert wait_done(t, t.submit_store([K(0), K(1)], [0, 1])).ok
+    locs, digs = t.pin_for_read([K(1), K(0)])
+    assert locs.shape == (2, 3) and digs == key_digest(K(1)) + key_digest(K(0))
+    if tut.bounded:  # pinned records survive a cache that fills up under them
+        for i in range(2, 6):
+            fill(pool, i, i)
+        for i in range(2, 6):
+            wait_done(t, t.submit_store([K(i)], [i]))
+        assert look(t, K(0)) is HIT and look(t, K(1)) is HIT
+    with HostPool(4, SLOT) as wpool:
+        io = _worker_io(t, wpool)
+        try:
+            assert _worker_job(io, [2, 3], locs, digs, write=False) == [0, 0]
+        finally:
+            io.close()
+        assert np.array_equal(wpool.view(2)[:BLOCK], want[1])
+        assert np.array_equal(wpool.view(3)[:BLOCK], want[0])
+    t.unpin_read(locs[:, 0].tolist())
+    c = wait_done(t, t.submit_load([K(0)], [9]))
+    assert c.key_ok == [True] and np.array_equal(pool.view(9)[:BLOCK], want[0])
+
+
+def test_a_failed_worker_read_makes_the_key_a_miss(make_tier: MakeTier, pool: HostPool) -> None:
+    t = offered(make_tier, pool, "read_failed").tier
+    for i in range(2):
+        fill(pool, i, i)
+    assert wait_done(t, t.submit_store([K(0), K(1)], [0, 1])).ok
+    locs, digs = t.pin_for_read([K(0)])
+    t.unpin_read(locs[:, 0].tolist())
+    t.read_failed(locs, digs)
+    assert look(t, K(0)) is MISS and look(t, K(1)) is HIT
+    want = fill(pool, 0, 99)  # stored anew, it is a hit again
+    assert wait_done(t, t.submit_store([K(0)], [0])).ok
+    assert look(t, K(0)) is HIT
+    c = wait_done(t, t.submit_load([K(0)], [5]))
+    assert c.key_ok == [True] and np.array_equal(pool.view(5)[:BLOCK], want)
+
+
+def test_worker_writes_are_readable_once_committed(make_tier: MakeTier, pool: HostPool) -> None:
+    t = offered(make_tier, pool, "write_by_worker").tier
+    keys = [K(0), K(1), K(2)]
+    reserved = t.reserve_for_write(keys)
+    assert [pos for pos, _, _ in reserved] == [0, 1, 2]
+    assert [dig for _, _, dig in reserved] == [key_digest(k) for k in keys]
+    assert all(look(t, k) is not HIT for k in keys)  # unreadable until committed
+    with HostPool(4, SLOT) as wpool:
+        want = [np.random.default_rng(120 + i).integers(0, 256, BLOCK, np.uint8) for i in range(2)]
+        for i in range(2):
+            wpool.view(i)[:BLOCK] = want[i]
+        locs = np.stack([loc for _, loc, _ in reserved[:2]])
+        digs = b"".join(dig for _, _, dig in reserved[:2])
+        io = _worker_io(t, wpool)
+        try:
+            assert _worker_job(io, [0, 1], locs, digs, write=True) == [0, 0]
+        finally:
+            io.close()
+    for (pos, loc, _), ok in zip(reserved, [True, True, False]):  # K(2)'s write failed
+        t.commit_write(keys[pos], int(loc[0]), ok)
+    assert [look(t, k) for k in keys] == [HIT, HIT, MISS]
+    c = wait_done(t, t.submit_load([K(1), K(0)], [10, 11]))
+    assert c.key_ok == [True, True]
+    assert np.array_equal(pool.view(10)[:BLOCK], want[1])
+    assert np.array_equal(pool.view(11)[:BLOCK], want[0])
+
+
+def test_slots_held_past_a_timeout_are_released_once_the_device_lets_go(
+    make_tier: MakeTier, pool: HostPool, request: pytest.FixtureRequest
+) -> None:
+    offered(make_tier, pool, "released_slots")
+    mnt: Path = request.getfixturevalue("freezable_dir")
+    t = make_tier(root=mnt, timeout_s=0.3).tier
+    t.attach(pool)
+    slots = [0, 1, 2, 3]
+    want = [fill(pool, s, 140 + s) for s in slots]
+    subprocess.run(["fsfreeze", "--freeze", str(mnt)], check=True)
+    try:
+        c = wait_done(t, t.submit_store([K(i) for i in range(4)], slots))
+        assert c.key_ok == [False] * 4 and c.held is not None
+        held = sorted(s for s, h in zip(slots, c.held) if h)
+        assert held, "no write was under way when the deadline passed"
+        for _ in range(20):  # the device still has them: none comes back
+            t.poll()
+            assert t.take_released_slots() == []
+            time.sleep(0.01)
+    finally:
+        subprocess.run(["fsfreeze", "--unfreeze", str(mnt)], check=True)
+    released: list[int] = []
+    deadline = time.monotonic() + 10
+    while len(released) < len(held) and time.monotonic() < deadline:
+        t.poll()
+        released += t.take_released_slots()
+        time.sleep(0.01)
+    assert sorted(released) == held
+    t.poll()
+    assert t.take_released_slots() == []
+    assert wait_done(t, t.submit_store([K(i) for i in range(4)], slots)).ok
+    c = wait_done(t, t.submit_load([K(3), K(0)], [10, 11]))
+    assert c.key_ok == [True, True]
+    assert np.array_equal(pool.view(10)[:BLOCK], want[3])
+    assert np.array_equal(pool.view(11)[:BLOCK], want[0])
+    t.close()  # before the filesystem goes
