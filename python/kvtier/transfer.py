@@ -466,7 +466,7 @@ class DeviceTransfer:
             if not r.held:
                 self._free_slots(r.job_id)
         for e in self._jobs.take_ended():
-            r = e.parts[0].result
+            (r,) = e.results  # one engine job each
             out.append(TransferResult(e.parent, r.ok, int(r.nbytes), float(r.seconds), r.error))
         return out
 
