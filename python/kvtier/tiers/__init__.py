@@ -8,8 +8,9 @@ for what blocks.
 What each module owns: ``base`` the manager/tier interface, ``host`` the host
 tier, ``memory``/``disk``/``remote`` one medium each, ``staged`` one tier over
 pipeline stages, ``jobs`` the native-engine job machinery every data-moving
-tier shares, ``records`` the record format and namespace/key digests,
-``factory`` tiers built from one configuration shape.
+tier shares, ``events`` the bounded log of a tier's stored/removed keys,
+``records`` the record format and namespace/key digests, ``factory`` tiers
+built from one configuration shape.
 
 The names below are imported on first use: ``kvtier.tiers.records`` (which
 the vLLM shim imports in every engine process) must not load the native core.

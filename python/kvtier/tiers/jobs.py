@@ -25,6 +25,7 @@ from typing import Any
 from kvtier.codes import ItemStatus
 from kvtier.errors import Busy, ClosedError, Timeout
 from kvtier.tiers.base import LowerTier, TierEvent, check_slots
+from kvtier.tiers.events import EVENT_LOG_KEYS, EventLog
 
 COUNTERS = ("stores", "loads", "bytes_written", "bytes_read", "busy_drops", "timeouts")
 """Counters every data-moving tier keeps (a tier adds its own to these)."""
@@ -230,14 +231,15 @@ class JobTier(LowerTier):
     jobs: TierJobs
     _closed: bool = False
 
-    def _tier_init(self, name: str, *counters: str) -> None:
+    def _tier_init(self, name: str, *counters: str, event_log_keys: int = EVENT_LOG_KEYS) -> None:
         """Called first by the subclass constructor: ``counters`` are the
-        tier's own beyond the shared ones (:data:`COUNTERS`)."""
+        tier's own beyond the shared ones (:data:`COUNTERS`); its events
+        not taken are bounded by ``event_log_keys`` keys (:class:`EventLog`)."""
         self.name = name
         self.pool = None
         self.counters = new_counters(*counters)
         self.jobs = TierJobs(None, self.counters)
-        self._events: list[TierEvent] = []
+        self._events = EventLog(event_log_keys)
 
     def _check(self, keys: Sequence[bytes], slots: Sequence[int], block_bytes: int = 0) -> None:
         """Clear errors at the boundary: closed tier, keys and slots of
@@ -249,8 +251,7 @@ class JobTier(LowerTier):
         check_slots(keys, slots, None if no_data else self.pool, block_bytes)
 
     def take_events(self) -> list[TierEvent]:
-        ev, self._events = self._events, []
-        return ev
+        return self._events.take()
 
     def wait(self, tokens: Sequence[int], timeout_s: float) -> bool:
         return self.jobs.wait(tokens, timeout_s)

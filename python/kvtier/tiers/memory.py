@@ -16,6 +16,7 @@ import numpy as np
 
 from kvtier.policy import AdmissionFilter, make_policy
 from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent, check_slots
+from kvtier.tiers.events import EVENT_LOG_KEYS, EventLog
 
 
 class MemoryTier(LowerTier):
@@ -26,6 +27,7 @@ class MemoryTier(LowerTier):
         delay_polls: int = 1,
         policy: str = "lru",
         admit_after: int = 1,
+        event_log_keys: int = EVENT_LOG_KEYS,
     ) -> None:
         self.name = name
         self.capacity = capacity
@@ -40,7 +42,7 @@ class MemoryTier(LowerTier):
         self.pool = None
         self._tokens = itertools.count(1)
         self._queue: list[tuple[int, TierCompletion]] = []  # (polls left, completion)
-        self._events: list[TierEvent] = []
+        self._events = EventLog(event_log_keys)
         self.counters = {"stores": 0, "loads": 0, "load_failures": 0, "evictions": 0}
 
     def lookup(self, key: bytes) -> LookupResult:
@@ -140,8 +142,7 @@ class MemoryTier(LowerTier):
         return out
 
     def take_events(self) -> list[TierEvent]:
-        ev, self._events = self._events, []
-        return ev
+        return self._events.take()
 
     def has_pending_work(self) -> bool:
         return bool(self._queue)
@@ -151,4 +152,4 @@ class MemoryTier(LowerTier):
         self.policy = make_policy("lru", self.capacity or (1 << 62))
 
     def stats(self) -> dict[str, Any]:
-        return {"blocks": len(self.data), **self.counters}
+        return {"blocks": len(self.data), "events_dropped": self._events.dropped, **self.counters}

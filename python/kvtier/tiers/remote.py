@@ -42,6 +42,7 @@ from kvtier.errors import InvalidArgument, IoError, TlsError
 from kvtier.policy.admission import WriteGate
 from kvtier.pool import HostPool
 from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
+from kvtier.tiers.events import EVENT_LOG_KEYS
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
 from kvtier.tiers.records import key_digest, namespace_digest
 
@@ -144,11 +145,10 @@ def redact_url(url: str) -> str:
 @dataclass(frozen=True)
 class RemoteConnection:
     """How to open a native client to one Redis/Valkey pool: the URL's parts
-    (:func:`parse_url`), timeouts, pipelining, TTL, namespace and TLS files.
-    Plain values only: it travels inside a
-    :class:`~kvtier.tiers.remote_worker.RemoteReaderSpec` to engine workers,
-    which open their own client to the same pool. ``lazy``: start even when
-    the servers do not answer yet (``degraded_ok``)."""
+    (:func:`parse_url`), timeouts, pipelining, TTL, namespace, TLS files.
+    Plain values: it travels in a :class:`~kvtier.tiers.remote_worker.RemoteReaderSpec`
+    to engine workers, which open their own client to the same pool.
+    ``lazy``: start even when the servers do not answer yet (``degraded_ok``)."""
 
     seeds: tuple[tuple[str, int], ...]
     cluster: bool
@@ -187,7 +187,8 @@ class RemoteTier(JobTier):
     ``num_threads`` connections (default :func:`default_connections`), each
     served by one worker thread of the tier's engine, at niceness
     ``worker_nice`` (default :func:`kvtier.engine.io_nice`: ``KVTIER_IO_NICE``
-    or 10; 0 to compete with the engine's threads on equal terms)."""
+    or 10; 0 to compete with the engine's threads on equal terms).
+    ``event_log_keys``: see :class:`~kvtier.tiers.events.EventLog`."""
 
     can_probe = True
 
@@ -217,6 +218,7 @@ class RemoteTier(JobTier):
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
         tls_server_name: str | None = None,
+        event_log_keys: int = EVENT_LOG_KEYS,
     ) -> None:
         if block_bytes <= 0:
             raise InvalidArgument(f"block_bytes must be > 0, got {block_bytes}")
@@ -243,6 +245,7 @@ class RemoteTier(JobTier):
         self._tier_init(
             name, "load_failures", "vanished", "corrupt", "io_errors", "server_errors",
             "exists_checks", "budget_skips", "not_admitted", "probes", "probe_misses",
+            event_log_keys=event_log_keys,
         )  # fmt: skip
         self.url = redact_url(url)
         self.block_bytes = block_bytes
@@ -586,12 +589,12 @@ class RemoteTier(JobTier):
             "nodes": self.nodes,
             "known": len(self.known),
             "redirects": int(self.store.redirects),
+            "events_dropped": self._events.dropped,
             **self.counters,
         }
 
 
-# RemoteIO moved to remote_worker (which imports this module): the old name
-# still resolves, on first use.
+# RemoteIO moved to remote_worker (which imports this module): the old names resolve.
 __getattr__ = lazy_getattr(
     __name__, dict.fromkeys(("RemoteIO", "RemoteReaderSpec"), "kvtier.tiers.remote_worker")
 )

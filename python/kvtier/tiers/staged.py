@@ -21,14 +21,22 @@ from typing import Any
 
 from kvtier.errors import InvalidArgument
 from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent
+from kvtier.tiers.events import EVENT_LOG_KEYS, EventLog
 
 
 class StagedTier(LowerTier):
     """``tiers[i]`` moves stage ``i``'s part of each block between
     ``pools[i]`` and its medium; a pool given as None is the one the manager
-    attaches (its own stage's). The pools must have the same slot count."""
+    attaches (its own stage's). The pools must have the same slot count.
+    ``event_log_keys``: see :class:`~kvtier.tiers.events.EventLog`."""
 
-    def __init__(self, tiers: Sequence[LowerTier], pools: Sequence[Any | None], name: str) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[LowerTier],
+        pools: Sequence[Any | None],
+        name: str,
+        event_log_keys: int = EVENT_LOG_KEYS,
+    ) -> None:
         if not tiers or len(tiers) != len(pools):
             raise InvalidArgument("a staged tier needs one tier and one pool per stage")
         self.tiers = list(tiers)
@@ -40,7 +48,7 @@ class StagedTier(LowerTier):
         self._by_sub: list[dict[int, int]] = [{} for _ in self.tiers]  # sub token -> token
         self._held: dict[int, list[int]] = {}  # slot -> stages still holding it
         self._released: list[int] = []
-        self._events: list[TierEvent] = []
+        self._events = EventLog(event_log_keys)
         self._checks: dict[int, list[tuple[int, int]]] = {}  # token -> (stage, sub token)
         self.pool = None
 
@@ -156,7 +164,7 @@ class StagedTier(LowerTier):
         )
 
     def take_events(self) -> list[TierEvent]:
-        ev, self._events = self._events, []
+        ev = self._events.take()
         removed: dict[bytes, None] = {}  # a block gone from any stage is gone, once
         for t in self.tiers:
             for e in t.take_events():
@@ -189,5 +197,8 @@ class StagedTier(LowerTier):
             for k, v in st.items():
                 if isinstance(v, int | float) and not isinstance(v, bool):
                     out[k] = out.get(k, 0) + v
+        # Its own log's drops beside the stages' (a block a stage dropped
+        # unseen may still be reported by this tier's own events).
+        out["events_dropped"] = out.get("events_dropped", 0) + self._events.dropped
         out["stages"] = per
         return out

@@ -41,6 +41,7 @@ from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
 from kvtier.tiers.disk.directory import SlabFiles, check_directory
 from kvtier.tiers.disk.journal import IndexJournal, JournalOp, RecordState
 from kvtier.tiers.disk.worker import DiskReaderSpec
+from kvtier.tiers.events import EVENT_LOG_KEYS
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
 from kvtier.tiers.records import key_digest, namespace_digest, record_bytes
 from kvtier.units import FreeFraction
@@ -82,7 +83,9 @@ class DiskTier(JobTier):
     ``event_keys``: how many of the keys this process stored most recently
     are remembered for eviction events (the index keeps only digests: an
     eviction of an older key, or of one recovered at restart, is not
-    reported).
+    reported). ``event_log_keys``: the keys of events not taken
+    (:meth:`take_events`) held before the oldest are dropped (counted in
+    ``events_dropped``).
     """
 
     def __init__(
@@ -107,6 +110,7 @@ class DiskTier(JobTier):
         no_data: bool = False,
         timeout_s: float = 30.0,
         event_keys: int = 4096,
+        event_log_keys: int = EVENT_LOG_KEYS,
     ) -> None:
         if block_bytes <= 0:
             raise InvalidArgument(f"block_bytes must be > 0, got {block_bytes}")
@@ -116,7 +120,7 @@ class DiskTier(JobTier):
             raise InvalidArgument(f"backend must be auto, io_uring or pread, not {backend!r}")
         self._tier_init(
             name, "load_failures", "corrupt", "io_errors", "evictions", "budget_skips",
-            "not_admitted", "nospace", "recovered",
+            "not_admitted", "nospace", "recovered", event_log_keys=event_log_keys,
         )  # fmt: skip
         self.block_bytes = block_bytes
         self.record_bytes = record_bytes(block_bytes)
@@ -574,5 +578,6 @@ class DiskTier(JobTier):
             "blocks": len(self.index),
             "capacity_blocks": self.num_records,
             "held_jobs": self.jobs.held_jobs,
+            "events_dropped": self._events.dropped,
             **self.counters,
         }

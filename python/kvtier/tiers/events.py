@@ -1,0 +1,83 @@
+"""A tier's events not taken yet, bounded: :class:`EventLog`.
+
+Runs wherever its tier runs (the scheduler process). Who calls: the tiers
+that report stored/removed keys (:class:`~kvtier.tiers.jobs.JobTier` and so
+the disk and remote tiers, :class:`~kvtier.tiers.memory.MemoryTier`,
+:class:`~kvtier.tiers.staged.StagedTier`), under the manager's lock. Never
+blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from kvtier.errors import InvalidArgument
+from kvtier.tiers.base import TierEvent
+
+__all__ = ["EVENT_LOG_KEYS", "EventLog"]
+
+#: Keys a tier's :class:`EventLog` holds, by default, before it drops the oldest.
+EVENT_LOG_KEYS = 65_536
+
+
+class EventLog:
+    """A tier's stored/removed events not taken yet (:meth:`LowerTier.take_events`),
+    bounded by the keys they name: beyond ``max_keys`` the oldest keys are
+    dropped, and counted in :attr:`dropped` (a tier's stats report it as
+    ``events_dropped``).
+
+    Why bounded: the manager takes every tier's events each step, but a tier
+    driven without it (a benchmark, a tool, a test) has nobody taking them
+    and would otherwise keep every key it ever stored. Holds at most about
+    twice ``max_keys`` key references (the oldest event is cut lazily).
+    """
+
+    def __init__(self, max_keys: int = EVENT_LOG_KEYS) -> None:
+        if max_keys < 0:
+            raise InvalidArgument(f"event log of {max_keys} keys: must be >= 0")
+        self.max_keys = max_keys
+        self.dropped = 0  # keys dropped unseen, since the log was made
+        self._events: deque[TierEvent] = deque()
+        self._skip = 0  # keys at the front of the oldest event already dropped
+        self._keys = 0  # keys held (not counting skipped ones)
+
+    def __len__(self) -> int:
+        """Keys held."""
+        return self._keys
+
+    def append(self, event: TierEvent) -> None:
+        """Log ``event``; drop the oldest keys beyond the bound."""
+        n = len(event.keys)
+        if n == 0:
+            return
+        if n > self.max_keys:  # cut now, so that no event holds more than the bound
+            cut = n - self.max_keys
+            self.dropped += cut
+            if self.max_keys == 0:
+                return
+            event = dataclasses.replace(event, keys=event.keys[cut:])
+            n = self.max_keys
+        self._events.append(event)
+        self._keys += n
+        over = self._keys - self.max_keys
+        while over > 0:
+            left = len(self._events[0].keys) - self._skip
+            cut = min(left, over)
+            if cut == left:
+                self._events.popleft()
+                self._skip = 0
+            else:
+                self._skip += cut
+            self.dropped += cut
+            self._keys -= cut
+            over -= cut
+
+    def take(self) -> list[TierEvent]:
+        """Every event held, oldest first; the log is empty after."""
+        out = list(self._events)
+        if self._skip:
+            out[0] = dataclasses.replace(out[0], keys=out[0].keys[self._skip :])
+        self._events.clear()
+        self._skip = self._keys = 0
+        return out
