@@ -10,44 +10,20 @@ locally generated model and tokenizer, then vLLM's ``vllm bench serve``
 client (``vllm.benchmarks.serve``, run as a child process of the same
 Python) for every workload and load level, one after another.
 
-Configurations (the names in the report), all with the same engine
-settings (printed in the report):
-
-- ``baseline``: vLLM's prefix cache only, a KV cache smaller than the
-  working set (what users have);
-- ``ideal``: the same with a KV cache that holds the whole working set;
-- ``host``, ``host+disk``, ``host+redis``, ``host+disk+redis``: kvtier
-  (``KVTierConnector``) over the baseline's small KV cache; ``host`` holds
-  the working set, the others a third of it with the lower tiers behind;
-- ``second-server``: a new server (empty host tier) on the Redis that
-  ``host+redis`` filled in the same repeat: what a second engine of a fleet
-  gets from the shared pool.
-
-Workloads: ``trace`` (a Mooncake-format trace cut to ``max_requests`` and
-capped to the model's length, replayed with the client's ``timed_trace``
-dataset on its own timestamps times ``time_scale``), ``prefix`` (the
-client's ``prefix_repetition``) and ``random`` (zero reuse), the last two at
-each of ``concurrencies``. Every workload's prompts are the same in every
-configuration and repeat (fixed seeds, ``PYTHONHASHSEED`` pinned for the
-trace's token expansion), so the second server asks for what the first
-stored.
-
-Results: per configuration, workload and level the client's throughput and
-latency percentiles, kvtier's counters from the server's Prometheus
-``/metrics`` (``vllm:kv_offload_kvtier_*``, differences over the workload),
-medians over repeats, and ratios to ``baseline`` and ``ideal`` of the same
-workload and level.
+This module starts and stops the server, runs the client, reads the
+server's metrics and drives the run (:func:`run_load`). The configurations,
+workloads and command lines are in :mod:`kvtier.bench.serve_load_plan`, the
+medians, table and plot in :mod:`kvtier.bench.serve_load_report`; every
+name this module had before that split is still importable from it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import tempfile
 import time
@@ -57,71 +33,31 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.serve_load_plan import (
+    CONFIGS,
+    KVTIER_COUNTERS,
+    METRICS,
+    TRACE_BLOCK,
+    WORKLOADS,
+    EngineSettings,
+    Workloads,
+    client_args,
+    cut_trace,
+    default_trace,
+    kv_bytes_per_block,
+    kvtier_extra,
+    levels,
+    server_command,
+)
+from kvtier.bench.serve_load_report import plot, report_json, summarize, table
 from kvtier.errors import InvalidArgument
 
-CONFIGS = (
-    "baseline", "ideal", "host", "host+disk", "host+redis", "host+disk+redis", "second-server",
-)  # fmt: skip
-WORKLOADS = ("trace", "prefix", "random")
-TRACE_BLOCK = 512  # tokens per hash id in Mooncake's traces
-# Client metrics carried into the report: (report key, client key, scale).
-METRICS = (
-    ("throughput_rps", "request_throughput", 1.0),
-    ("output_tps", "output_throughput", 1.0),
-    ("ttft_mean_s", "mean_ttft_ms", 1e-3),
-    ("ttft_p50_s", "median_ttft_ms", 1e-3),
-    ("ttft_p99_s", "p99_ttft_ms", 1e-3),
-    ("tpot_p50_s", "median_tpot_ms", 1e-3),
-    ("tpot_p99_s", "p99_tpot_ms", 1e-3),
-    ("itl_p50_s", "median_itl_ms", 1e-3),
-    ("itl_p99_s", "p99_itl_ms", 1e-3),
-)
-# kvtier's counters read from /metrics (vllm:kv_offload_kvtier_<name>).
-KVTIER_COUNTERS = (
-    "loaded_host", "loaded_disk", "loaded_remote", "cascades", "cascades_dropped",
-    "allocation_failures", "promotions", "load_failures",
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """What every configuration's server runs with (the report prints it)."""
-
-    block_size: int = 32
-    max_model_len: int = 4096
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 2048  # chunked prefill's step budget
-    small_blocks: int = 384  # the baseline's KV cache (engine blocks)
-    large_blocks: int = 4096  # the ideal's: the whole working set
-    # VLLM_CPU_OMP_THREADS_BIND, the same for every configuration. vLLM's
-    # "auto" reserves one core more when a KV connector is configured, which
-    # on a 2-core machine leaves none reserved: the model then computes on
-    # both cores with a connector and on one without (a miss computed in
-    # 130-180 ms against 240-290 in bench serve), and under load its OpenMP
-    # threads fight the engine core and the API server for the cores.
-    omp_threads_bind: str = "0"
-    kv_cache_space_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE (at least large_blocks' bytes)
-
-
-@dataclass(frozen=True)
-class Workloads:
-    """The three workloads' shapes (the defaults keep this machine's engine
-    busy, not drowning: a run is about 2 minutes a configuration)."""
-
-    trace: Path | None = None
-    time_scale: float = 1.0
-    max_requests: int = 40
-    max_input: int = 3072
-    max_output: int = 32
-    concurrencies: tuple[int, ...] = (1, 4)
-    prefix_len: int = 1536
-    prefix_suffix_len: int = 128
-    prefix_count: int = 12
-    prefix_prompts: int = 36
-    random_input: int = 1024
-    random_prompts: int = 16
-    output_len: int = 32
-    names: tuple[str, ...] = WORKLOADS
+__all__ = [
+    "CONFIGS", "KVTIER_COUNTERS", "METRICS", "TRACE_BLOCK", "WORKLOADS", "EngineSettings", "Run",
+    "Server", "Workloads", "client_args", "cut_trace", "default_trace", "kvtier_extra", "levels",
+    "parse_metrics", "plot", "report_json", "run_client", "run_load", "scrape", "server_command",
+    "summarize", "table",
+]  # fmt: skip
 
 
 @dataclass
@@ -133,170 +69,6 @@ class Run:
     results: list[dict[str, Any]] = field(default_factory=list)
     startup_s: float = 0.0
     error: str | None = None
-
-
-def cut_trace(
-    src: Path, dst: Path, max_requests: int, max_input: int, max_output: int
-) -> dict[str, Any]:
-    """Write the first ``max_requests`` requests of a Mooncake-format trace to
-    ``dst`` with prompts capped to ``max_input`` tokens (their hash ids cut to
-    match) and outputs to ``max_output``, timestamps rebased to the first.
-    Returns what the cut holds: requests, span, tokens and the share of
-    512-token blocks an unbounded cache would serve. Clear errors for a
-    file that is not such a trace."""
-    out: list[dict[str, Any]] = []
-    with open(src) as f:
-        for n, line in enumerate(f, 1):
-            if len(out) >= max_requests:
-                break
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-                ts, inp, outp, ids = (
-                    float(r["timestamp"]), int(r["input_length"]), int(r["output_length"]),
-                    [int(h) for h in r["hash_ids"]],
-                )  # fmt: skip
-            except (ValueError, KeyError, TypeError) as e:
-                raise InvalidArgument(
-                    f"{src}:{n}: not a Mooncake-format trace line (timestamp, input_length, "
-                    f"output_length, hash_ids): {e}"
-                ) from None
-            inp = min(inp, max_input)
-            ids = ids[: max(1, math.ceil(inp / TRACE_BLOCK))]
-            out.append({"timestamp": ts, "input_length": inp,
-                        "output_length": max(1, min(outp, max_output)), "hash_ids": ids})  # fmt: skip
-    if not out:
-        raise InvalidArgument(f"{src}: no requests")
-    t0 = out[0]["timestamp"]
-    seen: set[tuple[int, ...]] = set()
-    hit = total = 0
-    for r in out:
-        r["timestamp"] -= t0
-        ids = r["hash_ids"]
-        prefix_ok = True
-        for i in range(len(ids)):
-            key = tuple(ids[: i + 1])
-            total += 1
-            prefix_ok = prefix_ok and key in seen
-            hit += prefix_ok
-            seen.add(key)
-    dst.write_text("".join(json.dumps(r) + "\n" for r in out))
-    return {
-        "requests": len(out), "span_s": out[-1]["timestamp"] / 1000,
-        "input_tokens": sum(r["input_length"] for r in out),
-        "reusable_block_share": hit / total if total else 0.0,
-    }  # fmt: skip
-
-
-def _kv_bytes_per_block(model_dir: str, block_size: int) -> int:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    layers, kv_heads = int(cfg["num_hidden_layers"]), int(cfg["num_key_value_heads"])
-    return layers * 2 * kv_heads * int(head) * 4 * block_size
-
-
-def kvtier_extra(
-    config: str, settings: EngineSettings, block_bytes: int, workdir: Path, redis_url: str | None
-) -> dict[str, Any] | None:
-    """kvtier's ``kv_connector_extra_config`` of a configuration (None: no
-    connector). ``host`` holds the ideal's KV cache worth of blocks, the
-    tiered ones a third of it."""
-    if config in ("baseline", "ideal"):
-        return None
-    whole = settings.large_blocks * block_bytes
-    kv: dict[str, Any] = {"block_size": settings.block_size}
-    kv["kvtier_host_bytes"] = whole if config == "host" else whole // 3
-    if "disk" in config:
-        kv["kvtier_disk_path"] = str(workdir / f"disk-{config}")
-        kv["kvtier_disk_bytes"] = 2 * whole
-    if "redis" in config or config == "second-server":
-        if redis_url is None:
-            raise InvalidArgument(f"{config} needs a Redis server")
-        kv["kvtier_remote_url"] = redis_url
-    return kv
-
-
-def server_command(
-    python: str, model_dir: str, port: int, config: str, settings: EngineSettings,
-    extra: dict[str, Any] | None,
-) -> list[str]:  # fmt: skip
-    """The ``vllm serve`` command line of a configuration (the CPU build's
-    console script cannot start; its module does)."""
-    blocks = settings.large_blocks if config == "ideal" else settings.small_blocks
-    cmd = [
-        python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--block-size", str(settings.block_size), "--enforce-eager", "--seed", "0",
-        "--max-model-len", str(settings.max_model_len),
-        "--max-num-seqs", str(settings.max_num_seqs),
-        "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
-        "--enable-chunked-prefill", "--enable-prefix-caching",
-        "--num-gpu-blocks-override", str(blocks),
-    ]  # fmt: skip
-    if extra is not None:
-        cmd += ["--kv-transfer-config", json.dumps({
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.integrations.vllm_connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": extra,
-        })]  # fmt: skip
-    return cmd
-
-
-def client_args(
-    workload: str, level: int | float, base_url: str, model_dir: str, w: Workloads,
-    trace_file: Path | None, result: Path,
-) -> list[str]:  # fmt: skip
-    """``vllm bench serve`` flags of one workload at one level (concurrency;
-    for the trace, the time scale)."""
-    args = [
-        "--backend", "vllm", "--base-url", base_url, "--model", model_dir,
-        # Each workload and level its own prompts: the client's datasets draw
-        # their token offsets from the same generator, so equal seeds would
-        # make a random prompt repeat a prefix_repetition one, and a level hit
-        # what an earlier level left cached.
-        "--tokenizer", model_dir, "--seed", str(_SEEDS.get(workload, 0) + int(level * 1000)),
-        "--percentile-metrics", "ttft,tpot,itl,e2el",
-        "--metric-percentiles", "50,99", "--disable-tqdm",
-    ]  # fmt: skip
-    if workload == "trace":
-        assert trace_file is not None
-        args += [
-            "--dataset-name", "timed_trace", "--dataset-path", str(trace_file),
-            "--num-prompts", str(w.max_requests), "--timed-trace-chunk-hash-size", str(TRACE_BLOCK),
-            "--timed-trace-sec-multiplier", str(0.001 * float(level)),
-            "--timed-trace-label-timestamp", "timestamp",
-            "--timed-trace-label-input-length", "input_length",
-            "--timed-trace-label-output-length", "output_length",
-            "--timed-trace-label-hash-ids", "hash_ids",
-        ]  # fmt: skip
-    elif workload == "prefix":
-        args += [
-            "--dataset-name", "prefix_repetition", "--num-prompts", str(w.prefix_prompts),
-            "--prefix-repetition-prefix-len", str(w.prefix_len),
-            "--prefix-repetition-suffix-len", str(w.prefix_suffix_len),
-            "--prefix-repetition-num-prefixes", str(w.prefix_count),
-            "--prefix-repetition-output-len", str(w.output_len),
-            "--max-concurrency", str(int(level)), "--ignore-eos",
-        ]  # fmt: skip
-    elif workload == "random":
-        args += [
-            "--dataset-name", "random", "--num-prompts", str(w.random_prompts),
-            "--random-input-len", str(w.random_input), "--random-output-len", str(w.output_len),
-            "--random-range-ratio", "0", "--max-concurrency", str(int(level)),
-        ]  # fmt: skip
-    else:
-        raise InvalidArgument(f"unknown workload {workload!r}: one of {', '.join(WORKLOADS)}")
-    return args + ["--save-result", "--result-dir", str(result.parent),
-                   "--result-filename", result.name]  # fmt: skip
-
-
-_SEEDS = {"trace": 0, "prefix": 5_000_000, "random": 7_000_000}
-
-
-def levels(workload: str, w: Workloads) -> list[float]:
-    """The load levels of a workload, lightest first."""
-    return [w.time_scale] if workload == "trace" else [float(c) for c in w.concurrencies]
 
 
 # The client: vLLM's own, from Python (the CPU build's console script cannot start).
@@ -464,7 +236,7 @@ def run_load(
             raise InvalidArgument("the trace workload needs --trace FILE")
         trace_file = out / "trace-cut.jsonl"
         trace_info = cut_trace(w.trace, trace_file, w.max_requests, w.max_input, w.max_output)
-    block_bytes = _kv_bytes_per_block(model_dir, settings.block_size)
+    block_bytes = kv_bytes_per_block(model_dir, settings.block_size)
     env = {k: v for k, v in os.environ.items()}
     env.update({
         "PYTHONHASHSEED": "0",  # the trace's token expansion hashes strings
@@ -555,145 +327,3 @@ def _parse_cpus(spec: str) -> set[int]:
             return set()
         out.update(range(int(lo), int(hi or lo) + 1))
     return out
-
-
-def _median(values: list[float]) -> float:
-    vals = [v for v in values if not math.isnan(v)]
-    return statistics.median(vals) if vals else float("nan")
-
-
-def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Medians over repeats per (config, workload, level), with ``vs_baseline``
-    and ``vs_ideal`` (each metric over that reference's median, same workload
-    and level) and ``ttft_reduction_captured`` (the share of the ideal's TTFT
-    reduction over the baseline that the configuration reaches, for p50 and
-    mean). Pure; rows in first-seen order."""
-    groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
-    for r in runs:
-        groups.setdefault((r["config"], r["workload"], r["level"]), []).append(r)
-    med: dict[tuple[str, str, float], dict[str, Any]] = {}
-    for key, rs in groups.items():
-        m: dict[str, Any] = {"config": key[0], "workload": key[1], "level": key[2], "runs": len(rs)}
-        for name, _, _ in METRICS:
-            m[name] = _median([r[name] for r in rs])
-        for name in ("completed", "failed", "prompt_tokens", "cached_tokens"):
-            m[name] = _median([float(r[name]) for r in rs])
-        m["kvtier"] = {k: _median([r["kvtier"][k] for r in rs]) for k in KVTIER_COUNTERS}
-        med[key] = m
-    for (_, workload, level), m in med.items():
-        for ref in ("baseline", "ideal"):
-            base = med.get((ref, workload, level))
-            m[f"vs_{ref}"] = (
-                None if base is None else {
-                    name: (m[name] / base[name] if base[name] else float("nan"))
-                    for name, _, _ in METRICS
-                }
-            )  # fmt: skip
-        b, i = med.get(("baseline", workload, level)), med.get(("ideal", workload, level))
-        if b is not None and i is not None:
-            # How much the ideal cuts at all: where it is a few percent, the
-            # share captured is noise over a small difference (report it, but
-            # the table shows n/a below 10%).
-            m["ideal_ttft_reduction"] = {
-                stat: (1 - i[k] / b[k] if b[k] else float("nan"))
-                for stat, k in (("p50", "ttft_p50_s"), ("mean", "ttft_mean_s"))
-            }
-            m["ttft_reduction_captured"] = {
-                stat: ((b[k] - m[k]) / (b[k] - i[k]) if b[k] != i[k] else float("nan"))
-                for stat, k in (("p50", "ttft_p50_s"), ("mean", "ttft_mean_s"))
-            }
-    return list(med.values())
-
-
-def table(result: dict[str, Any]) -> str:
-    """The report as text: engine settings, then one line per configuration,
-    workload and level (medians; ratios to the baseline and the ideal)."""
-    s = result["settings"]
-    lines = [
-        "engine settings (every configuration): " + ", ".join(f"{k}={v}" for k, v in s.items()),
-    ]
-    if result.get("trace"):
-        t = result["trace"]
-        lines.append(
-            f"trace cut: {t['requests']} requests over {t['span_s']:.0f} s, "
-            f"{t['input_tokens']} prompt tokens, {100 * t['reusable_block_share']:.1f}% of "
-            "blocks reusable by an unbounded cache"
-        )
-    lines.append(
-        f"{'config':<16}{'workload':<9}{'level':>6}{'req/s':>7}{'out tok/s':>10}"
-        f"{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'tput/base':>10}"
-        f"{'TTFT/base':>10}{'TTFT/ideal':>11}{'captured':>9}{'cached':>8}  kvtier loads h/d/r, dropped"
-    )
-    for r in result["rows"]:
-        vb, vi = r.get("vs_baseline") or {}, r.get("vs_ideal") or {}
-        cap = r.get("ttft_reduction_captured", {}).get("p50")
-        if r.get("ideal_ttft_reduction", {}).get("p50", 0.0) < 0.10:
-            cap = None  # the ideal barely beats the baseline here: no share to speak of
-        k = r["kvtier"]
-        lines.append(
-            f"{r['config']:<16}{r['workload']:<9}{r['level']:>6g}{r['throughput_rps']:>7.2f}"
-            f"{r['output_tps']:>10.1f}{1e3 * r['ttft_p50_s']:>8.0f}ms{1e3 * r['ttft_p99_s']:>6.0f}ms"
-            f"{1e3 * r['tpot_p50_s']:>8.1f}ms{1e3 * r['tpot_p99_s']:>6.1f}ms"
-            f"{vb.get('output_tps', float('nan')):>10.2f}{vb.get('ttft_p50_s', float('nan')):>10.2f}"
-            f"{vi.get('ttft_p50_s', float('nan')):>11.2f}"
-            f"{'n/a' if cap is None or r['config'] in ('baseline', 'ideal') else f'{100 * cap:.0f}%':>9}"
-            f"{100 * r['cached_tokens'] / max(1.0, r['prompt_tokens']):>7.0f}%"
-            f"  {k['loaded_host']:.0f}/{k['loaded_disk']:.0f}/{k['loaded_remote']:.0f}, "
-            f"{k['cascades_dropped']:.0f}"
-        )
-    return "\n".join(lines)
-
-
-def report_json(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """One object per configuration and level (the issue's keys: ``config``,
-    ``level``, ``throughput_rps``, ``output_tps``, ``ttft_p50_s``,
-    ``ttft_p99_s``, ``tpot_p50_s``, ``vs_baseline``, ``vs_ideal``), plus the
-    workload and the rest of the medians. Pure."""
-    return [dict(r) for r in result["rows"]]
-
-
-def plot(result: dict[str, Any], path: Path) -> None:
-    """TTFT p50 and output throughput against load, one line per
-    configuration, one column per workload (a workload with one level is
-    drawn as points)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["rows"]
-    names = [w for w in WORKLOADS if any(r["workload"] == w for r in rows)]
-    fig, axes = plt.subplots(2, max(1, len(names)), figsize=(5 * max(1, len(names)), 7),
-                             squeeze=False)  # fmt: skip
-    for col, wl in enumerate(names):
-        for config in CONFIGS:
-            pts = sorted(
-                (r["level"], r) for r in rows if r["workload"] == wl and r["config"] == config
-            )
-            if not pts:
-                continue
-            xs = [x for x, _ in pts]
-            axes[0][col].plot(xs, [1e3 * r["ttft_p50_s"] for _, r in pts], marker="o", label=config)
-            axes[1][col].plot(xs, [r["output_tps"] for _, r in pts], marker="o", label=config)
-        xlabel = "time scale" if wl == "trace" else "concurrency"
-        axes[0][col].set_title(wl)
-        axes[0][col].set_ylabel("TTFT p50 (ms)")
-        axes[1][col].set_ylabel("output tokens/s")
-        axes[1][col].set_xlabel(xlabel)
-        for ax in (axes[0][col], axes[1][col]):
-            ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"kvtier under load: vLLM server + vllm bench serve, medians of "
-                 f"{result['repeats']} runs")  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def default_trace() -> Path | None:
-    """The conversation trace beside a clone of this repository, if there."""
-    for up in (*Path(__file__).resolve().parents, *Path.cwd().resolve().parents, Path.cwd()):
-        p = up / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-        if p.exists():
-            return p
-    return None

@@ -1,0 +1,279 @@
+"""What ``kvtier bench serve --server`` runs: its configurations, engine
+settings and workloads, the trace cut, and the command lines of the server
+and the client for each.
+
+Configurations (the names in the report), all with the same engine
+settings (printed in the report):
+
+- ``baseline``: vLLM's prefix cache only, a KV cache smaller than the
+  working set (what users have);
+- ``ideal``: the same with a KV cache that holds the whole working set;
+- ``host``, ``host+disk``, ``host+redis``, ``host+disk+redis``: kvtier
+  (``KVTierConnector``) over the baseline's small KV cache; ``host`` holds
+  the working set, the others a third of it with the lower tiers behind;
+- ``second-server``: a new server (empty host tier) on the Redis that
+  ``host+redis`` filled in the same repeat: what a second engine of a fleet
+  gets from the shared pool.
+
+Workloads: ``trace`` (a Mooncake-format trace cut to ``max_requests`` and
+capped to the model's length, replayed with the client's ``timed_trace``
+dataset on its own timestamps times ``time_scale``), ``prefix`` (the
+client's ``prefix_repetition``) and ``random`` (zero reuse), the last two at
+each of ``concurrencies``. Every workload's prompts are the same in every
+configuration and repeat (fixed seeds, ``PYTHONHASHSEED`` pinned for the
+trace's token expansion), so the second server asks for what the first
+stored.
+
+A command-line tool's module: runs in the ``kvtier`` process. Who calls:
+:func:`kvtier.bench.serve_load.run_load`, :mod:`kvtier.bench.commands`
+and the tests. Pure but for :func:`cut_trace` and :func:`default_trace`,
+which block on reading (and writing) a trace file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import InvalidArgument
+
+CONFIGS = (
+    "baseline", "ideal", "host", "host+disk", "host+redis", "host+disk+redis", "second-server",
+)  # fmt: skip
+WORKLOADS = ("trace", "prefix", "random")
+TRACE_BLOCK = 512  # tokens per hash id in Mooncake's traces
+# Client metrics carried into the report: (report key, client key, scale).
+METRICS = (
+    ("throughput_rps", "request_throughput", 1.0),
+    ("output_tps", "output_throughput", 1.0),
+    ("ttft_mean_s", "mean_ttft_ms", 1e-3),
+    ("ttft_p50_s", "median_ttft_ms", 1e-3),
+    ("ttft_p99_s", "p99_ttft_ms", 1e-3),
+    ("tpot_p50_s", "median_tpot_ms", 1e-3),
+    ("tpot_p99_s", "p99_tpot_ms", 1e-3),
+    ("itl_p50_s", "median_itl_ms", 1e-3),
+    ("itl_p99_s", "p99_itl_ms", 1e-3),
+)
+# kvtier's counters read from /metrics (vllm:kv_offload_kvtier_<name>).
+KVTIER_COUNTERS = (
+    "loaded_host", "loaded_disk", "loaded_remote", "cascades", "cascades_dropped",
+    "allocation_failures", "promotions", "load_failures",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What every configuration's server runs with (the report prints it)."""
+
+    block_size: int = 32
+    max_model_len: int = 4096
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 2048  # chunked prefill's step budget
+    small_blocks: int = 384  # the baseline's KV cache (engine blocks)
+    large_blocks: int = 4096  # the ideal's: the whole working set
+    # VLLM_CPU_OMP_THREADS_BIND, the same for every configuration. vLLM's
+    # "auto" reserves one core more when a KV connector is configured, which
+    # on a 2-core machine leaves none reserved: the model then computes on
+    # both cores with a connector and on one without (a miss computed in
+    # 130-180 ms against 240-290 in bench serve), and under load its OpenMP
+    # threads fight the engine core and the API server for the cores.
+    omp_threads_bind: str = "0"
+    kv_cache_space_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE (at least large_blocks' bytes)
+
+
+@dataclass(frozen=True)
+class Workloads:
+    """The three workloads' shapes (the defaults keep this machine's engine
+    busy, not drowning: a run is about 2 minutes a configuration)."""
+
+    trace: Path | None = None
+    time_scale: float = 1.0
+    max_requests: int = 40
+    max_input: int = 3072
+    max_output: int = 32
+    concurrencies: tuple[int, ...] = (1, 4)
+    prefix_len: int = 1536
+    prefix_suffix_len: int = 128
+    prefix_count: int = 12
+    prefix_prompts: int = 36
+    random_input: int = 1024
+    random_prompts: int = 16
+    output_len: int = 32
+    names: tuple[str, ...] = WORKLOADS
+
+
+def cut_trace(
+    src: Path, dst: Path, max_requests: int, max_input: int, max_output: int
+) -> dict[str, Any]:
+    """Write the first ``max_requests`` requests of a Mooncake-format trace to
+    ``dst`` with prompts capped to ``max_input`` tokens (their hash ids cut to
+    match) and outputs to ``max_output``, timestamps rebased to the first.
+    Returns what the cut holds: requests, span, tokens and the share of
+    512-token blocks an unbounded cache would serve. Clear errors for a
+    file that is not such a trace."""
+    out: list[dict[str, Any]] = []
+    with open(src) as f:
+        for n, line in enumerate(f, 1):
+            if len(out) >= max_requests:
+                break
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                ts, inp, outp, ids = (
+                    float(r["timestamp"]), int(r["input_length"]), int(r["output_length"]),
+                    [int(h) for h in r["hash_ids"]],
+                )  # fmt: skip
+            except (ValueError, KeyError, TypeError) as e:
+                raise InvalidArgument(
+                    f"{src}:{n}: not a Mooncake-format trace line (timestamp, input_length, "
+                    f"output_length, hash_ids): {e}"
+                ) from None
+            inp = min(inp, max_input)
+            ids = ids[: max(1, math.ceil(inp / TRACE_BLOCK))]
+            out.append({"timestamp": ts, "input_length": inp,
+                        "output_length": max(1, min(outp, max_output)), "hash_ids": ids})  # fmt: skip
+    if not out:
+        raise InvalidArgument(f"{src}: no requests")
+    t0 = out[0]["timestamp"]
+    seen: set[tuple[int, ...]] = set()
+    hit = total = 0
+    for r in out:
+        r["timestamp"] -= t0
+        ids = r["hash_ids"]
+        prefix_ok = True
+        for i in range(len(ids)):
+            key = tuple(ids[: i + 1])
+            total += 1
+            prefix_ok = prefix_ok and key in seen
+            hit += prefix_ok
+            seen.add(key)
+    dst.write_text("".join(json.dumps(r) + "\n" for r in out))
+    return {
+        "requests": len(out), "span_s": out[-1]["timestamp"] / 1000,
+        "input_tokens": sum(r["input_length"] for r in out),
+        "reusable_block_share": hit / total if total else 0.0,
+    }  # fmt: skip
+
+
+def kv_bytes_per_block(model_dir: str, block_size: int) -> int:
+    """Bytes of one engine block of the model's KV cache (float32 K and V, every layer)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    layers, kv_heads = int(cfg["num_hidden_layers"]), int(cfg["num_key_value_heads"])
+    return layers * 2 * kv_heads * int(head) * 4 * block_size
+
+
+def kvtier_extra(
+    config: str, settings: EngineSettings, block_bytes: int, workdir: Path, redis_url: str | None
+) -> dict[str, Any] | None:
+    """kvtier's ``kv_connector_extra_config`` of a configuration (None: no
+    connector). ``host`` holds the ideal's KV cache worth of blocks, the
+    tiered ones a third of it."""
+    if config in ("baseline", "ideal"):
+        return None
+    whole = settings.large_blocks * block_bytes
+    kv: dict[str, Any] = {"block_size": settings.block_size}
+    kv["kvtier_host_bytes"] = whole if config == "host" else whole // 3
+    if "disk" in config:
+        kv["kvtier_disk_path"] = str(workdir / f"disk-{config}")
+        kv["kvtier_disk_bytes"] = 2 * whole
+    if "redis" in config or config == "second-server":
+        if redis_url is None:
+            raise InvalidArgument(f"{config} needs a Redis server")
+        kv["kvtier_remote_url"] = redis_url
+    return kv
+
+
+def server_command(
+    python: str, model_dir: str, port: int, config: str, settings: EngineSettings,
+    extra: dict[str, Any] | None,
+) -> list[str]:  # fmt: skip
+    """The ``vllm serve`` command line of a configuration (the CPU build's
+    console script cannot start; its module does)."""
+    blocks = settings.large_blocks if config == "ideal" else settings.small_blocks
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--block-size", str(settings.block_size), "--enforce-eager", "--seed", "0",
+        "--max-model-len", str(settings.max_model_len),
+        "--max-num-seqs", str(settings.max_num_seqs),
+        "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
+        "--enable-chunked-prefill", "--enable-prefix-caching",
+        "--num-gpu-blocks-override", str(blocks),
+    ]  # fmt: skip
+    if extra is not None:
+        cmd += ["--kv-transfer-config", json.dumps({
+            "kv_connector": "KVTierConnector",
+            "kv_connector_module_path": "kvtier.integrations.vllm_connector",
+            "kv_role": "kv_both", "kv_connector_extra_config": extra,
+        })]  # fmt: skip
+    return cmd
+
+
+def client_args(
+    workload: str, level: int | float, base_url: str, model_dir: str, w: Workloads,
+    trace_file: Path | None, result: Path,
+) -> list[str]:  # fmt: skip
+    """``vllm bench serve`` flags of one workload at one level (concurrency;
+    for the trace, the time scale)."""
+    args = [
+        "--backend", "vllm", "--base-url", base_url, "--model", model_dir,
+        # Each workload and level its own prompts: the client's datasets draw
+        # their token offsets from the same generator, so equal seeds would
+        # make a random prompt repeat a prefix_repetition one, and a level hit
+        # what an earlier level left cached.
+        "--tokenizer", model_dir, "--seed", str(_SEEDS.get(workload, 0) + int(level * 1000)),
+        "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,99", "--disable-tqdm",
+    ]  # fmt: skip
+    if workload == "trace":
+        assert trace_file is not None
+        args += [
+            "--dataset-name", "timed_trace", "--dataset-path", str(trace_file),
+            "--num-prompts", str(w.max_requests), "--timed-trace-chunk-hash-size", str(TRACE_BLOCK),
+            "--timed-trace-sec-multiplier", str(0.001 * float(level)),
+            "--timed-trace-label-timestamp", "timestamp",
+            "--timed-trace-label-input-length", "input_length",
+            "--timed-trace-label-output-length", "output_length",
+            "--timed-trace-label-hash-ids", "hash_ids",
+        ]  # fmt: skip
+    elif workload == "prefix":
+        args += [
+            "--dataset-name", "prefix_repetition", "--num-prompts", str(w.prefix_prompts),
+            "--prefix-repetition-prefix-len", str(w.prefix_len),
+            "--prefix-repetition-suffix-len", str(w.prefix_suffix_len),
+            "--prefix-repetition-num-prefixes", str(w.prefix_count),
+            "--prefix-repetition-output-len", str(w.output_len),
+            "--max-concurrency", str(int(level)), "--ignore-eos",
+        ]  # fmt: skip
+    elif workload == "random":
+        args += [
+            "--dataset-name", "random", "--num-prompts", str(w.random_prompts),
+            "--random-input-len", str(w.random_input), "--random-output-len", str(w.output_len),
+            "--random-range-ratio", "0", "--max-concurrency", str(int(level)),
+        ]  # fmt: skip
+    else:
+        raise InvalidArgument(f"unknown workload {workload!r}: one of {', '.join(WORKLOADS)}")
+    return args + ["--save-result", "--result-dir", str(result.parent),
+                   "--result-filename", result.name]  # fmt: skip
+
+
+_SEEDS = {"trace": 0, "prefix": 5_000_000, "random": 7_000_000}
+
+
+def levels(workload: str, w: Workloads) -> list[float]:
+    """The load levels of a workload, lightest first."""
+    return [w.time_scale] if workload == "trace" else [float(c) for c in w.concurrencies]
+
+
+def default_trace() -> Path | None:
+    """The conversation trace beside a clone of this repository, if there."""
+    for up in (*Path(__file__).resolve().parents, *Path.cwd().resolve().parents, Path.cwd()):
+        p = up / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+        if p.exists():
+            return p
+    return None
