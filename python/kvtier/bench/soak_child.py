@@ -4,8 +4,9 @@ every loaded block verified, one JSON sample line per interval.
 Runs in its own process, started by the driver
 (:func:`kvtier.bench.soak.run_soak`) as ``python -m kvtier.bench.soak
 CONFIG``, and killed or restarted by it as faults demand. Who calls:
-:func:`child_main`, from that entry point; :func:`proc_status` also the
-driver's tests. The child blocks for its whole life (until SIGTERM).
+:func:`child_main`, from that entry point; the tests also call
+:func:`proc_status` (never blocks). The child blocks for its whole life
+(until SIGTERM).
 """
 
 from __future__ import annotations
