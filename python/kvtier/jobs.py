@@ -121,6 +121,14 @@ class Joined(Generic[P, S, R]):
         out, self._ended = self._ended, []
         return out
 
+    def part(self, sub: S) -> tuple[P, Part[S, R]] | None:
+        """Part ``sub`` in flight and its parent (None: not in flight)."""
+        return self._owner.get(sub)
+
+    def held_parts(self) -> list[tuple[P, Part[S, R]]]:
+        """Parts held after a timeout, with their parents."""
+        return list(self._held.values())
+
     def parent_of(self, sub: S) -> P | None:
         got = self._owner.get(sub)
         return None if got is None else got[0]

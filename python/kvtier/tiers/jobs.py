@@ -24,6 +24,7 @@ from typing import Any
 
 from kvtier.codes import ItemStatus
 from kvtier.errors import Busy, ClosedError, Timeout
+from kvtier.jobs import Joined
 from kvtier.tiers.base import LowerTier, TierEvent, check_slots
 from kvtier.tiers.events import EVENT_LOG_KEYS, EventLog
 
@@ -63,8 +64,6 @@ class Batch:
     data: dict[str, Any] = field(default_factory=dict)
     items: list[int] = field(default_factory=list)
     held: list[bool] = field(default_factory=list)
-    pending: int = 0
-    busy_from: int | None = None
 
     def __post_init__(self) -> None:
         self.items = [0] * self.n
@@ -82,7 +81,8 @@ class Released:
 
 
 class TierJobs:
-    """The engine jobs of one tier, each mapped to its batch and item range.
+    """The engine jobs of one tier, each a part of its batch (an item range;
+    :class:`kvtier.jobs.Joined` keeps them).
 
     ``engine`` is a :class:`kvtier.engine.Engine` the tier owns (its queues'
     budgets and deadlines are the tier's; None before the tier has one:
@@ -95,9 +95,9 @@ class TierJobs:
         self.engine = engine
         self.counters = counters  # the tier's; this layer counts "timeouts"
         self._tokens = itertools.count(1)
-        self._jobs: dict[int, tuple[Batch, int, int]] = {}  # engine job -> batch, first, count
-        self._held: dict[int, tuple[Batch, int, int]] = {}  # timed out, still running
-        self._ended: list[Batch] = []
+        self._batches: dict[int, Batch] = {}  # token -> batch, until it ended
+        self._jobs: Joined[int, int, Any] = Joined()  # batch token -> engine jobs
+        self._held_batches: dict[int, Batch] = {}  # ended batches with a held job
 
     def batch(self, kind: str, n: int, **data: Any) -> Batch:
         """A new batch of ``n`` I/O items with a fresh token (nothing submitted)."""
@@ -105,7 +105,8 @@ class TierJobs:
 
     def end_now(self, batch: Batch) -> None:
         """A batch with nothing to submit: the next :meth:`poll` returns it."""
-        self._ended.append(batch)
+        self._batches[batch.token] = batch
+        self._jobs.seal(batch.token)
 
     def submit(
         self,
@@ -132,19 +133,19 @@ class TierJobs:
             if used and used + batch.n * item_bytes > self.engine.budget():
                 return False
         per_job = max(1, per_job)
+        missing_from = None
         for first in range(0, batch.n, per_job):
             count = min(per_job, batch.n - first)
             try:
                 jid = submit_one(first, count)
             except Busy:
-                if batch.pending == 0:
+                if first == 0:
                     return False
-                batch.busy_from = first
+                missing_from = first
                 break
-            self._jobs[jid] = (batch, first, count)
-            batch.pending += 1
-        if batch.pending == 0:
-            self.end_now(batch)
+            self._jobs.add(batch.token, jid, first, count)
+        self._batches[batch.token] = batch
+        self._jobs.seal(batch.token, missing_from)
         return True
 
     def poll(self) -> tuple[list[Batch], list[Released]]:
@@ -154,11 +155,16 @@ class TierJobs:
         released: list[Released] = []
         for r in self.engine.poll() if self.engine is not None else ():
             if r.released:  # a timed-out job really ended: its memory is free
-                held = self._held.pop(r.job_id, None)
+                held = self._jobs.release(r.job_id)
                 if held is not None:
-                    released.append(Released(*held))
+                    token, part = held
+                    released.append(Released(self._held_batch(token), part.first, part.count))
                 continue
-            batch, first, count = self._jobs.pop(r.job_id)
+            owner = self._jobs.part(r.job_id)
+            if owner is None:
+                continue
+            batch, part = self._batches[owner[0]], owner[1]
+            first, count = part.first, part.count
             items = list(r.items)
             if not items and not r.ok:  # the whole job failed: every item with it
                 code = ItemStatus.TIMED_OUT if r.timed_out else ItemStatus.CANCELLED
@@ -167,21 +173,30 @@ class TierJobs:
                     self.counters["timeouts"] += count
                 if r.held:  # a late write or read may still land in its memory
                     batch.held[first : first + count] = [True] * count
-                    self._held[r.job_id] = (batch, first, count)
             batch.items[first : first + len(items)] = items
-            batch.pending -= 1
-            if batch.pending == 0:
-                if batch.busy_from is not None:
-                    rest = batch.n - batch.busy_from
-                    batch.items[batch.busy_from :] = [int(ItemStatus.BUSY)] * rest
-                self._ended.append(batch)
-        ended, self._ended = self._ended, []
+            self._jobs.done(r.job_id, r, held=bool(r.held and not r.ok and not r.items))
+        ended = []
+        for e in self._jobs.take_ended():
+            batch = self._batches.pop(e.parent)
+            if e.missing_from is not None:
+                rest = batch.n - e.missing_from
+                batch.items[e.missing_from :] = [int(ItemStatus.BUSY)] * rest
+            if any(batch.held):
+                self._held_batches[batch.token] = batch
+            ended.append(batch)
         return ended, released
+
+    def _held_batch(self, token: int) -> Batch:
+        """The batch of a held job; forgotten with its last held job."""
+        batch = self._held_batches[token]
+        if not any(p == token for p, _ in self._jobs.held_parts()):
+            del self._held_batches[token]
+        return batch
 
     def busy(self) -> bool:
         """True while a job is queued or running, a batch waits for
         :meth:`poll`, or a timed-out job still holds memory."""
-        return bool(self._jobs) or bool(self._ended) or bool(self._held)
+        return self._jobs.busy()
 
     def wait(self, tokens: Sequence[int], timeout_s: float) -> bool:
         """Block until every engine job of the batches ``tokens`` ended, at
@@ -199,17 +214,16 @@ class TierJobs:
     def job_ids(self, tokens: Sequence[int]) -> list[int]:
         """Engine job ids still queued or running for the batches ``tokens``
         (for a caller that waits on them itself, without holding the tier)."""
-        want = set(tokens)
-        return [j for j, (b, _, _) in self._jobs.items() if b.token in want]
+        return [j for t in tokens for j in self._jobs.subs(t)]
 
     def in_flight(self) -> set[int]:
         """Engine job ids queued or running (not yet drained by :meth:`poll`)."""
-        return set(self._jobs)
+        return set(self._jobs.in_flight())
 
     @property
     def held_jobs(self) -> int:
         """Timed-out jobs that may still touch their memory."""
-        return len(self._held)
+        return self._jobs.held
 
     def close(self) -> None:
         """Let queued jobs finish and join the engine's threads. Blocks; idempotent."""

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.errors import InvalidArgument
+from kvtier.jobs import Ended, Joined
 from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent
 from kvtier.tiers.events import EVENT_LOG_KEYS, EventLog
 
@@ -43,9 +44,10 @@ class StagedTier(LowerTier):
         self.stage_pools = list(pools)
         self.name = name
         self._tokens = itertools.count(1)
-        # token -> [kind, keys, per-stage token, per-stage completion]
-        self._batches: dict[int, list[Any]] = {}
-        self._by_sub: list[dict[int, int]] = [{} for _ in self.tiers]  # sub token -> token
+        # token -> (kind, keys, slots); its parts are the stages' batches,
+        # (stage, stage token), each part's ``first`` its stage.
+        self._batches: dict[int, tuple[str, list[bytes], list[int]]] = {}
+        self._parts: Joined[int, tuple[int, int], TierCompletion] = Joined()
         self._held: dict[int, list[int]] = {}  # slot -> stages still holding it
         self._released: list[int] = []
         self._events = EventLog(event_log_keys)
@@ -78,24 +80,20 @@ class StagedTier(LowerTier):
         return all([t.admit(key) for t in self.tiers])
 
     def _submit(self, store: bool, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
-        subs: list[int] = []
-        for t in self.tiers:
+        token = next(self._tokens)
+        busy_from = None
+        for i, t in enumerate(self.tiers):
             tok = t.submit_store(keys, slots) if store else t.submit_load(keys, slots)
             if tok is None:
+                if i == 0:
+                    return None
+                # Some stages took the batch, a later one was busy: the batch
+                # fails as a whole once the stages that took it are done.
+                busy_from = i
                 break
-            subs.append(tok)
-        token = next(self._tokens)
-        done: list[TierCompletion | None] = [None] * len(self.tiers)
-        if len(subs) < len(self.tiers):
-            if not subs:
-                return None
-            # Some stages took the batch, a later one was busy: the batch fails
-            # as a whole once the stages that took it are done.
-            for i in range(len(subs), len(self.tiers)):
-                done[i] = TierCompletion(0, False, "store" if store else "load", list(keys))
-        self._batches[token] = ["store" if store else "load", list(keys), list(slots), done]
-        for i, tok in enumerate(subs):
-            self._by_sub[i][tok] = token
+            self._parts.add(token, (i, tok), first=i)
+        self._batches[token] = ("store" if store else "load", list(keys), list(slots))
+        self._parts.seal(token, busy_from)
         return token
 
     def submit_store(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
@@ -118,10 +116,9 @@ class StagedTier(LowerTier):
         """Every stage's part of the batches (or checks) ``tokens``, within
         one deadline."""
         deadline = time.monotonic() + timeout_s
-        want = set(tokens)
-        per: list[list[int]] = [[s for s, tok in by.items() if tok in want] for by in self._by_sub]
-        for tok in want:
-            for i, sub in self._checks.pop(tok, []):
+        per: list[list[int]] = [[] for _ in self.tiers]
+        for tok in set(tokens):
+            for i, sub in self._parts.subs(tok) + self._checks.pop(tok, []):
                 per[i].append(sub)
         return all(
             not subs or t.wait(subs, deadline - time.monotonic())
@@ -129,20 +126,17 @@ class StagedTier(LowerTier):
         )
 
     def poll(self) -> list[TierCompletion]:
-        out: list[TierCompletion] = []
         self._checks.clear()  # a check's token serves only the wait of its step
         for i, t in enumerate(self.tiers):
             for c in t.poll():
-                token = self._by_sub[i].pop(c.token, None)
-                if token is None:
+                owner = self._parts.part((i, c.token))
+                if owner is None:
                     continue
-                b = self._batches[token]
-                b[3][i] = c
+                slots = self._batches[owner[0]][2]
                 for k, h in enumerate(c.held or []):  # before this stage's release can come
                     if h:
-                        self._held.setdefault(b[2][k], []).append(i)
-                if all(x is not None for x in b[3]):
-                    out.append(self._merge(token))
+                        self._held.setdefault(slots[k], []).append(i)
+                self._parts.done((i, c.token), c)
             for slot in t.take_released_slots():
                 left = self._held.get(slot)
                 if left is not None:
@@ -150,10 +144,14 @@ class StagedTier(LowerTier):
                     if not left:
                         del self._held[slot]
                         self._released.append(slot)
-        return out
+        return [self._merge(e) for e in self._parts.take_ended()]
 
-    def _merge(self, token: int) -> TierCompletion:
-        kind, keys, _, done = self._batches.pop(token)
+    def _merge(self, ended: Ended[int, tuple[int, int], TierCompletion]) -> TierCompletion:
+        token = ended.parent
+        kind, keys, _ = self._batches.pop(token)
+        done = ended.results
+        if ended.missing_from is not None:  # a stage was busy: nothing of it is there
+            done.append(TierCompletion(0, False, kind, keys))
         n = len(keys)
         ok = [all(c.ok if c.key_ok is None else c.key_ok[k] for c in done) for k in range(n)]
         held = [any(c.held[k] for c in done if c.held) for k in range(n)]
@@ -175,7 +173,7 @@ class StagedTier(LowerTier):
         return ev
 
     def has_pending_work(self) -> bool:
-        return bool(self._batches) or any(t.has_pending_work() for t in self.tiers)
+        return self._parts.busy() or any(t.has_pending_work() for t in self.tiers)
 
     def take_released_slots(self) -> list[int]:
         out, self._released = self._released, []
