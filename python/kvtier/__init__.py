@@ -36,14 +36,14 @@ _LAZY = {
     "crc32c": "kvtier.engine",
     "TieredOffloadingManager": "kvtier.manager",
     "LookupResult": "kvtier.manager",
-    "DeviceTransfer": "kvtier.transfer",
+    "DeviceTransfer": "kvtier.worker.transfer",
 }
 
 if TYPE_CHECKING:
     from kvtier.engine import Engine, JobResult, crc32c
     from kvtier.manager import LookupResult, TieredOffloadingManager
     from kvtier.pool import HostPool
-    from kvtier.transfer import DeviceTransfer
+    from kvtier.worker.transfer import DeviceTransfer
 
 
 __getattr__ = lazy_getattr("kvtier", _LAZY)

@@ -5,6 +5,8 @@ A command-line tool: runs in its own process (the ``kvtier`` console script,
 Each subcommand blocks until it is done. Each imports what it needs lazily,
 so ``kvtier --help`` and ``kvtier plan`` start without loading the native
 core or torch. ``bench``'s options and runners: :mod:`kvtier.bench.commands`.
+
+Who calls: a user's shell (``kvtier ...``) and ``make``.
 """
 
 from __future__ import annotations

@@ -436,7 +436,7 @@ def main_replay(args: ReplayOptions) -> int:
     pool = transfer = kv = None
     if not args.no_data:
         from kvtier.pool import HostPool
-        from kvtier.transfer import DeviceTransfer
+        from kvtier.worker.transfer import DeviceTransfer
 
         assert capacity is not None
         # Lower tiers may need room beside each block (the disk record trailer).

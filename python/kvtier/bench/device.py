@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.pool import HostPool
-from kvtier.transfer import DeviceTransfer
+from kvtier.worker.transfer import DeviceTransfer
 
 
 def run_device_copy(

@@ -77,7 +77,7 @@ def _child_run(c: dict[str, Any], out: TextIO) -> int:
     from kvtier.replay import FakeKV, Replayer, synthetic_requests
     from kvtier.tiers.factory import TierConfig, build_lower_tiers, host_slot_bytes
     from kvtier.tiers.host import HostTier
-    from kvtier.transfer import DeviceTransfer
+    from kvtier.worker.transfer import DeviceTransfer
 
     faulthandler.enable()
     stop = threading.Event()

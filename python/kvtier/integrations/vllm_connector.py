@@ -4,6 +4,8 @@
 core and workers only (it loads vLLM's connector modules).
 
 Importing it blocks only for those imports.
+
+Process: vLLM's engine core and workers. Who calls: vLLM, by module path.
 """
 
 from kvtier.integrations.vllm.connector import KVTierConnector

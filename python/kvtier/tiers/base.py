@@ -4,6 +4,9 @@ Who calls: :class:`kvtier.manager.TieredOffloadingManager`, under its lock,
 from the scheduler thread. No method blocks but :meth:`LowerTier.wait` (and
 ``close``): stores and loads are submitted and their completions drained by
 :meth:`LowerTier.poll` once per step, or after a bounded :meth:`LowerTier.wait`.
+
+Process: the engine's scheduler (the interface), with readers opened in the
+engine's worker (:class:`ReaderSpec`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ still holding memory after their deadline, byte counters) lives here once.
 Who calls: :class:`kvtier.tiers.disk.DiskTier` and
 :class:`kvtier.tiers.remote.RemoteTier`, under the manager's lock. Nothing
 here blocks except :meth:`TierJobs.close`.
+
+Process: the engine's scheduler.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ interface, used by the manager's tests and the conformance suite.
 Bytes are copied with numpy on submit; a batch completes on the
 ``delay_polls``-th poll after it was submitted. Faults are injected per key
 (``fail_loads``, ``fail_stores``) or by making the tier ``busy``.
+
+Process: the test's (or the replay's) scheduler. Who calls: the manager,
+under its lock; batches are queued at once, nothing blocks.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ values read and written by another process, and the spec that opens them.
 :class:`RemoteReaderSpec` is made in the scheduler process (by
 :meth:`RemoteTier.reader_spec`) and pickled to the engine's worker process,
 where :class:`RemoteIO` runs with its own native client. Who calls: the
-worker's stream loader (:mod:`kvtier.streaming`), from its one driver
+worker's stream loader (:mod:`kvtier.worker.streaming`), from its one driver
 thread. Opening connects (blocks); :meth:`RemoteIO.submit` never blocks.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 
 from kvtier.errors import ClosedError
 from kvtier.tiers.base import ReaderSpec
-from kvtier.tiers.remote import RemoteConnection
+from kvtier.tiers.remote_url import RemoteConnection
 
 if TYPE_CHECKING:
     from kvtier import _native

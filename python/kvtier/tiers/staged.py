@@ -10,6 +10,8 @@ one tier: a block is in it only when every stage holds its part.
 
 Who calls: the manager, under its lock, like any lower tier. Nothing blocks.
 Completions come in the order the last stage finishes each batch.
+
+Process: the engine's scheduler (stage 0's, which holds the index).
 """
 
 from __future__ import annotations

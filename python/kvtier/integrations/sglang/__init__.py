@@ -14,6 +14,8 @@ first named, the native core when SGLang registers its host pool.
 
 Runs in each SGLang scheduler process (one per TP/PP rank); importing it
 never blocks.
+
+Who calls: SGLang's ``StorageBackendFactory``, by module path.
 """
 
 from __future__ import annotations

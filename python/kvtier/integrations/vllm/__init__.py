@@ -19,6 +19,9 @@ importing it loads only vLLM's light base modules: kvtier's native core,
 torch-side transfers and vLLM's heavy stats module are imported on first use.
 
 Importing it never blocks.
+
+Process: vLLM's API server, engine core (scheduler) and workers. Who
+calls: vLLM's OffloadingConnector, by module path.
 """
 
 from kvtier.integrations.vllm.config import (

@@ -35,6 +35,9 @@ Runs in vLLM's engine core (the scheduler side: the hit and the step's
 loads) and in each worker (the load before the forward pass, which blocks
 until a synchronous load is done). Who calls: vLLM, through the module path
 :mod:`kvtier.integrations.vllm_connector`.
+
+Process: vLLM's engine core (the scheduler side) and its workers (the
+worker side).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ vLLM builds the spec in its engine core (scheduler) and in every worker:
 worker. The host pool is one shared-memory region the first process creates
 and the others attach to (blocking up to a timeout). The spec's transfer
 format between them is :class:`KVTierSpec`.
+
+Who calls: vLLM's OffloadingConnector, once per process.
 """
 
 from __future__ import annotations

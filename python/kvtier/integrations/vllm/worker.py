@@ -1,11 +1,13 @@
 """vLLM shim, worker processes: vLLM's ``OffloadingWorker`` over kvtier's
-:class:`~kvtier.transfer.DeviceTransfer` (KV cache <-> host slots), one per
+:class:`~kvtier.worker.transfer.DeviceTransfer` (KV cache <-> host slots), one per
 KV-cache group, and the stream loader for chunks read straight from a lower
 tier.
 
 Who calls: vLLM's offloading connector in each GPU worker, once per forward
 pass (submit, ``get_finished``) and ``wait`` before blocks are reused;
 only ``wait`` blocks.
+
+Process: each vLLM worker (one per GPU).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from vllm.v1.kv_offload.base import (
 if TYPE_CHECKING:
     from kvtier.manager import StreamSpec
     from kvtier.pool import HostPool
-    from kvtier.streaming import StreamChunk, StreamLoader
-    from kvtier.transfer import DeviceTransfer
+    from kvtier.worker.streaming import StreamChunk, StreamLoader
+    from kvtier.worker.transfer import DeviceTransfer
 from kvtier.integrations.vllm.spec import KVTierSpec
 from kvtier.jobs import Joined
 
@@ -78,7 +80,7 @@ class KVTierWorker(OffloadingWorker):
         self, kv_caches: CanonicalKVCaches, spec: KVTierOffloadingSpec, pool: HostPool, offset: int
     ) -> None:
         """One DeviceTransfer (its own copy threads) per KV-cache group."""
-        from kvtier.transfer import DeviceTransfer
+        from kvtier.worker.transfer import DeviceTransfer
 
         for refs in kv_caches.group_data_refs:
             seen: dict[int, int] = {}
@@ -161,7 +163,7 @@ class KVTierWorker(OffloadingWorker):
         """A load or store of which some chunks (slot -1) move between the KV
         cache and a lower tier through the stream loader: runs of host chunks
         go as usual, one sub-job each; the streamed chunks make one stream job."""
-        from kvtier.streaming import StreamChunk, StreamLoader
+        from kvtier.worker.streaming import StreamChunk, StreamLoader
 
         row = {int(i): n for n, i in enumerate(st.index.tolist())}  # key position -> stream row
         chunks: list[StreamChunk] = []

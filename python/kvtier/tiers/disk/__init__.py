@@ -7,6 +7,9 @@ read and written by an engine worker).
 
 This package re-exports what code outside it imports. Nothing here runs or
 blocks at import.
+
+Process: the scheduler (the tier) and the engine's workers (``worker``).
+Who calls: the manager and the tier factory; the shim's stream loader.
 """
 
 from __future__ import annotations

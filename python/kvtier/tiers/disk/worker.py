@@ -4,7 +4,7 @@ owned by another process, and the spec that opens them.
 :class:`DiskReaderSpec` is made in the scheduler process (by
 :meth:`DiskTier.reader_spec`) and pickled to the engine's worker process,
 where :class:`DiskIO` runs. Who calls: the worker's stream loader
-(:mod:`kvtier.streaming`), from its one driver thread. Opening the files
+(:mod:`kvtier.worker.streaming`), from its one driver thread. Opening the files
 blocks briefly; :meth:`DiskIO.submit` never blocks.
 """
 
