@@ -69,7 +69,6 @@ def test_the_library_never_imports_the_tools() -> None:
                 if isinstance(node, ast.ImportFrom)
                 else []
             )
-            for n in names:
-                if n in TOOLS or n.startswith(tuple(t + "." for t in TOOLS)):
-                    offenders.append(f"{_rel(p)} imports {n}")
+            tools = [n for n in names if n in TOOLS or n.startswith(tuple(t + "." for t in TOOLS))]
+            offenders += [f"{_rel(p)} imports {n}" for n in tools]
     assert offenders == []
