@@ -50,9 +50,7 @@ def test_no_library_file_over_600_lines(path: Path) -> None:
 
 
 def test_only_engine_py_drives_the_native_engine() -> None:
-    offenders = [
-        _rel(p) for p in MODULES if p.name != "engine.py" and "._engine." in p.read_text()
-    ]
+    offenders = [_rel(p) for p in MODULES if p.name != "engine.py" and "._engine." in p.read_text()]
     assert offenders == []
 
 
