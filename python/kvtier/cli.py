@@ -69,25 +69,17 @@ def _gib(n: float) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from kvtier.planner import (
-        ModelKV,
-        even_partition,
-        host_pool_per_rank,
-        model_from_hf_config,
-        parse_partition,
-        plan_per_device,
-        plan_total,
-    )
+    from kvtier import planner
     from kvtier.units import parse_size
 
     if args.model_config:
-        model = model_from_hf_config(args.model_config, args.context_tokens, args.dtype)
+        model = planner.model_from_hf_config(args.model_config, args.context_tokens, args.dtype)
     else:
         if args.layers is None:
             raise InvalidArgument(
                 "layers: give --layers (with --kv-heads/--head-dim) or --model-config"
             )
-        model = ModelKV(
+        model = planner.ModelKV(
             args.layers,
             args.kv_heads or 0,
             args.head_dim or 0,
@@ -95,18 +87,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             args.mla_latent,
         )
     if args.partition:
-        partition = parse_partition(args.partition, model.layers)
+        partition = planner.parse_partition(args.partition, model.layers)
     elif args.stages:
-        partition = even_partition(model.layers, args.stages)
+        partition = planner.even_partition(model.layers, args.stages)
     else:
         raise InvalidArgument("partition: give --partition 48,16 or --stages N")
     if args.kv_memory:
-        plan = plan_per_device(model, partition, args.block_tokens, parse_size(args.kv_memory))
+        plan = planner.plan_per_device(
+            model, partition, args.block_tokens, parse_size(args.kv_memory)
+        )
     else:
-        plan = plan_total(model, partition, args.block_tokens, parse_size(args.total_kv_memory))
+        plan = planner.plan_total(
+            model, partition, args.block_tokens, parse_size(args.total_kv_memory)
+        )
     js = plan.to_json()
     if args.host_memory:
-        js["host_pool"] = host_pool_per_rank(
+        js["host_pool"] = planner.host_pool_per_rank(
             model, partition, args.block_tokens, parse_size(args.host_memory)
         )
     if args.json:
@@ -178,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="disk and remote tiers: write a key after N offers of the cascade",
+    )
+    r.add_argument(
+        "--cascade-on-hit",
+        action="store_true",
+        help="offer a block to the lower tiers again when it is reused in the host tier "
+        "(with --lower-admit-after 2: written on its first reuse, not when stored)",
     )
     r.add_argument(
         "--disk", help="disk tier DIR:SIZE, e.g. /mnt/nvme/kv:100GiB, or DIR:80%% of the free space"

@@ -307,6 +307,12 @@ def _format_table(res: ReplayResult, js: dict[str, Any]) -> str:
     ]
     for t, n in res.hit_blocks.items():
         rows.append((f"hits from {t}", f"{n:,} ({n / max(res.block_refs, 1):.2%})"))
+    for t, st in js.get("tiers", {}).items():
+        # What admission to a lower tier is judged by: blocks written to it
+        # per hit it gave.
+        hits = res.hit_blocks.get(t, 0)
+        per = f"{st['stores'] / hits:.2f} per hit" if hits else "no hit"
+        rows.append((f"writes to {t}", f"{st['stores']:,} blocks ({per})"))
     rows += [
         ("hit rate", f"{res.hit_rate:.2%}"),
         ("bytes stored", f"{res.bytes_stored / 1e9:.3f} GB"),
@@ -355,6 +361,7 @@ class ReplayOptions:
     policy: str = "lru"
     admit_after: int = 1
     lower_admit_after: int = 1
+    cascade_on_hit: bool = False
     disk: str | None = None
     disk_policy: str = "lru"
     remote: str | None = None
@@ -451,7 +458,7 @@ def main_replay(args: ReplayOptions) -> int:
         policy = BeladyPolicy(trace, key_of)
         on_request = policy.advance
     host = HostTier(pool, capacity, policy=policy, admit_after=args.admit_after)
-    manager = TieredOffloadingManager(host, lower)
+    manager = TieredOffloadingManager(host, lower, cascade_on_hit=args.cascade_on_hit)
     cap_txt = "unbounded" if capacity is None else f"{capacity:,} blocks"
     print(
         f"kvtier replay: {source}; host {cap_txt}, policy {args.policy}, "

@@ -528,3 +528,35 @@ def test_read_ahead_never_evicts_a_key_of_the_same_request(policy: str) -> None:
         assert {K(1), K(3)} <= set(m.host.entries) and K(8) not in m.host.entries
         assert [m.lookup(k) for k in keys[1:4]] == [HIT] * 3
         m.shutdown()
+
+
+@pytest.mark.parametrize("on_hit", [False, True])
+def test_cascade_on_hit_writes_a_block_below_on_its_first_reuse(
+    pool: HostPool, policy: str, on_hit: bool
+) -> None:
+    """Lower tiers that admit on the second offer, with ``cascade_on_hit``:
+    a stored block is not written below until the engine loads it from the
+    host tier (a reuse), then it is, once; a block never reused never is.
+    Without ``cascade_on_hit`` the load is no offer: nothing is written."""
+    tier = MemoryTier(admit_after=2)
+    m = TieredOffloadingManager(HostTier(pool, policy=policy), [tier], cascade_on_hit=on_hit)
+    out = m.prepare_store([K(1), K(2)])
+    assert out is not None
+    for k, slot in zip(out.keys_to_store, out.store_spec.slots.tolist()):
+        pool.view(slot)[:] = k[31]  # the engine's bytes of the block
+    m.complete_store(out.keys_to_store)
+    m.on_schedule_end()
+    m.on_schedule_end()
+    assert tier.counters["stores"] == 0 and not tier.data
+    for _ in range(2):  # reused twice: written once
+        m.prepare_load([K(1)])
+        m.complete_load([K(1)])
+        m.on_schedule_end()
+        m.on_schedule_end()
+    assert set(tier.data) == ({K(1)} if on_hit else set())
+    assert tier.counters["stores"] == (1 if on_hit else 0)
+    if on_hit:
+        written = tier.data[K(1)]
+        assert written is not None and (written == 1).all()
+    assert m.occupancy()["cascading"] == 0
+    m.shutdown()

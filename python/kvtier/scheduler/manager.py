@@ -190,10 +190,13 @@ class TieredOffloadingManager:
                 raise InvalidArgument(f"prepare_load of a key that is not a HIT: {k.hex()[:16]}")
         # Checked first, pinned after: a refused call changes nothing.
         loaded_from = self.stats.loaded_from
+        on_hit = self.options.cascade_on_hit and self.lower
         for k, slot in zip(keys, slots):
             t = self._streams.tier_of(k) if slot < 0 else None
             source = self.host.pin(k) if t is None else self.lower[t].name
             loaded_from[source] = loaded_from.get(source, 0) + 1
+            if on_hit and source == "host":  # a reuse: now worth writing below
+                self._movement.cascade(k)
         self.stats.loads += len(keys)
         fences = self._fills.fences(keys, slots)
         stream = self._streams.pin(keys, streamed, _req_id(req_context)) if streamed else None

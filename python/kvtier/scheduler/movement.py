@@ -32,9 +32,12 @@ class Movement:
         self._busy: set[int] = set()  # tiers that refused a promotion this step
 
     def cascade(self, key: bytes) -> None:
-        """``key`` was just stored in the host tier: copy it to every lower
-        tier that lacks it and admits it (its slot held until each copy ends)."""
+        """``key`` was just stored in the host tier, or reused there
+        (``cascade_on_hit``): copy it to every lower tier that lacks it and
+        admits it (its slot held until each copy ends)."""
         host = self.core.host
+        if host.entries[key].cascading:
+            return  # on its way down already
         for i, tier in enumerate(self.core.lower):
             if tier.lookup(key) is LookupResult.HIT or not tier.admit(key):
                 continue

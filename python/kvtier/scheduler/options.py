@@ -55,6 +55,12 @@ class ManagerOptions:
     not waited for; their slots are fenced and the keys HIT at once (see
     :mod:`kvtier.scheduler.fences`); only for engines whose worker reports
     failed loads.
+
+    ``cascade_on_hit``: a host block the engine loads (a reuse) is offered to
+    the lower tiers' cascade again. With lower tiers that admit a block on
+    its second offer (``admit_after=2``), a block is then written to disk or
+    Redis on its first reuse instead of when it is stored: blocks nobody
+    comes back for (a workload without reuse) are never written.
     """
 
     streaming: bool = False
@@ -65,6 +71,7 @@ class ManagerOptions:
     key_order: KeyOrder | None = None
     probe: bool = False
     fenced: bool = False
+    cascade_on_hit: bool = False
 
     def __post_init__(self) -> None:
         if not self.scan_wait_s >= 0 or self.scan_bytes < 0:
