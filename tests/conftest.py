@@ -1,13 +1,55 @@
-"""Shared fixtures: pools and engines that are always closed."""
+"""Shared fixtures (pools and engines that are always closed, servers,
+SGLang stand-ins) and the helpers that tier tests share: block keys and
+contents, and waiting for a tier job. Tests import the helpers with
+``from conftest import ...`` (pyproject puts tests/ on the path)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 from kvtier.engine import Engine
 from kvtier.pool import HostPool
+from kvtier.tiers.base import LowerTier
+
+TIER_BLOCK = 16384  # the block size of the disk and remote tier tests
+
+
+def block_key(i: int) -> bytes:
+    """Block ``i``'s key in the tier tests."""
+    return b"blk-%010d" % i
+
+
+def block_content(i: int, nbytes: int = TIER_BLOCK) -> np.ndarray:
+    """Block ``i``'s bytes: distinct per block, so a block served in another's
+    place fails the comparison."""
+    return ((np.arange(nbytes, dtype=np.uint32) * 2654435761 + i * 97) >> 7).astype(np.uint8)
+
+
+def finish(tier: LowerTier, token: int | None, timeout: float = 15.0) -> list[bool]:
+    """Poll ``tier`` until job ``token`` completes; its per-key results. A job
+    still running after ``timeout`` seconds fails the test."""
+    assert token is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for c in tier.poll():
+            if c.token == token:
+                return list(c.key_ok or [])
+        time.sleep(0.0005)
+    raise AssertionError(f"tier job {token} did not finish within {timeout} s")
+
+
+def store_blocks(
+    tier: LowerTier, pool: HostPool, ids: Sequence[int], nbytes: int = TIER_BLOCK
+) -> list[bool]:
+    """Store blocks ``ids`` (their contents put in slots 0, 1, ... first) in
+    one job; its per-key results."""
+    for j, i in enumerate(ids):
+        pool.view(j)[:nbytes] = block_content(i, nbytes)
+    return finish(tier, tier.submit_store([block_key(i) for i in ids], list(range(len(ids)))))
 
 
 @pytest.fixture

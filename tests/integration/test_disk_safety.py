@@ -16,13 +16,15 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import kvtier
 import numpy as np
 import pytest
+from conftest import block_content as content
+from conftest import block_key as K
+from conftest import finish, store_blocks
 from kvtier.pool import HostPool
 from kvtier.tiers import LookupResult
 from kvtier.tiers.disk import DiskTier, record_bytes, resolve_capacity
@@ -32,24 +34,6 @@ from kvtier.units import FreeFraction
 BLOCK = 16384
 SLOT = record_bytes(BLOCK)  # 20 KiB
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
-
-
-def K(i: int) -> bytes:
-    return b"blk-%010d" % i
-
-
-def content(i: int) -> np.ndarray:
-    return ((np.arange(BLOCK, dtype=np.uint32) * 2654435761 + i * 97) >> 7).astype(np.uint8)
-
-
-def done(t: DiskTier, token: int | None) -> list[bool]:
-    assert token is not None
-    for _ in range(20000):
-        for c in t.poll():
-            if c.token == token:
-                return list(c.key_ok or [])
-        time.sleep(0.0005)
-    raise AssertionError("disk job did not finish")
 
 
 def free_bytes(d: Path) -> int:
@@ -155,7 +139,7 @@ def test_failed_growth_of_an_existing_tier_restores_it(
         t = DiskTier(small_fs, 32 * SLOT, BLOCK)
         t.attach(p)
         p.view(0)[:BLOCK] = content(0)
-        assert done(t, t.submit_store([K(0)], [0])) == [True]
+        assert finish(t, t.submit_store([K(0)], [0])) == [True]
         t.close()
         size = os.path.getsize(t.paths[0])
 
@@ -169,7 +153,7 @@ def test_failed_growth_of_an_existing_tier_restores_it(
         assert os.path.getsize(t.paths[0]) == size  # shrunk back, the directory kept
         t = DiskTier(small_fs, 32 * SLOT, BLOCK)
         t.attach(p)
-        assert done(t, t.submit_load([K(0)], [1])) == [True]
+        assert finish(t, t.submit_load([K(0)], [1])) == [True]
         assert np.array_equal(p.view(1)[:BLOCK], content(0))
         t.close()
 
@@ -191,17 +175,14 @@ def fill(fs: Path) -> Path:
 
 def store(t: DiskTier, p: HostPool, keys: range) -> None:
     for first in range(keys.start, keys.stop, 16):
-        ks = range(first, min(first + 16, keys.stop))
-        for j, k in enumerate(ks):
-            p.view(j)[:BLOCK] = content(k)
-        assert all(done(t, t.submit_store([K(k) for k in ks], list(range(len(ks))))))
+        assert all(store_blocks(t, p, range(first, min(first + 16, keys.stop))))
 
 
 def verify(t: DiskTier, p: HostPool, keys: range) -> None:
     for first in range(keys.start, keys.stop, 16):
         ks = range(first, min(first + 16, keys.stop))
         assert all(t.lookup(K(k)) is HIT for k in ks)
-        assert all(done(t, t.submit_load([K(k) for k in ks], list(range(len(ks))))))
+        assert all(finish(t, t.submit_load([K(k) for k in ks], list(range(len(ks))))))
         for j, k in enumerate(ks):
             assert np.array_equal(p.view(j)[:BLOCK], content(k)), k
 
@@ -257,21 +238,27 @@ OWNER = textwrap.dedent("""
 """)
 
 
-def _owner(tmp_path: Path, d: Path, then: str) -> subprocess.Popen[str]:
+@contextlib.contextmanager
+def _owner(tmp_path: Path, then: str) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
+    """Another process owning the tier directory ``tmp_path/disk`` (one
+    record stored, then ``then``: ``hold`` or ``close``), killed at the end."""
+    d = tmp_path / "disk"
+    d.mkdir()
     script = tmp_path / "owner.py"
     script.write_text(OWNER)
     proc = subprocess.Popen([sys.executable, str(script), str(d), then], stdout=subprocess.PIPE,
                             text=True)  # fmt: skip
-    assert proc.stdout is not None
-    assert proc.stdout.readline() == "ready\n"
-    return proc
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "ready\n"
+        yield d, proc
+    finally:
+        proc.kill()  # does nothing to one the test has already reaped
+        proc.wait()
 
 
 def test_second_process_is_refused_naming_the_owner(tmp_path: Path) -> None:
-    d = tmp_path / "disk"
-    d.mkdir()
-    proc = _owner(tmp_path, d, "hold")
-    try:
+    with _owner(tmp_path, "hold") as (d, proc):
         with pytest.raises(kvtier.InUse) as e:
             DiskTier(d, 32 * SLOT, BLOCK)
         assert e.value.errno == errno.EBUSY
@@ -281,39 +268,28 @@ def test_second_process_is_refused_naming_the_owner(tmp_path: Path) -> None:
         assert os.path.getsize(ns_dir / "index.journal") == 52
         # Another namespace in the same directory is another owner's business.
         DiskTier(d, 32 * SLOT, BLOCK, namespace="other-model").close()
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_closing_hands_the_directory_over(tmp_path: Path) -> None:
-    d = tmp_path / "disk"
-    d.mkdir()
-    proc = _owner(tmp_path, d, "close")
-    try:
+    with _owner(tmp_path, "close") as (d, proc):
         assert proc.stdout is not None and proc.stdout.readline() == "closed\n"
         t = DiskTier(d, 32 * SLOT, BLOCK)  # the owner is alive but closed its tier
         assert t.lookup(b"owned") is HIT
         t.close()
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_killed_owner_is_taken_over(tmp_path: Path) -> None:
-    d = tmp_path / "disk"
-    d.mkdir()
-    proc = _owner(tmp_path, d, "hold")
-    with pytest.raises(kvtier.InUse, match=f"pid {proc.pid} "):
-        DiskTier(d, 32 * SLOT, BLOCK)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    with _owner(tmp_path, "hold") as (d, proc):
+        with pytest.raises(kvtier.InUse, match=f"pid {proc.pid} "):
+            DiskTier(d, 32 * SLOT, BLOCK)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
     with HostPool(4, SLOT) as p:
         t = DiskTier(d, 32 * SLOT, BLOCK)
         (ns_dir,) = d.iterdir()
         assert (ns_dir / "owner.lock").read_text() == f"{os.getpid()}\n"
         t.attach(p)
-        assert done(t, t.submit_load([b"owned"], [1])) == [True]
+        assert finish(t, t.submit_load([b"owned"], [1])) == [True]
         assert (p.view(1)[:BLOCK] == 7).all()
         # Within one process, too, a directory has one owner at a time.
         with pytest.raises(kvtier.InUse, match=f"pid {os.getpid()} "):

@@ -10,10 +10,14 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import kvtier
 import numpy as np
 import pytest
+from conftest import block_content as content
+from conftest import block_key as K
+from conftest import finish, store_blocks
 from kvtier.pool import HostPool
 from kvtier.tiers import LookupResult
 from kvtier.tiers.disk import DiskTier, key_digest, record_bytes
@@ -23,22 +27,11 @@ SLOT = record_bytes(BLOCK)
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
 
-def K(i: int) -> bytes:
-    return b"blk-%010d" % i
-
-
-def content(i: int) -> np.ndarray:
-    return ((np.arange(BLOCK, dtype=np.uint32) * 2654435761 + i * 97) >> 7).astype(np.uint8)
-
-
-def run_until_done(t: DiskTier, token: int | None) -> list[bool]:
-    assert token is not None
-    for _ in range(20000):
-        for c in t.poll():
-            if c.token == token:
-                return list(c.key_ok or [])
-        time.sleep(0.0005)
-    raise AssertionError("disk job did not finish")
+def attached(directory: Path, pool: HostPool, records: int, **kw: Any) -> DiskTier:
+    """A tier in ``directory`` holding ``records`` records, attached to ``pool``."""
+    t = DiskTier(directory, records * SLOT, BLOCK, **kw)
+    t.attach(pool)
+    return t
 
 
 def test_missing_directory(tmp_path: Path) -> None:
@@ -71,12 +64,9 @@ def test_capacity_and_size_errors(tmp_path: Path) -> None:
 def test_slots_without_trailer_room(tmp_path: Path) -> None:
     # vLLM's primary region: slots of exactly the (4 KiB multiple) block.
     with HostPool(8, BLOCK) as p:
-        t = DiskTier(tmp_path, 16 * SLOT, BLOCK)
-        t.attach(p)
-        for i in range(4):
-            p.view(i)[:] = content(i)
-        assert all(run_until_done(t, t.submit_store([K(i) for i in range(4)], [0, 1, 2, 3])))
-        assert all(run_until_done(t, t.submit_load([K(i) for i in range(4)], [4, 5, 6, 7])))
+        t = attached(tmp_path, p, 16)
+        assert all(store_blocks(t, p, range(4)))
+        assert all(finish(t, t.submit_load([K(i) for i in range(4)], [4, 5, 6, 7])))
         for i in range(4):
             assert np.array_equal(p.view(4 + i), content(i))
         t.close()
@@ -98,8 +88,7 @@ def test_namespaces_never_mix(tmp_path: Path) -> None:
         b = DiskTier(tmp_path, 8 * SLOT, BLOCK, namespace="model-b/bf16/tp0")
         a.attach(p)
         b.attach(p)
-        p.view(0)[:BLOCK] = content(1)
-        assert run_until_done(a, a.submit_store([K(1)], [0])) == [True]
+        assert store_blocks(a, p, [1]) == [True]
         assert a.lookup(K(1)) is HIT and b.lookup(K(1)) is MISS
         assert a.dir != b.dir
         # Even pointed at a's records, b's namespace digest rejects them.
@@ -107,7 +96,7 @@ def test_namespaces_never_mix(tmp_path: Path) -> None:
         b.store = a.store.__class__(
             a.paths, a.file_bytes, "pread", 4, 1 << 20, True, False, b.ns, [(p.address, p.nbytes)]
         )
-        assert run_until_done(b, b.submit_load([K(1)], [1])) == [False]
+        assert finish(b, b.submit_load([K(1)], [1])) == [False]
         assert b.stats()["corrupt"] == 1
         a.close()
         b.close()
@@ -115,22 +104,17 @@ def test_namespaces_never_mix(tmp_path: Path) -> None:
 
 def test_warm_restart_finds_every_block(tmp_path: Path) -> None:
     with HostPool(16, SLOT) as p:
-        t = DiskTier(tmp_path, 64 * SLOT, BLOCK)
-        t.attach(p)
-        for i in range(8):
-            p.view(i)[:BLOCK] = content(i)
-        assert all(run_until_done(t, t.submit_store([K(i) for i in range(8)], list(range(8)))))
+        t = attached(tmp_path, p, 64)
+        assert all(store_blocks(t, p, range(8)))
         t.checkpoint()
-        p.view(0)[:BLOCK] = content(8)
-        assert all(run_until_done(t, t.submit_store([K(8)], [0])))
+        assert all(store_blocks(t, p, [8]))
         t.close()
         with open(t.dir / "index.journal", "ab") as f:
             f.write(b"torn-entry")  # a crash mid-append
-        t2 = DiskTier(tmp_path, 64 * SLOT, BLOCK)
-        t2.attach(p)
+        t2 = attached(tmp_path, p, 64)
         assert t2.stats()["recovered"] == 9
         assert all(t2.lookup(K(i)) is HIT for i in range(9))
-        assert all(run_until_done(t2, t2.submit_load([K(i) for i in range(9)], list(range(9)))))
+        assert all(finish(t2, t2.submit_load([K(i) for i in range(9)], list(range(9)))))
         for i in range(9):
             assert np.array_equal(p.view(i)[:BLOCK], content(i))
         t2.close()
@@ -141,8 +125,7 @@ def test_random_ops_byte_for_byte(tmp_path: Path, backend: str) -> None:
     """100k random store/load operations against a small tier (evicting all the time)."""
     rng = random.Random(7)
     with HostPool(64, SLOT) as p:
-        t = DiskTier(tmp_path, 200 * SLOT, BLOCK, queue_depth=16, backend=backend)
-        t.attach(p)
+        t = attached(tmp_path, p, 200, queue_depth=16, backend=backend)
         assert t.backend == backend
         versions: dict[int, int] = {}
         ops = 0
@@ -150,12 +133,10 @@ def test_random_ops_byte_for_byte(tmp_path: Path, backend: str) -> None:
         while ops < 100_000:
             batch = rng.sample(range(600), 32)
             if rng.random() < 0.5:
-                for j, k in enumerate(batch):
-                    p.view(j)[:BLOCK] = content(k)
-                oks = run_until_done(t, t.submit_store([K(k) for k in batch], list(range(32))))
+                oks = store_blocks(t, p, batch)
                 versions.update({k: k for k, ok in zip(batch, oks) if ok})
             else:
-                oks = run_until_done(t, t.submit_load([K(k) for k in batch], list(range(32, 64))))
+                oks = finish(t, t.submit_load([K(k) for k in batch], list(range(32, 64))))
                 for j, (k, ok) in enumerate(zip(batch, oks)):
                     if ok:
                         bad += not np.array_equal(p.view(32 + j)[:BLOCK], content(k))
@@ -223,20 +204,18 @@ def test_crash_safety_sigkill_and_damage(tmp_path: Path, backend: str) -> None:
         proc.wait()
         # Restart: every committed block is found and verifies.
         with HostPool(8, SLOT) as p:
-            t = DiskTier(d, 4000 * SLOT, BLOCK, backend=backend)
-            t.attach(p)
+            t = attached(d, p, 4000, backend=backend)
             for i in range(0, len(committed), 8):
                 ks = committed[i : i + 8]
                 assert all(t.lookup(K(k)) is HIT for k in ks), f"round {rnd}: lost a block"
-                oks = run_until_done(t, t.submit_load([K(k) for k in ks], list(range(len(ks)))))
+                oks = finish(t, t.submit_load([K(k) for k in ks], list(range(len(ks)))))
                 assert all(oks)
                 for j, k in enumerate(ks):
                     assert np.array_equal(p.view(j)[:BLOCK], content(k))
             t.close()
     # Damage: flip bytes in 20 records and truncate the extent's tail.
     with HostPool(8, SLOT) as p:
-        t = DiskTier(d, 4000 * SLOT, BLOCK, backend=backend)
-        t.attach(p)
+        t = attached(d, p, 4000, backend=backend)
         victims = rng.sample(committed, 20)
         for k in victims:
             f, off = t._locate(t.index[key_digest(K(k))])
@@ -254,7 +233,7 @@ def test_crash_safety_sigkill_and_damage(tmp_path: Path, backend: str) -> None:
         failures = served_wrong = 0
         for i in range(0, len(committed), 8):
             ks = committed[i : i + 8]
-            oks = run_until_done(t, t.submit_load([K(k) for k in ks], list(range(len(ks)))))
+            oks = finish(t, t.submit_load([K(k) for k in ks], list(range(len(ks)))))
             for j, (k, ok) in enumerate(zip(ks, oks)):
                 if ok:
                     served_wrong += not np.array_equal(p.view(j)[:BLOCK], content(k))
@@ -286,8 +265,7 @@ def test_hung_device_fails_within_timeout_and_holds_slots(
 
     mnt = freezable_dir
     with HostPool(8, SLOT) as pool:
-        disk = DiskTier(mnt, 32 * SLOT, BLOCK, backend=backend, timeout_s=0.3)
-        disk.attach(pool)
+        disk = attached(mnt, pool, 32, backend=backend, timeout_s=0.3)
         m = TieredOffloadingManager(HostTier(pool, 8), [disk])
         subprocess.run(["fsfreeze", "--freeze", str(mnt)], check=True)
         out = m.prepare_store([K(i) for i in range(4)])
@@ -333,7 +311,7 @@ def test_hung_device_fails_within_timeout_and_holds_slots(
         assert all(disk.lookup(K(i)) is HIT for i in range(30, 38))
         # and the data went to disk intact
         token = disk.submit_load([K(30), K(37)], [0, 1])
-        assert run_until_done(disk, token) == [True, True]
+        assert finish(disk, token) == [True, True]
         assert np.array_equal(pool.view(0)[:BLOCK], content(30))
         assert np.array_equal(pool.view(1)[:BLOCK], content(37))
         m.shutdown()
@@ -386,7 +364,7 @@ NO_URING_CHILD = textwrap.dedent("""
             p.view(j)[:BLOCK] = data[j]
         keys = [b"k%d" % j for j in range(8)]
         def wait(tok):
-            for _ in range(20000):  # 10 s at most, as run_until_done
+            for _ in range(20000):  # 10 s at most
                 for c in t.poll():
                     if c.token == tok:
                         return c.key_ok

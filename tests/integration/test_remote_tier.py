@@ -3,19 +3,23 @@ bad input, sharing."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import subprocess
 import sys
 import textwrap
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import kvtier
 import numpy as np
 import pytest
 import redis
-from conftest import valkey_binary
+from conftest import block_content as content
+from conftest import block_key as K
+from conftest import finish, store_blocks, valkey_binary
 from kvtier.bench.redis_server import RedisCluster, RedisServer, free_port
 from kvtier.engine import IO_NICE
 from kvtier.pool import HostPool
@@ -33,25 +37,6 @@ def binary(server: str) -> str:
     return "redis-server" if server == "redis" else valkey_binary()
 
 
-def K(i: int) -> bytes:
-    return b"blk-%010d" % i
-
-
-def content(i: int) -> np.ndarray:
-    return ((np.arange(BLOCK, dtype=np.uint32) * 2654435761 + i * 97) >> 7).astype(np.uint8)
-
-
-def finish(t: RemoteTier, token: int | None, timeout: float = 15.0) -> list[bool]:
-    assert token is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for c in t.poll():
-            if c.token == token:
-                return list(c.key_ok or [])
-        time.sleep(0.001)
-    raise AssertionError("remote job did not finish within its timeout")
-
-
 def look(t: RemoteTier, key: bytes) -> LookupResult:
     for _ in range(5000):
         r = t.lookup(key)
@@ -60,12 +45,6 @@ def look(t: RemoteTier, key: bytes) -> LookupResult:
         t.poll()
         time.sleep(0.001)
     raise AssertionError("lookup stayed RETRY")
-
-
-def store_range(t: RemoteTier, pool: HostPool, ids: list[int]) -> list[bool]:
-    for j, i in enumerate(ids):
-        pool.view(j)[:BLOCK] = content(i)
-    return finish(t, t.submit_store([K(i) for i in ids], list(range(len(ids)))))
 
 
 def test_url_parsing() -> None:
@@ -106,7 +85,7 @@ def test_unreachable_server_is_a_clear_error_or_a_degraded_tier(tmp_path: Path) 
         try:
             time.sleep(2.1)  # past the reconnect backoff
             deadline = time.monotonic() + 10
-            while not all(store_range(t, pool, [1])) and time.monotonic() < deadline:
+            while not all(store_blocks(t, pool, [1])) and time.monotonic() < deadline:
                 time.sleep(0.2)
             time.sleep(0.06)
             assert look(t, K(1)) is HIT  # recovered
@@ -160,7 +139,7 @@ def test_async_lookup_retry_then_answer(redis_standalone) -> None:  # type: igno
     with HostPool(4, BLOCK) as pool:
         t = RemoteTier(redis_standalone.url, BLOCK, namespace=str(uuid.uuid4()))
         t.attach(pool)
-        assert all(store_range(t, pool, [1]))
+        assert all(store_blocks(t, pool, [1]))
         t.known.clear()  # as another engine: nothing known locally
         assert t.lookup(K(1)) is RETRY and t.lookup(K(2)) is RETRY
         assert t.has_pending_work()
@@ -248,7 +227,7 @@ def test_vanished_and_corrupted_values_are_misses(
         t = RemoteTier(server.url, BLOCK, namespace=str(uuid.uuid4()))
         t.attach(pool)
         ids = list(range(9))
-        assert all(store_range(t, pool, ids))
+        assert all(store_blocks(t, pool, ids))
         sk = [t.server_key(K(i)) for i in ids]
         # A value is its payload (BLOCK bytes) then a 64-byte header.
         client.delete(sk[0])  # vanished (as maxmemory eviction would)
@@ -272,7 +251,7 @@ def test_ttl_expires_values(redis_standalone) -> None:  # type: ignore[no-untype
     with HostPool(4, BLOCK) as pool:
         t = RemoteTier(redis_standalone.url, BLOCK, namespace=str(uuid.uuid4()), ttl_s=0.3)
         t.attach(pool)
-        assert all(store_range(t, pool, [1]))
+        assert all(store_blocks(t, pool, [1]))
         ttl = redis.Redis(port=redis_standalone.port).pttl(t.server_key(K(1)))
         assert 0 < ttl <= 300
         time.sleep(0.5)
@@ -289,7 +268,7 @@ def test_maxmemory_eviction_means_misses_not_errors(server: str, tmp_path: Path)
             t = RemoteTier(s.url, BLOCK)
             t.attach(pool)
             for start in range(0, 256, 64):  # 4 MiB of values into 3 MiB
-                store_range(t, pool, list(range(start, start + 64)))
+                store_blocks(t, pool, list(range(start, start + 64)))
             ids = list(range(0, 256, 4))
             oks = finish(t, t.submit_load([K(i) for i in ids], list(range(64))))
             assert 0 < sum(oks) < 64  # the server evicted some of them
@@ -330,23 +309,32 @@ def _storm(t: RemoteTier, pool: HostPool, n: int, kill, seconds: float) -> tuple
     return ok, failed
 
 
+@contextlib.contextmanager
+def _stormed(url: str, n: int, kill: Callable[[], object]) -> Iterator[tuple[RemoteTier, HostPool]]:
+    """A tier (1 s timeout) holding blocks 0..n-1, through a 1.5 s storm of
+    loads with ``kill`` run mid-way: some loads served, some failed, none
+    hung. The tier is closed after the test's block."""
+    with HostPool(n, BLOCK) as pool:
+        t = RemoteTier(url, BLOCK, timeout_s=1.0)
+        t.attach(pool)
+        assert all(store_blocks(t, pool, list(range(n))))
+        ok, failed = _storm(t, pool, n, kill, 1.5)
+        assert ok > 0 and failed > 0
+        yield t, pool
+        t.close()
+
+
 @pytest.mark.parametrize("server", SERVERS)
 def test_server_killed_mid_storm_no_hang_then_recovery(server: str, tmp_path: Path) -> None:
     s = RedisServer(tmp_path, binary=binary(server))
     try:
-        with HostPool(32, BLOCK) as pool:
-            t = RemoteTier(s.url, BLOCK, timeout_s=1.0)
-            t.attach(pool)
-            assert all(store_range(t, pool, list(range(32))))
-            ok, failed = _storm(t, pool, 32, s.kill, 1.5)
-            assert ok > 0 and failed > 0
+        with _stormed(s.url, 32, s.kill) as (t, pool):
             s.start()  # same port, empty (no persistence)
             time.sleep(2.1)
             deadline = time.monotonic() + 10
-            while not all(store_range(t, pool, list(range(32)))) and time.monotonic() < deadline:
+            while not all(store_blocks(t, pool, list(range(32)))) and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert all(finish(t, t.submit_load([K(i) for i in range(32)], list(range(32)))))
-            t.close()
     finally:
         s.stop()
 
@@ -355,16 +343,10 @@ def test_server_killed_mid_storm_no_hang_then_recovery(server: str, tmp_path: Pa
 def test_cluster_master_killed_mid_storm(server: str, tmp_path: Path) -> None:
     c = RedisCluster(tmp_path, binary=binary(server))
     try:
-        with HostPool(48, BLOCK) as pool:
-            t = RemoteTier(c.url, BLOCK, timeout_s=1.0)
-            t.attach(pool)
-            assert all(store_range(t, pool, list(range(48))))
-            ok, failed = _storm(t, pool, 48, c.nodes[1].kill, 1.5)
-            assert ok > 0 and failed > 0
+        with _stormed(c.url, 48, c.nodes[1].kill) as (t, _):
             # keys on the two live masters still load
             oks = finish(t, t.submit_load([K(i) for i in range(48)], list(range(48))))
             assert 0 < sum(oks) < 48
-            t.close()
     finally:
         c.stop()
 
@@ -463,7 +445,7 @@ def test_a_server_that_stops_answering_fails_jobs_at_the_timeout_then_recovers(
         with HostPool(8, BLOCK) as pool:
             t = RemoteTier(s.url, BLOCK, timeout_s=0.5, num_threads=2)
             t.attach(pool)
-            assert all(store_range(t, pool, list(range(8))))
+            assert all(store_blocks(t, pool, list(range(8))))
             pool.view(0, 8)[:] = 0
             assert s.proc is not None
             s.proc.send_signal(signal.SIGSTOP)

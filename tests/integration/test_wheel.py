@@ -432,21 +432,17 @@ def test_build_option_makes_io_uring_required(tmp_path: Path) -> None:
     if cmake is None:
         pytest.skip("no cmake")
     env = {**os.environ, "PKG_CONFIG_LIBDIR": str(tmp_path / "no-pkgconfig")}
-    base = [cmake, "-S", str(ROOT), "-DKVTIER_BUILD_PYTHON=OFF"]
-    r = subprocess.run(
-        base + ["-B", str(tmp_path / "on"), "-DKVTIER_URING=ON"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode != 0
-    err = " ".join(r.stderr.split())
+
+    def configure(uring: str) -> str:
+        """Configure with KVTIER_URING=``uring`` where pkg-config finds
+        nothing; must fail. Its error output, white space folded."""
+        cmd = [cmake, "-S", str(ROOT), "-B", str(tmp_path / uring), "-DKVTIER_BUILD_PYTHON=OFF"]
+        r = subprocess.run(
+            cmd + [f"-DKVTIER_URING={uring}"], env=env, capture_output=True, text=True
+        )
+        assert r.returncode != 0
+        return " ".join(r.stderr.split())
+
+    err = configure("ON")
     assert "kvtier: KVTIER_URING=ON but liburing was not found by pkg-config." in err
-    r = subprocess.run(
-        base + ["-B", str(tmp_path / "bad"), "-DKVTIER_URING=maybe"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode != 0
-    assert "KVTIER_URING must be AUTO, ON or OFF, not 'maybe'" in " ".join(r.stderr.split())
+    assert "KVTIER_URING must be AUTO, ON or OFF, not 'maybe'" in configure("maybe")

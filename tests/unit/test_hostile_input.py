@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import finish
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kvtier.errors import InvalidArgument, IoError, KvtierError
@@ -424,7 +425,7 @@ def test_slab_bytes_from_elsewhere_are_never_served(data: bytes, offset: int) ->
         keys = [b"key-%d" % i for i in range(4)]
         for i in range(4):
             p.view(i)[:BLOCK] = i + 1
-        _wait(t, t.submit_store(keys, [0, 1, 2, 3]))
+        finish(t, t.submit_store(keys, [0, 1, 2, 3]))
         t.close()
         with open(t.paths[0], "r+b") as f:
             f.seek(offset)
@@ -434,24 +435,12 @@ def test_slab_bytes_from_elsewhere_are_never_served(data: bytes, offset: int) ->
         t = DiskTier(d, 8 * slot, BLOCK, backend="pread")
         t.attach(p)
         p.view(4, 4)[:] = 0
-        oks = _wait(t, t.submit_load(keys, [4, 5, 6, 7]))
+        oks = finish(t, t.submit_load(keys, [4, 5, 6, 7]))
         for i, ok in enumerate(oks):
             if ok:
                 assert (p.view(4 + i)[:BLOCK] == i + 1).all()
         assert t.stats()["load_failures"] == oks.count(False)
         t.close()
-
-
-def _wait(t: Any, token: int | None) -> list[bool]:
-    import time
-
-    assert token is not None
-    for _ in range(20000):
-        for c in t.poll():
-            if c.token == token:
-                return list(c.key_ok or [])
-        time.sleep(0.0005)
-    raise AssertionError("disk job did not finish")
 
 
 @pytest.mark.parametrize("name", ["index.journal", "index.ckpt", "slab-000.dat", "owner.lock"])

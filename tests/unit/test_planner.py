@@ -79,48 +79,44 @@ def test_plan_properties(
     assert total.stages[0].blocks >= total.uniform["usable_blocks"]
 
 
-def test_mla_bytes_per_token(tmp_path: Path) -> None:
+def hf_model(
+    tmp_path: Path, layers: int, heads: int, kv_heads: int, hidden: int, **extra: object
+) -> ModelKV:
+    """model_from_hf_config on a config.json of ``layers`` layers, ``heads``
+    attention and ``kv_heads`` KV heads, hidden size ``hidden``, bfloat16,
+    and the ``extra`` keys."""
     cfg = {
-        "num_hidden_layers": 61,
-        "num_attention_heads": 128,
-        "num_key_value_heads": 128,
-        "hidden_size": 7168,
-        "kv_lora_rank": 512,
-        "qk_rope_head_dim": 64,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "hidden_size": hidden,
         "torch_dtype": "bfloat16",
+        **extra,
     }
     p = tmp_path / "config.json"
     p.write_text(json.dumps(cfg))
-    m = model_from_hf_config(p)
+    return model_from_hf_config(p)
+
+
+def test_mla_bytes_per_token(tmp_path: Path) -> None:
+    m = hf_model(tmp_path, 61, 128, 128, 7168, kv_lora_rank=512, qk_rope_head_dim=64)
     assert m.full_layer_bytes_per_token == (512 + 64) * 2  # one latent, not K and V
     assert sum(m.stage_bytes_per_token([61])) == 61 * 1152
 
 
 def test_sliding_window_bytes_per_token(tmp_path: Path) -> None:
     # Gemma-style: 5 sliding layers per global one, window 4096, 32k context.
-    cfg = {
-        "num_hidden_layers": 12,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "hidden_size": 2560,
-        "sliding_window": 4096,
-        "sliding_window_pattern": 6,
-        "max_position_embeddings": 32768,
-        "torch_dtype": "bfloat16",
-    }
-    p = tmp_path / "config.json"
-    p.write_text(json.dumps(cfg))
-    m = model_from_hf_config(p)
+    gemma = {"head_dim": 256, "sliding_window": 4096, "max_position_embeddings": 32768}
+    m = hf_model(tmp_path, 12, 8, 4, 2560, sliding_window_pattern=6, **gemma)
     assert m.sliding == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
     full = 2 * 4 * 256 * 2
     assert m.full_layer_bytes_per_token == full
     # 2 global layers at full cost + 10 sliding layers at 4096/32768 of it
     assert sum(m.stage_bytes_per_token([12])) == pytest.approx(2 * full + 10 * full / 8)
-    cfg2 = {**cfg, "layer_types": ["sliding_attention", "full_attention"] * 6}
-    del cfg2["sliding_window_pattern"]
-    p.write_text(json.dumps(cfg2))
-    assert model_from_hf_config(p).sliding == (0, 2, 4, 6, 8, 10)
+    # The same model with its sliding layers named one by one instead.
+    alternating = ["sliding_attention", "full_attention"] * 6
+    m = hf_model(tmp_path, 12, 8, 4, 2560, layer_types=alternating, **gemma)
+    assert m.sliding == (0, 2, 4, 6, 8, 10)
 
 
 def test_recommend_partition_maximises_capacity() -> None:

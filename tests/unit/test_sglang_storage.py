@@ -46,6 +46,14 @@ def disk(tmp_path: Path) -> dict[str, Any]:
             "kvtier_disk_path": str(tmp_path / "kv"), "kvtier_disk_bytes": "64MiB"}  # fmt: skip
 
 
+def set_pages(s: Any, pool: Any, prefix: str, n: int) -> list[str]:
+    """Store pages 0..n-1 of ``pool`` as keys ``prefix``0.. (every one must
+    be stored); their keys."""
+    keys = [f"{prefix}{i}" for i in range(n)]
+    assert s.batch_set_v1(keys, token_indices(pool, 0, n)) == [True] * n
+    return keys
+
+
 def test_importing_the_integration_loads_neither_sglang_nor_the_native_core() -> None:
     code = (
         "import sys, kvtier.integrations.sglang as m\n"
@@ -94,9 +102,8 @@ def test_pages_round_trip_byte_for_byte(
     kind: str, layout: str, disk: dict[str, Any], sglang_filled: Any
 ) -> None:
     pool, s = sglang_filled(disk, 1, kind=kind, layout=layout, pages=24, mla=kind == "mla")
-    keys = [f"h{i}" for i in range(8)]
     want = [page_bytes(pool, i) for i in range(8)]
-    assert s.batch_set_v1(keys, token_indices(pool, 0, 8)) == [True] * 8
+    keys = set_pages(s, pool, "h", 8)
     assert s.batch_exists(keys) == 8 and s.batch_exists(["nope", *keys]) == 0
     assert s.batch_get_v1(keys[2:], token_indices(pool, 10, 6)) == [True] * 6
     assert [page_bytes(pool, 10 + i) for i in range(6)] == want[2:]
@@ -174,8 +181,7 @@ def test_a_corrupt_record_is_a_miss_and_its_page_untouched(
     disk: dict[str, Any], sglang_filled: Any, tmp_path: Path
 ) -> None:
     pool, s = sglang_filled(disk, 6)
-    keys = [f"c{i}" for i in range(4)]
-    assert s.batch_set_v1(keys, token_indices(pool, 0, 4)) == [True] * 4
+    keys = set_pages(s, pool, "c", 4)
     # Flip one byte in every record's payload but the first: which record
     # holds which page is the tier's business, so damage all but one.
     slab = next((tmp_path / "kv").glob("kvtier-*/slab-000.dat"))
@@ -204,8 +210,7 @@ def test_pages_survive_a_restart_and_clear_drops_them(
     disk: dict[str, Any], sglang_open: Any, sglang_filled: Any
 ) -> None:
     pool, s = sglang_filled(disk, 7)
-    keys = [f"r{i}" for i in range(5)]
-    assert s.batch_set_v1(keys, token_indices(pool, 0, 5)) == [True] * 5
+    keys = set_pages(s, pool, "r", 5)
     s.close()
     s.close()  # idempotent
     s2 = sglang_open(disk, pool)
@@ -375,8 +380,7 @@ def test_batches_larger_than_the_staging_slots_move_in_parts(
     fill(pool, 13)
     s = sglang_open({**disk, "kvtier_staging_bytes": "100KiB"}, pool)
     assert s.kvtier_stats()["kv"]["staging_slots"] == 4  # 2 for stores, 2 for loads
-    keys = [f"s{i}" for i in range(7)]
-    assert s.batch_set_v1(keys, token_indices(pool, 0, 7)) == [True] * 7
+    keys = set_pages(s, pool, "s", 7)
     assert s.batch_get_v1(keys, token_indices(pool, 10, 7)) == [True] * 7
     assert [page_bytes(pool, 10 + i) for i in range(7)] == [page_bytes(pool, i) for i in range(7)]
     assert s.get("s6", pool.get_dummy_flat_data_page()) is not None
