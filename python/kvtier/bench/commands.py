@@ -45,6 +45,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _cmd_bench_disk_index(args)
     if args.component == "sglang":
         return _cmd_bench_sglang(args)
+    if args.component == "route":
+        return _cmd_bench_route(args)
     args.repeats = args.repeats or 5
     if args.component == "copy":
         sizes = [parse_size(args.block_bytes)] if args.block_bytes else None
@@ -144,6 +146,41 @@ def _cmd_bench_sglang(args: argparse.Namespace) -> int:
     return _table_or_json(args, result, table(result), path)
 
 
+def _cmd_bench_route(args: argparse.Namespace) -> int:
+    """``kvtier bench route``: see :mod:`kvtier.bench.route`. Blocks for
+    its three replays (seconds for the whole Mooncake trace)."""
+    from kvtier.bench.harness import output_dir
+    from kvtier.bench.route import plot, run_route, table
+    from kvtier.bench.route_fleet import LoadModel
+    from kvtier.bench.serve_load_plan import default_trace
+    from kvtier.bench.traces import read_records
+    from kvtier.units import parse_size
+
+    trace = args.trace or default_trace()
+    if trace is None:
+        raise InvalidArgument("bench route needs --trace FILE (no default trace here)")
+    if args.max_requests is not None and args.max_requests < 1:
+        raise InvalidArgument(f"--max-requests must be >= 1, got {args.max_requests}")
+    if not args.time_scale > 0 or args.seed < 0:
+        raise InvalidArgument("--time-scale must be > 0 and --seed >= 0")
+    result = run_route(
+        read_records(trace, args.max_requests), args.engines, args.host_blocks,
+        args.disk_blocks, args.pool_blocks, parse_size(args.block_bytes or "160MiB"),
+        seed=args.seed, load=LoadModel(time_scale=args.time_scale), source=str(trace),
+        progress=None if args.json == "-" else (lambda m: print(f"  {m}", flush=True)),
+    )  # fmt: skip
+    out = output_dir(args.out, "bench-route")
+    saved = None
+    text = table(result)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        saved = out / f"route-{time.strftime('%Y%m%dT%H%M%S')}.json"
+        saved.write_text(json.dumps(result, indent=2) + "\n")
+        plot(result, saved.with_suffix(".png"))
+        text += f"\n  plot  {saved.with_suffix('.png')}"
+    return _table_or_json(args, result, text, saved)
+
+
 def _table_or_json(args: argparse.Namespace, result: dict[str, Any], text: str, saved: Any) -> int:
     """``--json`` (no PATH): the JSON as the last line, nothing else; else
     ``text`` and where the result was saved, and with ``--json PATH`` the
@@ -198,6 +235,7 @@ def _cmd_bench_serve_load(args: argparse.Namespace) -> int:
         conc = tuple(int(c) for c in args.concurrencies.split(","))
     except ValueError:
         raise InvalidArgument(f"--concurrencies: integers, got {args.concurrencies!r}") from None
+    args.max_requests = 40 if args.max_requests is None else args.max_requests
     if not conc or min(conc) < 1 or args.time_scale <= 0 or args.max_requests < 1:
         raise InvalidArgument("--concurrencies, --time-scale and --max-requests must be positive")
     model_dir = out / f"model-{args.model_kind}"
@@ -311,6 +349,7 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "serve",
             "soak",
             "sglang",
+            "route",
         ],
     )
     b.add_argument("--block-bytes", help="one size (default: 64KiB, 256KiB and 2MiB)")
@@ -326,7 +365,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         nargs="?",
         const="-",
         metavar="PATH",
-        help="print JSON (last line); disk-index, sglang: --json PATH writes it to PATH as well",
+        help="print JSON (last line); disk-index, sglang, route: --json PATH writes it to PATH "
+        "as well",
     )
     # One group per component, so `kvtier bench --help` says which options matter where.
     o = b.add_argument_group("copy")
@@ -351,8 +391,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     o.add_argument("--backend", default="auto", choices=["auto", "io_uring", "pread"])
     o.add_argument(
         "--trace",
-        help="vllm, serve --server: Mooncake-format JSONL trace to replay (vllm default: "
-        "synthetic; serve --server: ../shared/traces/mooncake_conversation_trace.jsonl if there)",
+        help="vllm, serve --server, route: Mooncake-format JSONL trace to replay (vllm default: "
+        "synthetic; else ../shared/traces/mooncake_conversation_trace.jsonl if there)",
     )
     o = b.add_argument_group("remote, sglang")
     o.add_argument("--url", help="redis://HOST:PORT (default: start a local server)")
@@ -399,9 +439,12 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )  # fmt: skip
     o.add_argument(
         "--time-scale", type=float, default=1.0,
-        help="--server: the trace's inter-arrival times multiplied by this (default 1)",
+        help="--server, route: the trace's inter-arrival times multiplied by this (default 1)",
     )  # fmt: skip
-    o.add_argument("--max-requests", type=int, default=40, help="--server: trace requests")
+    o.add_argument(
+        "--max-requests", type=int,
+        help="--server: trace requests (default 40); route: the first M (default: all)",
+    )  # fmt: skip
     o.add_argument("--concurrencies", default="1,4", help="--server: prefix and random load levels")
     o.add_argument("--workloads", help="--server: comma-separated: trace, prefix, random")
     o = b.add_argument_group("soak")
@@ -411,5 +454,14 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=2.0,
         help="soak: minutes of replay under faults (default 2; the README quotes 30)",
     )
-    o.add_argument("--seed", type=int, default=0, help="soak: workload and fault seed")
+    o.add_argument("--seed", type=int, default=0, help="soak: workload and fault seed; route: "
+                   "the engine round robin and new sessions start at")  # fmt: skip
+    o = b.add_argument_group("route (sizes in blocks of 512 tokens; --block-bytes default 160MiB)")
+    o.add_argument("--engines", type=int, default=4, help="route: simulated engines (default 4)")
+    o.add_argument("--host-blocks", type=int, default=3200,
+                   help="route: each engine's host tier (default 3,200: 500 GiB)")  # fmt: skip
+    o.add_argument("--disk-blocks", type=int, default=22000,
+                   help="route: each engine's disk tier (default 22,000: 3.4 TiB)")  # fmt: skip
+    o.add_argument("--pool-blocks", type=int, default=6400,
+                   help="route: the shared pool (default 6,400: 1 TiB)")  # fmt: skip
     b.set_defaults(func=_cmd_bench)

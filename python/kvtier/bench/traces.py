@@ -4,7 +4,7 @@ agent loops) as lists of prefix-block hash ids.
 
 A command-line tool's module (never imported by the library): runs in the
 process of whoever replays, on its calling thread. Who calls:
-:mod:`kvtier.replay`, ``kvtier bench soak`` and ``vllm``, ``bench/policy_sweep.py``.
+:mod:`kvtier.replay`, ``kvtier bench soak``, ``route`` and ``vllm``, ``bench/policy_sweep.py``.
 Blocks while it reads a file or generates a trace (CPU only).
 """
 
@@ -15,6 +15,7 @@ import itertools
 import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,12 +28,19 @@ def read_trace(path: str | Path, max_requests: int | None = None) -> list[list[i
     """Mooncake-format JSONL: one object per line with ``hash_ids`` (prefix
     block hashes, ints in [0, 2**63)). Raises InvalidArgument naming the file
     and line of the first bad record, IoError when the file cannot be read."""
+    return [r["hash_ids"] for r in read_records(path, max_requests)]
+
+
+def read_records(path: str | Path, max_requests: int | None = None) -> list[dict[str, Any]]:
+    """As :func:`read_trace`, but each line's whole object (``timestamp``,
+    ``input_length``, ``output_length`` as the file has them, unchecked), for
+    replays that keep time (``kvtier bench route``)."""
     p = Path(path)
     if p.is_dir():
         raise InvalidArgument(f"trace file {p} is a directory")
     if not p.is_file():
         raise InvalidArgument(f"trace file not found: {p}")
-    out: list[list[int]] = []
+    out: list[dict[str, Any]] = []
     try:
         f = p.open("rb")
     except OSError as e:
@@ -56,7 +64,7 @@ def read_trace(path: str | Path, max_requests: int | None = None) -> list[list[i
                 raise InvalidArgument(
                     f"{p}:{lineno}: hash_ids must be a list of ints in [0, 2**63)"
                 )
-            out.append(ids)
+            out.append(obj)
             if max_requests is not None and len(out) >= max_requests:
                 break
     return out
