@@ -13,8 +13,46 @@ namespace kvtier::bindings {
 namespace {
 
 using disk::Digest;
+using disk::EventId;
 using disk::Index;
 using disk::RecState;
+
+// An event id crosses as 12 bytes: the id (8, big-endian) then the group (4,
+// big-endian), the shape of a vLLM OffloadKey whose block hash is the id;
+// None for a record with none (EventId::named()).
+constexpr std::size_t kEventIdBytes = 12;
+
+std::uint64_t load_be64(const std::uint8_t* p) {
+  std::uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = v << 8 | p[i];
+  return v;
+}
+
+EventId event_id_of(const py::object& o) {
+  if (o.is_none()) return EventId{};
+  char* p = nullptr;
+  py::ssize_t n = 0;
+  if (PyBytes_AsStringAndSize(o.ptr(), &p, &n) != 0) throw py::error_already_set();
+  if (n != static_cast<py::ssize_t>(kEventIdBytes))
+    throw Error(StatusCode::kInvalidArgument, "an event id is 12 bytes, got " + std::to_string(n));
+  const auto* u = reinterpret_cast<const std::uint8_t*>(p);
+  const std::uint64_t id = load_be64(u);
+  std::uint32_t group = 0;
+  for (int i = 8; i < 12; ++i) group = group << 8 | u[i];
+  if (group >= disk::kUnnamed)
+    throw Error(StatusCode::kInvalidArgument, "an event id's group must be below " +
+                                                  std::to_string(disk::kUnnamed) + ", got " +
+                                                  std::to_string(group));
+  return EventId{id, static_cast<std::uint8_t>(group)};
+}
+
+py::object bytes_of(const EventId& e) {
+  if (!e.named()) return py::none();
+  char b[kEventIdBytes] = {};
+  for (int i = 0; i < 8; ++i) b[i] = static_cast<char>(e.id >> (56 - 8 * i));
+  b[11] = static_cast<char>(e.group);
+  return py::bytes(b, sizeof b);
+}
 
 Digest digest_of(const py::bytes& b) {
   char* p = nullptr;
@@ -39,20 +77,28 @@ std::uint32_t rec_of(const Index& ix, std::int64_t rec) {
   return static_cast<std::uint32_t>(rec);
 }
 
-// One journal entry, little-endian: magic, op, 3 pad, record, digest,
-// length, seq, then a zlib crc32 of the bytes before it. Python writes it:
-// JOURNAL_ENTRY, JOURNAL_ENTRY_BYTES and JOURNAL_MAGIC in
+// One journal entry, little-endian: magic, op, event group, 2 pad, record,
+// digest, length, seq, event id (big-endian, as the 12 bytes of an event id
+// begin), then a zlib crc32 of the bytes before it.
+// Python writes it: JOURNAL_ENTRY, JOURNAL_ENTRY_BYTES and JOURNAL_MAGIC in
 // python/kvtier/tiers/disk/journal.py (change both together;
 // tests/integration/test_disk_index.py replays a journal Python wrote).
-constexpr std::size_t kJournalEntryBytes = 52;
-constexpr char kJournalMagic[4] = {'K', 'V', 'J', '1'};
-constexpr std::size_t kJournalOp = 4;  // uint8: kJournalPut or kJournalDrop (index.h)
+// Entries of the first format (KVJ1: no group or id, the crc at 48, 52
+// bytes) are still read; their records have no event id.
+constexpr std::size_t kJournalEntryBytes = 60;
+constexpr char kJournalMagic[4] = {'K', 'V', 'J', '2'};
+constexpr char kJournalMagicV1[4] = {'K', 'V', 'J', '1'};
+constexpr std::size_t kJournalEntryBytesV1 = 52;
+constexpr std::size_t kJournalOp = 4;     // uint8: kJournalPut or kJournalDrop (index.h)
+constexpr std::size_t kJournalGroup = 5;  // uint8: EventId::group
 constexpr std::size_t kJournalRecord = 8;
 constexpr std::size_t kJournalDigest = 16;  // 16 bytes
 constexpr std::size_t kJournalLength = 32;
 constexpr std::size_t kJournalSeq = 40;
-constexpr std::size_t kJournalCrc = 48;
+constexpr std::size_t kJournalId = 48;  // EventId::id, big-endian
+constexpr std::size_t kJournalCrc = 56;
 static_assert(kJournalCrc + 4 == kJournalEntryBytes, "the crc ends the entry");
+static_assert(kJournalId == kJournalEntryBytesV1 - 4, "KVJ1's crc sits where the id begins");
 
 template <typename T>
 T load_le(const std::uint8_t* p) {
@@ -151,6 +197,8 @@ void bind_disk_index(py::module_& m) {
       .def("digest",
            [](const Index& ix, std::int64_t rec) { return bytes_of(ix.digest(rec_of(ix, rec))); })
       .def("loading", [](const Index& ix, std::int64_t rec) { return ix.loading(rec_of(ix, rec)); })
+      .def("event_id",
+           [](const Index& ix, std::int64_t rec) { return bytes_of(ix.event_id(rec_of(ix, rec))); })
       .def("allocate",
            [](Index& ix) -> py::tuple {
              Digest d{};
@@ -158,22 +206,29 @@ void bind_disk_index(py::module_& m) {
              std::int64_t r = ix.allocate(&d, &evicted);
              return py::make_tuple(r, evicted ? py::object(bytes_of(d)) : py::object(py::none()));
            })
-      // One call per key of a store batch: -2 when the digest is present
-      // (stored or being stored), -1 when no record is free or evictable,
-      // else the record now allocated to it (being written) and the digest
-      // evicted from it, if any.
-      .def("claim",
-           [](Index& ix, const py::bytes& d) -> py::tuple {
-             Digest key = digest_of(d);
-             if (ix.find(key) != Index::kNone) return py::make_tuple(-2, py::none());
-             Digest gone{};
-             bool evicted = false;
-             std::int64_t r = ix.allocate(&gone, &evicted);
-             if (r != Index::kNone)
-               ix.insert(key, static_cast<std::uint32_t>(r), RecState::kWriting);
-             return py::make_tuple(r,
-                                   evicted ? py::object(bytes_of(gone)) : py::object(py::none()));
-           })
+      // One call per key of a store batch, with the key's event id (12
+      // bytes, or None): (-2, None) when the digest is present (stored or
+      // being stored), (-1, None) when no record is free or evictable, else
+      // the record now allocated to it (being written) and what was evicted
+      // from it: None (nothing), the victim's event id, or b"" (a victim
+      // without one).
+      .def(
+          "claim",
+          [](Index& ix, const py::bytes& d, const py::object& event_id) -> py::tuple {
+            Digest key = digest_of(d);
+            EventId name = event_id_of(event_id);
+            if (ix.find(key) != Index::kNone) return py::make_tuple(-2, py::none());
+            Digest gone{};
+            EventId gone_id;
+            bool evicted = false;
+            std::int64_t r = ix.allocate(&gone, &evicted, &gone_id);
+            if (r != Index::kNone)
+              ix.insert(key, static_cast<std::uint32_t>(r), RecState::kWriting, name);
+            if (!evicted) return py::make_tuple(r, py::none());
+            py::object n = bytes_of(gone_id);
+            return py::make_tuple(r, n.is_none() ? py::bytes() : n);
+          },
+          py::arg("digest"), py::arg("event_id") = py::none())
       // One call per key of a load batch: the readable record holding the
       // digest, pinned against eviction until unpin(); -1 when there is none.
       .def("pin_ready",
@@ -186,10 +241,13 @@ void bind_disk_index(py::module_& m) {
            })
       .def(
           "insert",
-          [](Index& ix, const py::bytes& d, std::int64_t rec, bool ready) {
-            ix.insert(digest_of(d), rec_of(ix, rec), ready ? RecState::kReady : RecState::kWriting);
+          [](Index& ix, const py::bytes& d, std::int64_t rec, bool ready,
+             const py::object& event_id) {
+            ix.insert(digest_of(d), rec_of(ix, rec), ready ? RecState::kReady : RecState::kWriting,
+                      event_id_of(event_id));
           },
-          py::arg("digest"), py::arg("record"), py::arg("ready") = false)
+          py::arg("digest"), py::arg("record"), py::arg("ready") = false,
+          py::arg("event_id") = py::none())
       .def("set_ready", [](Index& ix, std::int64_t rec) { ix.set_ready(rec_of(ix, rec)); })
       .def("touch", [](Index& ix, std::int64_t rec) { ix.touch(rec_of(ix, rec)); })
       .def("pin", [](Index& ix, std::int64_t rec) { ix.pin(rec_of(ix, rec)); })
@@ -233,18 +291,50 @@ void bind_disk_index(py::module_& m) {
                std::memcpy(o + 16 * i, ix.digest(rec_of(ix, r(i))).b, 16);
              return out;
            })
-      .def("apply",
-           [](Index& ix,
-              const py::array_t<std::uint32_t, py::array::c_style | py::array::forcecast>& recs,
-              const py::object& digs) {
+      // Event ids of records, for a checkpoint: (ids uint64, groups uint8).
+      .def("event_ids",
+           [](const Index& ix,
+              const py::array_t<std::uint32_t, py::array::c_style | py::array::forcecast>& recs) {
              auto r = recs.unchecked<1>();
-             auto dv = rows_of<std::uint8_t>(digs, r.shape(0), 16, "digests").unchecked<2>();
+             py::array_t<std::uint64_t> ids(r.shape(0));
+             py::array_t<std::uint8_t> groups(r.shape(0));
+             std::uint64_t* io = ids.mutable_data();
+             std::uint8_t* go = groups.mutable_data();
              for (py::ssize_t i = 0; i < r.shape(0); ++i) {
-               Digest d;
-               std::memcpy(d.b, dv.data(i, 0), 16);
-               ix.apply(disk::kJournalPut, rec_of(ix, r(i)), d);
+               EventId e = ix.event_id(rec_of(ix, r(i)));
+               io[i] = e.id;
+               go[i] = e.group;
              }
+             return py::make_tuple(ids, groups);
            })
+      // Checkpoint entries, readable; ids and groups (from event_ids) may be
+      // None: the records then have no event id.
+      .def(
+          "apply",
+          [](Index& ix,
+             const py::array_t<std::uint32_t, py::array::c_style | py::array::forcecast>& recs,
+             const py::object& digs, const py::object& ids, const py::object& groups) {
+            auto r = recs.unchecked<1>();
+            const py::ssize_t n = r.shape(0);
+            auto dv = rows_of<std::uint8_t>(digs, n, 16, "digests").unchecked<2>();
+            using U64 = py::array_t<std::uint64_t, py::array::c_style | py::array::forcecast>;
+            using U8 = py::array_t<std::uint8_t, py::array::c_style | py::array::forcecast>;
+            const bool named = !ids.is_none() && !groups.is_none();
+            U64 iv = named ? ids.cast<U64>() : U64(0);
+            U8 gv = named ? groups.cast<U8>() : U8(0);
+            if (named && (iv.size() != n || gv.size() != n))
+              throw Error(StatusCode::kInvalidArgument,
+                          "apply: ids and groups must have one entry per record");
+            for (py::ssize_t i = 0; i < n; ++i) {
+              Digest d;
+              std::memcpy(d.b, dv.data(i, 0), 16);
+              EventId e;
+              if (named && gv.data()[i] < disk::kUnnamed) e = EventId{iv.data()[i], gv.data()[i]};
+              ix.apply(disk::kJournalPut, rec_of(ix, r(i)), d, e);
+            }
+          },
+          py::arg("records"), py::arg("digests"), py::arg("ids") = py::none(),
+          py::arg("groups") = py::none())
       .def(
           "replay_journal",
           [](Index& ix, const py::buffer& data, std::uint64_t block_bytes) {
@@ -255,13 +345,21 @@ void bind_disk_index(py::module_& m) {
             std::uint64_t max_seq = 0;
             {
               py::gil_scoped_release nogil;
-              for (std::size_t off = 0; off + kJournalEntryBytes <= n; off += kJournalEntryBytes) {
+              for (std::size_t off = 0;;) {
                 const std::uint8_t* e = p + off;
-                std::uint32_t crc = load_le<std::uint32_t>(e + kJournalCrc);
-                if (std::memcmp(e, kJournalMagic, sizeof kJournalMagic) != 0 ||
-                    crc32(0L, e, kJournalCrc) != crc)
+                const bool v2 = off + kJournalEntryBytes <= n &&
+                                std::memcmp(e, kJournalMagic, sizeof kJournalMagic) == 0;
+                const bool v1 = !v2 && off + kJournalEntryBytesV1 <= n &&
+                                std::memcmp(e, kJournalMagicV1, sizeof kJournalMagicV1) == 0;
+                const std::size_t crc_at = v2 ? kJournalCrc : kJournalEntryBytesV1 - 4;
+                if (!(v1 || v2) || crc32(0L, e, static_cast<uInt>(crc_at)) !=
+                                       load_le<std::uint32_t>(e + crc_at))
                   break;  // torn tail: everything after it is ignored
-                good = off + kJournalEntryBytes;
+                off += v2 ? kJournalEntryBytes : kJournalEntryBytesV1;
+                good = off;
+                EventId name;
+                if (v2 && e[kJournalGroup] < disk::kUnnamed)
+                  name = EventId{load_be64(e + kJournalId), e[kJournalGroup]};
                 std::uint8_t op = e[kJournalOp];
                 auto rec = load_le<std::uint64_t>(e + kJournalRecord);
                 auto len = load_le<std::uint64_t>(e + kJournalLength);
@@ -271,7 +369,7 @@ void bind_disk_index(py::module_& m) {
                   continue;  // from a larger or different configuration
                 Digest d;
                 std::memcpy(d.b, e + kJournalDigest, sizeof d.b);
-                ix.apply(op, static_cast<std::uint32_t>(rec), d);
+                ix.apply(op, static_cast<std::uint32_t>(rec), d, name);
                 ++applied;
               }
             }

@@ -147,5 +147,36 @@ TEST(DiskIndex, RebuildKeepsTheLaterRecordAndJournalOrder) {
   EXPECT_FALSE(was);
 }
 
+TEST(DiskIndex, EvictionsAndRestartsKeepEventIds) {
+  Index ix(2, EvictPolicy::kLru);
+  Digest e{};
+  bool was = false;
+  for (std::uint32_t i = 0; i < 2; ++i) {
+    std::int64_t r = ix.allocate(&e, &was);
+    ix.insert(dig(i), static_cast<std::uint32_t>(r), RecState::kReady, EventId{100 + i, 2});
+  }
+  EXPECT_EQ(ix.event_id(1).id, 101u);
+  EXPECT_EQ(ix.state(1), RecState::kReady);  // the group shares the state's byte
+  EventId gone;
+  EXPECT_EQ(ix.allocate(&e, &was, &gone), 0);
+  EXPECT_TRUE(was);
+  EXPECT_EQ(gone.id, 100u);
+  EXPECT_EQ(gone.group, 2);
+  ix.insert(dig(5), 0, RecState::kWriting);  // no id given: unnamed
+  EXPECT_FALSE(ix.event_id(0).named());
+  EXPECT_EQ(ix.state(0), RecState::kWriting);
+  ix.remove(0, false);
+  EXPECT_THROW(ix.insert(dig(6), 0, RecState::kReady, EventId{1, 64}), Error);
+  EXPECT_EQ(ix.state(0), RecState::kFree);  // a refused insert changes nothing
+
+  Index re(2, EvictPolicy::kClock);
+  re.apply(kJournalPut, 1, dig(7), EventId{~0ull, 0});
+  re.apply(kJournalPut, 0, dig(8));
+  EXPECT_EQ(re.rebuild(), 2u);
+  EXPECT_EQ(re.event_id(1).id, ~0ull);
+  EXPECT_TRUE(re.event_id(1).named());
+  EXPECT_FALSE(re.event_id(0).named());
+}
+
 }  // namespace
 }  // namespace kvtier::disk

@@ -10,6 +10,7 @@ import zlib
 from pathlib import Path
 
 import kvtier
+import numpy as np
 import pytest
 from kvtier import _native
 from kvtier.tiers import LookupResult
@@ -21,6 +22,7 @@ from kvtier.tiers.disk.journal import (
     RecordState,
     journal_entry,
 )
+from kvtier.tiers.events import vllm_event_id
 
 BLOCK = 4096
 REC = record_bytes(BLOCK)
@@ -29,6 +31,16 @@ HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
 def K(i: int) -> bytes:
     return b"key-%08d" % i
+
+
+def V(i: int, group: int = 0) -> bytes:
+    """A key of vLLM's shape: a 32-byte block hash, then its group index."""
+    return i.to_bytes(32, "big") + group.to_bytes(4, "big")
+
+
+def E(i: int) -> bytes:
+    """K(i)'s event id."""
+    return vllm_event_id(K(i))
 
 
 def tier(path: Path, records: int, policy: str = "lru") -> DiskTier:
@@ -113,7 +125,10 @@ def test_checkpoint_restart_keeps_lru_order(tmp_path: Path) -> None:
     assert t2.stats()["recovered"] == 4
     store(t2, 4, 5)
     assert resident(t2, 6) == [0, 1, 4, 5]
-    assert t2.take_events()[-1].keys == [K(4), K(5)]  # recovered keys are not named
+    # Recovered records are named by their event ids, which the checkpoint kept.
+    removed, stored = t2.take_events()
+    assert removed.removed and removed.keys == [] and removed.ids == [E(2), E(3)]
+    assert not stored.removed and stored.keys == [K(4), K(5)]
     t2.close()
 
 
@@ -239,7 +254,74 @@ def test_bench_disk_index_writes_json_only_where_asked(
     assert "restart from checkpoint" in text and f"wrote {out}" in text
     r = json.loads(out.read_text())
     assert r["records"] == 3000 and r["policy"] == "clock"
-    assert r["checkpoint_bytes"] == 48 + 20 * 3000  # header, then 20 bytes per record
-    assert r["journal_bytes"] == 52 * 3000
+    assert r["checkpoint_bytes"] == 48 + 29 * 3000  # header, then 29 bytes per record
+    assert r["journal_bytes"] == 60 * 3000
     assert r["restart_checkpoint_per_s"] > 0 and r["store_per_s"] > 0
     assert list(tmp_path.iterdir()) == [tmp_path / "sub"]
+
+
+def test_event_ids_of_vllm_keys_are_their_int_block_hashes() -> None:
+    key = bytes(range(100, 132)) + (5).to_bytes(4, "big")
+    name = vllm_event_id(key)
+    # What vLLM publishes for the key's block hash with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES.
+    assert int.from_bytes(name[:8], "big") == int.from_bytes(key[:-4], "big") & (2**64 - 1)
+    assert name[8:] == key[-4:]
+    other = vllm_event_id(b"key-00000001")  # not vLLM's shape: 8 bytes of a hash, group 0
+    assert len(other) == 12 and other[8:] == bytes(4)
+    assert vllm_event_id(bytes(32) + (63).to_bytes(4, "big"))[8:] == bytes(4)  # group too large
+
+
+def test_every_eviction_of_a_restarted_tier_is_named(tmp_path: Path) -> None:
+    # Records from the checkpoint, from the journal, and stored since: each
+    # eviction names its block by event id, and a reset names what it drops.
+    t = tier(tmp_path, 4, "clock")
+    keys = [V(i, i % 2) for i in range(6)]
+    assert t.submit_store(keys[:2], [0, 1]) is not None and t.poll()[0].ok
+    t.checkpoint()
+    assert t.submit_store(keys[2:4], [0, 1]) is not None and t.poll()[0].ok
+    t.close()
+    t2 = tier(tmp_path, 4, "clock")
+    assert t2.stats()["recovered"] == 4
+    assert t2.submit_store(keys[4:], [0, 1]) is not None and t2.poll()[0].ok
+    removed, stored = t2.take_events()
+    assert removed.ids == [vllm_event_id(k) for k in keys[:2]] == [k[-12:] for k in keys[:2]]
+    assert stored.keys == keys[4:]
+    t2.reset()
+    (gone,) = t2.take_events()
+    assert gone.removed and sorted(gone.ids) == sorted(k[-12:] for k in keys[2:])
+    assert t2.stats()["unnamed_removals"] == 0
+    t2.close()
+
+
+def test_files_of_the_earlier_formats_are_read_unnamed(tmp_path: Path) -> None:
+    # A KVC2 checkpoint and KVJ1 journal entries (no event ids): the records
+    # are recovered, and their evictions counted as unnamed.
+    t = tier(tmp_path, 2)
+    t.close()
+    recs = np.array([0], np.uint32)
+    body = recs.tobytes() + key_digest(K(0))
+    head = struct.pack("<4sIQQQQI4x", b"KVC2", 1, BLOCK, 2, 1, 1, zlib.crc32(body))
+    (t.dir / "index.ckpt").write_bytes(head + body)
+    entry = struct.pack("<4sBxxxQ16sQQ", b"KVJ1", 1, 1, key_digest(K(1)), BLOCK, 2)
+    new = journal_entry(JournalOp.PUT, 1, key_digest(K(1)), BLOCK, 3, E(1))
+    (t.dir / "index.journal").write_bytes(entry + struct.pack("<I", zlib.crc32(entry)) + new)
+    t2 = tier(tmp_path, 2)
+    assert t2.stats()["recovered"] == 2
+    store(t2, 2, 3)
+    (removed, _) = t2.take_events()
+    assert removed.ids == [E(1)]  # the KVJ2 entry after the KVJ1 one named record 1
+    assert t2.stats()["unnamed_removals"] == 1 and t2.stats()["evictions"] == 2
+    t2.close()
+
+
+def test_native_index_checks_event_ids() -> None:
+    ix = _native.DiskIndex(2)
+    with pytest.raises(kvtier.InvalidArgument, match="an event id is 12 bytes, got 3"):
+        ix.claim(b"x" * 16, b"abc")
+    with pytest.raises(kvtier.InvalidArgument, match="group must be below 63, got 63"):
+        ix.claim(b"x" * 16, bytes(8) + (63).to_bytes(4, "big"))
+    assert len(ix) == 0  # refused: nothing claimed
+    assert ix.claim(b"x" * 16, V(7)[-12:]) == (0, None)
+    assert ix.event_id(0) == V(7)[-12:]
+    assert ix.claim(b"y" * 16) == (1, None)
+    assert ix.event_id(1) is None

@@ -28,6 +28,7 @@ from conftest import finish, store_blocks
 from kvtier.pool import HostPool
 from kvtier.tiers import LookupResult
 from kvtier.tiers.disk import DiskTier, record_bytes, resolve_capacity
+from kvtier.tiers.disk.journal import JOURNAL_ENTRY_BYTES
 from kvtier.tiers.factory import TierConfig, build_tier, parse_disk_spec
 from kvtier.units import FreeFraction
 
@@ -192,7 +193,7 @@ def test_file_system_full_mid_run(small_fs: Path) -> None:
     still land; the journal append that needs a new page fails and is cut
     back to whole entries; every block stays served; a checkpoint catches up
     once there is room, and a restart finds every block, nothing corrupt."""
-    journal = 52  # bytes per entry
+    journal = JOURNAL_ENTRY_BYTES
     with HostPool(16, SLOT) as p:
         t = DiskTier(small_fs, 128 * SLOT, BLOCK, reserve_bytes=0)
         t.attach(p)
@@ -265,7 +266,7 @@ def test_second_process_is_refused_naming_the_owner(tmp_path: Path) -> None:
         assert f"is in use by pid {proc.pid} " in str(e.value)
         # Refused before touching anything: the owner's journal is intact.
         (ns_dir,) = d.iterdir()
-        assert os.path.getsize(ns_dir / "index.journal") == 52
+        assert os.path.getsize(ns_dir / "index.journal") == JOURNAL_ENTRY_BYTES
         # Another namespace in the same directory is another owner's business.
         DiskTier(d, 32 * SLOT, BLOCK, namespace="other-model").close()
 

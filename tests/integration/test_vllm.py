@@ -198,6 +198,47 @@ def test_manager_semantics_through_vllm_types() -> None:
     m.shutdown()
 
 
+@pytest.mark.parametrize("int_hashes", [True, False])
+def test_removals_named_by_event_id_publish_vllms_block_hash(
+    monkeypatch: pytest.MonkeyPatch, int_hashes: bool
+) -> None:
+    # A disk eviction names its block by event id (the index keeps no key):
+    # vLLM's publisher turns it into the same int block hash, and group, as
+    # the BlockStored of the full key; in bytes mode, the hash's last 8 bytes.
+    from kvtier.integrations.vllm.scheduler import KVTierManager
+    from kvtier.tiers.base import TierEvent
+    from kvtier.tiers.events import vllm_event_id
+    from vllm import envs
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+        OffloadingEventsTracker,
+    )
+    from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1" if int_hashes else "0")
+    if hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+    block_hash = bytes(range(200, 232))
+    key = make_offload_key(block_hash, 3)
+
+    class Events:
+        def take_events(self) -> list[TierEvent]:
+            return [
+                TierEvent([key], "disk", False),
+                TierEvent([], "disk", True, ids=[vllm_event_id(key)]),
+            ]
+
+    tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(True, False))
+    stored, removed = tracker.take_events(KVTierManager(Events()).take_events())  # type: ignore[arg-type]
+    assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
+    assert stored.medium == removed.medium and removed.group_idx == stored.group_idx == 3
+    if int_hashes:
+        assert removed.block_hashes == stored.block_hashes
+        assert removed.block_hashes == [int.from_bytes(block_hash, "big") & (2**64 - 1)]
+    else:
+        assert removed.block_hashes == [block_hash[-8:]] and stored.block_hashes == [block_hash]
+
+
 def _steps_until(m: Any, cond: Any, what: str) -> None:
     """Scheduler step ends until ``cond()`` holds (checked under the
     manager's lock); fails after 20 s naming ``what`` it waited for."""

@@ -101,3 +101,17 @@ def test_memory_and_staged_tiers_report_what_they_dropped(tmp_path: Path) -> Non
     # Each stage kept 1 of its 3 stored keys; the staged log kept 2 of 3.
     assert st["events_dropped"] == 2 * 2 + 1
     assert [e.keys for e in s.take_events()] == [[K(1)], [K(2)]]
+
+
+def test_ids_count_toward_the_bound_and_are_cut_after_keys() -> None:
+    log = EventLog(3)
+    log.append(TierEvent([K(0)], "t", True, ids=[b"i" * 12, b"j" * 12]))
+    log.append(TierEvent([], "t", True, ids=[b"k" * 12]))  # one over: K(0) goes first
+    assert len(log) == 3 and log.dropped == 1
+    first, second = log.take()
+    assert first.keys == [] and first.ids == [b"i" * 12, b"j" * 12]
+    assert second.ids == [b"k" * 12]
+    log.append(TierEvent([K(1)], "t", True, ids=[b"a" * 12, b"b" * 12, b"c" * 12]))
+    (cut,) = log.take()  # larger than the bound: its key is dropped
+    assert cut.keys == [] and cut.ids == [b"a" * 12, b"b" * 12, b"c" * 12]
+    assert log.dropped == 2

@@ -32,7 +32,7 @@ EvictPolicy parse_evict_policy(const std::string& name) {
 }
 
 Index::Index(std::uint32_t num_records, EvictPolicy policy, std::uint8_t clock_max)
-    : policy_(policy), clock_max_(clock_max), recs_(num_records) {
+    : policy_(policy), clock_max_(clock_max), recs_(num_records), ids_(num_records, 0) {
   if (num_records == 0 || num_records == kEmpty)
     throw Error(StatusCode::kInvalidArgument, "disk index: num_records must be in [1, 2^32 - 1)");
   if (clock_max == 0)
@@ -105,8 +105,17 @@ void Index::lru_push_back(std::uint32_t rec) {
   prev_[s] = rec;
 }
 
+void Index::set_id(std::uint32_t rec, EventId id) {
+  if (id.group > kUnnamed)
+    throw Error(StatusCode::kInvalidArgument, "disk index: event group " +
+                                                  std::to_string(id.group) + " above " +
+                                                  std::to_string(kUnnamed));
+  ids_[rec] = id.id;
+  recs_[rec].bits = static_cast<std::uint8_t>((recs_[rec].bits & 3u) | (id.group << 2));
+}
+
 void Index::free_record(std::uint32_t rec) {
-  recs_[rec].state = RecState::kFree;
+  set_state(recs_[rec], RecState::kFree);
   if (rec < scan_) free_.push_back(rec);
 }
 
@@ -130,53 +139,56 @@ std::int64_t Index::victim() {
   return kNone;
 }
 
-std::int64_t Index::allocate(Digest* evicted, bool* was_evicted) {
+std::int64_t Index::allocate(Digest* evicted, bool* was_evicted, EventId* evicted_id) {
   *was_evicted = false;
   while (!free_.empty()) {
     std::uint32_t r = free_.back();
     free_.pop_back();
-    if (recs_[r].state == RecState::kFree) return r;  // else taken by insert() meanwhile
+    if (state_of(recs_[r]) == RecState::kFree) return r;  // else taken by insert() meanwhile
   }
   const std::uint32_t n = num_records();
   while (scan_ < n) {
     std::uint32_t r = scan_++;
-    if (recs_[r].state == RecState::kFree) return r;
+    if (state_of(recs_[r]) == RecState::kFree) return r;
   }
   std::int64_t v = victim();
   if (v == kNone) return kNone;
   auto r = static_cast<std::uint32_t>(v);
   *evicted = recs_[r].digest;
   *was_evicted = true;
+  if (evicted_id != nullptr) *evicted_id = event_id(r);
   table_erase(r);
   if (policy_ == EvictPolicy::kLru) lru_unlink(r);
-  recs_[r].state = RecState::kFree;  // the caller's to use: not on the free list
+  set_state(recs_[r], RecState::kFree);  // the caller's to use: not on the free list
   return r;
 }
 
-void Index::insert(const Digest& d, std::uint32_t rec, RecState s) {
+void Index::insert(const Digest& d, std::uint32_t rec, RecState s, EventId id) {
   if (rec >= num_records())
     throw Error(StatusCode::kInvalidArgument, "disk index: record out of range");
-  if (recs_[rec].state != RecState::kFree)
+  if (state_of(recs_[rec]) != RecState::kFree)
     throw Error(StatusCode::kInvalidArgument,
                 "disk index: record " + std::to_string(rec) + " is in use");
   if (find(d) != kNone)
     throw Error(StatusCode::kInvalidArgument, "disk index: digest already present");
-  recs_[rec] = Rec{d, s, 0, 0};
+  set_id(rec, id);  // first: a bad group changes nothing
+  recs_[rec] = Rec{d, recs_[rec].bits, 0, 0};
+  set_state(recs_[rec], s);
   table_insert(rec);
   if (s == RecState::kReady && policy_ == EvictPolicy::kLru) lru_push_back(rec);
 }
 
 void Index::set_ready(std::uint32_t rec) {
   Rec& r = recs_[rec];
-  if (r.state == RecState::kReady) return;
-  r.state = RecState::kReady;
+  if (state_of(r) == RecState::kReady) return;
+  set_state(r, RecState::kReady);
   r.ref = 0;
   if (policy_ == EvictPolicy::kLru) lru_push_back(rec);
 }
 
 void Index::touch(std::uint32_t rec) {
   Rec& r = recs_[rec];
-  if (r.state != RecState::kReady) return;
+  if (state_of(r) != RecState::kReady) return;
   if (policy_ == EvictPolicy::kLru) {
     lru_unlink(rec);
     lru_push_back(rec);
@@ -197,17 +209,18 @@ void Index::unpin(std::uint32_t rec) {
 
 void Index::remove(std::uint32_t rec, bool hold) {
   Rec& r = recs_[rec];
-  if (r.state == RecState::kFree || r.state == RecState::kHeld) return;
+  const RecState s = state_of(r);
+  if (s == RecState::kFree || s == RecState::kHeld) return;
   table_erase(rec);
-  if (r.state == RecState::kReady && policy_ == EvictPolicy::kLru) lru_unlink(rec);
+  if (s == RecState::kReady && policy_ == EvictPolicy::kLru) lru_unlink(rec);
   if (hold)
-    r.state = RecState::kHeld;
+    set_state(r, RecState::kHeld);
   else
     free_record(rec);
 }
 
 void Index::release(std::uint32_t rec) {
-  if (recs_[rec].state == RecState::kHeld) free_record(rec);
+  if (state_of(recs_[rec]) == RecState::kHeld) free_record(rec);
 }
 
 std::vector<std::uint32_t> Index::ready_records() const {
@@ -218,23 +231,24 @@ std::vector<std::uint32_t> Index::ready_records() const {
     for (std::uint32_t r = next_[n]; r != n; r = next_[r]) out.push_back(r);
   } else {
     for (std::uint32_t r = 0; r < n; ++r)
-      if (recs_[r].state == RecState::kReady) out.push_back(r);
+      if (state_of(recs_[r]) == RecState::kReady) out.push_back(r);
   }
   return out;
 }
 
-void Index::apply(std::uint8_t op, std::uint32_t rec, const Digest& d) {
+void Index::apply(std::uint8_t op, std::uint32_t rec, const Digest& d, EventId id) {
   Rec& r = recs_[rec];
-  bool linked = r.state == RecState::kReady;
+  bool linked = state_of(r) == RecState::kReady;
   if (op == kJournalPut) {
+    set_id(rec, id);
     r.digest = d;
-    r.state = RecState::kReady;
+    set_state(r, RecState::kReady);
     if (policy_ == EvictPolicy::kLru) {
       if (linked) lru_unlink(rec);
       lru_push_back(rec);  // the last entry for a record sets its place
     }
   } else if (op == kJournalDrop && linked) {
-    r.state = RecState::kFree;
+    set_state(r, RecState::kFree);
     if (policy_ == EvictPolicy::kLru) lru_unlink(rec);
   }
 }
@@ -245,15 +259,15 @@ std::size_t Index::rebuild() {
   free_.clear();
   const std::uint32_t n = num_records();
   for (std::uint32_t rec = 0; rec < n; ++rec) {
-    if (recs_[rec].state != RecState::kReady) {
-      recs_[rec].state = RecState::kFree;
+    if (state_of(recs_[rec]) != RecState::kReady) {
+      set_state(recs_[rec], RecState::kFree);
       continue;
     }
     std::int64_t old = find(recs_[rec].digest);
     if (old != kNone) {  // the later record wins
       auto o = static_cast<std::uint32_t>(old);
       table_erase(o);
-      recs_[o].state = RecState::kFree;
+      set_state(recs_[o], RecState::kFree);
       if (policy_ == EvictPolicy::kLru) lru_unlink(o);
     }
     table_insert(rec);

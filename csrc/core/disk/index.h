@@ -9,8 +9,9 @@
 // slot so a probe rarely touches a record), sized from the capacity at
 // construction for a load factor of at most 0.8 (8 bytes a slot: 10 bytes per
 // record). Per record: the digest, a state, a reference count for CLOCK and a
-// count of loads in flight (20 bytes); LRU adds two 4-byte links. Eviction is the policy's choice
-// among records that are readable and not being loaded.
+// count of loads in flight (20 bytes), and its event id (8 bytes, EventId);
+// LRU adds two 4-byte links. Eviction is the policy's choice among records
+// that are readable and not being loaded.
 //
 // Not thread-safe: the disk tier calls it under the manager's lock.
 #pragma once
@@ -35,6 +36,21 @@ enum class RecState : std::uint8_t {
 
 enum class EvictPolicy : std::uint8_t { kLru, kClock };
 
+// The group of a record with no event id (recovered from a journal written
+// before ids were kept, or a key the tier could not name).
+constexpr std::uint8_t kUnnamed = 63;
+
+// What names a record in the tier's events once its key is gone (the index
+// keeps digests, not keys): 8 bytes the tier chose when it stored the record
+// (for vLLM, the last 8 bytes of the block hash: vLLM's int block hash) and
+// a group below kUnnamed (vLLM's KV-cache group index). The group lives in
+// the 6 spare bits of the record's state byte, so a name costs 8 bytes.
+struct EventId {
+  std::uint64_t id = 0;
+  std::uint8_t group = kUnnamed;
+  bool named() const { return group < kUnnamed; }
+};
+
 // The op byte of a journal entry (JournalOp in
 // python/kvtier/tiers/disk/journal.py, which writes the journal).
 constexpr std::uint8_t kJournalPut = 1;   // the record holds the digest, readable
@@ -54,17 +70,22 @@ class Index {
 
   // The record holding `d` (any state), or kNone.
   std::int64_t find(const Digest& d) const;
-  RecState state(std::uint32_t rec) const { return recs_[rec].state; }
+  RecState state(std::uint32_t rec) const { return state_of(recs_[rec]); }
   const Digest& digest(std::uint32_t rec) const { return recs_[rec].digest; }
   std::uint16_t loading(std::uint32_t rec) const { return recs_[rec].loading; }
+  EventId event_id(std::uint32_t rec) const {
+    return EventId{ids_[rec], static_cast<std::uint8_t>(recs_[rec].bits >> 2)};
+  }
 
   // A record for a new store: a free one, else the policy's victim (a record
   // readable and not being loaded, removed here; its digest goes to
-  // *evicted and *was_evicted is set). kNone when every record is busy.
-  std::int64_t allocate(Digest* evicted, bool* was_evicted);
-  // `rec` (free, from allocate) now holds `d` in state `s` (kWriting or kReady).
-  // Throws Error(kInvalidArgument) when `d` is already present or `rec` is in use.
-  void insert(const Digest& d, std::uint32_t rec, RecState s);
+  // *evicted, its event id to *evicted_id when given, and *was_evicted is
+  // set). kNone when every record is busy.
+  std::int64_t allocate(Digest* evicted, bool* was_evicted, EventId* evicted_id = nullptr);
+  // `rec` (free, from allocate) now holds `d` in state `s` (kWriting or kReady),
+  // named `id` in events. Throws Error(kInvalidArgument) when `d` is already
+  // present, `rec` is in use or id's group is above kUnnamed.
+  void insert(const Digest& d, std::uint32_t rec, RecState s, EventId id = {});
   // A written record became readable: the policy sees it as new.
   void set_ready(std::uint32_t rec);
   // A readable record was used (a load completed).
@@ -81,7 +102,7 @@ class Index {
   // Warm restart: apply journal or checkpoint entries in their order (op
   // kJournalPut or kJournalDrop; others are ignored), then rebuild() once. Between
   // the two the table is not searchable.
-  void apply(std::uint8_t op, std::uint32_t rec, const Digest& d);
+  void apply(std::uint8_t op, std::uint32_t rec, const Digest& d, EventId id = {});
   // The table from the applied records; of two records with one digest the
   // later record number wins, the other is freed. Returns the number indexed.
   std::size_t rebuild();
@@ -89,11 +110,16 @@ class Index {
  private:
   struct Rec {
     Digest digest;
-    RecState state;
+    std::uint8_t bits;  // RecState (bits 0-1), event group (bits 2-7)
     std::uint8_t ref;
     std::uint16_t loading;
   };
   static_assert(sizeof(Rec) == 20, "a record's entry must stay 20 bytes");
+  static RecState state_of(const Rec& r) { return static_cast<RecState>(r.bits & 3u); }
+  static void set_state(Rec& r, RecState s) {
+    r.bits = static_cast<std::uint8_t>((r.bits & ~3u) | static_cast<std::uint8_t>(s));
+  }
+  void set_id(std::uint32_t rec, EventId id);
   static constexpr std::uint32_t kEmpty = 0xffffffffu;  // never a record number
   static constexpr std::uint64_t kFreeSlot = ~0ull;
 
@@ -104,7 +130,7 @@ class Index {
   void table_erase(std::uint32_t rec);
   void free_record(std::uint32_t rec);
   bool evictable(std::uint32_t rec) const {
-    return recs_[rec].state == RecState::kReady && recs_[rec].loading == 0;
+    return state_of(recs_[rec]) == RecState::kReady && recs_[rec].loading == 0;
   }
   // LRU list (sentinel = num_records): head is the least recently used.
   void lru_unlink(std::uint32_t rec);
@@ -114,6 +140,7 @@ class Index {
   EvictPolicy policy_;
   std::uint8_t clock_max_;
   std::vector<Rec> recs_;
+  std::vector<std::uint64_t> ids_;    // each record's EventId::id
   std::vector<std::uint64_t> table_;  // tag << 32 | record, kFreeSlot when unused
   std::size_t count_ = 0;
   std::vector<std::uint32_t> prev_, next_;  // LRU only

@@ -57,10 +57,22 @@ class TierCompletion:
 
 @dataclass
 class TierEvent:
+    """Blocks of tier ``tier`` became readable (``removed`` false) or stopped
+    being readable (``removed`` true).
+
+    ``keys`` names them by key. ``ids`` names removed blocks whose key the
+    tier no longer has (the disk tier's index keeps digests): by their event
+    id, 12 bytes each, ``tier.event_id(key)`` of the key it was stored as
+    (see :func:`kvtier.tiers.events.vllm_event_id`: for a vLLM key, the last 8
+    bytes of its block hash then its 4-byte group index, so an event id has
+    the shape of a vLLM OffloadKey whose block hash is vLLM's int block
+    hash). A block is named once, by key or by id."""
+
     keys: list[bytes]
     tier: str
     removed: bool
     extra: dict[str, Any] = field(default_factory=dict)
+    ids: list[bytes] = field(default_factory=list)
 
 
 class TierIO(Protocol):

@@ -1,4 +1,5 @@
-"""A tier's events not taken yet, bounded: :class:`EventLog`.
+"""A tier's events not taken yet, bounded: :class:`EventLog`; and what names
+a block whose key a tier no longer has: :func:`vllm_event_id`.
 
 Runs wherever its tier runs (the scheduler process). Who calls: the tiers
 that report stored/removed keys (:class:`~kvtier.tiers.jobs.JobTier` and so
@@ -10,22 +11,42 @@ blocks.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections import deque
 
 from kvtier.errors import InvalidArgument
 from kvtier.tiers.base import TierEvent
 
-__all__ = ["EVENT_LOG_KEYS", "EventLog"]
+__all__ = ["EVENT_GROUPS", "EVENT_LOG_KEYS", "EventLog", "vllm_event_id"]
 
 #: Keys a tier's :class:`EventLog` holds, by default, before it drops the oldest.
 EVENT_LOG_KEYS = 65_536
 
+#: Event ids name groups below this (the disk index keeps a group in 6 bits).
+EVENT_GROUPS = 63
+_GROUP_LIMIT = EVENT_GROUPS.to_bytes(4, "big")
+
+
+def vllm_event_id(key: bytes) -> bytes:
+    """The default event id of ``key`` (:attr:`TierEvent.ids`): 12 bytes, an
+    8-byte id then a 4-byte group index, both big-endian.
+
+    A vLLM OffloadKey (block hash, then its KV-cache group index as 4 bytes)
+    with a group below :data:`EVENT_GROUPS` is named by its last 12 bytes:
+    the block hash's last 8 bytes, which are vLLM's int block hash
+    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``: ``int.from_bytes(hash, "big")``
+    masked to 64 bits), and the group. Any other key is named by an 8-byte
+    blake2b of it, group 0. Pure; any process."""
+    if len(key) >= 12 and key[-4:] < _GROUP_LIMIT:
+        return key[-12:]
+    return hashlib.blake2b(key, digest_size=8).digest() + bytes(4)
+
 
 class EventLog:
     """A tier's stored/removed events not taken yet (:meth:`LowerTier.take_events`),
-    bounded by the keys they name: beyond ``max_keys`` the oldest keys are
-    dropped, and counted in :attr:`dropped` (a tier's stats report it as
-    ``events_dropped``).
+    bounded by the blocks they name (keys and ids): beyond ``max_keys`` the
+    oldest are dropped, and counted in :attr:`dropped` (a tier's stats report
+    it as ``events_dropped``).
 
     Why bounded: the manager takes every tier's events each step, but a tier
     driven without it (a benchmark, a tool, a test) has nobody taking them
@@ -48,7 +69,7 @@ class EventLog:
 
     def append(self, event: TierEvent) -> None:
         """Log ``event``; drop the oldest keys beyond the bound."""
-        n = len(event.keys)
+        n = _size(event)
         if n == 0:
             return
         if n > self.max_keys:  # cut now, so that no event holds more than the bound
@@ -56,13 +77,13 @@ class EventLog:
             self.dropped += cut
             if self.max_keys == 0:
                 return
-            event = dataclasses.replace(event, keys=event.keys[cut:])
+            event = _cut(event, cut)
             n = self.max_keys
         self._events.append(event)
         self._keys += n
         over = self._keys - self.max_keys
         while over > 0:
-            left = len(self._events[0].keys) - self._skip
+            left = _size(self._events[0]) - self._skip
             cut = min(left, over)
             if cut == left:
                 self._events.popleft()
@@ -77,7 +98,17 @@ class EventLog:
         """Every event held, oldest first; the log is empty after."""
         out = list(self._events)
         if self._skip:
-            out[0] = dataclasses.replace(out[0], keys=out[0].keys[self._skip :])
+            out[0] = _cut(out[0], self._skip)
         self._events.clear()
         self._skip = self._keys = 0
         return out
+
+
+def _size(event: TierEvent) -> int:
+    return len(event.keys) + len(event.ids)
+
+
+def _cut(event: TierEvent, n: int) -> TierEvent:
+    """``event`` without its first ``n`` blocks (keys first, then ids)."""
+    k = len(event.keys)
+    return dataclasses.replace(event, keys=event.keys[n:], ids=event.ids[max(0, n - k) :])

@@ -166,12 +166,14 @@ class StagedTier(LowerTier):
     def take_events(self) -> list[TierEvent]:
         ev = self._events.take()
         removed: dict[bytes, None] = {}  # a block gone from any stage is gone, once
+        ids: dict[bytes, None] = {}  # those a stage named by event id
         for t in self.tiers:
             for e in t.take_events():
                 if e.removed:
                     removed.update(dict.fromkeys(e.keys))
-        if removed:
-            ev.append(TierEvent(list(removed), self.name, True))
+                    ids.update(dict.fromkeys(e.ids))
+        if removed or ids:
+            ev.append(TierEvent(list(removed), self.name, True, ids=list(ids)))
         return ev
 
     def has_pending_work(self) -> bool:

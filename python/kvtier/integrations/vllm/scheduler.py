@@ -197,7 +197,9 @@ class KVTierManager(OffloadingManager):
         for e in self.m.take_events():
             medium, locality = _SOURCE_MEDIUM.get(e.tier, (Medium.STORAGE, None))
             yield OffloadingEvent(
-                keys=[OffloadKey(k) for k in e.keys],
+                # Blocks named by event id (kvtier.tiers.events.vllm_event_id) are
+                # OffloadKeys of an 8-byte hash: vLLM publishes their int block hash.
+                keys=[OffloadKey(k) for k in (e.keys + e.ids if e.ids else e.keys)],
                 medium=medium,
                 removed=e.removed,
                 locality=locality,

@@ -3,12 +3,15 @@ their format on the Python side.
 
 ``index.journal`` is append-only, one :data:`JOURNAL_ENTRY` per record that
 became readable (:attr:`JournalOp.PUT`) or was dropped
-(:attr:`JournalOp.DROP`). Python writes it; the native index parses it at a
+(:attr:`JournalOp.DROP`), with the record's event id (what names it in the
+tier's events once its key is gone). Python writes it; the native index parses it at a
 warm restart (``DiskIndex.replay_journal`` in ``csrc/bindings/disk_index.cc``,
 whose ``kJournal*`` constants name the same layout, and ``kJournalPut`` /
 ``kJournalDrop`` in ``csrc/core/disk/index.h``). ``index.ckpt`` is a
 snapshot that bounds the journal: the index's readable records in bulk
-(record numbers, then digests, one crc32), written and read here. The record
+(record numbers, digests, event ids and groups, one crc32), written and read
+here. Files of the earlier formats (``KVJ1`` entries, ``KVC2``) are still
+read; their records have no event id. The record
 states the native index reports are :class:`RecordState` (``RecState`` in
 ``index.h``). ``tests/integration/test_disk_index.py`` fails when the two
 sides drift.
@@ -42,6 +45,7 @@ __all__ = [
     "JOURNAL_ENTRY",
     "JOURNAL_ENTRY_BYTES",
     "JOURNAL_MAGIC",
+    "UNNAMED",
     "IndexJournal",
     "JournalOp",
     "RecordState",
@@ -67,30 +71,49 @@ class JournalOp(enum.IntEnum):
     DROP = 2  # the record was dropped
 
 
-#: One journal entry: magic, op, 3 pad bytes, record (u64), key digest (16
-#: bytes), block length (u64), sequence (u64), then a zlib crc32 of all
-#: before it. Its offsets are ``kJournal*`` in ``csrc/bindings/disk_index.cc``.
-JOURNAL_ENTRY = struct.Struct("<4sBxxxQ16sQQI")
-JOURNAL_ENTRY_BYTES = 52  # kJournalEntryBytes
-JOURNAL_MAGIC = b"KVJ1"  # kJournalMagic
+#: One journal entry: magic, op, event group (u8), 2 pad bytes, record (u64),
+#: key digest (16 bytes), block length (u64), sequence (u64), event id (8
+#: bytes as in the 12-byte event id: big-endian), then a zlib crc32 of all
+#: before it. Its offsets are ``kJournal*`` in
+#: ``csrc/bindings/disk_index.cc``.
+JOURNAL_ENTRY = struct.Struct("<4sBBxxQ16sQQ8sI")
+JOURNAL_ENTRY_BYTES = 60  # kJournalEntryBytes
+JOURNAL_MAGIC = b"KVJ2"  # kJournalMagic
+#: The group of a record without an event id (``kUnnamed`` in ``index.h``).
+UNNAMED = 63
+_NO_ID = bytes(8)
 _J_BODY = struct.Struct(JOURNAL_ENTRY.format[:-1])  # all but the crc, which covers it
 _J_CRC = struct.Struct("<I")
 assert JOURNAL_ENTRY.size == JOURNAL_ENTRY_BYTES
 
 #: Checkpoint head: magic, format, block bytes, records of the tier, entries,
 #: seq, crc32 of the body; the body is the entries' record numbers (uint32),
-#: then their digests (16 bytes each), least valuable first (LRU order).
+#: then their digests (16 bytes each), event ids (uint64) and event groups
+#: (uint8), least valuable first (LRU order). ``KVC2`` had no ids or groups.
 CHECKPOINT_HEAD = struct.Struct("<4sIQQQQI4x")
-CHECKPOINT_MAGIC = b"KVC2"
-_CKPT_ENTRY_BYTES = 4 + 16
+CHECKPOINT_MAGIC = b"KVC3"
+_CKPT_V2_MAGIC = b"KVC2"
+_CKPT_ENTRY_BYTES = 4 + 16 + 8 + 1
+_CKPT_V2_ENTRY_BYTES = 4 + 16
 
 JOURNAL_FILE = "index.journal"
 CHECKPOINT_FILE = "index.ckpt"
 
 
-def journal_entry(op: JournalOp, record: int, digest: bytes, block_bytes: int, seq: int) -> bytes:
-    """One whole journal entry, crc included."""
-    body = _J_BODY.pack(JOURNAL_MAGIC, op, record, digest, block_bytes, seq)
+def journal_entry(
+    op: JournalOp,
+    record: int,
+    digest: bytes,
+    block_bytes: int,
+    seq: int,
+    event_id: bytes | None = None,
+) -> bytes:
+    """One whole journal entry, crc included. ``event_id``: 12 bytes (id,
+    then group, big-endian; see :func:`kvtier.tiers.events.vllm_event_id`)
+    or None."""
+    # An event id's group is below UNNAMED: its last byte is all of it.
+    ident, group = (event_id[:8], event_id[11]) if event_id is not None else (_NO_ID, UNNAMED)
+    body = _J_BODY.pack(JOURNAL_MAGIC, op, group, record, digest, block_bytes, seq, ident)
     return body + _J_CRC.pack(zlib.crc32(body))
 
 
@@ -133,7 +156,7 @@ class IndexJournal:
             if not p.exists():
                 continue
             data = os_call("read", p, p.read_bytes)
-            if fname == CHECKPOINT_FILE and data[:4] == CHECKPOINT_MAGIC:
+            if fname == CHECKPOINT_FILE and data[:4] in (CHECKPOINT_MAGIC, _CKPT_V2_MAGIC):
                 self._apply_checkpoint(index, data)
                 continue
             # A journal, or a checkpoint in the journal's format (before KVC2).
@@ -151,9 +174,11 @@ class IndexJournal:
         if len(data) < CHECKPOINT_HEAD.size:
             warnings.warn(f"kvtier disk tier: {where} is truncated: ignored", stacklevel=3)
             return
-        _, _fmt, block_bytes, _, count, seq, crc = CHECKPOINT_HEAD.unpack_from(data)
+        magic, _fmt, block_bytes, _, count, seq, crc = CHECKPOINT_HEAD.unpack_from(data)
+        named = magic == CHECKPOINT_MAGIC
         body = memoryview(data)[CHECKPOINT_HEAD.size :]
-        if len(body) != _CKPT_ENTRY_BYTES * count or zlib.crc32(body) != crc:
+        per = _CKPT_ENTRY_BYTES if named else _CKPT_V2_ENTRY_BYTES
+        if len(body) != per * count or zlib.crc32(body) != crc:
             warnings.warn(f"kvtier disk tier: {where} is damaged: ignored", stacklevel=3)
             return
         self.seq = max(self.seq, seq)
@@ -161,17 +186,25 @@ class IndexJournal:
             return  # from a different configuration
         recs = np.frombuffer(body, np.uint32, count)
         digs = np.frombuffer(body, np.uint8, 16 * count, 4 * count).reshape(count, 16)
+        ids = groups = None
+        if named:
+            ids = np.frombuffer(body, "<u8", count, 20 * count).astype(np.uint64)
+            groups = np.frombuffer(body, np.uint8, count, 28 * count)
         keep = recs < self.num_records  # from a larger configuration
         if not keep.all():
             recs, digs = recs[keep], digs[keep]
-        index.apply(recs, digs)
+            if ids is not None and groups is not None:
+                ids, groups = ids[keep], groups[keep]
+        index.apply(recs, digs, ids, groups)
 
     # -- appending -------------------------------------------------------------
-    def append(self, op: JournalOp, record: int, digest: bytes) -> None:
+    def append(
+        self, op: JournalOp, record: int, digest: bytes, event_id: bytes | None = None
+    ) -> None:
         """Buffer one entry (written by the next :meth:`flush`)."""
         # Wraps: a journal from elsewhere may end at seq 2**64-1 (only order in the file counts).
         self.seq = (self.seq + 1) & 0xFFFF_FFFF_FFFF_FFFF
-        self._buf += journal_entry(op, record, digest, self.block_bytes, self.seq)
+        self._buf += journal_entry(op, record, digest, self.block_bytes, self.seq, event_id)
         self.entries += 1
 
     def discard(self) -> None:
@@ -202,11 +235,15 @@ class IndexJournal:
     def checkpoint(self, index: Any) -> None:
         """Snapshot ``index``'s readable records and truncate the journal
         (crash safe at every point). Raises NoSpace or IoError, leaving the
-        files as they were. Blocks while it writes and fsyncs about 20 bytes
+        files as they were. Blocks while it writes and fsyncs about 29 bytes
         per record."""
         tmp = self.dir / "index.ckpt.tmp"
         recs = index.ready_records()
-        body = recs.tobytes() + index.digests(recs).tobytes()
+        ids, groups = index.event_ids(recs)
+        body = (
+            recs.tobytes() + index.digests(recs).tobytes() + ids.astype("<u8").tobytes()
+            + groups.tobytes()
+        )  # fmt: skip
         head = CHECKPOINT_HEAD.pack(
             CHECKPOINT_MAGIC, 1, self.block_bytes, self.num_records, len(recs), self.seq,
             zlib.crc32(body),

@@ -15,7 +15,8 @@ load re-checks the trailer, so a crash can lose recent blocks but never
 serve wrong bytes.
 
 The index (digest -> record, each record's state and eviction state) is
-native (``_native.DiskIndex``, 30-38 bytes per record): a disk holds
+native (``_native.DiskIndex``, 38-46 bytes per record, 8 of them the
+record's event id): a disk holds
 hundreds of millions of records, too many for a Python object each. Its
 eviction policy (``lru`` or ``clock``) is chosen here; admission stays a
 Python decision per offered key (:class:`WriteGate`).
@@ -27,8 +28,7 @@ import contextlib
 import os
 import time
 import warnings
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
 from kvtier.tiers.disk.directory import SlabFiles, check_directory
 from kvtier.tiers.disk.journal import IndexJournal, JournalOp, RecordState
 from kvtier.tiers.disk.worker import DiskReaderSpec
-from kvtier.tiers.events import EVENT_LOG_KEYS
+from kvtier.tiers.events import EVENT_LOG_KEYS, vllm_event_id
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
 from kvtier.tiers.records import key_digest, namespace_digest, record_bytes
 from kvtier.units import FreeFraction
@@ -80,12 +80,19 @@ class DiskTier(JobTier):
     held until :meth:`close`; a second opener gets :class:`~kvtier.errors.InUse`
     naming the owner's pid).
     ``policy``: ``lru``, ``clock`` or ``clock:N`` (see :data:`DISK_POLICIES`).
-    ``event_keys``: how many of the keys this process stored most recently
-    are remembered for eviction events (the index keeps only digests: an
-    eviction of an older key, or of one recovered at restart, is not
-    reported). ``event_log_keys``: the keys of events not taken
-    (:meth:`take_events`) held before the oldest are dropped (counted in
-    ``events_dropped``).
+    ``event_id``: what names a record in removal events once its key is gone
+    (the index keeps digests, not keys): a function of the key giving 12
+    bytes (an 8-byte id, then a group index below 63, big-endian), or None
+    to leave it unnamed; default :func:`~kvtier.tiers.events.vllm_event_id`
+    (for a vLLM key: the block hash's last 8 bytes, vLLM's int block hash,
+    and the group). The index keeps it (8 bytes a record) and the journal
+    and checkpoint persist it, so evictions, drops and resets name every
+    record they remove, recovered ones included (:attr:`TierEvent.ids`; a
+    removal whose key is at hand names the key). Records without one
+    (``None``, or recovered from files of an earlier format) are removed
+    unnamed, counted in ``unnamed_removals``. ``event_log_keys``: the
+    blocks of events not taken (:meth:`take_events`) held before the oldest
+    are dropped (counted in ``events_dropped``).
     """
 
     def __init__(
@@ -109,7 +116,7 @@ class DiskTier(JobTier):
         sync: bool = False,
         no_data: bool = False,
         timeout_s: float = 30.0,
-        event_keys: int = 4096,
+        event_id: Callable[[bytes], bytes | None] = vllm_event_id,
         event_log_keys: int = EVENT_LOG_KEYS,
     ) -> None:
         if block_bytes <= 0:
@@ -120,7 +127,8 @@ class DiskTier(JobTier):
             raise InvalidArgument(f"backend must be auto, io_uring or pread, not {backend!r}")
         self._tier_init(
             name, "load_failures", "corrupt", "io_errors", "evictions", "budget_skips",
-            "not_admitted", "nospace", "recovered", event_log_keys=event_log_keys,
+            "not_admitted", "nospace", "recovered", "unnamed_removals",
+            event_log_keys=event_log_keys,
         )  # fmt: skip
         self.block_bytes = block_bytes
         self.record_bytes = record_bytes(block_bytes)
@@ -154,9 +162,7 @@ class DiskTier(JobTier):
 
             self.index = _native.DiskIndex(self.num_records, self.policy, clock_max)
             self._ready = self.index.ready_fn()  # lookup's test, without pybind11's dispatch
-            # digest -> key of the last event_keys stores, to name evicted keys
-            self._event_keys: OrderedDict[bytes, bytes] = OrderedDict()
-            self._event_keys_max = max(0, event_keys)
+            self.event_id = event_id
             self._held = 0  # records out of use until a timed-out write ends
             self._ended_early: set[int] = set()  # such writes that ended before their batch
             self._released: list[int] = []  # host slots of timed-out jobs that ended
@@ -235,9 +241,11 @@ class DiskTier(JobTier):
         return getattr(self, "_backend", "none (no data)")
 
     # -- journal ---------------------------------------------------------------
-    def _journal(self, op: JournalOp, rec: int, dig: bytes) -> None:
+    def _journal(self, op: JournalOp, rec: int, dig: bytes, event_id: bytes | None = None) -> None:
+        """Buffer an entry; a PUT carries the record's event id, so that a
+        restart still names the record."""
         assert self.journal is not None
-        self.journal.append(op, rec, dig)
+        self.journal.append(op, rec, dig, event_id)
 
     def _flush_journal(self) -> None:
         """Append the buffered entries; once an append failed (the file
@@ -265,7 +273,7 @@ class DiskTier(JobTier):
         point). Raises NoSpace or IoError, leaving the files as they were.
 
         Who calls: the tier itself when the journal grows past a bound, and
-        users. Blocks while it writes and fsyncs about 20 bytes per record."""
+        users. Blocks while it writes and fsyncs about 29 bytes per record."""
         assert self.journal is not None
         self.journal.checkpoint(self.index)
 
@@ -279,32 +287,30 @@ class DiskTier(JobTier):
             return False
         return self.gate.admit(key, self.record_bytes, self.counters)
 
-    def _claim(self, dig: bytes, key: bytes, evicted: list[bytes]) -> int:
-        """A record being written for ``dig``: a free one, else the policy's
-        first victim neither being written nor read (its key appended to
-        ``evicted`` when this process stored it recently). -2 when ``dig``
-        is stored or being stored, -1 when no record can be had."""
-        rec, gone = self.index.claim(dig)
-        if rec < 0:
-            return int(rec)
-        names = self._event_keys
+    def _claim(self, dig: bytes, name: bytes | None, evicted: list[bytes]) -> int:
+        """A record being written for ``dig`` (event id ``name``): a free
+        one, else the policy's first victim neither being written nor read
+        (its event id appended to ``evicted``). -2 when ``dig`` is stored or
+        being stored, -1 when no record can be had."""
+        rec, gone = self.index.claim(dig, name)
         if gone is not None:
             self.counters["evictions"] += 1
-            name = names.pop(gone, None)
-            if name is not None:  # older keys (and recovered ones) are not known
-                evicted.append(name)
-        if self._event_keys_max:
-            names[dig] = key
-            if len(names) > self._event_keys_max:
-                names.popitem(last=False)
+            if gone:
+                evicted.append(gone)
+            else:
+                self.counters["unnamed_removals"] += 1
         return int(rec)
+
+    def _removed(self, keys: list[bytes], ids: list[bytes]) -> None:
+        """Blocks stopped being readable: one event naming them."""
+        if keys or ids:
+            self._events.append(TierEvent(keys, self.name, removed=True, ids=ids))
 
     def _forget(self, dig: bytes, rec: int, hold: bool = False) -> None:
         """``rec`` leaves the index: free at once, or (``hold``) when its
         timed-out job ends."""
         self.index.remove(rec, hold)
         self._held += hold
-        self._event_keys.pop(dig, None)
 
     def _locate(self, rec: int) -> tuple[int, int]:
         return rec // self.per_file, (rec % self.per_file) * self.record_bytes
@@ -358,20 +364,22 @@ class DiskTier(JobTier):
     def submit_store(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
         self._check(keys, slots)
         digs = [key_digest(k) for k in keys]
+        names = [self.event_id(k) for k in keys]
         ok = [False] * len(keys)
         recs: list[int | None] = [None] * len(keys)
         io_idx: list[int] = []
         evicted: list[bytes] = []
         for i, d in enumerate(digs):
-            rec = self._claim(d, keys[i], evicted)
+            rec = self._claim(d, names[i], evicted)
             if rec < 0:
                 ok[i] = rec == -2  # already stored (or being stored)
                 continue
             recs[i] = rec
             io_idx.append(i)
-        if evicted:
-            self._events.append(TierEvent(evicted, self.name, removed=True))
+        self._removed([], evicted)
         batch = self._launch("store", keys, slots, digs, recs, io_idx, ok)
+        if batch is not None:
+            batch.data["names"] = names
         if batch is None:
             for i in io_idx:  # backpressure: undo, nothing was queued
                 undo = recs[i]
@@ -446,11 +454,12 @@ class DiskTier(JobTier):
         self.counters["load_failures"] += 1
         ix = self.index
         if ix.state(rec) == RecordState.READY and ix.loading(rec) == 0 and ix.digest(rec) == dig:
-            key = key if key is not None else self._event_keys.get(dig)
+            name = ix.event_id(rec) if key is None else None
             self._forget(dig, rec)
             self._journal(JournalOp.DROP, rec, dig)
-            if key is not None:
-                self._events.append(TierEvent([key], self.name, removed=True))
+            if key is None and name is None:
+                self.counters["unnamed_removals"] += 1
+            self._removed([] if key is None else [key], [] if name is None else [name])
 
     def reserve_for_write(self, keys: Sequence[bytes]) -> list[tuple[int, np.ndarray, bytes]]:
         """Records for ``keys`` that another process writes itself (an engine
@@ -464,12 +473,11 @@ class DiskTier(JobTier):
             d = key_digest(k)
             if d in self.index or not self.admit(k):
                 continue
-            rec = self._claim(d, k, evicted)
+            rec = self._claim(d, self.event_id(k), evicted)
             if rec < 0:
                 break
             out.append((i, np.array([rec, *self._locate(rec)], np.int64), d))
-        if evicted:
-            self._events.append(TierEvent(evicted, self.name, removed=True))
+        self._removed([], evicted)
         return out
 
     def commit_write(self, key: bytes, record: int, ok: bool) -> None:
@@ -480,7 +488,7 @@ class DiskTier(JobTier):
             return  # not ours any more (reset)
         if ok:
             self.index.set_ready(record)
-            self._journal(JournalOp.PUT, record, d)
+            self._journal(JournalOp.PUT, record, d, self.index.event_id(record))
             count_moved(self.counters, "store", 1, self.record_bytes)
             self._events.append(TierEvent([key], self.name, removed=False))
         else:
@@ -509,6 +517,7 @@ class DiskTier(JobTier):
     def _finish(self, b: Batch) -> TierCompletion:
         d = b.data
         keys, digs, recs, ok = d["keys"], d["digs"], d["recs"], d["ok"]
+        names: list[bytes | None] = d.get("names") or [None] * len(keys)
         held = [False] * len(keys)
         stored: list[bytes] = []
         loaded = 0
@@ -519,7 +528,7 @@ class DiskTier(JobTier):
             if b.kind == "store":
                 if code == 0:
                     self.index.set_ready(rec)
-                    self._journal(JournalOp.PUT, rec, dig)
+                    self._journal(JournalOp.PUT, rec, dig, names[i])
                     ok[i] = True
                     stored.append(keys[i])
                 else:
@@ -555,11 +564,19 @@ class DiskTier(JobTier):
         return out
 
     def reset(self) -> None:
-        for rec in self.index.ready_records().tolist():
-            if self.index.loading(rec) == 0:
-                dig = self.index.digest(rec)
+        """Drop every readable record not being loaded (each named in a
+        removal event); records being written or loaded stay."""
+        ix, ids = self.index, []
+        for rec in ix.ready_records().tolist():
+            if ix.loading(rec) == 0:
+                dig, name = ix.digest(rec), ix.event_id(rec)
                 self._forget(dig, rec)
                 self._journal(JournalOp.DROP, rec, dig)
+                if name is None:
+                    self.counters["unnamed_removals"] += 1
+                else:
+                    ids.append(name)
+        self._removed([], ids)
         self._flush_journal()
 
     def _release(self) -> None:
