@@ -34,7 +34,7 @@ def K(i: int) -> bytes:
 
 def names(e: TierEvent) -> list[bytes]:
     """The blocks an event names, each by its event id."""
-    return [vllm_event_id(k) for k in e.keys] + e.ids
+    return [vllm_event_id(k) for k in e.keys] + list(e.ids)
 
 
 @dataclass

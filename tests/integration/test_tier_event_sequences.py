@@ -21,7 +21,7 @@ def V(i: int, group: int = 0) -> bytes:
 
 
 def names(e: TierEvent) -> list[bytes]:
-    return [vllm_event_id(k) for k in e.keys] + e.ids
+    return [vllm_event_id(k) for k in e.keys] + list(e.ids)
 
 
 def tier(path: Path, records: int) -> DiskTier:
@@ -62,9 +62,9 @@ def test_an_exact_sequence_through_evictions_a_drop_a_restart_and_a_reset(
     t = tier(tmp_path, 4)
     keys = [V(i, 1) for i in range(7)]
     store(t, keys[:4])
-    assert [(e.removed, e.keys, e.ids) for e in t.take_events()] == [(False, keys[:4], [])]
+    assert [(e.removed, e.keys, list(e.ids)) for e in t.take_events()] == [(False, keys[:4], [])]
     store(t, keys[4:5])  # LRU: keys[0] goes, named by event id
-    assert [(e.removed, e.keys, e.ids) for e in t.take_events()] == [
+    assert [(e.removed, e.keys, list(e.ids)) for e in t.take_events()] == [
         (True, [], [keys[0][-12:]]),
         (False, keys[4:5], []),
     ]
@@ -73,12 +73,14 @@ def test_an_exact_sequence_through_evictions_a_drop_a_restart_and_a_reset(
     t.unpin_read(loc[:, 0].tolist())
     t.read_failed(loc, digs)
     assert t.lookup(keys[1]) is LookupResult.MISS
-    assert [(e.removed, e.keys, e.ids) for e in t.take_events()] == [(True, [], [keys[1][-12:]])]
+    assert [(e.removed, e.keys, list(e.ids)) for e in t.take_events()] == [
+        (True, [], [keys[1][-12:]])
+    ]
     t.close()
     t = tier(tmp_path, 4)  # recovered: 2, 3, 4, still named
     assert t.stats()["recovered"] == 3
     store(t, keys[5:7])  # one free record, then keys[2] goes
-    assert [(e.removed, e.keys, e.ids) for e in t.take_events()] == [
+    assert [(e.removed, e.keys, list(e.ids)) for e in t.take_events()] == [
         (True, [], [keys[2][-12:]]),
         (False, keys[5:7], []),
     ]

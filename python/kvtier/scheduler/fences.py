@@ -31,11 +31,8 @@ class Fills:
 
     def __init__(self, core: Core) -> None:
         self.core = core
-        self._count = 0  # entries whose fill is not NONE (fast paths skip all when 0)
+        self.count = 0  # entries whose fill is not NONE (fast paths skip all when 0)
         self._failed: set[bytes] = set()  # entries whose fill is FAILED
-
-    def __bool__(self) -> bool:
-        return self._count > 0
 
     def start(self, i: int, keys: list[bytes], slots: list[int]) -> bool:
         """Read ``keys`` from lower tier ``i`` into ``slots`` under fences and
@@ -57,7 +54,7 @@ class Fills:
             e = entries[k]
             e.fill, e.fence = Fill.FILLING, a
             core.host.mark_ready(k)
-        self._count += len(keys)
+        self.count += len(keys)
         core.stats.fenced_reads += len(keys)
         return True
 
@@ -91,7 +88,7 @@ class Fills:
         """Per key of a load, the fence its copy waits for (0: none); None
         when no key has one. A failed read's value too: that copy then fails
         on its fence."""
-        if not self._count:
+        if not self.count:
             return None
         entries = self.core.host.entries
         armed = [entries[k].fence if s >= 0 else 0 for k, s in zip(keys, slots)]
@@ -114,15 +111,15 @@ class Fills:
     def forget(self, key: bytes, e: HostEntry) -> None:
         """``key``'s entry was detached by a reset."""
         if e.fill is not Fill.NONE:
-            self._count -= 1
+            self.count -= 1
             self._failed.discard(key)
 
     def _settled(self, e: HostEntry) -> None:
         e.fill, e.fence = Fill.NONE, 0
-        self._count -= 1
+        self.count -= 1
 
     def _drop(self, keys: Iterable[bytes]) -> None:
         for k in list(keys):
             if self.core.host.drop(k) is not None:
-                self._count -= 1
+                self.count -= 1
             self._failed.discard(k)

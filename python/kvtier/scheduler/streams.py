@@ -23,26 +23,26 @@ class Streams:
 
     def __init__(self, core: Core) -> None:
         self.core = core
-        self._hits: dict[bytes, int] = {}  # key -> tier, this step
-        self._pins: dict[
+        self.hits: dict[bytes, int] = {}  # key -> tier, this step
+        self.pins: dict[
             tuple[Any, bytes], list[tuple[int, int]]
         ] = {}  # (req, key) -> [(tier, record)]
-        self._writes: dict[bytes, tuple[int, int]] = {}  # key -> (tier, record)
+        self.writes: dict[bytes, tuple[int, int]] = {}  # key -> (tier, record)
 
     def hit(self, key: bytes, tier: int) -> None:
         """``key`` was reported HIT for the worker to read from ``tier``."""
-        self._hits[key] = tier
+        self.hits[key] = tier
 
     def tier_of(self, key: bytes) -> int | None:
         """The tier a streamed HIT of this step is read from (None: not one)."""
-        return self._hits.get(key)
+        return self.hits.get(key)
 
     def step_end(self) -> None:
-        self._hits.clear()
+        self.hits.clear()
 
     def in_flight(self) -> int:
         """Records pinned for loads or reserved for writes."""
-        return sum(len(p) for p in self._pins.values()) + len(self._writes)
+        return sum(len(p) for p in self.pins.values()) + len(self.writes)
 
     def pin(self, keys: list[bytes], streamed: dict[int, list[int]], req: Any) -> StreamSpec:
         """Pin the records of ``keys[i]`` for ``i`` in ``streamed[tier]`` for
@@ -55,7 +55,7 @@ class Streams:
             tier = core.lower[t]
             loc, dig = tier.pin_for_read([keys[i] for i in pos])
             for i, rec in zip(pos, loc[:, 0].tolist()):
-                self._pins.setdefault((req, keys[i]), []).append((t, rec))
+                self.pins.setdefault((req, keys[i]), []).append((t, rec))
             spec = tier.reader_spec()
             assert spec is not None
             readers[tier.name] = spec
@@ -67,18 +67,15 @@ class Streams:
         return StreamSpec(np.asarray(index, np.int64), tiers, np.concatenate(locs), b"".join(digs),
                           readers)  # fmt: skip
 
-    def pinned(self) -> bool:
-        return bool(self._pins)
-
     def unpin(self, key: bytes, req: Any) -> bool:
         """End request ``req``'s streamed load of ``key``; False when that
         load was not streamed (the key's host slot is the one to unpin)."""
-        pins = self._pins.get((req, key))
+        pins = self.pins.get((req, key))
         if not pins:
             return False
         t, rec = pins.pop()
         if not pins:
-            del self._pins[(req, key)]
+            del self.pins[(req, key)]
         self.core.lower[t].unpin_read([rec])
         return True
 
@@ -95,7 +92,7 @@ class Streams:
             got = tier.reserve_for_write(keys)
             out = [keys[i] for i, _, _ in got]
             for k, (_, loc, _) in zip(out, got):
-                self._writes[k] = (t, int(loc[0]))
+                self.writes[k] = (t, int(loc[0]))
             core.stats.streamed_stores += len(out)
             if not out:
                 return [], None
@@ -108,7 +105,7 @@ class Streams:
 
     def commit(self, key: bytes, success: bool) -> bool:
         """The worker's write of ``key`` ended; False when it was not one."""
-        w = self._writes.pop(key, None) if self._writes else None
+        w = self.writes.pop(key, None)
         if w is None:
             return False
         self.core.lower[w[0]].commit_write(key, w[1], success)

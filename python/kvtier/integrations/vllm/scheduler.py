@@ -199,7 +199,7 @@ class KVTierManager(OffloadingManager):
             yield OffloadingEvent(
                 # Blocks named by event id (kvtier.tiers.events.vllm_event_id) are
                 # OffloadKeys of an 8-byte hash: vLLM publishes their int block hash.
-                keys=[OffloadKey(k) for k in (e.keys + e.ids if e.ids else e.keys)],
+                keys=[OffloadKey(k) for k in ([*e.keys, *e.ids] if e.ids else e.keys)],
                 medium=medium,
                 removed=e.removed,
                 locality=locality,

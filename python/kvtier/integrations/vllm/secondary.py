@@ -162,7 +162,7 @@ class _KVTierSecondary(SecondaryTierManager):
             yield OffloadingEvent(
                 # Blocks named by event id (kvtier.tiers.events.vllm_event_id) are
                 # OffloadKeys of an 8-byte hash: vLLM publishes their int block hash.
-                keys=[OffloadKey(k) for k in (e.keys + e.ids if e.ids else e.keys)],
+                keys=[OffloadKey(k) for k in ([*e.keys, *e.ids] if e.ids else e.keys)],
                 medium=self.medium or Medium.STORAGE,
                 removed=e.removed,
                 locality=self.locality,
