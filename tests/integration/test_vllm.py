@@ -124,11 +124,43 @@ def test_spec_loads_through_the_factory() -> None:
         ({"kvtier_host_bytes": "1MiB", "kvtier_scan_wait_ms": -1}, "kvtier_scan_wait_ms"),
         ({"kvtier_host_bytes": "1MiB", "kvtier_scan_bytes": "lots"}, "cannot parse size"),
         ({"kvtier_host_bytes": "1MiB", "kvtier_remote_probe": 1}, "kvtier_remote_probe"),
+        ({"kvtier_host_bytes": "1MiB", "kvtier_lower_writes": "later"}, "on_store or on_reuse"),
     ],
 )
 def test_bad_config_keys_are_clear_errors(extra: dict[str, Any], match: str) -> None:
     with pytest.raises(kvtier.InvalidArgument, match=match):
         OffloadingSpecFactory.create_spec(config({**SPEC, **extra})).get_manager()
+
+
+@pytest.mark.parametrize("writes", ["on_store", "on_reuse"])
+def test_lower_writes_on_reuse_writes_to_disk_on_the_first_reuse(
+    tmp_path: Path, writes: str
+) -> None:
+    """kvtier_lower_writes: on_store writes a block to the disk tier when it
+    is stored; on_reuse only once the engine loads it from the host tier."""
+    extra = {**SPEC, "kvtier_host_bytes": "1MiB", "kvtier_disk_path": str(tmp_path / "disk"),
+             "kvtier_disk_bytes": "4MiB", "kvtier_lower_writes": writes}  # fmt: skip
+    m = OffloadingSpecFactory.create_spec(config(extra)).get_manager()
+    inner = m.m
+    disk = inner.lower[0]
+
+    def drained() -> int:
+        for _ in range(3):  # the step end submits; a later one reaps
+            inner.on_schedule_end()
+            ids = sorted(disk.jobs.in_flight())
+            if ids:
+                disk.engine.wait(ids, 5.0)
+        return int(disk.stats()["stores"])
+
+    key = b"\1" * 32 + b"\0\0\0\0"
+    out = inner.prepare_store([key])
+    assert out is not None
+    inner.complete_store(out.keys_to_store)
+    stored = drained()
+    inner.prepare_load([key])
+    inner.complete_load([key])
+    assert (stored, drained()) == ((1, 1) if writes == "on_store" else (0, 1))
+    m.shutdown()
 
 
 def test_following_keys_come_from_vllm_req_context_in_prefix_order() -> None:

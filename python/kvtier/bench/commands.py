@@ -245,7 +245,7 @@ def _cmd_bench_serve_load(args: argparse.Namespace) -> int:
     )  # fmt: skip
     result = run_load(
         out, python, str(model_dir), configs=configs, repeats=args.repeats or 3,
-        settings=EngineSettings(),
+        settings=EngineSettings(lower_writes=args.lower_writes),
         workloads=Workloads(trace=trace, time_scale=args.time_scale,
                             max_requests=args.max_requests, concurrencies=conc, names=names),
         progress=None if args.json else (lambda m: print(f"  {m}", flush=True)),
@@ -446,6 +446,10 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="--server: trace requests (default 40); route: the first M (default: all)",
     )  # fmt: skip
     o.add_argument("--concurrencies", default="1,4", help="--server: prefix and random load levels")
+    o.add_argument(
+        "--lower-writes", default="on_store", choices=["on_store", "on_reuse"],
+        help="--server: kvtier_lower_writes of every kvtier configuration (default on_store)",
+    )  # fmt: skip
     o.add_argument("--workloads", help="--server: comma-separated: trace, prefix, random")
     o = b.add_argument_group("soak")
     o.add_argument(

@@ -82,6 +82,7 @@ class EngineSettings:
     # threads fight the engine core and the API server for the cores.
     omp_threads_bind: str = "0"
     kv_cache_space_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE (at least large_blocks' bytes)
+    lower_writes: str = "on_store"  # kvtier_lower_writes of every kvtier configuration
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,8 @@ def kvtier_extra(
     if "disk" in config:
         kv["kvtier_disk_path"] = str(workdir / f"disk-{config}")
         kv["kvtier_disk_bytes"] = 2 * whole
+    if settings.lower_writes != "on_store":
+        kv["kvtier_lower_writes"] = settings.lower_writes
     if "redis" in config or config == "second-server":
         if redis_url is None:
             raise InvalidArgument(f"{config} needs a Redis server")

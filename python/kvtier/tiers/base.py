@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -108,19 +108,22 @@ class TierIO(Protocol):
     def close(self) -> None: ...
 
 
-class ReaderSpec(ABC):
+class ReaderSpec:
     """What an engine worker needs to open a lower tier's medium itself.
 
     Made in the scheduler by :meth:`LowerTier.reader_spec`, carried to the
     worker inside the engine's per-step metadata (so every subclass is a
     frozen, picklable dataclass of plain values), opened there once per
-    tier by :meth:`open`. Nothing here blocks but :meth:`open`.
+    tier by :meth:`open`. A subclass names its medium's I/O class in
+    :attr:`io`. Nothing here blocks but :meth:`open`.
     """
 
-    @abstractmethod
+    io: ClassVar[Callable[[Any, HostPool], TierIO]]
+
     def open(self, pool: HostPool) -> TierIO:
         """The medium, moving blocks through slots of ``pool`` (the worker's
         staging ring, registered with the reader's own engine)."""
+        return type(self).io(self, pool)
 
 
 def check_slots(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -25,21 +25,6 @@ if TYPE_CHECKING:
     from kvtier.pool import HostPool
 
 __all__ = ["RemoteIO", "RemoteReaderSpec"]
-
-
-@dataclass(frozen=True)
-class RemoteReaderSpec(ReaderSpec):
-    """What a worker needs to reach a remote tier's values: the pool
-    (``connection``), the tier's ``block_bytes``, the ``prefix`` of its server
-    keys and the tier's ``timeout_s`` (a worker's job may take four times it)."""
-
-    connection: RemoteConnection
-    block_bytes: int
-    prefix: bytes
-    timeout_s: float
-
-    def open(self, pool: HostPool) -> RemoteIO:
-        return RemoteIO(self, pool)
 
 
 class RemoteIO:
@@ -80,3 +65,17 @@ class RemoteIO:
         """Drain what is in flight and disconnect. Blocks."""
         self.engine.close()
         self.store = None
+
+
+@dataclass(frozen=True)
+class RemoteReaderSpec(ReaderSpec):
+    """What a worker needs to reach a remote tier's values: the pool
+    (``connection``), the tier's ``block_bytes``, the ``prefix`` of its server
+    keys and the tier's ``timeout_s`` (a worker's job may take four times it)."""
+
+    connection: RemoteConnection
+    block_bytes: int
+    prefix: bytes
+    timeout_s: float
+
+    io: ClassVar[type[RemoteIO]] = RemoteIO

@@ -30,6 +30,12 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
         "disk eviction policy (native): lru, clock or clock:N (default lru)",
     ),
     "kvtier_admit_after": (int, "store a block after it was offered N times (default 1)"),
+    "kvtier_lower_writes": (
+        str,
+        "when a block is written to the disk and Redis tiers: on_store (when stored in the host "
+        "tier, the default) or on_reuse (on its first reuse from the host tier: blocks nobody "
+        "comes back for are never written)",
+    ),
     "kvtier_disk_path": (str, "directory of the disk tier (optional)"),
     "kvtier_disk_bytes": (
         (int, str),
@@ -137,6 +143,10 @@ def parse_extra_config(extra: dict[str, Any] | Any) -> dict[str, Any]:
         out["kvtier_disk_bytes"] = to_capacity("kvtier_disk_bytes", out["kvtier_disk_bytes"])
     if out.get("kvtier_admit_after", 1) < 1:
         raise InvalidArgument("kvtier_admit_after: must be >= 1")
+    if out.get("kvtier_lower_writes", "on_store") not in ("on_store", "on_reuse"):
+        raise InvalidArgument(
+            f"kvtier_lower_writes: must be on_store or on_reuse, got {out['kvtier_lower_writes']!r}"
+        )
     if out.get("kvtier_scan_wait_ms", 0) < 0:
         raise InvalidArgument("kvtier_scan_wait_ms: must be >= 0")
     return out

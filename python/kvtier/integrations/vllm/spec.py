@@ -249,6 +249,10 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 remote_tls_key_file=k.get("kvtier_remote_tls_key_file"),
                 remote_tls_server_name=k.get("kvtier_remote_tls_server_name"),
                 remote_worker_io=self.reports_load_errors,
+                # on_reuse: lower tiers take a block on its second offer,
+                # the first being its store, the second its first reuse.
+                disk_admit_after=2 if k.get("kvtier_lower_writes") == "on_reuse" else 1,
+                remote_admit_after=2 if k.get("kvtier_lower_writes") == "on_reuse" else 1,
             )
             # (kind, config, block bytes, namespace) of each tier: per kind,
             # one per pipeline stage, grouped below into a StagedTier.
@@ -334,6 +338,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 # A fenced read that fails fails the load waiting on it:
                 # only where the connector reports that to vLLM.
                 fenced=self.reports_load_errors and k.get("kvtier_fenced_reads", True),
+                cascade_on_hit=k.get("kvtier_lower_writes") == "on_reuse",
             ),
             stats_path=k.get("kvtier_stats_path"),
             shared_tiers=[t.name for t in lower],

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -24,24 +24,6 @@ if TYPE_CHECKING:
     from kvtier.pool import HostPool
 
 __all__ = ["DiskIO", "DiskReaderSpec"]
-
-
-@dataclass(frozen=True)
-class DiskReaderSpec(ReaderSpec):
-    """What a worker needs to open a disk tier's slab files: their ``paths``
-    (each of ``file_bytes``), the tier's namespace digest ``ns`` (checked in
-    every trailer), its ``block_bytes``, the I/O ``backend`` (``auto``,
-    ``io_uring`` or ``pread``) and the deadline of one job (``timeout_s``)."""
-
-    paths: tuple[str, ...]
-    file_bytes: int
-    ns: bytes
-    block_bytes: int
-    backend: str
-    timeout_s: float
-
-    def open(self, pool: HostPool) -> DiskIO:
-        return DiskIO(self, pool)
 
 
 class DiskIO:
@@ -95,3 +77,20 @@ class DiskIO:
         """Drain the reads in flight and let go of the files. Blocks."""
         self.engine.close()
         self.store = None
+
+
+@dataclass(frozen=True)
+class DiskReaderSpec(ReaderSpec):
+    """What a worker needs to open a disk tier's slab files: their ``paths``
+    (each of ``file_bytes``), the tier's namespace digest ``ns`` (checked in
+    every trailer), its ``block_bytes``, the I/O ``backend`` (``auto``,
+    ``io_uring`` or ``pread``) and the deadline of one job (``timeout_s``)."""
+
+    paths: tuple[str, ...]
+    file_bytes: int
+    ns: bytes
+    block_bytes: int
+    backend: str
+    timeout_s: float
+
+    io: ClassVar[type[DiskIO]] = DiskIO
