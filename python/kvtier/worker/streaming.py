@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import ClosedError, InvalidArgument, KvtierError, Timeout
+from kvtier.jobs import Joined
 from kvtier.pool import HostPool
 from kvtier.tiers.base import ReaderSpec, TierIO
 from kvtier.worker.transfer import DeviceTransfer, TransferResult
@@ -194,10 +195,12 @@ class StreamLoader:
         pending: deque[tuple[_Job, StreamChunk]] = deque()
         # (tier, engine job) -> the items it moves: (job, chunk, slot)
         ios: dict[tuple[str, int], list[tuple[_Job, StreamChunk, int]]] = {}
-        held: dict[tuple[str, int], list[int]] = {}  # timed-out I/O still touching slots
+        # Timed-out I/O that may still touch its slots (its result: those
+        # slots), held until the engine reports its late end.
+        held: Joined[tuple[str, int], tuple[str, int], list[int]] = Joined()
         while True:
             with self._cv:
-                while not (self._incoming or pending or ios or held or self._closing):
+                while not (self._incoming or pending or ios or held.held or self._closing):
                     self._cv.wait()
                 if self._closing and not (self._incoming or pending or ios):
                     return
@@ -210,30 +213,35 @@ class StreamLoader:
                 # The oldest first: jobs end about in submission order.
                 with contextlib.suppress(Timeout):
                     self._readers[tier].engine.wait([jid], self._slice)
-            elif held:
+            elif held.held:
                 time.sleep(self._slice)
             for tier, io in self._readers.items():
                 for r in io.engine.poll():
                     key = (tier, int(r.job_id))
                     if r.released:
-                        free.extend(held.pop(key, []))
+                        late = held.release(key)
+                        if late is not None and late[1].result:
+                            free.extend(late[1].result)
                         continue
                     items = ios.pop(key, None)
                     if items is None:
                         continue
                     codes = list(r.items) or [0 if r.ok else -1] * len(items)
                     good = []
+                    touched: list[int] = []  # slots a timed-out job may still write
                     for (job, c, slot), code in zip(items, codes):
                         if code == 0:
                             good.append((job, c, slot))
                             continue
                         what = "write" if job.store else "read"
                         self._fail(job, f"{tier} {what} failed ({code}): {r.error}".rstrip(": "))
-                        if r.held:
-                            held.setdefault(key, []).append(slot)
-                        else:
-                            free.append(slot)
+                        (touched if r.held else free).append(slot)
                         self._chunk_done(job)
+                    if touched:
+                        held.add(key, key)
+                        held.seal(key)
+                        held.done(key, touched, held=True)
+                        held.take_ended()
                     loads = [g for g in good if not g[0].store]
                     for job, _, slot in good:
                         if job.store:
