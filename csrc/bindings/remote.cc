@@ -1,7 +1,11 @@
 // The remote tier's Redis / Valkey store and Engine.submit_remote.
 #include <cstring>
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include "../core/remote/client.h"
+#include "../core/remote/resp.h"
 #include "bindings.h"
 
 namespace kvtier::bindings {
@@ -9,13 +13,15 @@ namespace kvtier::bindings {
 namespace rm = kvtier::remote;
 
 void bind_remote(py::module_& m, EngineClass& engine) {
-  // kind: "store" | "load" | "exists"; keys: list of bytes (server keys);
-  // slots: int64 addresses; digests: uint8 (N, 16).
+  // kind: "store" | "load" | "exists" | "command"; keys: list of bytes (server
+  // keys); slots: int64 addresses; digests: uint8 (N, 16); commands (kind
+  // "command"): each item's arguments (list of bytes), routed by its key.
   engine.def(
       "submit_remote",
       [](Engine& e, const std::shared_ptr<rm::Store>& store, const std::string& kind,
          const std::vector<py::bytes>& keys, const py::object& slots, std::uint64_t payload_len,
-         const py::object& digests, std::size_t queue, const py::object& fences) {
+         const py::object& digests, std::size_t queue, const py::object& fences,
+         const py::object& commands) {
         rm::Kind k;
         if (kind == "store")
           k = rm::Kind::kStore;
@@ -23,8 +29,12 @@ void bind_remote(py::module_& m, EngineClass& engine) {
           k = rm::Kind::kLoad;
         else if (kind == "exists")
           k = rm::Kind::kExists;
+        else if (kind == "command")
+          k = rm::Kind::kCommand;
         else
-          throw Error(StatusCode::kInvalidArgument, "kind must be store, load or exists");
+          throw Error(StatusCode::kInvalidArgument, "kind must be store, load, exists or command");
+        if ((k == rm::Kind::kCommand) == commands.is_none())
+          throw Error(StatusCode::kInvalidArgument, "commands go with kind command, and only it");
         const auto n = static_cast<py::ssize_t>(keys.size());
         auto sv = rows_of<std::int64_t>(slots, n, 0, "slots").unchecked<1>();
         auto dv = rows_of<std::uint8_t>(digests, n, 16, "digests").unchecked<2>();
@@ -36,6 +46,15 @@ void bind_remote(py::module_& m, EngineClass& engine) {
           it.payload_len = payload_len;
           std::memcpy(it.digest.b, dv.data(i, 0), 16);
         }
+        if (k == rm::Kind::kCommand) {
+          const auto cmds = commands.cast<std::vector<std::vector<std::string>>>();
+          if (cmds.size() != items.size())
+            throw Error(StatusCode::kInvalidArgument, "one command per key");
+          for (std::size_t i = 0; i < items.size(); ++i) {
+            std::vector<std::string_view> args(cmds[i].begin(), cmds[i].end());
+            if (!args.empty()) items[i].command = rm::encode(args);
+          }
+        }
         if (!fences.is_none()) {
           auto f = fences_from_array(fences, items.size(), 1.0);
           for (std::size_t i = 0; i < items.size(); ++i) {
@@ -46,7 +65,8 @@ void bind_remote(py::module_& m, EngineClass& engine) {
         return submit_or_busy(e, store->make_job(k, std::move(items)), queue);
       },
       py::arg("store"), py::arg("kind"), py::arg("keys"), py::arg("slots"), py::arg("payload_len"),
-      py::arg("digests"), py::arg("queue") = 0, py::arg("fences") = py::none());
+      py::arg("digests"), py::arg("queue") = 0, py::arg("fences") = py::none(),
+      py::arg("commands") = py::none());
 
   py::class_<rm::Store, std::shared_ptr<rm::Store>>(m, "RemoteStore")
       .def(py::init([](const std::vector<std::pair<std::string, int>>& seeds, bool cluster,

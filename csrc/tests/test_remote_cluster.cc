@@ -260,3 +260,25 @@ TEST(RemoteGroup, AReplyThatNeverComesLeavesTheRestUnanswered) {
   EXPECT_EQ(r.out[0], 0);
   EXPECT_EQ(r.out[1], 12345);  // left for the store to fill with the error
 }
+
+TEST(RemoteGroup, CommandsGoWholeAndAnyReplyButAnErrorSucceeds) {
+  ScriptedServer srv("$15\r\n1700000000000-0\r\n-OOM no room\r\n:3\r\n-MOVED 7 127.0.0.1:7002\r\n");
+  const rm::Options o = local_options();
+  const rm::WindowPlan p = rm::plan_windows(rm::Kind::kCommand, 0, o);
+  EXPECT_TRUE(p.overlap);
+  EXPECT_EQ(p.window, o.pipeline);
+  std::vector<rm::Item> items(4);
+  std::string want = "*1\r\n$4\r\nPING\r\n";
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    items[i].key = "s";
+    items[i].command = rm::encode({"XADD", "s", "*", "f", std::to_string(i)});
+    want += items[i].command;
+  }
+  GroupRun r = run_group(srv, o, rm::Kind::kCommand, false, items);
+  EXPECT_EQ(r.err, 0);
+  const std::int32_t server_error = item_code(ItemStatus::kServerError);
+  EXPECT_EQ(r.out, (std::vector<std::int32_t>{0, server_error, 0, server_error}));
+  ASSERT_EQ(r.redirected.size(), 1u);
+  EXPECT_EQ(r.redirected[0].item, 3u);
+  EXPECT_EQ(srv.received(), want);
+}

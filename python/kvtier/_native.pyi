@@ -140,6 +140,7 @@ class Engine:
         digests: npt.NDArray[np.uint8],
         queue: int = 0,
         fences: npt.NDArray[np.int64] | None = None,
+        commands: Sequence[Sequence[bytes]] | None = None,
     ) -> int: ...
 
 # copy.cc

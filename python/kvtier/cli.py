@@ -1,4 +1,4 @@
-"""``kvtier replay | bench | plan | doctor`` — the command-line front end.
+"""``kvtier replay | bench | plan | doctor | events`` — the command-line front end.
 
 A command-line tool: runs in its own process (the ``kvtier`` console script,
 ``python -m kvtier.cli``, ``bench/run.py``); the library never imports it.
@@ -218,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     d.add_argument("--dir", help="directory to test for io_uring and O_DIRECT (default: temp)")
     d.set_defaults(func=_cmd_doctor)
+
+    from kvtier.events_cli import add_events_parser
+
+    add_events_parser(sub, _add_tls_arguments)
     return p
 
 

@@ -184,16 +184,19 @@ class Engine:
         digests: np.ndarray,
         queue: int = 0,
         fences: np.ndarray | None = None,
+        commands: Sequence[Sequence[bytes]] | None = None,
     ) -> int:
-        """Queue one pipelined batch of ``kind`` (``store``, ``load`` or
-        ``exists``) for the server ``keys`` of ``store``, their values of
+        """Queue one pipelined batch of ``kind`` (``store``, ``load``,
+        ``exists`` or ``command``: ``commands`` holds each key's whole command,
+        its arguments, sent to the node of that key; any reply but an error
+        succeeds) for the server ``keys`` of ``store``, their values of
         ``payload_bytes`` at the host addresses ``slots`` (int64, one per
         key), checked against ``digests`` (``(N, 16)`` uint8). ``fences`` (as
         for :meth:`submit_copy`, loads only): each slot's fence is settled when
         the job ends. Returns the job id. Raises InvalidArgument, Busy when full."""
         return int(
             self._engine.submit_remote(
-                store, kind, keys, slots, payload_bytes, digests, queue, fences
+                store, kind, keys, slots, payload_bytes, digests, queue, fences, commands
             )
         )
 

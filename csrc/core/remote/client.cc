@@ -4,10 +4,13 @@
 
 namespace kvtier::remote {
 
-std::uint64_t Store::item_bytes(Kind, const Item& it) const { return it.payload_len + kHeader; }
+std::uint64_t Store::item_bytes(Kind kind, const Item& it) const {
+  return kind == Kind::kCommand ? it.command.size() : it.payload_len + kHeader;
+}
 
 std::string Store::check_item(Kind kind, const Item& it, const RegionSet& regions) const {
   if (kind == Kind::kExists) return {};
+  if (kind == Kind::kCommand) return it.command.empty() ? "a command item needs its command" : "";
   if (it.payload_len == 0 || !regions.covers(it.slot, it.payload_len))
     return "host slot is outside every registered region";
   if (it.fence != nullptr &&

@@ -34,12 +34,13 @@ const std::string& asking_command() {
 // 3.98, 3.42).
 WindowPlan plan_windows(Kind kind, std::uint64_t payload, const Options& o) {
   WindowPlan p;
-  p.overlap = kind == Kind::kExists || kHeader + payload < (32u << 10) ||
+  const bool small = kind == Kind::kExists || kind == Kind::kCommand;
+  p.overlap = small || kHeader + payload < (32u << 10) ||
               (kind == Kind::kLoad && 4 * payload <= o.window_bytes);
   p.window = o.pipeline;
   if (!p.overlap) {
     p.window = 1;
-  } else if (kind != Kind::kExists) {
+  } else if (!small) {
     p.window = static_cast<std::size_t>(
         std::clamp<std::uint64_t>(o.window_bytes / (kHeader + payload), 1, o.pipeline));
   }
@@ -100,6 +101,8 @@ int Group::write_window(std::size_t start, Window* win) {
     if (asking_) win->iov.push_back({const_cast<char*>(asking.data()), asking.size()});
     if (kind_ == Kind::kStore) {
       if (int e = add_set(it, win); e != 0) return e;
+    } else if (kind_ == Kind::kCommand) {
+      win->iov.push_back({const_cast<char*>(it.command.data()), it.command.size()});
     } else {
       win->heads.push_back(encode({kind_ == Kind::kLoad ? "GET" : "EXISTS", it.key}));
       win->iov.push_back({win->heads.back().data(), win->heads.back().size()});
@@ -171,7 +174,7 @@ int Group::read_window(std::size_t end) {
   return 0;
 }
 
-// The reply of a SET or an EXISTS.
+// The reply of a SET, an EXISTS or a command.
 int Group::read_status(std::size_t i) {
   Reply r;
   if (int e = c_.read_reply(&r); e != 0) return e;
@@ -179,6 +182,8 @@ int Group::read_status(std::size_t i) {
     on_error(i, r.str);
   } else if (kind_ == Kind::kExists) {
     out_[i] = r.type == Reply::kInteger && r.integer > 0 ? 0 : item_code(ItemStatus::kMissing);
+  } else if (kind_ == Kind::kCommand) {
+    out_[i] = 0;
   } else {
     out_[i] = r.type == Reply::kSimple ? 0 : item_code(ItemStatus::kServerError);
   }

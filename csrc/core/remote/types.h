@@ -36,7 +36,9 @@ struct Options {
   TlsOptions tls;  // rediss://: every connection, cluster redirects included
 };
 
-enum class Kind { kStore, kLoad, kExists };
+// kCommand: one small command given whole (an XADD of the pool's event
+// stream, ...), routed by its item's key; any reply but an error is success.
+enum class Kind { kStore, kLoad, kExists, kCommand };
 
 struct Item {
   std::string key;
@@ -47,6 +49,7 @@ struct Item {
   // value is in the slot and checked, or is known not to come.
   fence::Word* fence = nullptr;
   fence::Word armed = 0;
+  std::string command;  // kCommand: the encoded command (resp.h encode)
 };
 
 // A value's bytes besides its payload: the record header the disk tier

@@ -18,6 +18,11 @@ certificate that does not verify is a :class:`~kvtier.errors.TlsError` naming
 the URL and OpenSSL's reason. A user and password in the URL authenticate every
 connection (``AUTH user password``, an ACL user), cluster redirects included.
 
+With ``pool_events`` (on by default) every store the server acknowledged is
+also appended to the pool's event stream (:mod:`kvtier.tiers.pool_stream`),
+one ``XADD`` per batch of stores, so that one subscriber (``kvtier events``)
+learns what the whole pool holds, whichever engine wrote it.
+
 Every value is a 64-byte header (magic, version, namespace and key digests,
 length, crc32c) followed by the block; a load that fails any check, or whose
 key vanished (the server's maxmemory eviction, a TTL), is a counted miss.
@@ -29,9 +34,10 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,8 +48,9 @@ from kvtier.errors import InvalidArgument, IoError, TlsError
 from kvtier.policy.admission import WriteGate
 from kvtier.pool import HostPool
 from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
-from kvtier.tiers.events import EVENT_LOG_KEYS
+from kvtier.tiers.events import EVENT_LOG_KEYS, vllm_event_id
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
+from kvtier.tiers.pool_stream import STREAM_MAXLEN, UNNAMED, stream_key, xadd_commands
 from kvtier.tiers.records import key_digest, namespace_digest
 from kvtier.tiers.remote_url import (
     RemoteConnection,
@@ -59,6 +66,9 @@ __all__ = ["RemoteConnection", "RemoteTier", "default_connections", "parse_url",
 
 _RESETS = (errno.ECONNRESET, errno.EPIPE)
 _EXISTS_PER_JOB = 1024  # an EXISTS pipeline moves no payload: large jobs are cheap
+# Stores acknowledged but not yet appended to the pool's stream, at most (a
+# server that refuses the XADDs must not make the tier hold every key).
+_STREAM_PENDING = 65_536
 
 
 class RemoteTier(JobTier):
@@ -68,7 +78,13 @@ class RemoteTier(JobTier):
     served by one worker thread of the tier's engine, at niceness
     ``worker_nice`` (default :func:`kvtier.engine.io_nice`: ``KVTIER_IO_NICE``
     or 10; 0 to compete with the engine's threads on equal terms).
-    ``event_log_keys``: see :class:`~kvtier.tiers.events.EventLog`."""
+    ``event_log_keys``: see :class:`~kvtier.tiers.events.EventLog`.
+
+    ``pool_events``: the pool's event stream keeps about this many entries
+    (:data:`~kvtier.tiers.pool_stream.STREAM_MAXLEN`; 0: append nothing).
+    ``engine_id`` names this engine in it (default ``host:pid``);
+    ``event_id`` names a block by its key there (12 bytes, or None:
+    :func:`~kvtier.tiers.events.vllm_event_id`)."""
 
     can_probe = True
 
@@ -99,6 +115,9 @@ class RemoteTier(JobTier):
         tls_key_file: str | None = None,
         tls_server_name: str | None = None,
         event_log_keys: int = EVENT_LOG_KEYS,
+        pool_events: int = STREAM_MAXLEN,
+        engine_id: str | None = None,
+        event_id: Callable[[bytes], bytes | None] = vllm_event_id,
     ) -> None:
         if block_bytes <= 0:
             raise InvalidArgument(f"block_bytes must be > 0, got {block_bytes}")
@@ -106,6 +125,8 @@ class RemoteTier(JobTier):
             raise InvalidArgument("timeout_s, pipeline, window_bytes and job_items must be > 0")
         if not known_ttl_s > 0:
             raise InvalidArgument(f"known_ttl_s must be > 0, got {known_ttl_s}")
+        if pool_events < 0:
+            raise InvalidArgument(f"pool_events must be >= 0 (0: off), got {pool_events}")
         from kvtier import _native
         from kvtier.engine import Engine, io_nice
 
@@ -125,12 +146,18 @@ class RemoteTier(JobTier):
         self._tier_init(
             name, "load_failures", "vanished", "corrupt", "io_errors", "server_errors",
             "exists_checks", "budget_skips", "not_admitted", "probes", "probe_misses",
+            "pool_events", "pool_event_failures", "pool_events_dropped",
             event_log_keys=event_log_keys,
         )  # fmt: skip
         self.url = redact_url(url)
         self.block_bytes = block_bytes
         self.ns = namespace_digest(namespace, block_bytes)
         self._prefix = b"kvt:" + self.ns.hex()[:16].encode() + b":"
+        self.pool_events = pool_events
+        self.stream = stream_key(self._prefix) if pool_events else None
+        self.engine_id = engine_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.event_id = event_id
+        self._stream_pending: list[tuple[bytes, bytes]] = []  # (digest, event id)
         # What opens a client to the same pool, here and in an engine worker
         # that streams blocks itself (RemoteIO).
         ms = int(timeout_s * 1000)
@@ -345,9 +372,11 @@ class RemoteTier(JobTier):
 
     def commit_write(self, key: bytes, record: int, ok: bool) -> None:
         if ok:
-            self._remember(key_digest(key), True)
+            dig = key_digest(key)
+            self._remember(dig, True)
             count_moved(self.counters, "store", 1, self.block_bytes)
             self._events.append(TierEvent([key], self.name, removed=False))
+            self._note_stored([key], [dig])
         else:
             self.counters["io_errors"] += 1
 
@@ -381,9 +410,56 @@ class RemoteTier(JobTier):
         for b in ended:
             if b.kind == "exists":
                 self._finish_exists(b)
+            elif b.kind == "events":
+                self._finish_events(b)
             else:
                 out.append(self._finish(b))
+        if self._stream_pending:
+            self._append_stored()
         return out
+
+    # -- the pool's event stream ---------------------------------------------
+    def _note_stored(self, keys: Sequence[bytes], digs: Sequence[bytes]) -> None:
+        """Blocks the server acknowledged: appended to the pool's stream at
+        the end of this poll (one XADD per :data:`ENTRY_BLOCKS` of them)."""
+        if self.stream is None:
+            return
+        name = self.event_id
+        pending = self._stream_pending
+        pending.extend(zip(digs, [name(k) or UNNAMED for k in keys]))
+        if len(pending) > _STREAM_PENDING:
+            cut = len(pending) - _STREAM_PENDING
+            self.counters["pool_events_dropped"] += cut
+            del pending[:cut]
+
+    def _append_stored(self) -> None:
+        """One job of XADDs (on the worker threads, after the SETs were
+        answered) for what :meth:`_note_stored` collected; under
+        backpressure they wait for the next poll."""
+        if self._closed or self.stream is None:
+            return
+        pending = self._stream_pending
+        cmds = xadd_commands(
+            self.stream, self.pool_events, "stored", self.engine_id, self.name,
+            [d for d, _ in pending], [i for _, i in pending],
+        )  # fmt: skip
+        n = len(cmds)
+        batch = self.jobs.batch("events", n, blocks=len(pending))
+        stream = self.stream
+
+        def submit_one(first: int, count: int) -> int:
+            return self.engine.submit_remote(
+                self.store, "command", [stream] * count, np.zeros(count, np.int64), 0,
+                np.zeros((count, 16), np.uint8), commands=cmds[first : first + count],
+            )  # fmt: skip
+
+        if self.jobs.submit(batch, n, submit_one):
+            pending.clear()
+
+    def _finish_events(self, b: Batch) -> None:
+        failed = sum(1 for code in b.items if code != 0)
+        self.counters["pool_events"] += b.n - failed
+        self.counters["pool_event_failures"] += failed
 
     def _finish_exists(self, b: Batch) -> None:
         known, issued = self.known, b.data["issued"]
@@ -409,13 +485,16 @@ class RemoteTier(JobTier):
             count_moved(self.counters, kind, len(keys), self.block_bytes)
             if kind == "store":
                 self._events.append(TierEvent(list(keys), self.name, removed=False))
+                self._note_stored(keys, digs)
             return TierCompletion(b.token, True, kind, keys, key_ok=ok)
         done: list[bytes] = []
+        done_digs: list[bytes] = []
         missing = [kind == "probe" and code == ItemStatus.MISSING for code in items]
         for key, dig, code, absent in zip(keys, digs, items, missing):
             if code == 0:
                 self._remember(dig, True)
                 done.append(key)
+                done_digs.append(dig)
                 continue
             if absent:  # a probe of a key never stored (or gone): a plain miss
                 self.counters["probe_misses"] += 1
@@ -447,6 +526,7 @@ class RemoteTier(JobTier):
         count_moved(self.counters, kind, len(done), self.block_bytes)
         if kind == "store" and done:
             self._events.append(TierEvent(done, self.name, removed=False))
+            self._note_stored(done, done_digs)
         # What a connection failed with (positive codes are errnos), once each.
         error = "; ".join(
             f"{errno.errorcode.get(c, str(c))}: {os.strerror(c)}"
@@ -458,7 +538,17 @@ class RemoteTier(JobTier):
         )  # fmt: skip
 
     def has_pending_work(self) -> bool:
-        return self.jobs.busy() or bool(self._exists_queue)
+        return self.jobs.busy() or bool(self._exists_queue) or bool(self._stream_pending)
+
+    def close(self) -> None:
+        """As :meth:`JobTier.close`, after the stores in flight ended and their
+        entries reached the pool's stream (for at most twice ``timeout_s``)."""
+        if not self._closed and self.stream is not None:
+            deadline = time.monotonic() + 2 * self.timeout_s
+            while (self.jobs.busy() or self._stream_pending) and time.monotonic() < deadline:
+                self.poll()
+                time.sleep(0.001)
+        super().close()
 
     def reset(self) -> None:
         self.known.clear()
@@ -470,6 +560,7 @@ class RemoteTier(JobTier):
             "known": len(self.known),
             "redirects": int(self.store.redirects),
             "events_dropped": self._events.dropped,
+            "stream": None if self.stream is None else self.stream.decode(),
             **self.counters,
         }
 
