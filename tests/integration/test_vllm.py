@@ -226,7 +226,12 @@ def test_manager_semantics_through_vllm_types() -> None:
         assert events[0].medium is Medium.CPU and not events[0].removed
         assert any(e.removed for e in events)
         stats = m.get_stats()
-        assert stats is not None
+        assert stats is not None and "vllm:kv_offload_kvtier_host_busy" in stats.reduce()
+        # Nothing changed: no payload for vLLM to ship to the API server.
+        assert m.get_stats() is None
+        m.m.stats.promotions += 2
+        assert m.get_stats().reduce() == {"vllm:kv_offload_kvtier_promotions": 2}
+        assert m.get_stats() is None
     m.shutdown()
 
 

@@ -88,11 +88,29 @@ def test_summarize_takes_medians_then_ratios_and_the_share_of_the_ideal_reductio
     assert rows["baseline"]["runs"] == 3 and rows["baseline"]["ttft_p50_s"] == 2.0
     assert rows["baseline"]["output_tps"] == 90
     h = rows["host"]
-    assert h["vs_baseline"]["ttft_p50_s"] == pytest.approx(0.4)
+    # paired with the baseline of its own repeat (0): 0.8 / 1.0, not 0.8 / 2.0
+    assert h["vs_baseline"]["ttft_p50_s"] == pytest.approx(0.8)
     assert h["vs_ideal"]["output_tps"] == pytest.approx(0.99)
     # baseline 2.0, ideal 0.5, host 0.8: (2.0 - 0.8) / (2.0 - 0.5) = 0.8
     assert h["ttft_reduction_captured"]["p50"] == pytest.approx(0.8)
     assert rows["ideal"]["ttft_reduction_captured"]["mean"] == pytest.approx(1.0)
+
+
+def test_ratios_are_medians_of_ratios_within_each_repeat() -> None:
+    # The machine drifts between repeats: each repeat's ratio cancels it.
+    base = [(1.0, 100), (3.0, 80), (2.0, 90)]
+    host = [(0.5, 99), (1.2, 88), (1.2, 90)]
+    runs = [_run("baseline", 1, t, tps, rep) for rep, (t, tps) in enumerate(base)]
+    runs += [_run("host", 1, t, tps, rep) for rep, (t, tps) in enumerate(host)]
+    h = {r["config"]: r for r in summarize(runs)}["host"]
+    assert h["vs_baseline"]["ttft_p50_s"] == pytest.approx(0.5)  # 0.5, 0.4, 0.6
+    assert h["vs_baseline"]["output_tps"] == pytest.approx(1.0)  # 0.99, 1.1, 1.0
+    assert h["ttft_p50_s"] / 2.0 == pytest.approx(0.6)  # what a ratio of medians says
+    # Without repeat indices: the ratio of the medians.
+    for r in runs:
+        del r["repeat"]
+    h = {r["config"]: r for r in summarize(runs)}["host"]
+    assert h["vs_baseline"]["ttft_p50_s"] == pytest.approx(0.6)
 
 
 def test_commands_carry_the_same_engine_settings_and_kvtier_only_where_named(
@@ -112,6 +130,12 @@ def test_commands_carry_the_same_engine_settings_and_kvtier_only_where_named(
     cfg = json.loads(host[host.index("--kv-transfer-config") + 1])
     assert cfg["kv_connector"] == "KVTierConnector"
     assert kvtier_extra("baseline", s, 1, tmp_path, None) is None
+    # The floor: the baseline's engine with a connector that moves nothing.
+    assert kvtier_extra("connector-floor", s, 1, tmp_path, None) is None
+    floor = server_command("py", "/m", 8000, "connector-floor", s, None)
+    assert floor[: len(base)] == base
+    floor_cfg = json.loads(floor[floor.index("--kv-transfer-config") + 1])
+    assert floor_cfg["kv_connector_module_path"] == "kvtier.bench.null_connector"
     with pytest.raises(InvalidArgument, match="needs a Redis server"):
         kvtier_extra("host+redis", s, 1, tmp_path, None)
     args = client_args(

@@ -430,8 +430,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--server",
         action="store_true",
         help="concurrent load: vLLM's OpenAI server per configuration, driven by vLLM's own "
-        "`vllm bench serve` client (configurations baseline, ideal, host, host+disk, "
-        "host+redis, host+disk+redis, second-server)",
+        "`vllm bench serve` client (configurations baseline, ideal, connector-floor, host, "
+        "host+disk, host+redis, host+disk+redis, second-server)",
     )
     o.add_argument(
         "--model-kind", default="llama", choices=["llama", "gemma3", "mla"],

@@ -8,6 +8,9 @@ settings (printed in the report):
 - ``baseline``: vLLM's prefix cache only, a KV cache smaller than the
   working set (what users have);
 - ``ideal``: the same with a KV cache that holds the whole working set;
+- ``connector-floor``: the baseline with a KV connector that moves nothing
+  (:mod:`kvtier.bench.null_connector`): the cost vLLM's connector plumbing
+  puts on every connector, the floor under kvtier's cost on zero reuse;
 - ``host``, ``host+disk``, ``host+redis``, ``host+disk+redis``: kvtier
   (``KVTierConnector``) over the baseline's small KV cache; ``host`` holds
   the working set, the others a third of it with the lower tiers behind;
@@ -41,8 +44,16 @@ from typing import Any
 from kvtier.errors import InvalidArgument
 
 CONFIGS = (
-    "baseline", "ideal", "host", "host+disk", "host+redis", "host+disk+redis", "second-server",
+    "baseline", "ideal", "connector-floor", "host", "host+disk", "host+redis", "host+disk+redis",
+    "second-server",
 )  # fmt: skip
+# The baseline's engine with a KV connector that moves nothing
+# (kvtier.bench.null_connector): what any connector costs.
+FLOOR_CONNECTOR = {
+    "kv_connector": "NullConnector",
+    "kv_connector_module_path": "kvtier.bench.null_connector",
+    "kv_role": "kv_both",
+}
 WORKLOADS = ("trace", "prefix", "random")
 TRACE_BLOCK = 512  # tokens per hash id in Mooncake's traces
 # Client metrics carried into the report: (report key, client key, scale).
@@ -174,7 +185,7 @@ def kvtier_extra(
     """kvtier's ``kv_connector_extra_config`` of a configuration (None: no
     connector). ``host`` holds the ideal's KV cache worth of blocks, the
     tiered ones a third of it."""
-    if config in ("baseline", "ideal"):
+    if config in ("baseline", "ideal", "connector-floor"):
         return None
     whole = settings.large_blocks * block_bytes
     kv: dict[str, Any] = {"block_size": settings.block_size}
@@ -208,7 +219,9 @@ def server_command(
         "--enable-chunked-prefill", "--enable-prefix-caching",
         "--num-gpu-blocks-override", str(blocks),
     ]  # fmt: skip
-    if extra is not None:
+    if config == "connector-floor":
+        cmd += ["--kv-transfer-config", json.dumps(FLOOR_CONNECTOR)]
+    elif extra is not None:
         cmd += ["--kv-transfer-config", json.dumps({
             "kv_connector": "KVTierConnector",
             "kv_connector_module_path": "kvtier.integrations.vllm_connector",

@@ -30,10 +30,35 @@ def _median(values: list[float]) -> float:
     return statistics.median(vals) if vals else float("nan")
 
 
+def _paired(
+    mine: list[dict[str, Any]], refs: list[dict[str, Any]], ref_med: dict[str, Any],
+    my_med: dict[str, Any],
+) -> dict[str, float]:  # fmt: skip
+    """Each metric's ratio to a reference configuration: the median over
+    repeats of the ratio within each repeat (both servers ran back to back),
+    which cancels the drift between repeats (the baseline alone moved 32% in
+    output throughput from one repeat to the next on this machine); runs
+    without a repeat index in both fall back to the ratio of the medians."""
+    by_rep = {r["repeat"]: r for r in refs if "repeat" in r}
+    out: dict[str, float] = {}
+    for name, _, _ in METRICS:
+        pairs = [
+            r[name] / by_rep[r["repeat"]][name]
+            for r in mine
+            if r.get("repeat") in by_rep and by_rep[r["repeat"]][name]
+        ]  # fmt: skip
+        if pairs:
+            out[name] = _median(pairs)
+        else:
+            out[name] = my_med[name] / ref_med[name] if ref_med[name] else float("nan")
+    return out
+
+
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Medians over repeats per (config, workload, level), with ``vs_baseline``
-    and ``vs_ideal`` (each metric over that reference's median, same workload
-    and level) and ``ttft_reduction_captured`` (the share of the ideal's TTFT
+    and ``vs_ideal`` (each metric's median over repeats of its ratio to that
+    reference in the same repeat, same workload and level: see
+    :func:`_paired`) and ``ttft_reduction_captured`` (the share of the ideal's TTFT
     reduction over the baseline that the configuration reaches, for p50 and
     mean). Pure; rows in first-seen order."""
     groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
@@ -49,13 +74,12 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         m["kvtier"] = {k: _median([r["kvtier"][k] for r in rs]) for k in KVTIER_COUNTERS}
         med[key] = m
     for (_, workload, level), m in med.items():
+        mine = groups[(m["config"], workload, level)]
         for ref in ("baseline", "ideal"):
             base = med.get((ref, workload, level))
             m[f"vs_{ref}"] = (
-                None if base is None else {
-                    name: (m[name] / base[name] if base[name] else float("nan"))
-                    for name, _, _ in METRICS
-                }
+                None if base is None
+                else _paired(mine, groups[(ref, workload, level)], base, m)
             )  # fmt: skip
         b, i = med.get(("baseline", workload, level)), med.get(("ideal", workload, level))
         if b is not None and i is not None:

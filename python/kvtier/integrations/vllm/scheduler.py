@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,8 @@ from vllm.v1.kv_offload.base import (
 if TYPE_CHECKING:
     from kvtier.manager import TieredOffloadingManager
 from kvtier.integrations.vllm.spec import KVTierSpec
+
+GAUGE_PERIOD_S = 0.5  # the host tier's gauges are refreshed at most this often
 
 _SOURCE_MEDIUM = {"host": (Medium.CPU, None), "disk": (Medium.STORAGE, Locality.LOCAL),
                   "remote": (Medium.CPU, Locality.REMOTE)}  # fmt: skip
@@ -118,6 +121,8 @@ class KVTierManager(OffloadingManager):
         self.m = m
         self._lock = threading.Lock()
         self._last: dict[str, int] = {}  # counters already reported by get_stats
+        self._gauges: tuple[float, int, int] | None = None  # gauges last reported
+        self._gauges_due = 0.0  # monotonic time of the next gauge refresh
         self._stats_path = stats_path
         self._shared_tiers = list(shared_tiers)  # tiers that outlive this process
         self._seed_checked = False
@@ -218,18 +223,15 @@ class KVTierManager(OffloadingManager):
         self.m.on_reset_flushed()
 
     def get_stats(self) -> Any:
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-            OffloadingConnectorStats,
-        )
-
+        """vLLM's scheduler calls this after every engine step (through
+        ``get_kv_connector_stats``); non-blocking. Returns None when nothing
+        changed: vLLM ships a non-empty payload to the API server on every
+        step, and a step with no store or load changes no counter. The
+        gauges scan the host tier's entries, so they are refreshed at most
+        every :data:`GAUGE_PERIOD_S` (Prometheus keeps a gauge's last value).
+        Measured (zero reuse, concurrency 1, `vllm serve`): a payload and a
+        scan on every step cost about 2% of output throughput."""
         s = self.m.stats
-        stats = OffloadingConnectorStats()
-        cap = self.m.host.capacity or 1
-        occ = self.m.occupancy()
-        stats.set_gauge("vllm:kv_offload_kvtier_host_usage_perc", len(self.m.host) / cap)
-        busy = occ["pinned"] + occ["writing"] + occ["held"] + occ["stale"]
-        stats.set_gauge("vllm:kv_offload_kvtier_host_busy", busy)
-        stats.set_gauge("vllm:kv_offload_kvtier_tier_jobs", occ["tier_jobs"])
         counters = {
             "promotions": s.promotions,
             "cascades": s.cascades,
@@ -244,11 +246,32 @@ class KVTierManager(OffloadingManager):
             "load_failures": s.load_failures,
             **{f"loaded_{t}": s.loaded_from.get(t, 0) for t in ("host", "disk", "remote")},
         }
-        for name, value in counters.items():
-            last = self._last.get(name, 0)
-            if value > last:
-                stats.increase_counter(f"vllm:kv_offload_kvtier_{name}", value - last)
+        grown = {
+            n: v - self._last.get(n, 0) for n, v in counters.items() if v > self._last.get(n, 0)
+        }
         self._last = counters
+        gauges = None
+        now = time.monotonic()
+        if now >= self._gauges_due:
+            self._gauges_due = now + GAUGE_PERIOD_S
+            occ = self.m.occupancy()
+            busy = occ["pinned"] + occ["writing"] + occ["held"] + occ["stale"]
+            g = (len(self.m.host) / (self.m.host.capacity or 1), busy, occ["tier_jobs"])
+            if g != self._gauges:
+                gauges = self._gauges = g
+        if not grown and gauges is None:
+            return None
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        stats = OffloadingConnectorStats()
+        if gauges is not None:
+            stats.set_gauge("vllm:kv_offload_kvtier_host_usage_perc", gauges[0])
+            stats.set_gauge("vllm:kv_offload_kvtier_host_busy", gauges[1])
+            stats.set_gauge("vllm:kv_offload_kvtier_tier_jobs", gauges[2])
+        for name, value in grown.items():
+            stats.increase_counter(f"vllm:kv_offload_kvtier_{name}", value)
         return stats
 
     def shutdown(self) -> None:
