@@ -25,7 +25,7 @@ from kvtier.events_cli import main_events
 from kvtier.pool import HostPool
 from kvtier.pool_watch import BlockNames, PoolReader, Watcher, connect, find_streams
 from kvtier.tiers.events import vllm_event_id
-from kvtier.tiers.pool_stream import PoolEvent, decode_entry, xadd_commands
+from kvtier.tiers.pool_stream import ENTRY_BLOCKS, PoolEvent, decode_entry, xadd_commands
 from kvtier.tiers.records import key_digest
 from kvtier.tiers.remote import RemoteTier
 
@@ -265,8 +265,8 @@ def test_foreign_and_unnamed_entries() -> None:
     fields = dict(zip(cmd[0][6::2], cmd[0][7::2]))
     ev = decode_entry(b"1-0", fields)
     assert ev is not None and ev.ids == [I(0), None] and ev.reason == "x"
-    many = xadd_commands(b"s", 10, "stored", "e", "remote", [D(0)] * 130, [I(0)] * 130)
-    assert [len(c[c.index(b"keys") + 1]) // 16 for c in many] == [64, 64, 2]
+    many = xadd_commands(b"s", 10, "stored", "e", "remote", [D(0)] * 300, [I(0)] * 300)
+    assert [len(c[c.index(b"keys") + 1]) // 16 for c in many] == [ENTRY_BLOCKS, 300 - ENTRY_BLOCKS]
 
 
 def run_cli(*argv: str) -> list[dict[str, Any]]:

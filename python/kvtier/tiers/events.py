@@ -11,8 +11,8 @@ blocks.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections import deque
+from hashlib import blake2b
 
 from kvtier.errors import InvalidArgument
 from kvtier.tiers.base import TierEvent
@@ -25,6 +25,7 @@ EVENT_LOG_KEYS = 65_536
 #: Event ids name groups below this (the disk index keeps a group in 6 bits).
 EVENT_GROUPS = 63
 _GROUP_LIMIT = EVENT_GROUPS.to_bytes(4, "big")
+_GROUP_0 = bytes(4)
 
 
 def vllm_event_id(key: bytes) -> bytes:
@@ -39,7 +40,7 @@ def vllm_event_id(key: bytes) -> bytes:
     blake2b of it, group 0. Pure; any process."""
     if len(key) >= 12 and key[-4:] < _GROUP_LIMIT:
         return key[-12:]
-    return hashlib.blake2b(key, digest_size=8).digest() + bytes(4)
+    return blake2b(key, digest_size=8).digest() + _GROUP_0
 
 
 class EventLog:

@@ -41,12 +41,15 @@ __all__ = [
     "xadd_commands",
 ]
 
-#: Blocks one entry names at most (a larger batch is several entries).
-ENTRY_BLOCKS = 64
+#: Blocks one entry names at most (a larger batch is several entries). Why
+#: this many: the server's cost is mostly per command (with 64, its CPU grew
+#: by 3.5% of what the stores of 16 KiB blocks took, bench/pool_events_cost.py).
+ENTRY_BLOCKS = 256
 
 #: Entries the stream keeps by default (``XADD MAXLEN ~``): at most about
-#: 16,384 x (64 x 28 + 100) bytes, 31 MiB, of the server's memory.
-STREAM_MAXLEN = 16_384
+#: 4,096 x (256 x 28 + 100) bytes, 28 MiB, of the server's memory, naming
+#: up to a million blocks.
+STREAM_MAXLEN = 4_096
 
 #: The event id of a block whose writer did not know it (group 0xffffffff is
 #: never a real one: groups are below :data:`kvtier.tiers.events.EVENT_GROUPS`).

@@ -69,6 +69,11 @@ _EXISTS_PER_JOB = 1024  # an EXISTS pipeline moves no payload: large jobs are ch
 # Stores acknowledged but not yet appended to the pool's stream, at most (a
 # server that refuses the XADDs must not make the tier hold every key).
 _STREAM_PENDING = 65_536
+# How long an acknowledged store may wait for its XADD, so that one job
+# carries the entries of several batches: a job per batch woke a worker
+# thread per batch and cost 5% of the store throughput at 16 KiB blocks
+# (bench/pool_events_cost.py). What a subscriber hears is late by this much.
+STREAM_DELAY_S = 0.01
 
 
 class RemoteTier(JobTier):
@@ -157,7 +162,10 @@ class RemoteTier(JobTier):
         self.stream = stream_key(self._prefix) if pool_events else None
         self.engine_id = engine_id or f"{socket.gethostname()}:{os.getpid()}"
         self.event_id = event_id
-        self._stream_pending: list[tuple[bytes, bytes]] = []  # (digest, event id)
+        # Digests and event ids acknowledged, not yet appended (same order).
+        self._stream_pending: list[bytes] = []
+        self._stream_ids: list[bytes] = []
+        self._stream_due = 0.0  # when the oldest of them must go
         # What opens a client to the same pool, here and in an engine worker
         # that streams blocks itself (RemoteIO).
         ms = int(timeout_s * 1000)
@@ -414,23 +422,32 @@ class RemoteTier(JobTier):
                 self._finish_events(b)
             else:
                 out.append(self._finish(b))
-        if self._stream_pending:
+        if self._stream_pending and (
+            time.monotonic() >= self._stream_due
+            or len(self._stream_pending) >= _STREAM_PENDING // 2
+        ):
             self._append_stored()
         return out
 
     # -- the pool's event stream ---------------------------------------------
     def _note_stored(self, keys: Sequence[bytes], digs: Sequence[bytes]) -> None:
-        """Blocks the server acknowledged: appended to the pool's stream at
-        the end of this poll (one XADD per :data:`ENTRY_BLOCKS` of them)."""
+        """Blocks the server acknowledged: appended to the pool's stream by
+        the first poll :data:`STREAM_DELAY_S` later (one XADD per
+        :data:`ENTRY_BLOCKS` of them)."""
         if self.stream is None:
             return
-        name = self.event_id
-        pending = self._stream_pending
-        pending.extend(zip(digs, [name(k) or UNNAMED for k in keys]))
+        name, pending, ids = self.event_id, self._stream_pending, self._stream_ids
+        if not pending:
+            self._stream_due = time.monotonic() + STREAM_DELAY_S
+        pending += digs
+        if name is vllm_event_id:  # never None: the common case, kept cheap
+            ids += map(name, keys)
+        else:
+            ids += [name(k) or UNNAMED for k in keys]
         if len(pending) > _STREAM_PENDING:
             cut = len(pending) - _STREAM_PENDING
             self.counters["pool_events_dropped"] += cut
-            del pending[:cut]
+            del pending[:cut], ids[:cut]
 
     def _append_stored(self) -> None:
         """One job of XADDs (on the worker threads, after the SETs were
@@ -438,11 +455,10 @@ class RemoteTier(JobTier):
         backpressure they wait for the next poll."""
         if self._closed or self.stream is None:
             return
-        pending = self._stream_pending
+        pending, ids = self._stream_pending, self._stream_ids
         cmds = xadd_commands(
-            self.stream, self.pool_events, "stored", self.engine_id, self.name,
-            [d for d, _ in pending], [i for _, i in pending],
-        )  # fmt: skip
+            self.stream, self.pool_events, "stored", self.engine_id, self.name, pending, ids
+        )
         n = len(cmds)
         batch = self.jobs.batch("events", n, blocks=len(pending))
         stream = self.stream
@@ -455,6 +471,7 @@ class RemoteTier(JobTier):
 
         if self.jobs.submit(batch, n, submit_one):
             pending.clear()
+            ids.clear()
 
     def _finish_events(self, b: Batch) -> None:
         failed = sum(1 for code in b.items if code != 0)
