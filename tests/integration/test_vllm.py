@@ -331,6 +331,77 @@ def test_worker_round_trip_with_canonical_kv_caches(bpc: int) -> None:
     m.shutdown()
 
 
+def test_a_load_the_forward_pass_waits_for_is_split_and_waited_for_layer_by_layer() -> None:
+    spec = OffloadingSpecFactory.create_spec(
+        config({**SPEC, "kvtier_host_bytes": 64 * 4096}, kv_bytes=3 * (PAGE // 2))
+    )
+    m = spec.get_manager()
+    caches, layers = _kv_caches(32, n_layers=3)
+    w = spec.get_worker(caches)
+    # 3 tensors, one per layer; a name the map does not know waits whole.
+    w.map_layers([["model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn"]])
+    assert w.layers["model.layers.2.attn"] == (0, 2)
+    keys = [K(i) for i in range(4)]
+    out = m.prepare_store(keys, CTX)
+    assert out is not None
+    src = [5, 9, 11, 2]
+    before = [t[src].clone() for t in layers]
+    assert w.submit_store(1, GPULoadStoreSpec(src, [4], [0]), out.store_spec)
+    w.wait({1})
+    assert [r.job_id for r in w.get_finished()] == [1]
+    m.complete_store(keys, CTX)
+    for t in layers:
+        t.zero_()
+    dst = [1, 2, 3, 4]
+    w.expedite.add(2)  # KVTierConnector's synchronous load
+    assert w.submit_load(2, m.prepare_load(keys, CTX), GPULoadStoreSpec(dst, [4], [0]))
+    ours = w._ours[2]
+    assert sorted(w._layer_parts[ours]) == [(0, 0), (0, 1), (0, 2)]  # one copy job per layer
+    w.wait_layer({2}, "model.layers.0.attn")
+    assert torch.equal(layers[0][dst], before[0])
+    w.wait_layer({2}, "model.layers.2.attn")
+    assert torch.equal(layers[2][dst], before[2])
+    w.wait_layer({2}, "lm_head")  # unknown: the whole load
+    (r,) = w.get_finished()  # one result for vLLM's job, all its parts' bytes
+    assert r.job_id == 2 and r.success and r.transfer_size == len(dst) * 3 * (PAGE // 2)
+    for t, b in zip(layers, before):
+        assert torch.equal(t[dst], b)
+    assert ours not in w._layer_parts
+    m.complete_load(keys, CTX)
+    # A load nobody waits for layer by layer stays whole.
+    assert w.submit_load(3, m.prepare_load(keys, CTX), GPULoadStoreSpec(dst, [4], [0]))
+    assert w._ours[3] not in w._layer_parts
+    w.wait({3})
+    w.get_finished()
+    m.complete_load(keys, CTX)
+    w.shutdown()
+    m.shutdown()
+
+
+def test_layers_that_do_not_map_one_run_each_keep_whole_loads() -> None:
+    spec = OffloadingSpecFactory.create_spec(
+        config({**SPEC, "kvtier_host_bytes": 64 * 4096}, kv_bytes=3 * (PAGE // 2))
+    )
+    w = spec.get_worker(_kv_caches(8, n_layers=3)[0])
+    w.map_layers([["a", "b"]])  # 3 tensors over 2 layers
+    assert w.layers == {}
+    w.shutdown()
+    spec = OffloadingSpecFactory.create_spec(config({**SPEC, "kvtier_host_bytes": 64 * 4096}))
+    # Two layers aliasing one tensor (copied once): not split either.
+    caches, _ = _kv_caches(8, n_layers=2)
+    caches.group_data_refs[0].append(caches.group_data_refs[0][0])
+    w = spec.get_worker(caches)
+    w.map_layers([["a", "b", "c"]])
+    assert w.layers == {}
+    w.shutdown()
+    off = OffloadingSpecFactory.create_spec(
+        config({**SPEC, "kvtier_host_bytes": 64 * 4096, "kvtier_layered_loads": False})
+    )
+    w = off.get_worker(_kv_caches(8, n_layers=2)[0])
+    assert w.layered_loads is False
+    w.shutdown()
+
+
 def test_pipeline_stages_get_their_own_pools_sized_by_their_layers() -> None:
     """PP=2 with an uneven split (stage 1 holds twice the layers): each stage
     opens its own pool with slots of its own KV bytes and the same slot count,

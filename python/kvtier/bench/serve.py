@@ -28,7 +28,11 @@ run, then the median over runs is reported):
 - ``small-host+disk``: a host tier smaller than one request, disk behind it;
 - ``second-engine``: a new engine (empty host tier) on the Redis that
   ``host+redis`` filled: its first turns are loaded from Redis;
-- ``vllm-cpu-offload``: vLLM's own CPU offloading, where the platform allows.
+- ``vllm-cpu-offload``: vLLM's own CPU offloading, where the platform allows;
+- ``host-whole-loads``: as ``host``, but the forward pass waits for a whole
+  load before its first layer (``kvtier_layered_loads`` false) instead of
+  each attention layer waiting for its own part: the A/B of layer-by-layer
+  loading.
 
 In ``none`` and every kvtier configuration vLLM's prefix cache is reset
 after each request, so a returning prefix can only come from offloading.
@@ -53,7 +57,7 @@ from kvtier.integrations.vllm_engine import Sessions
 
 CONFIGS = (
     "none", "prefix", "host", "host+disk", "host+redis", "host+redis-wait", "host+redis-stream",
-    "host+disk+redis", "small-host+disk", "second-engine", "vllm-cpu-offload",
+    "host+disk+redis", "small-host+disk", "second-engine", "vllm-cpu-offload", "host-whole-loads",
 )  # fmt: skip
 TOKENS_PER_BLOCK = 32
 LOAD_TIERS = ("host", "disk", "remote")
@@ -83,7 +87,7 @@ def _config_spec(
     if name in ("none", "prefix", "vllm-cpu-offload"):
         return {"mode": name}
     kv: dict[str, Any] = {}
-    if name == "host":
+    if name in ("host", "host-whole-loads"):
         kv["kvtier_host_bytes"] = sizes["large"]
     elif name == "small-host+disk":
         kv["kvtier_host_bytes"] = sizes["tiny"]
@@ -99,6 +103,8 @@ def _config_spec(
         kv["kvtier_promote"] = kv["kvtier_remote_probe"] = False
     if name.endswith("-wait"):
         kv["kvtier_fenced_reads"] = False
+    if name.endswith("-whole-loads"):  # the A/B of layer-by-layer loading
+        kv["kvtier_layered_loads"] = False
     return {"mode": "kvtier", "kvtier": kv}
 
 

@@ -321,15 +321,24 @@ class DeviceTransfer:
         slots: Sequence[int] | np.ndarray,
         first_block_index: int = 0,
         to_host: bool = True,
+        tensors: tuple[int, int] | None = None,
     ) -> np.ndarray:
         """``(N, 3)`` int64 copy descriptors, built with numpy (no per-block loop).
 
         ``first_block_index`` is the logical index of ``block_ids[0]`` in its
         request: the first chunk may be partly covered when blocks_per_chunk > 1.
+        ``tensors``: only the KV tensors ``[lo, hi)`` (a layer's, for a load
+        the forward pass waits for layer by layer); default all.
         """
         b = np.asarray(block_ids, np.int64)
         s = np.asarray(slots, np.int64)
         lay, bpc = self.layout, self.blocks_per_chunk
+        if tensors is not None:
+            lo, hi = tensors
+            if not 0 <= lo < hi <= len(lay.bases):
+                raise InvalidArgument(f"tensors [{lo}, {hi}) not within [0, {len(lay.bases)})")
+            lay = KVLayout(lay.bases[lo:hi], lay.page_bytes[lo:hi], lay.strides[lo:hi],
+                           lay.num_blocks, lay.chunk_offsets[lo:hi])  # fmt: skip
         if b.ndim != 1 or s.ndim != 1:
             raise InvalidArgument("block ids and slots must be 1-D")
         if b.size and (b.min() < 0 or b.max() >= lay.num_blocks):
@@ -384,14 +393,17 @@ class DeviceTransfer:
         first_block_index: int = 0,
         stream: int | None = None,
         fences: Sequence[int] | np.ndarray | None = None,
+        tensors: tuple[int, int] | None = None,
     ) -> bool:
         """Host slots -> KV blocks. Expedited loads have their own queue/stream.
 
         ``fences``: per slot, the armed value of a write still filling it
         (:meth:`HostPool.arm_fences`; 0 for a slot already filled): its
         copies wait for that write, slot by slot, and the job fails if the
-        write failed."""
-        d = self.descriptors(gpu_block_ids, host_slots, first_block_index, to_host=False)
+        write failed. ``tensors``: only those KV tensors (see
+        :meth:`descriptors`)."""
+        d = self.descriptors(gpu_block_ids, host_slots, first_block_index, to_host=False,
+                             tensors=tensors)  # fmt: skip
         f = None
         if fences is not None:
             armed = np.asarray(fences, np.int64)
@@ -402,7 +414,8 @@ class DeviceTransfer:
                 # descriptors() builds them.
                 lay, bpc = self.layout, self.blocks_per_chunk
                 pos = np.arange(np.size(gpu_block_ids), dtype=np.int64) + first_block_index % bpc
-                per_row = np.repeat(pos // bpc, len(lay.page_bytes))
+                cols = len(lay.page_bytes) if tensors is None else tensors[1] - tensors[0]
+                per_row = np.repeat(pos // bpc, cols)
                 f = self.pool.fences(np.asarray(host_slots, np.int64)[per_row], armed[per_row])
         return self._submit(
             job_id,

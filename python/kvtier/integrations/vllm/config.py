@@ -85,6 +85,12 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
         "values arrive and the engine's copies wait for each block's value (the read and the "
         "load overlap; default true); false: the lookup waits for every value first",
     ),
+    "kvtier_layered_loads": (
+        bool,
+        "a hit loaded within the step is waited for layer by layer: each attention layer "
+        "waits only for its own KV, the copies of later layers overlap the compute of earlier "
+        "ones (default true; false: the forward pass waits for the whole load first)",
+    ),
     "kvtier_stream_slots": (
         int,
         "staging slots per worker for blocks moved straight between the engine and the disk "

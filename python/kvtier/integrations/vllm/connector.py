@@ -90,6 +90,10 @@ class KVTierConnector(OffloadingConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         # Under vLLM 0.32, on the scheduler's side: the step's synchronous loads.
         self._sync: _SyncLoads | None = None
+        # On a worker: whether synchronous loads are waited for layer by layer
+        # (None: not known until the first one), and this step's.
+        self._layered: bool | None = None
+        self._awaited: set[int] = set()
         if self.connector_scheduler is not None:
             _tell_windows(self.connector_scheduler)
         budget = extra["sync_load_budget_bytes"]
@@ -206,11 +210,39 @@ class KVTierConnector(OffloadingConnector):
         worker = cw.worker if cw is not None else None
         if sync and isinstance(worker, KVTierWorker):
             worker.expedite.update(sync)
+            if self._layered is None:
+                self._layered = _map_layers(worker, cw)
         super().start_load_kv(forward_context, **kwargs)
-        if sync and cw is not None and worker is not None:
+        if sync and cw is not None and isinstance(worker, KVTierWorker):
             for job in sync:
                 cw._load_jobs[job] = None
-            worker.wait(set(sync))
+            if self._layered:
+                # Each attention layer waits for its own part (wait_for_layer_load):
+                # the copies of later layers overlap the compute of earlier ones.
+                self._awaited = set(sync)
+            else:
+                worker.wait(set(sync))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until this layer's part of the step's synchronous loads
+        landed. Called by vLLM before each attention layer of the forward
+        pass, on each worker."""
+        if self._awaited:
+            cw = self.connector_worker
+            assert cw is not None and isinstance(cw.worker, KVTierWorker)
+            cw.worker.wait_layer(self._awaited, layer_name)
+
+    def wait_for_save(self) -> None:
+        """OffloadingConnector's, after the step's synchronous loads ended
+        whole (a layer the forward pass did not announce is loaded all the
+        same before vLLM reports the loads). Called by vLLM after the
+        forward pass, on each worker; blocks for those loads only."""
+        if self._awaited:
+            cw = self.connector_worker
+            assert cw is not None and isinstance(cw.worker, KVTierWorker)
+            cw.worker.wait(self._awaited)
+            self._awaited = set()
+        super().wait_for_save()  # type: ignore[no-untyped-call]
 
     def reset_cache(self) -> bool | None:
         """OffloadingConnector's; loads in flight across a reset are stale
@@ -317,6 +349,23 @@ def sync_load_budget(extra: dict[str, Any]) -> int:
         raise InvalidArgument(
             msg if msg.startswith("sync_load_budget_bytes") else f"sync_load_budget_bytes: {msg}"
         ) from None
+
+
+def _map_layers(worker: KVTierWorker, cw: Any) -> bool:
+    """Name the worker's KV tensors by layer (the offloaded groups' layers,
+    in vLLM's order) so a synchronous load is waited for layer by layer;
+    whether any layer could be named. ``kvtier_layered_loads: false`` in the
+    extra config keeps whole loads."""
+    if not worker.layered_loads:
+        return False
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        get_offloading_group_ids,
+    )
+
+    config = cw.kv_cache_config
+    groups = [config.kv_cache_groups[g].layer_names for g in get_offloading_group_ids(config)]
+    worker.map_layers(groups)
+    return bool(worker.layers)
 
 
 def _tell_windows(scheduler: Any) -> None:

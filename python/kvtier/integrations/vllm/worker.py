@@ -51,6 +51,7 @@ class KVTierWorker(OffloadingWorker):
         offset = spec.cell_index * spec.cell_bytes
         self.transfers: list[DeviceTransfer] = []
         self._groups: list[tuple[list[Any], list[int]]] = []  # per group: tensors, page bytes
+        self._aliased: list[bool] = []  # per group: some of its layers share a tensor
         with off_compute_cpus():  # the copy threads start off the engine's compute cores
             self._start_transfers(kv_caches, spec, pool, offset)
         self.bpc = spec.blocks_per_chunk
@@ -75,6 +76,14 @@ class KVTierWorker(OffloadingWorker):
         # Load jobs to put ahead of queued stores: KVTierConnector names those
         # the forward pass waits for (vLLM 0.33 passes expedited itself).
         self.expedite: set[int] = set()
+        # Layer-by-layer loads: per KV-cache group, KV tensors per layer (0:
+        # the group's tensors do not map one run per layer, so its loads
+        # are waited for whole), and each layer's (group, index).
+        self._per_layer = [0] * len(self._groups)
+        self.layered_loads = bool(spec.kvtier.get("kvtier_layered_loads", True))
+        self.layers: dict[str, tuple[int, int]] = {}
+        # Ours -> {(group, layer index): transfer job} of a load split by layer.
+        self._layer_parts: dict[int, dict[tuple[int, int], int]] = {}
 
     def _start_transfers(
         self, kv_caches: CanonicalKVCaches, spec: KVTierOffloadingSpec, pool: HostPool, offset: int
@@ -88,6 +97,7 @@ class KVTierWorker(OffloadingWorker):
                 seen.setdefault(r.tensor_idx, r.page_size_bytes)
             tensors = [kv_caches.tensors[i].tensor for i in seen]
             self._groups.append((tensors, list(seen.values())))
+            self._aliased.append(len(seen) != len(refs))
             self.transfers.append(DeviceTransfer(
                 tensors, pool, blocks_per_chunk=spec.blocks_per_chunk, page_bytes=list(seen.values()),
                 is_writer=spec.is_writer, slot_offset=offset))  # fmt: skip
@@ -138,13 +148,27 @@ class KVTierWorker(OffloadingWorker):
         for n, (g, blocks, slots, first) in enumerate(self._split(gpu, host.slots)):
             if len(blocks) == 0:
                 continue
-            self._next += 1
             t = self.transfers[g]
+            armed = None if fences is None else fences[n][2]
+            k = self._per_layer[g]
+            if not store and expedited and k:
+                # The forward pass waits for it layer by layer: one transfer
+                # job per layer, in layer order, so layer 0 is ready first.
+                parts = self._layer_parts.setdefault(ours, {})
+                for i in range(len(t.layout.bases) // k):
+                    self._next += 1
+                    if not t.submit_load(self._next, slots, blocks, True, first_block_index=first,
+                                         fences=armed, tensors=(i * k, (i + 1) * k)):  # fmt: skip
+                        return False
+                    self._jobs.add(ours, (g, self._next))
+                    parts[(g, i)] = self._next
+                continue
+            self._next += 1
             ok = (
                 t.submit_store(self._next, blocks, slots, first_block_index=first)
                 if store
                 else t.submit_load(self._next, slots, blocks, expedited, first_block_index=first,
-                                   fences=None if fences is None else fences[n][2])
+                                   fences=armed)
             )  # fmt: skip
             if not ok:
                 return False
@@ -243,6 +267,7 @@ class KVTierWorker(OffloadingWorker):
         for ended in self._jobs.take_ended():
             ours = ended.parent
             job = self._vllm.pop(ours)
+            self._layer_parts.pop(ours, None)
             if ours in self._refused:
                 self._refused.discard(ours)
                 continue
@@ -288,15 +313,58 @@ class KVTierWorker(OffloadingWorker):
         out, self._load_errors = self._load_errors, set()
         return out
 
+    def map_layers(self, group_layers: Sequence[Sequence[str]]) -> None:
+        """Name each KV-cache group's layers, in the order of the engine's
+        KV-cache configuration (the order of its tensors here), so that a
+        load the forward pass waits for is split and waited for layer by
+        layer (:meth:`wait_layer`). A group whose tensors are not the same
+        number per layer (layers aliasing one tensor, a packed layout) keeps
+        whole loads. Called once by KVTierConnector after the KV caches are
+        registered; non-blocking."""
+        for g, names in enumerate(group_layers):
+            if g >= len(self.transfers) or not names or self._aliased[g]:
+                continue
+            tensors = len(self.transfers[g].layout.bases)
+            if tensors % len(names):
+                continue
+            self._per_layer[g] = tensors // len(names)
+            for i, name in enumerate(names):
+                self.layers[name] = (g, i)
+
+    def wait_layer(self, job_ids: set[int], layer_name: str) -> None:
+        """Block until this layer's part of each load in ``job_ids`` landed
+        (and the loads' parts not split by layer: a group loaded whole, a
+        streamed part). A layer not named by :meth:`map_layers` waits for
+        the loads whole. Called by KVTierConnector before each attention
+        layer of a forward pass."""
+        where = self.layers.get(layer_name)
+        if where is None:
+            self.wait(job_ids)
+            return
+        g, i = where
+        for job in job_ids:
+            ours = self._ours.get(job)
+            if ours is None:
+                continue
+            parts = self._layer_parts.get(ours, {})
+            split = set(parts.values())
+            sub = parts.get((g, i))
+            for pg, psub in self._jobs.subs(ours):
+                if psub == sub or psub not in split:
+                    self._wait_part(pg, psub)
+
+    def _wait_part(self, g: int, sub: int) -> None:
+        if g == _STREAM:
+            assert self._stream is not None
+            self._stream.wait([sub])
+        else:
+            self.transfers[g].wait([sub])
+
     def wait(self, job_ids: set[int]) -> None:
         for job in job_ids:
             ours = self._ours.get(job)
             for g, sub in [] if ours is None else self._jobs.subs(ours):
-                if g == _STREAM:
-                    assert self._stream is not None
-                    self._stream.wait([sub])
-                else:
-                    self.transfers[g].wait([sub])
+                self._wait_part(g, sub)
 
     def shutdown(self) -> None:
         self._load_blocks.clear()
