@@ -161,10 +161,12 @@ def main_events(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     else:
         position = reader.last_position()
     if args.snapshot:
-        # Names for the snapshot's blocks from what the stream holds; the
-        # position taken before the scan, so nothing that changes during
-        # it is missed by the tail.
-        position = reader.replay() if not (args.from_start or args.position) else position
+        # Names for the snapshot's blocks from what the stream holds; unless
+        # told where, the tail goes on from the position taken before the
+        # scan, so nothing that changes during it is missed.
+        last = reader.replay()
+        if not (args.from_start or args.position):
+            position = last
         _snapshot(reader, printer, position)
     watcher = None
     if args.watch:

@@ -92,10 +92,9 @@ def own_server(tmp_path: Path) -> Iterator[RedisServer]:
     s.stop()
 
 
-@pytest.fixture(params=["standalone", "cluster"])
+@pytest.fixture(params=["redis_standalone", "redis_cluster", "valkey_standalone"])
 def pool_url(request: pytest.FixtureRequest) -> str:
-    fixture = "redis_standalone" if request.param == "standalone" else "redis_cluster"
-    return str(request.getfixturevalue(fixture).url)
+    return str(request.getfixturevalue(request.param).url)
 
 
 def tier(url: str, ns: str, engine: str, **kw: Any) -> RemoteTier:
@@ -323,3 +322,28 @@ def test_worker_writes_are_appended_too(redis_standalone: Any) -> None:
     ]
     client.close()
     r.close()
+
+
+def test_a_store_never_acknowledged_is_not_announced(own_server: RedisServer) -> None:
+    """The server killed: the stores fail and nothing reaches the stream;
+    once it is back, the next stores are announced as usual."""
+    with HostPool(4, BLOCK) as pool:
+        t = tier(own_server.url, "killed", "engine-a", timeout_s=0.5)
+        t.attach(pool)
+        own_server.kill()
+        pool.view(0)[:BLOCK] = block_content(0, BLOCK)
+        assert finish(t, t.submit_store([K(0)], [0])) == [False]
+        settle(t)
+        own_server.start()
+        pool.view(1)[:BLOCK] = block_content(1, BLOCK)
+        for _ in range(100):  # until the tier reconnected (failures: never announced)
+            if finish(t, t.submit_store([K(1)], [1])) == [True]:
+                break
+            time.sleep(0.05)
+        settle(t)
+        t.close()
+    client = connect(own_server.url)
+    assert summary(read_all(PoolReader(client, t.stream or b""))) == [
+        ("stored", "engine-a", "", [D(1)], [I(1)]),
+    ]
+    client.close()
