@@ -44,8 +44,8 @@ and weights of the miniature with the most hits over about the last
 (spatial sampling after Waldspurger et al., "Cache Modeling and Optimization
 using Miniature Simulations", USENIX ATC'17).
 
-Per-key state: resident keys 3 ints (class, burst, count) in a dict plus an
-entry in one ordered group; ghosts one int per key, at most
+Per-key state: resident keys 4 ints (class, burst, count, sampled) in a dict
+plus an entry in their class's ordered dict (by burst, then put order); ghosts one int per key, at most
 ``min(ghost_ratio * capacity, ghost_max)`` keys; the miniatures hold about
 ``len(variants)`` / M as much again.
 """
@@ -61,6 +61,7 @@ from typing import Any
 from kvtier.errors import InvalidArgument
 
 _Group = OrderedDict[Any, None]
+_END = object()  # the end of an iteration
 _UNBOUNDED = 1 << 40  # capacities from here on never evict: no miniatures
 _RISING = (0.0, 1.0, 2.0, 3.0)  # each use counts
 _ONCE = (0.0, 1.0, 1.0, 1.0)  # used again or not
@@ -90,120 +91,162 @@ class _Ranking:
         self.weights = weights
         self.last_weight = last_weight
         self.last_cls = len(weights)
-        self.groups: list[OrderedDict[int, _Group]] = [
-            OrderedDict() for _ in range(len(weights) + 1)
-        ]
-        self.meta: dict[Any, list[int]] = {}  # key -> [class, burst, count]
+        self.top = len(weights) - 1  # the class of the highest counts
+        # Per class, keys in the order they were put: by burst, then prefix order.
+        self.groups: list[_Group] = [OrderedDict() for _ in range(len(weights) + 1)]
+        self.meta: dict[Any, list[int]] = {}  # key -> [class, burst, count, sampled]
         self.ghost: OrderedDict[Any, int] = OrderedDict()  # evicted key -> count
         self.ghost_cap = ghost_cap
         self.alpha = alpha
         self.insert_rate = 0.0  # inserts per burst (moving average)
+        self.rate_burst = 0  # the burst ``inserts`` counts
         self.inserts = 0  # in the current burst
+        self._run_of: tuple[int, int] = (-1, -1)  # (class, burst) of ``_run``
+        self._run: list[Any] = []  # first_victim's last burst run
 
-    def _put(self, key: Any, m: list[int]) -> None:
-        per = self.groups[m[0]]
-        g = per.get(m[1])
-        if g is None:
-            g = per[m[1]] = OrderedDict()
-        g[key] = None
-
-    def _take(self, key: Any, m: list[int]) -> None:
-        per = self.groups[m[0]]
-        g = per[m[1]]
-        del g[key]
-        if not g:
-            del per[m[1]]
-
-    def add(self, key: Any, burst: int) -> int:
+    def add(self, key: Any, burst: int, sampled: int = 0) -> int:
         """``key`` became resident in ``burst``; returns its count (from its ghost)."""
         count = self.ghost.pop(key, 0)
-        m = [min(count, len(self.weights) - 1), burst, count]
-        self.meta[key] = m
-        self._put(key, m)
+        c = count if count < self.top else self.top
+        self.meta[key] = [c, burst, count, sampled]
+        self.groups[c][key] = None
         self.inserts += 1
         return count
 
-    def use(self, key: Any, burst: int) -> None:
-        """Resident ``key`` was used in ``burst``."""
+    def use(self, key: Any, burst: int) -> list[int]:
+        """Resident ``key`` was used in ``burst``; returns its state."""
         m = self.meta[key]
-        self._take(key, m)
-        m[2] += 1
-        m[0] = min(m[2], len(self.weights) - 1)
+        count = m[2] = m[2] + 1
+        c = count if count < self.top else self.top
+        if c == m[0]:
+            self.groups[c].move_to_end(key)
+        else:
+            del self.groups[m[0]][key]
+            self.groups[c][key] = None
+            m[0] = c
         m[1] = burst
-        self._put(key, m)
+        return m
 
     def mark_last(self, key: Any) -> None:
         """``key`` was the last of an insert run: class ``last`` if never used since."""
         m = self.meta.get(key)
         if m is not None and m[0] == 0 and m[2] == 0:
-            self._take(key, m)
+            del self.groups[0][key]
+            self.groups[self.last_cls][key] = None
             m[0] = self.last_cls
-            self._put(key, m)
 
     def end_burst(self) -> None:
         self.insert_rate += (self.inserts - self.insert_rate) * self.alpha
         self.inserts = 0
+        self.rate_burst += 1
+
+    def catch_up(self, burst: int) -> None:
+        """End the bursts before ``burst`` not ended yet (a miniature's are
+        ended lazily: most bursts carry no sampled key, and then the insert
+        rate only decays)."""
+        gap = burst - self.rate_burst
+        if gap > 0:
+            self.end_burst()
+            if gap > 1:
+                self.insert_rate *= (1.0 - self.alpha) ** (gap - 1)
+            self.rate_burst = burst
 
     def remove(self, key: Any, evicted: bool) -> bool:
         m = self.meta.pop(key, None)
         if m is None:
             return False
-        self._take(key, m)
+        del self.groups[m[0]][key]
         if evicted and self.ghost_cap:
             self.ghost[key] = m[2] + 1
             if len(self.ghost) > self.ghost_cap:
                 self.ghost.popitem(last=False)
         return True
 
-    def bonus(self, cls: int) -> float:
-        w = self.last_weight if cls == self.last_cls else self.weights[cls]
-        return self.beta * (self.capacity / max(self.insert_rate, 1e-3)) * w
+    def _bonuses(self) -> list[float]:
+        horizon = self.capacity / max(self.insert_rate, 1e-3)
+        b = self.beta * horizon
+        return [b * w for w in self.weights] + [b * self.last_weight]
 
     def first_victim(self) -> Any:
         """``next(self.victims())`` without the generator (the miniatures' hot path)."""
-        best: tuple[float, int] | None = None
-        group: _Group | None = None
-        horizon = self.capacity / max(self.insert_rate, 1e-3)
-        for c, per in enumerate(self.groups):
-            if per:
-                burst, g = next(iter(per.items()))
-                w = self.last_weight if c == self.last_cls else self.weights[c]
-                rank = (burst + self.beta * horizon * w, -c)
-                if best is None or rank < best:
-                    best, group = rank, g
-        assert group is not None, "first_victim of an empty ranking"
-        return next(reversed(group))
+        meta, ws = self.meta, self.weights
+        b = self.beta * (self.capacity / max(self.insert_rate, 1e-3))
+        best, c = 0.0, -1
+        for i, g in enumerate(self.groups):
+            if g:
+                # Lowest rank first; of equal ranks, the higher class.
+                rank = meta[next(iter(g))][1] + b * (
+                    ws[i] if i < self.last_cls else self.last_weight
+                )
+                if c < 0 or rank <= best:
+                    best, c = rank, i
+        assert c >= 0, "first_victim of an empty ranking"
+        group = self.groups[c]
+        head = next(iter(group))
+        burst = meta[head][1]
+        # The run of an older burst only shrinks (keys put now take the current
+        # burst): keep it for the next calls, deepest key still in it first.
+        if self._run_of == (c, burst) and burst < self.rate_burst:
+            run = self._run
+            while True:
+                m = meta.get(run[-1])
+                if m is not None and m[0] == c and m[1] == burst:
+                    return run[-1]
+                run.pop()
+        self._run_of, self._run = (c, burst), _burst_run(group, meta)
+        return self._run[-1]
 
     def victims(self) -> Iterator[Any]:
-        heads: dict[int, tuple[int, _Group]] = {}
-        its = [iter(per.items()) for per in self.groups]
+        meta = self.meta
+        its = [iter(g) for g in self.groups]
+        heads: dict[int, Any] = {}  # class -> its next key
         for c, it in enumerate(its):
-            h = next(it, None)
-            if h is not None:
+            h = next(it, _END)
+            if h is not _END:
                 heads[c] = h
-        bonus = [self.bonus(c) for c in range(len(its))]
+        bonus = self._bonuses()
         while heads:
-            c = min(heads, key=lambda c: (heads[c][0] + bonus[c], -c))
-            yield from reversed(heads[c][1])
-            h = next(its[c], None)
-            if h is None:
+            c = min(heads, key=lambda c: (meta[heads[c]][1] + bonus[c], -c))
+            # The keys of the head's burst, deepest (put last) first.
+            run = [heads[c]]
+            burst = meta[run[0]][1]
+            h = next(its[c], _END)
+            while h is not _END and meta[h][1] == burst:
+                run.append(h)
+                h = next(its[c], _END)
+            if h is _END:
                 del heads[c]
             else:
                 heads[c] = h
+            yield from reversed(run)
+
+
+def _burst_run(group: _Group, meta: dict[Any, list[int]]) -> list[Any]:
+    """The first keys of ``group`` that share the first one's burst."""
+    it = iter(group)
+    run = [next(it)]
+    burst = meta[run[0]][1]
+    for k in it:
+        if meta[k][1] != burst:
+            break
+        run.append(k)
+    return run
 
 
 class _Miniature:
     """A cache of ``ranking.capacity`` keys replaying the sampled keys."""
 
-    def __init__(self, ranking: _Ranking, decay: float) -> None:
+    def __init__(self, ranking: _Ranking) -> None:
         self.r = ranking
-        self.score = 0.0  # hits, decayed by ``decay`` every burst
-        self.decay = decay
+        # Hits decayed by ``decay`` every burst, kept as score * decay**-(burst - base)
+        # by the policy (a hit adds decay**-(burst - base)): a burst costs nothing.
+        self.score = 0.0
 
-    def reference(self, key: Any, burst: int) -> None:
+    def reference(self, key: Any, burst: int, hit_value: float) -> None:
         r = self.r
+        r.catch_up(burst)
         if key in r.meta:
-            self.score += 1.0
+            self.score += hit_value
             r.use(key, burst)
             return
         r.add(key, burst)
@@ -262,11 +305,13 @@ class PLFUPolicy:
             while m * 2 <= 1 << 16 and self.capacity // (m * 2) >= sample_keys:
                 m *= 2
             self._mask = m - 1
-            decay = 1.0 - 1.0 / window
             lw, cap_m = float(last_weight), max(1, self.capacity // m)
             self._minis = [
-                _Miniature(_Ranking(cap_m, b, vw, lw, ghost_cap // m, alpha), decay) for b, vw in vs
+                _Miniature(_Ranking(cap_m, b, vw, lw, ghost_cap // m, alpha)) for b, vw in vs
             ]
+        self._decay = 1.0 - 1.0 / window
+        self._hit_value = 1.0  # a miniature's hit now, in its score's units
+        self._scored = False  # a miniature hit in this burst: the best may change
 
     # -- what the host tier sees -------------------------------------------------
     @property
@@ -284,11 +329,11 @@ class PLFUPolicy:
         """Bursts the cache holds at the current insert rate."""
         return self.capacity / max(self._main.insert_rate, 1e-3)
 
-    def _sampled(self, key: Any) -> bool:
+    def _sampled(self, key: Any) -> int:
         if not self._minis:
-            return False
-        raw = key if isinstance(key, (bytes, bytearray, memoryview)) else repr(key).encode()
-        return zlib.crc32(raw) & self._mask == 0
+            return 0
+        raw = key if isinstance(key, bytes) else repr(key).encode()
+        return 1 if zlib.crc32(raw) & self._mask == 0 else 0
 
     def _end_burst(self) -> None:
         k = self._run_last
@@ -299,32 +344,43 @@ class PLFUPolicy:
             main.mark_last(k)
         main.end_burst()
         if self._minis:
-            sampled_last = k is not None and self._sampled(k)
-            best = None
-            for mini in self._minis:
-                if sampled_last:
+            if k is not None and self._sampled(k):
+                for mini in self._minis:
                     mini.r.mark_last(k)
-                mini.r.end_burst()
-                mini.score *= mini.decay
-                if best is None or mini.score > best.score:
-                    best = mini
-            if best is not None and best.score > 0:
-                main.beta, main.weights = best.r.beta, best.r.weights
+            if self._scored:  # a uniform decay keeps the order: only hits change it
+                self._scored = False
+                best = self._minis[0]
+                for mini in self._minis:
+                    if mini.score > best.score:
+                        best = mini
+                if best.score > 0:
+                    main.beta, main.weights = best.r.beta, best.r.weights
+            self._hit_value /= self._decay
+            if self._hit_value > 1e100:  # rescale before floats overflow
+                for mini in self._minis:
+                    mini.score /= self._hit_value
+                self._hit_value = 1.0
         self.burst += 1
+
+    def _reference_minis(self, key: Any) -> None:
+        for mini in self._minis:
+            mini.reference(key, self.burst, self._hit_value)
+        self._scored = True
 
     def insert(self, key: Any) -> None:
         """A key became resident (the manager's ``complete_store``)."""
-        if key in self._main.meta:
+        main = self._main
+        if key in main.meta:
             self.touch(key)
             return
         if self._run >= self.max_burst:
             self._end_burst()
-        count = self._main.add(key, self.burst)
+        sampled = self._sampled(key)
+        count = main.add(key, self.burst, sampled)
         self._run += 1
         self._run_last = key if count == 0 else None
-        if self._sampled(key):
-            for mini in self._minis:
-                mini.reference(key, self.burst)
+        if sampled:
+            self._reference_minis(key)
 
     def touch(self, key: Any) -> None:
         """A resident key was used (a load's pin, or offered again)."""
@@ -332,10 +388,8 @@ class PLFUPolicy:
             return
         if self._run:
             self._end_burst()
-        self._main.use(key, self.burst)
-        if self._sampled(key):
-            for mini in self._minis:
-                mini.reference(key, self.burst)
+        if self._main.use(key, self.burst)[3]:
+            self._reference_minis(key)
 
     def remove(self, key: Any, evicted: bool = False) -> None:
         """A key left; an evicted key's count is remembered as a ghost."""
