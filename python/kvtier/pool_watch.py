@@ -275,8 +275,8 @@ class Watcher:
         """Learn new entries, turn notifications received and (when due) a
         reconciling check into removed entries; the blocks reported."""
         now = time.monotonic() if now is None else now
-        for ev in self.reader.read(self.position):
-            self.position = ev.position
+        while batch := self.reader.read(self.position, count=1000):  # all of it: bounded
+            self.position = batch[-1].position
         gone: dict[str, list[bytes]] = {}
         prefix = self.reader.prefix
         for sub in self.subs:

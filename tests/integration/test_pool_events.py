@@ -21,7 +21,7 @@ import redis
 from conftest import block_content, finish
 from kvtier.bench.redis_server import RedisServer
 from kvtier.cli import build_parser
-from kvtier.events_cli import main_events
+from kvtier.events_cli import main_events, vllm_batch
 from kvtier.pool import HostPool
 from kvtier.pool_watch import BlockNames, PoolReader, Watcher, connect, find_streams
 from kvtier.tiers.events import vllm_event_id
@@ -347,3 +347,15 @@ def test_a_store_never_acknowledged_is_not_announced(own_server: RedisServer) ->
         ("stored", "engine-a", "", [D(1)], [I(1)]),
     ]
     client.close()
+
+
+def test_vllm_shape_one_event_per_group_and_unnamed_left_out() -> None:
+    g1 = (7).to_bytes(8, "big") + (1).to_bytes(4, "big")
+    ev = PoolEvent("5-0", "removed", "w", "remote", 1500, [D(0), D(1), D(2)], [I(0), g1, None])
+    batch = vllm_batch(ev)
+    assert batch is not None and batch["ts"] == 1.5
+    assert [(e["type"], e["group_idx"], e["block_hashes"]) for e in batch["events"]] == [
+        ("BlockRemoved", 0, [1]),
+        ("BlockRemoved", 1, [7]),
+    ]
+    assert vllm_batch(PoolEvent("6-0", "removed", "w", "remote", 0, [D(0)], [None])) is None
