@@ -290,6 +290,14 @@ def test_plfu_adaptive_exact_hits(workload: str, requests: int, capacity: int) -
     assert kvtier_hits(trace, capacity, pol) == want
 
 
+def test_plfu_adaptive_exact_hits_over_many_bursts() -> None:
+    """A short window: the miniatures' scores are rescaled (their units grow
+    by 1/decay a burst) several times; the choice must not move."""
+    trace = WORKLOADS["agent"](3000, 3)  # 1,348 bursts; a rescale every ~800
+    want = reference_hits(trace, 120, RefPLFU(120, sample_keys=8, window=4))
+    assert kvtier_hits(trace, 120, PLFUPolicy(120, sample_keys=8, window=4)) == want
+
+
 def test_plfu_default_is_the_adaptive_one() -> None:
     trace = WORKLOADS["agent"](200, 2)
     want = reference_hits(trace, 150, RefPLFU(150))  # miniatures as large as the cache
