@@ -23,6 +23,7 @@ from pathlib import Path
 from kvtier.errors import InvalidArgument
 from kvtier.tiers.base import LowerTier
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.pool_stream import STREAM_MAXLEN
 from kvtier.tiers.remote import RemoteTier
 from kvtier.units import FreeFraction, parse_capacity
 
@@ -65,6 +66,11 @@ class TierConfig:
     # The engine's worker may read and write the pool itself (RemoteTier's
     # worker_io): only where the connector reports failed loads.
     remote_worker_io: bool = False
+    # The pool's own event stream (RemoteTier's pool_events): whether this
+    # engine appends its stores to it, and what names the engine there
+    # (None: host:pid).
+    remote_pool_events: bool = True
+    remote_engine_id: str | None = None
     no_data: bool = False
 
 
@@ -118,6 +124,8 @@ def build_tier(
         tls_ca_file=cfg.remote_tls_ca_file, tls_cert_file=cfg.remote_tls_cert_file,
         tls_key_file=cfg.remote_tls_key_file, tls_server_name=cfg.remote_tls_server_name,
         worker_io=cfg.remote_worker_io,
+        pool_events=STREAM_MAXLEN if cfg.remote_pool_events else 0,
+        engine_id=cfg.remote_engine_id,
     )  # fmt: skip
 
 

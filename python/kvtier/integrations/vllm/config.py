@@ -2,12 +2,14 @@
 the start-up check of the engine and the one namespace of an engine's blocks.
 
 Runs in every vLLM process (API server, engine core, workers); pure and
-cheap (never blocks) except :func:`check_engine`, which reads vLLM's platform. Callers: the
+cheap (never blocks) except :func:`check_engine`, which reads vLLM's platform
+and may turn one setting of the connector's extra config off. Callers: the
 spec, the secondary tiers and the connector.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -62,6 +64,15 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "kvtier_remote_tls_key_file": (str, "rediss: PEM key of the client certificate (optional)"),
     "kvtier_remote_tls_server_name": (str, "rediss: name the server certificate must carry"),
     "kvtier_remote_ttl_s": ((int, float), "expiry of remote values in seconds (default none)"),
+    "kvtier_pool_events": (
+        bool,
+        "append the stores Redis acknowledged to the pool's own event stream, which `kvtier "
+        "events URL` tails for every engine on the pool (default true)",
+    ),
+    "kvtier_engine_id": (
+        str,
+        "what names this engine in the pool's event stream (default host:pid)",
+    ),
     "kvtier_namespace": (str, "extra namespace mixed into every key (default none)"),
     "kvtier_num_slots": (int, "host slots per rank; required with pipeline parallelism"),
     "kvtier_stats_path": (
@@ -155,6 +166,12 @@ def parse_extra_config(extra: dict[str, Any] | Any) -> dict[str, Any]:
         )
     if out.get("kvtier_scan_wait_ms", 0) < 0:
         raise InvalidArgument("kvtier_scan_wait_ms: must be >= 0")
+    engine_id = out.get("kvtier_engine_id")
+    if engine_id is not None and (not engine_id.strip() or len(engine_id) > 256):
+        raise InvalidArgument(
+            f"kvtier_engine_id: must be a non-blank name of at most 256 characters, "
+            f"got {engine_id!r}"
+        )
     return out
 
 
@@ -169,10 +186,26 @@ def check_engine(vllm_config: Any) -> None:
     to the ones the engine computed for the same tokens, and vLLM's own
     prefix cache, forced on, gave the same wrong tokens). Who calls: the
     shim's connector and spec, in every engine process, at start-up; cheap.
+
+    A model with Mamba or linear-attention layers is served only where vLLM
+    keeps their state per block (``mamba_cache_mode`` "align", vLLM's
+    default with prefix caching on): each block then holds the state after
+    its last token, which vLLM's offloading connector stores and loads as
+    one opaque chunk per block (a window of one chunk) beside the attention
+    groups' KV. Without it ("none") the state is one running value per
+    request: a prefix loaded into the attention layers would have none.
+    For such a model this also turns ``kvtier_layered_loads`` off in the
+    connector's extra config: vLLM's recurrent layers never wait for their
+    layer's load (only attention layers call ``wait_for_layer_load``), so a
+    load within the step must land whole before the forward pass.
+
     Raises :class:`~kvtier.errors.UnsupportedEngine`."""
     model = getattr(vllm_config, "model_config", None)
     cache = getattr(vllm_config, "cache_config", None)
-    if model is None or cache is None or not getattr(model, "use_mla", False):
+    if model is None or cache is None:
+        return
+    _check_recurrent_state(model, cache, getattr(vllm_config, "kv_transfer_config", None))
+    if not getattr(model, "use_mla", False):
         return
     from vllm.platforms import current_platform
 
@@ -184,6 +217,32 @@ def check_engine(vllm_config: Any) -> None:
             "wrong tokens). Serve it without kv_transfer_config, or where the engine "
             "keeps prefix caching on (a GPU, or vLLM's AMX_MLA backend with a bfloat16 "
             "model on a CPU with AMX)."
+        )
+
+
+def _check_recurrent_state(model: Any, cache: Any, transfer: Any) -> None:
+    """The recurrent-layer part of :func:`check_engine`. vLLM's ``is_hybrid``
+    is false for a hybrid architecture configured without recurrent layers."""
+    recurrent = any(bool(getattr(model, n, False)) for n in ("is_hybrid", "is_attention_free"))
+    if not recurrent:
+        return
+    extra = getattr(transfer, "kv_connector_extra_config", None)
+    if isinstance(extra, dict) and extra.get("kvtier_layered_loads", True) is not False:
+        if "kvtier_layered_loads" in extra:
+            logging.getLogger("kvtier").warning(
+                "kvtier: kvtier_layered_loads -> false: this model's recurrent layers do "
+                "not wait for their layer's load, so loads land whole before the forward pass"
+            )
+        extra["kvtier_layered_loads"] = False
+    mode = getattr(cache, "mamba_cache_mode", "none")
+    if mode != "align":
+        raise UnsupportedEngine(
+            "kvtier: this engine cannot use offloaded KV for a model with Mamba or "
+            "linear-attention layers: vLLM keeps their state as one running value per "
+            f"request (mamba_cache_mode {mode!r}, prefix caching off), so a prefix loaded "
+            "into its attention layers would have no state for the recurrent ones. Turn "
+            "prefix caching on (enable_prefix_caching / --enable-prefix-caching): vLLM then "
+            "keeps a state per block (mamba_cache_mode 'align'), which kvtier offloads."
         )
 
 

@@ -249,6 +249,8 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 remote_tls_key_file=k.get("kvtier_remote_tls_key_file"),
                 remote_tls_server_name=k.get("kvtier_remote_tls_server_name"),
                 remote_worker_io=self.reports_load_errors,
+                remote_pool_events=k.get("kvtier_pool_events", True),
+                remote_engine_id=k.get("kvtier_engine_id"),
                 # on_reuse: lower tiers take a block on its second offer,
                 # the first being its store, the second its first reuse.
                 disk_admit_after=2 if k.get("kvtier_lower_writes") == "on_reuse" else 1,
