@@ -356,10 +356,16 @@ class TieredOffloadingManager:
         slots are freed by :meth:`on_reset_flushed`); blocks under a tier job
         are freed when it completes. Lower tiers keep their data."""
         slots = self._core.slots
-        removed = list(self.host.entries)
-        for key in removed:
+        keys = list(self.host.entries)
+        # Only blocks the engine was told are stored: one still being written
+        # (a GPU store, a promotion) or filled was never announced, and a
+        # removal of it would make a router's count of this tier go wrong.
+        removed: list[bytes] = []
+        for key in keys:
             e = self.host.detach(key)
             assert e is not None
+            if e.ref >= 0 and e.fill is Fill.NONE:
+                removed.append(key)
             self._fills.forget(key, e)
             if slots.under_job(e.slot) and e.ref <= 0:
                 continue  # freed when the tier job completes
