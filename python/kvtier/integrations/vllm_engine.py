@@ -221,6 +221,10 @@ def _llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
             kw[key] = spec[key]
     if spec.get("attention_backend"):
         kw["attention_config"] = {"backend": spec["attention_backend"]}
+    if spec.get("kv_events_config"):  # vLLM's KV event publisher (KVEventsConfig's fields)
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(**spec["kv_events_config"])
     if mode == "kvtier":
         extra = {"block_size": kw["block_size"], **spec["kvtier"]}
         kw["kv_transfer_config"] = KVTransferConfig(
