@@ -161,8 +161,11 @@ def test_reset_cache(pool: HostPool, policy: str) -> None:
     assert m.host.free_slots == 5
     m.on_reset_flushed()
     assert m.host.free_slots == 8
+    # Only the blocks announced stored are announced removed: 10 and 11 were
+    # still being written (issue 35: a router must never see a removal of a
+    # block it was not told of).
     removed = [e for e in m.take_events() if e.removed]
-    assert sorted(removed[-1].keys) == sorted([K(i) for i in range(4)] + [K(10), K(11)])
+    assert sorted(removed[-1].keys) == [K(i) for i in range(4)]
 
 
 def test_lock_is_real(pool: HostPool, policy: str) -> None:
