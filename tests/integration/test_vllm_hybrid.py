@@ -105,15 +105,17 @@ def test_check_engine_reads_the_mode_vllm_derives_from_prefix_caching() -> None:
 
 
 @pytest.mark.parametrize("asked", [None, True, False])
-def test_a_recurrent_model_loads_whole_before_the_forward_pass(asked: bool | None) -> None:
-    """vLLM's Mamba layers never call wait_for_layer_load (only attention
-    layers do), so a load within the step must land whole before the forward
-    pass: check_engine turns kvtier_layered_loads off for such a model,
-    whatever was asked, and leaves it alone for an attention-only one."""
+def test_a_recurrent_model_loads_a_step_ahead_and_whole(asked: bool | None) -> None:
+    """Within the prefill's step, 2 of 5 hits of a Qwen3-Next gave other
+    tokens under vLLM 0.32 (a step ahead none did), and vLLM's recurrent
+    layers never call wait_for_layer_load: check_engine turns both loads
+    within the step and layered loads off for such a model, whatever was
+    asked, and leaves an attention-only model's settings alone."""
     from kvtier.integrations.vllm import check_engine
 
     def cfg(hybrid: bool) -> SimpleNamespace:
-        extra = {} if asked is None else {"kvtier_layered_loads": asked}
+        extra = {} if asked is None else {"kvtier_layered_loads": asked,
+                                          "sync_load_budget_bytes": "64MiB" if asked else 0}  # fmt: skip
         return SimpleNamespace(
             model_config=SimpleNamespace(use_mla=False, is_hybrid=hybrid),
             cache_config=SimpleNamespace(enable_prefix_caching=True, mamba_cache_mode="align"),
@@ -121,8 +123,10 @@ def test_a_recurrent_model_loads_whole_before_the_forward_pass(asked: bool | Non
         )
 
     hybrid, plain = cfg(True), cfg(False)
+    want = dict(plain.kv_transfer_config.kv_connector_extra_config)
     check_engine(hybrid)
     check_engine(plain)
-    assert hybrid.kv_transfer_config.kv_connector_extra_config == {"kvtier_layered_loads": False}
-    want = {} if asked is None else {"kvtier_layered_loads": asked}
+    assert hybrid.kv_transfer_config.kv_connector_extra_config == {
+        "kvtier_layered_loads": False, "sync_load_budget_bytes": 0,
+    }  # fmt: skip
     assert plain.kv_transfer_config.kv_connector_extra_config == want

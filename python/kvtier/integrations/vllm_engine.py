@@ -210,8 +210,8 @@ def _llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         "max_model_len": spec.get("max_model_len", 8192),
         "seed": 0,
         # "none" runs with the prefix cache on, reset after every request, like
-        # the kvtier configurations.
-        "enable_prefix_caching": True,
+        # the kvtier configurations (off only where a test asks).
+        "enable_prefix_caching": spec.get("enable_prefix_caching", True),
     }
     for key in (
         "num_gpu_blocks_override", "max_num_batched_tokens", "max_num_seqs",

@@ -1,0 +1,113 @@
+"""kvtier serving a hybrid model in vLLM's CPU build: a tiny random
+Qwen3-Next (Gated DeltaNet linear attention on layers 0 and 2, full
+attention on 1 and 3, a small MoE; bfloat16, which vLLM's CPU GDN kernel
+requires), made here with transformers. vLLM sets the attention block to
+544 tokens so that an attention page holds a GDN state, and keeps one state
+per block ("align" mode, prefix caching on).
+
+A Mamba2 hybrid (NemotronH, Bamba, Granite-4.0-H, Falcon-H1) does not run
+here with prefix caching on: vLLM 0.32's CPU chunk scan returns final states
+only and its align-mode prefill checkpoint indexes chunk states (IndexError
+in mamba_mixer2); Mamba1 (Jamba) has no CPU selective scan at all.
+
+kvtier's hits and outputs must equal vLLM's own prefix cache and
+recomputing; with prefix caching off kvtier refuses to start. Runs in the
+engine's Python like test_vllm_engine.py (skipped without
+``KVTIER_ENGINE_PYTHON``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from engine.test_vllm_engine import (  # noqa: F401  (engine_python: a fixture)
+    ROOT,
+    _assert_clean,
+    _outputs,
+    engine_python,
+    run_engine,
+)
+from kvtier.integrations.vllm_engine import Sessions
+
+pytestmark = pytest.mark.timeout(900)
+
+QWEN3_NEXT = {
+    "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "full_attention_interval": 2, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128, "max_position_embeddings": 8192,
+    # Random weights at 0.02 repeat one token, which would hide a wrong state.
+    "initializer_range": 0.2,
+}  # fmt: skip
+_MAKE = """
+import json, sys, torch
+from pathlib import Path
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+from kvtier.integrations.vllm_engine import _save_tokenizer
+out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
+stamp = out / "kvtier-model.json"
+if not (stamp.exists() and stamp.read_text() == sys.argv[2]):
+    torch.manual_seed(0)
+    Qwen3NextForCausalLM(Qwen3NextConfig(**cfg)).save_pretrained(out)
+    _save_tokenizer(out, cfg["vocab_size"])
+    stamp.write_text(sys.argv[2])
+"""
+BLOCK = 544  # tokens per block: vLLM's, for an attention page to hold a GDN state
+REQUESTS = Sessions(
+    sessions=3, system_prompts=1, system_tokens=1200, turns=2, user_tokens=64
+).requests()
+BASE = {"requests": REQUESTS, "block_size": BLOCK, "dtype": "bfloat16"}
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(engine_python: str) -> str:  # noqa: F811
+    path = ROOT / "build" / "engine-model-qwen3next"
+    subprocess.run(
+        [engine_python, "-c", _MAKE, str(path), json.dumps(QWEN3_NEXT, sort_keys=True)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return str(path)
+
+
+def test_hybrid_model_loads_prefixes_token_identical_to_recomputing(
+    engine_python: str,  # noqa: F811
+    hybrid_model: str,
+    tmp_path: Path,
+) -> None:
+    """Hits equal vLLM's own prefix cache, outputs equal recomputing, and
+    every chunk loaded came from kvtier's host tier: the attention group's
+    chunks of the prefix and the linear-attention group's last one."""
+    base = {**BASE, "model": hybrid_model}
+    none = run_engine(engine_python, tmp_path / "none", {**base, "mode": "none"})
+    prefix = run_engine(engine_python, tmp_path / "prefix", {**base, "mode": "prefix"})
+    hits = {r["id"]: r["cached_tokens"] for r in prefix.requests}
+    assert sum(hits.values()) > 0, hits
+    assert len({tuple(o) for o in _outputs(none).values()}) > 1
+    e = run_engine(
+        engine_python, tmp_path / "kvtier",
+        {**base, "mode": "kvtier", "kvtier": {"kvtier_host_bytes": "64MiB"}, "pause_s": 0.3},
+    )  # fmt: skip
+    assert {r["id"]: r["cached_tokens"] for r in e.requests} == hits
+    assert _outputs(e) == _outputs(none) == _outputs(prefix)
+    # One chunk per block of the attention group, one state per hit.
+    chunks = sum(h // BLOCK + (1 if h else 0) for h in hits.values())
+    assert e.counters["kvtier"]["loaded_host"] == chunks
+    _assert_clean(e)
+
+
+def test_hybrid_model_without_prefix_caching_is_refused_at_start_up(
+    engine_python: str,  # noqa: F811
+    hybrid_model: str,
+    tmp_path: Path,
+) -> None:
+    spec = {
+        **BASE, "mode": "kvtier", "model": hybrid_model, "requests": REQUESTS[:1],
+        "enable_prefix_caching": False, "kvtier": {"kvtier_host_bytes": "64MiB"},
+        "expect_refusal": True,
+    }  # fmt: skip
+    e = run_engine(engine_python, tmp_path, spec)
+    assert "Mamba or linear-attention layers" in e.log
