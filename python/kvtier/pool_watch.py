@@ -13,8 +13,8 @@ while the watcher was down, an entry that reached the stream after the
 removal of its block). One watcher appends at a time (a lease key): several
 may run for availability.
 
-Process: the ``kvtier events`` command (:mod:`kvtier.events_cli`) or any
-tool; uses redis-py (``pip install redis``, in kvtier's ``bench`` and
+Process: the ``kvtier events`` command or any tool. Who calls:
+:mod:`kvtier.events_cli` and the tests. Uses redis-py (``pip install redis``, in kvtier's ``bench`` and
 ``test`` extras). Never imported by the library. Reads block for at most
 their ``block_ms``; :meth:`Watcher.step` for about one round trip per node.
 """
