@@ -322,8 +322,8 @@ class TieredOffloadingManager:
         self._polled = False
         self._movement.poll()
         self._fills.step_end()
-        self._movement.flush()
-        self._movement.poll()
+        if self._movement.flush():
+            self._movement.poll()
 
     def take_events(self) -> list[TierEvent]:
         """Stored/removed events of every tier, oldest first."""

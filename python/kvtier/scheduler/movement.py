@@ -52,8 +52,12 @@ class Movement:
         if eager and len(queue) >= EAGER_PROMOTE and i not in self._busy:
             self.submit_promotions(i)
 
-    def flush(self) -> None:
-        """Step end: submit every queued cascade and promotion."""
+    def flush(self) -> bool:
+        """Step end: submit every queued cascade and promotion. True when
+        something was queued (most decode steps queue nothing)."""
+        if not any(self._cascade) and not any(self._promote):
+            self._busy.clear()
+            return False
         core = self.core
         entries = core.host.entries
         for i, tier in enumerate(core.lower):
@@ -70,8 +74,10 @@ class Movement:
                 else:
                     core.slots.start(i, token, JobKind.STORE, keys, slots)
                     core.stats.cascades += len(keys)
-            self.submit_promotions(i)
+            if self._promote[i]:
+                self.submit_promotions(i)
         self._busy.clear()
+        return True
 
     def submit_promotions(self, i: int) -> None:
         """Start the promotions queued for tier ``i``. Under backpressure

@@ -469,6 +469,8 @@ class DeviceTransfer:
 
     def get_finished(self) -> list[TransferResult]:
         """Finished jobs since the last call (acks first, then completion order)."""
+        if not self._acks and not self._jobs.busy():
+            return []  # called on every engine step: nothing in flight, nothing to drain
         out, self._acks = self._acks, []
         for r in self._b.poll():
             if r.released:  # a timed-out job has really ended: its slots are free

@@ -170,7 +170,11 @@ class KVTierConnector(OffloadingConnector):
         the manager's lock (vLLM 0.33 releases it when the base method
         returns, 0.32 does not hold it here)."""
         meta = connector_output.kv_connector_worker_meta
-        done = dict(getattr(meta, "completed_jobs", None) or {})
+        if not getattr(meta, "completed_jobs", None):
+            # No job ended (most steps): nothing of kvtier's to track.
+            super().update_connector_output(connector_output)
+            return
+        done = dict(meta.completed_jobs)
         if self._sync is not None and self._sync.pending:
             for job in done:
                 rid = self._sync.pending.pop(job, None)
@@ -206,6 +210,9 @@ class KVTierConnector(OffloadingConnector):
         not come back as finished receiving (vLLM asserts that only a
         waiting or finished request does)."""
         sync = getattr(self._connector_metadata, "kvtier_sync_loads", None)
+        if not sync:  # no load waited for this step (most steps)
+            super().start_load_kv(forward_context, **kwargs)
+            return
         cw = self.connector_worker
         worker = cw.worker if cw is not None else None
         if sync and isinstance(worker, KVTierWorker):

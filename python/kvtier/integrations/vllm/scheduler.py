@@ -123,6 +123,7 @@ class KVTierManager(OffloadingManager):
         self._last: dict[str, int] = {}  # counters already reported by get_stats
         self._gauges: tuple[float, int, int] | None = None  # gauges last reported
         self._gauges_due = 0.0  # monotonic time of the next gauge refresh
+        self._sig: tuple[int, ...] = ()  # the counters' values at the last full check
         self._stats_path = stats_path
         self._shared_tiers = list(shared_tiers)  # tiers that outlive this process
         self._seed_checked = False
@@ -232,6 +233,16 @@ class KVTierManager(OffloadingManager):
         Measured (zero reuse, concurrency 1, `vllm serve`): a payload and a
         scan on every step cost about 2% of output throughput."""
         s = self.m.stats
+        now = time.monotonic()
+        # Every reported counter moves one of these: a step that moved none
+        # (most decode steps) returns at once. Building the counters each
+        # step cost 6-8 us of the engine core's step (zero reuse, c=1).
+        sig = (s.promotions, s.cascades, s.cascades_dropped, s.allocation_failures,
+               s.scan_reads, s.fenced_reads, s.fenced_failures, s.scan_timeouts,
+               s.scan_waits, s.load_failures, s.loads)  # fmt: skip
+        if sig == self._sig and now < self._gauges_due:
+            return None
+        self._sig = sig
         counters = {
             "promotions": s.promotions,
             "cascades": s.cascades,
@@ -251,7 +262,6 @@ class KVTierManager(OffloadingManager):
         }
         self._last = counters
         gauges = None
-        now = time.monotonic()
         if now >= self._gauges_due:
             self._gauges_due = now + GAUGE_PERIOD_S
             occ = self.m.occupancy()

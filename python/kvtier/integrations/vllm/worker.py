@@ -258,6 +258,8 @@ class KVTierWorker(OffloadingWorker):
 
     def get_finished(self) -> list[TransferResult]:
         """vLLM's jobs whose every part ended, in the order they ended."""
+        if not self._jobs.busy():
+            return []  # called on every engine step; most decode steps move nothing
         for g, t in enumerate(self.transfers):
             for r in t.get_finished():
                 self._jobs.done((g, r.job_id), r)

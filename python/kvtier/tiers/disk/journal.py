@@ -207,6 +207,11 @@ class IndexJournal:
         self._buf += journal_entry(op, record, digest, self.block_bytes, self.seq, event_id)
         self.entries += 1
 
+    @property
+    def buffered(self) -> bool:
+        """Entries appended since the last flush."""
+        return bool(self._buf)
+
     def discard(self) -> None:
         """Drop the buffered entries (they are lost already: see :attr:`lost`)."""
         self._buf = bytearray()

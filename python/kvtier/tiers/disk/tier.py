@@ -247,6 +247,11 @@ class DiskTier(JobTier):
         assert self.journal is not None
         self.journal.append(op, rec, dig, event_id)
 
+    def journal_pending(self) -> bool:
+        """Entries buffered for the journal, or a failed append to retry."""
+        j = self.journal
+        return j is not None and (j.lost or j.buffered)
+
     def _flush_journal(self) -> None:
         """Append the buffered entries; once an append failed (the file
         system full), stop admitting for a while and retry with a checkpoint
@@ -496,6 +501,10 @@ class DiskTier(JobTier):
             self._forget(d, record)
 
     def poll(self) -> list[TierCompletion]:
+        # Called on every engine step: with no job of this tier's engine in
+        # flight and no journal entry buffered there is nothing to do.
+        if not self.jobs.busy() and not self.journal_pending():
+            return []
         ended, released = self.jobs.poll()
         for rel in released:  # a timed-out job really ended: its memory is free
             d = rel.batch.data
