@@ -151,6 +151,27 @@ void bind_disk_index(py::module_& m) {
            }),
            py::arg("num_records"), py::arg("policy") = "lru", py::arg("clock_max") = 1)
       .def_property_readonly("num_records", &Index::num_records)
+      // Bytes per record the eviction policy keeps beyond the 28 every record
+      // has and the table's 10: lru 8, clock 0, plfu 14 (ghosts aside).
+      .def_static("policy_bytes_per_record",
+                  [](const std::string& policy) {
+                    return Index::policy_bytes_per_record(disk::parse_evict_policy(policy));
+                  })
+      // PLFU's state (None under other policies): beta and weights now, the
+      // horizon in bursts, ghosts kept, miniature caches and the sample mask.
+      .def_property_readonly("plfu",
+                             [](const Index& ix) -> py::object {
+                               const disk::Plfu* p = ix.plfu();
+                               if (p == nullptr) return py::none();
+                               py::dict d;
+                               d["beta"] = p->beta();
+                               d["weights"] = p->weights();
+                               d["horizon"] = p->horizon();
+                               d["ghosts"] = p->ghosts();
+                               d["miniatures"] = p->miniatures();
+                               d["sample_mask"] = p->sample_mask();
+                               return d;
+                             })
       .def_property_readonly("table_slots", &Index::table_slots)
       .def("__len__", &Index::size)
       .def("__contains__", [](const Index& ix,

@@ -1,10 +1,14 @@
 // The disk tier's native index: lookups through deletions (backward shift),
-// LRU and CLOCK victims, held records, and the warm-restart rebuild.
+// LRU, CLOCK and PLFU victims (PLFU against a brute-force reference written
+// here), held records, and the warm-restart rebuild.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <random>
+#include <tuple>
 
 #include "core/disk/index.h"
 #include "core/status.h"
@@ -176,6 +180,316 @@ TEST(DiskIndex, EvictionsAndRestartsKeepEventIds) {
   EXPECT_EQ(re.event_id(1).id, ~0ull);
   EXPECT_TRUE(re.event_id(1).named());
   EXPECT_FALSE(re.event_id(0).named());
+}
+
+}  // namespace
+}  // namespace kvtier::disk
+
+// -- PLFU (core/disk/plfu.h) ----------------------------------------------------
+
+namespace kvtier::disk {
+namespace {
+
+// PLFU with a fixed beta, re-derived from python/kvtier/policy/plfu.py's
+// docstring by brute force: every order ranks all resident keys from scratch.
+class RefPlfu {
+ public:
+  RefPlfu(double capacity, double beta, std::size_t ghost_cap, std::uint32_t max_burst)
+      : cap_(capacity), beta_(beta), ghost_cap_(ghost_cap), max_burst_(max_burst) {}
+
+  void insert(std::uint64_t k) {
+    if (res_.count(k)) return touch(k);
+    if (run_ >= max_burst_) end_burst();
+    int count = 0;
+    for (auto it = ghost_.begin(); it != ghost_.end(); ++it)
+      if (it->first == k) {
+        count = it->second;
+        ghost_.erase(it);
+        break;
+      }
+    put(k, std::min(count, 3), burst_, count);
+    ++inserts_;
+    ++run_;
+    run_last_ = count == 0 ? static_cast<std::int64_t>(k) : -1;
+  }
+  void touch(std::uint64_t k) {
+    if (!res_.count(k)) return;
+    if (run_) end_burst();
+    const int count = res_[k].count + 1;
+    put(k, std::min(count, 3), burst_, count);
+  }
+  void remove(std::uint64_t k, bool evicted) {
+    const int count = res_.at(k).count;
+    res_.erase(k);
+    if (evicted && ghost_cap_) {
+      ghost_.emplace_back(k, count + 1);
+      while (ghost_.size() > ghost_cap_) ghost_.pop_front();
+    }
+    if (run_last_ == static_cast<std::int64_t>(k)) run_last_ = -1;
+  }
+  std::vector<std::uint64_t> order() const {
+    const double b = beta_ * (cap_ / std::max(rate_, 1e-3));
+    const double w[5] = {0.0, 1.0, 2.0, 3.0, -0.5};
+    std::vector<std::tuple<double, int, std::int64_t, std::uint64_t>> v;
+    for (const auto& [k, s] : res_)
+      v.emplace_back(static_cast<double>(s.burst) + b * w[s.cls], -s.cls,
+                     -static_cast<std::int64_t>(s.put), k);
+    std::sort(v.begin(), v.end());
+    std::vector<std::uint64_t> out;
+    for (const auto& t : v) out.push_back(std::get<3>(t));
+    return out;
+  }
+  std::size_t size() const { return res_.size(); }
+
+ private:
+  struct S {
+    int cls;
+    std::uint64_t burst;
+    int count;
+    std::uint64_t put;
+  };
+  void put(std::uint64_t k, int cls, std::uint64_t burst, int count) {
+    res_[k] = S{cls, burst, count, ++puts_};
+  }
+  void end_burst() {
+    if (run_last_ >= 0) {
+      S& s = res_.at(static_cast<std::uint64_t>(run_last_));
+      if (s.cls == 0 && s.count == 0) put(static_cast<std::uint64_t>(run_last_), 4, s.burst, 0);
+    }
+    run_last_ = -1;
+    run_ = 0;
+    rate_ += (inserts_ - rate_) * (1.0 / 100);
+    inserts_ = 0;
+    ++burst_;
+  }
+
+  double cap_, beta_;
+  std::size_t ghost_cap_;
+  std::uint32_t max_burst_;
+  std::map<std::uint64_t, S> res_;
+  std::deque<std::pair<std::uint64_t, int>> ghost_;
+  double rate_ = 0.0;
+  int inserts_ = 0;
+  std::uint64_t burst_ = 0, puts_ = 0;
+  std::uint32_t run_ = 0;
+  std::int64_t run_last_ = -1;
+};
+
+std::vector<std::uint32_t> plfu_order(const Plfu& p) {
+  std::vector<std::uint32_t> out;
+  PlfuRank::Cursor c = p.victims();
+  for (std::uint32_t id = c.next(); id != Plfu::kNil; id = c.next()) out.push_back(id);
+  return out;
+}
+
+// Requests as a cache sees them: hit a prefix (touches), insert the rest,
+// evicting the first victims; a key's hash is a multiple of it.
+TEST(DiskIndexPlfu, MatchesABruteForceReference) {
+  auto hash = [](std::uint64_t k) { return (k + 1) * 0x9e3779b97f4a7c15ull; };
+  for (std::uint32_t max_burst : {256u, 3u}) {
+    const std::uint32_t cap = 40;
+    PlfuOptions o;
+    o.beta = 2.0;
+    o.variants.clear();
+    o.ghost_ratio = 2.0;
+    o.max_burst = max_burst;
+    Plfu p(cap + 1, cap, o);
+    RefPlfu ref(cap, 2.0, 2 * cap, max_burst);
+    std::map<std::uint64_t, std::uint32_t> id_of;  // key -> id
+    std::vector<std::uint32_t> free_ids;
+    for (std::uint32_t i = 0; i <= cap; ++i) free_ids.push_back(cap - i);
+    std::map<std::uint32_t, std::uint64_t> key_of;
+    std::mt19937_64 rng(11);
+    int evictions = 0;
+    for (int req = 0; req < 3000; ++req) {
+      const std::uint64_t root = rng() % 12, len = 1 + rng() % 8;
+      for (std::uint64_t j = 0; j < len; ++j) {
+        const std::uint64_t k = root * 100 + j + (j > 3 ? 1000 * (rng() % 3) : 0);
+        auto it = id_of.find(k);
+        if (it != id_of.end()) {
+          p.touch(it->second, hash(k));
+          ref.touch(k);
+          continue;
+        }
+        if (id_of.size() == cap) {
+          const std::vector<std::uint32_t> got = plfu_order(p);
+          const std::vector<std::uint64_t> want = ref.order();
+          ASSERT_EQ(got.size(), want.size());
+          for (std::size_t i = 0; i < got.size(); ++i) ASSERT_EQ(key_of[got[i]], want[i]) << i;
+          const std::uint32_t v = got.front();
+          p.remove(v, hash(key_of[v]), true);
+          ref.remove(key_of[v], true);
+          id_of.erase(key_of[v]);
+          free_ids.push_back(v);
+          ++evictions;
+        }
+        const std::uint32_t id = free_ids.back();
+        free_ids.pop_back();
+        id_of[k] = id;
+        key_of[id] = k;
+        p.insert(id, hash(k), 1);
+        ref.insert(k);
+      }
+      if (rng() % 17 == 0 && !id_of.empty()) {  // a drop (not an eviction): no ghost
+        auto it = id_of.begin();
+        p.remove(it->second, hash(it->first), false);
+        ref.remove(it->first, false);
+        free_ids.push_back(it->second);
+        id_of.erase(it);
+      }
+      ASSERT_EQ(p.size(), ref.size());
+    }
+    EXPECT_GT(evictions, 1000);
+    EXPECT_GT(p.ghosts(), 0u);
+  }
+}
+
+TEST(DiskIndexPlfu, EvictsTheDeepestBlocksOfOldRequestsFirst) {
+  Index ix(6, EvictPolicy::kPlfu);
+  for (int i = 0; i < 5; ++i) take(ix, dig(i));  // one request: a prefix 0..4
+  ix.touch(0);                                   // the next hits 0, 1 ...
+  ix.touch(1);
+  take(ix, dig(5));  // ... and goes on elsewhere
+  // 4: the run's last (partial) block; then 3, 2; the parents 0, 1 go last,
+  // the child first.
+  EXPECT_EQ(ix.ready_records(), (std::vector<std::uint32_t>{4, 3, 2, 5, 1, 0}));
+  ix.pin(4);  // being loaded: passed over
+  Digest e{};
+  bool was = false;
+  EXPECT_EQ(take(ix, dig(6), &was, &e), 3);
+  EXPECT_TRUE(was);
+  EXPECT_EQ(std::memcmp(e.b, dig(3).b, 16), 0);
+  EXPECT_EQ(ix.plfu()->ghosts(), 1u);
+  ix.remove(2, false);  // dropped, not evicted: no ghost
+  EXPECT_EQ(ix.plfu()->ghosts(), 1u);
+  EXPECT_EQ(Index::policy_bytes_per_record(EvictPolicy::kPlfu), 14u);
+  EXPECT_EQ(Index::policy_bytes_per_record(EvictPolicy::kLru), 8u);
+  EXPECT_EQ(Index::policy_bytes_per_record(EvictPolicy::kClock), 0u);
+  EXPECT_EQ(parse_evict_policy("plfu"), EvictPolicy::kPlfu);
+}
+
+TEST(DiskIndexPlfu, AnEvictedKeyIsAGhostUntilItReturns) {
+  Index ix(2, EvictPolicy::kPlfu);
+  take(ix, dig(0));
+  ix.touch(0);
+  ix.touch(0);  // count 2
+  take(ix, dig(1));
+  ix.touch(1);
+  Digest e{};
+  bool was = false;
+  std::vector<std::uint32_t> before = ix.ready_records();
+  std::int64_t r = take(ix, dig(2), &was, &e);
+  EXPECT_EQ(static_cast<std::uint32_t>(r), before.front());
+  const std::uint64_t gone = std::memcmp(e.b, dig(0).b, 16) == 0 ? 0 : 1;
+  EXPECT_EQ(ix.plfu()->ghosts(), 1u);
+  ix.touch(static_cast<std::uint32_t>(r));
+  take(ix, dig(gone), &was, &e);       // back: its ghost is consumed
+  EXPECT_EQ(ix.plfu()->ghosts(), 1u);  // the record it evicted is the ghost now
+}
+
+TEST(DiskIndexPlfu, RandomOperationsAreDeterministicAndNeverEvictBusyRecords) {
+  auto run = [](std::vector<std::uint32_t>* evicted) {
+    Index ix(300, EvictPolicy::kPlfu);  // miniatures of 300 keys each (M = 1)
+    EXPECT_EQ(ix.plfu()->miniatures(), 8u);
+    std::mt19937_64 rng(5);
+    for (int step = 0; step < 40000; ++step) {
+      const std::uint64_t k = rng() % 900;
+      const std::int64_t r = ix.find(dig(k));
+      if (r == Index::kNone) {
+        Digest e{};
+        bool was = false;
+        const std::int64_t got = ix.allocate(&e, &was);
+        ASSERT_NE(got, Index::kNone);
+        if (was) evicted->push_back(static_cast<std::uint32_t>(got));
+        ix.insert(dig(k), static_cast<std::uint32_t>(got), RecState::kWriting);
+        if (rng() % 10) ix.set_ready(static_cast<std::uint32_t>(got));  // else left writing
+      } else if (ix.state(static_cast<std::uint32_t>(r)) == RecState::kWriting) {
+        ix.set_ready(static_cast<std::uint32_t>(r));
+      } else if (rng() % 50 == 0) {
+        ix.remove(static_cast<std::uint32_t>(r), false);
+      } else {
+        ix.touch(static_cast<std::uint32_t>(r));
+      }
+      ASSERT_EQ(ix.ready_records().size() + 0, ix.plfu()->size());
+    }
+  };
+  std::vector<std::uint32_t> a, b;
+  run(&a);
+  run(&b);
+  EXPECT_GT(a.size(), 10000u);
+  EXPECT_EQ(a, b);
+}
+
+TEST(DiskIndexPlfu, RestartKeepsJournalOrder) {
+  Index ix(4, EvictPolicy::kPlfu);
+  ix.apply(kJournalPut, 2, dig(7));
+  ix.apply(kJournalPut, 0, dig(8));
+  ix.apply(kJournalPut, 3, dig(9));
+  ix.apply(kJournalPut, 2, dig(7));  // again: its place is the later entry's
+  ix.apply(kJournalDrop, 3, dig(9));
+  EXPECT_EQ(ix.rebuild(), 2u);
+  EXPECT_EQ(ix.ready_records(), (std::vector<std::uint32_t>{0, 2}));
+  Digest e{};
+  bool was = false;
+  take(ix, dig(10));  // free records first
+  take(ix, dig(11));
+  EXPECT_EQ(take(ix, dig(12), &was, &e), 0);  // then the oldest entry
+  EXPECT_TRUE(was);
+}
+
+TEST(DiskIndexPlfu, BurstsShiftDownBeforeTheyWrap) {
+  PlfuOptions o;
+  o.variants.clear();
+  Plfu p(8, 8, o);
+  p.jump_bursts_for_test(Plfu::kShiftAt - 5);
+  for (std::uint32_t i = 0; i < 4; ++i) p.insert(i, i, 1);
+  p.touch(1, 1);
+  p.insert(4, 4, 1);
+  p.touch(2, 2);
+  const std::vector<std::uint32_t> before = plfu_order(p);
+  const std::uint64_t b0 = p.burst();
+  p.jump_bursts_for_test(10);  // crosses kShiftAt
+  EXPECT_EQ(p.burst(), b0 + 10 - Plfu::kShiftBy);
+  EXPECT_EQ(plfu_order(p), before);
+  p.insert(5, 5, 1);
+  EXPECT_EQ(plfu_order(p).back(), 2u);  // the most used, most recent
+}
+
+TEST(DiskIndexPlfu, GhostsForgetTheOldestAndStayBounded) {
+  PlfuGhosts g(3);
+  for (std::uint64_t k = 1; k <= 5; ++k) g.put(k * 7, static_cast<std::uint8_t>(k));
+  EXPECT_EQ(g.size(), 3u);
+  EXPECT_EQ(g.take(7), 0);  // forgotten
+  EXPECT_EQ(g.take(21), 3);
+  EXPECT_EQ(g.take(21), 0);
+  g.put(0, 9);  // hash 0 is a key like any other
+  EXPECT_EQ(g.take(0), 9);
+  // Many takes leave stale ring entries: the bound must still hold.
+  for (std::uint64_t k = 100; k < 100000; ++k) {
+    g.put(k, 1);
+    if (k % 3) EXPECT_EQ(g.take(k), 1);
+  }
+  EXPECT_EQ(g.size(), 3u);
+  EXPECT_EQ(g.take(99999), 1);
+  EXPECT_EQ(g.take(99996), 1);
+  EXPECT_EQ(g.take(99993), 1);
+  EXPECT_EQ(g.take(99990), 0);
+  PlfuGhosts none(0);
+  none.put(5, 1);
+  EXPECT_EQ(none.take(5), 0);
+}
+
+TEST(DiskIndexPlfu, BadOptionsAreRefused) {
+  PlfuOptions o;
+  o.weights = {0.0, 2.0, 1.0};
+  EXPECT_THROW(Plfu(4, 4, o), Error);
+  o = PlfuOptions{};
+  o.variants = {{1.0, {0.0, 1.0}}};
+  EXPECT_THROW(Plfu(4, 4, o), Error);
+  o = PlfuOptions{};
+  o.last_weight = 0.5;
+  EXPECT_THROW(Plfu(4, 4, o), Error);
+  EXPECT_THROW(Plfu(4, 0), Error);
 }
 
 }  // namespace

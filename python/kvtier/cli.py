@@ -184,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--disk", help="disk tier DIR:SIZE, e.g. /mnt/nvme/kv:100GiB, or DIR:80%% of the free space"
     )
-    r.add_argument("--disk-policy", default="lru", help="disk tier (native): lru | clock | clock:N")
+    r.add_argument(
+        "--disk-policy", default="lru", help="disk tier (native): lru | clock | clock:N | plfu"
+    )
     r.add_argument(
         "--remote",
         help="remote tier: redis://[USER:PASS@]HOST:PORT or redis-cluster://H:P,H:P "

@@ -67,9 +67,9 @@ def resident(t: DiskTier, n: int) -> list[int]:
 @pytest.mark.parametrize(
     "policy,match",
     [
-        ("arc", "disk tier policy must be lru, clock or clock:N"),
-        ("lru:2", "disk tier policy must be lru, clock or clock:N"),
-        ("clock:x", "disk tier policy must be lru, clock or clock:N"),
+        ("arc", "disk tier policy must be lru, clock, clock:N"),
+        ("lru:2", "disk tier policy must be lru, clock, clock:N"),
+        ("clock:x", "disk tier policy must be lru, clock, clock:N"),
         ("clock:0", "N must be in 1..255"),
         ("clock:256", "N must be in 1..255"),
     ],
@@ -222,7 +222,7 @@ def test_native_index_rejects_bad_input() -> None:
         ix.claim(b"abc")
     with pytest.raises(kvtier.InvalidArgument, match=r"record 4 out of range \[0, 4\)"):
         ix.touch(4)
-    with pytest.raises(kvtier.InvalidArgument, match="policy must be lru or clock"):
+    with pytest.raises(kvtier.InvalidArgument, match="policy must be lru, clock or plfu"):
         _native.DiskIndex(4, "arc")
     with pytest.raises(kvtier.InvalidArgument, match="num_records must be"):
         _native.DiskIndex(0)

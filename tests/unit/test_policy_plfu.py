@@ -3,7 +3,9 @@
 The references re-derive each policy from its description (the module
 docstrings), by brute force: every eviction ranks all resident keys from
 scratch. They share no code with kvtier.policy; a replay through the real
-host tier and manager must give exactly their hit counts.
+host tier and manager must give exactly their hit counts, with the Python
+PLFU and with the native one (csrc/core/disk/plfu.h), and the disk index's
+``plfu`` driven by the same requests must too.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from typing import Any
 
 import kvtier
 import pytest
+from kvtier import _native
 from kvtier.manager import TieredOffloadingManager
-from kvtier.policy import PLFUPolicy, make_policy
+from kvtier.policy import PLFUPolicy, make_policy, native_plfu
 from kvtier.policy.belady import BeladyPolicy
 from kvtier.replay import WORKLOADS, Replayer, key_of
+from kvtier.tiers.disk import key_digest
 from kvtier.tiers.host import HostTier
 
 Trace = list[list[int]]
@@ -341,19 +345,20 @@ def test_plfu_evicts_the_deepest_blocks_of_a_request_first() -> None:
 
 
 def test_plfu_by_name_and_bad_arguments() -> None:
-    assert isinstance(make_policy("plfu", 10), PLFUPolicy)
-    assert isinstance(HostTier(None, 10, policy="PLFU").policy, PLFUPolicy)
-    assert isinstance(HostTier(None, None, policy="plfu").policy, PLFUPolicy)  # unbounded
+    py_path = "kvtier.policy.plfu.PLFUPolicy"  # the Python one, by its path
+    assert isinstance(make_policy(py_path, 10), PLFUPolicy)
+    assert isinstance(HostTier(None, None, policy=py_path).policy, PLFUPolicy)  # unbounded
     with pytest.raises(kvtier.InvalidArgument, match="only kvtier replay"):
         make_policy("belady", 10)
     with pytest.raises(kvtier.InvalidArgument, match="plfu"):
         make_policy("nope", 10)
-    with pytest.raises(kvtier.InvalidArgument, match="non-decreasing"):
-        PLFUPolicy(10, weights=(0, 2, 1))
-    with pytest.raises(kvtier.InvalidArgument, match="as many as"):
-        PLFUPolicy(10, variants=[(1.0, (0, 1))])
-    with pytest.raises(kvtier.InvalidArgument, match="capacity"):
-        PLFUPolicy(0)
+    for make in (PLFUPolicy, native_plfu):  # the same refusals, native or not
+        with pytest.raises(kvtier.InvalidArgument, match="non-decreasing"):
+            make(10, weights=(0, 2, 1))
+        with pytest.raises(kvtier.InvalidArgument, match="as many as"):
+            make(10, variants=[(1.0, (0, 1))])
+        with pytest.raises(kvtier.InvalidArgument, match="capacity"):
+            make(0)
 
 
 @pytest.mark.parametrize("policy", ["plfu", "belady"])
@@ -389,3 +394,182 @@ def test_replay_lower_admit_after_gates_the_disk_tier(
     assert 0 < stats[1]["stores"] < stats[0]["stores"]
     assert main(["replay", "--max-requests", "5", "--no-data", "--lower-admit-after", "0"]) != 0
     assert "--lower-admit-after must be >= 1" in capsys.readouterr().err
+
+
+# -- the native ranking (csrc/core/disk/plfu.h): the host tier's "plfu" --------
+@pytest.mark.parametrize("workload,requests,capacity", CASES)
+def test_native_plfu_exact_hits(workload: str, requests: int, capacity: int) -> None:
+    trace = WORKLOADS[workload](requests, 0)
+    fixed = reference_hits(trace, capacity, RefPLFU(capacity, variants=[]))
+    assert kvtier_hits(trace, capacity, native_plfu(capacity, variants=())) == fixed
+    want = reference_hits(trace, capacity, RefPLFU(capacity, sample_keys=16, window=200))
+    pol = native_plfu(capacity, sample_keys=16, window=200)
+    assert kvtier_hits(trace, capacity, pol) == want
+
+
+def test_native_plfu_exact_hits_over_many_bursts_and_small_ghosts() -> None:
+    trace = WORKLOADS["agent"](3000, 3)
+    want = reference_hits(trace, 120, RefPLFU(120, sample_keys=8, window=4))
+    assert kvtier_hits(trace, 120, native_plfu(120, sample_keys=8, window=4)) == want
+    trace = WORKLOADS["agent"](250, 1)
+    kw: dict[str, Any] = {"beta": 2.0, "ghost_ratio": 0.5, "max_burst": 8}
+    want = reference_hits(trace, 150, RefPLFU(150, variants=[], **kw))
+    assert kvtier_hits(trace, 150, native_plfu(150, variants=(), **kw)) == want
+
+
+def test_native_plfu_names_the_python_policys_victims() -> None:
+    """Random calls (any hashable keys: the native one samples a non-bytes
+    key by its repr, as plfu.py does), unbounded capacity (ids grow past
+    the first 1,025): the same victims in the same order after every call."""
+    import random
+
+    rng = random.Random(4)
+    for capacity in (64, 1 << 62):
+        py_pol, nat = PLFUPolicy(capacity, sample_keys=4), native_plfu(capacity, sample_keys=4)
+        resident: list[Any] = []
+        for step in range(6000):
+            op = rng.random()
+            key: Any = rng.randrange(3000) if step % 2 else b"k%d" % rng.randrange(3000)
+            if op < 0.55 and key not in resident:
+                if capacity < 1 << 40 and len(resident) >= capacity:
+                    victim = next(iter(py_pol.victims()))
+                    assert next(iter(nat.victims())) == victim
+                    for p in (py_pol, nat):
+                        p.remove(victim, evicted=True)
+                    resident.remove(victim)
+                for p in (py_pol, nat):
+                    p.insert(key)
+                resident.append(key)
+            elif op < 0.9 and resident:
+                key = rng.choice(resident)
+                for p in (py_pol, nat):
+                    p.touch(key)
+            elif resident:
+                key = resident.pop(rng.randrange(len(resident)))
+                for p in (py_pol, nat):
+                    p.remove(key)
+            if step % 500 == 0:
+                assert list(nat.victims()) == list(py_pol.victims())
+        assert list(nat.victims()) == list(py_pol.victims())
+        assert len(nat) == len(py_pol) == len(resident)
+        assert nat.ghosts() == py_pol.ghosts()
+        assert (nat.beta, nat.weights, nat.horizon) == (py_pol.beta, py_pol.weights, py_pol.horizon)
+    assert len(resident) > 1025
+
+
+def test_native_plfu_by_name_and_its_guards() -> None:
+    from kvtier import _native
+
+    assert isinstance(make_policy("plfu", 10), _native.PlfuPolicy)
+    assert isinstance(HostTier(None, 10, policy="PLFU").policy, _native.PlfuPolicy)
+    assert isinstance(HostTier(None, None, policy="plfu").policy, _native.PlfuPolicy)
+    assert _native.PlfuPolicy.bytes_per_key == 14
+    with pytest.raises(TypeError):
+        _native.PlfuPolicy()
+    p = native_plfu(10)
+    for k in (b"a", b"b", b"c"):
+        p.insert(k)
+    p.remove(b"zz", evicted=True)  # not resident: nothing
+    p.touch(b"zz")
+    with pytest.raises(TypeError):
+        p.insert([1])  # unhashable, as a dict key would be
+    it = p.victims()
+    assert next(it) == b"c"
+    p.touch(b"a")
+    with pytest.raises(RuntimeError, match="changed while"):
+        next(it)  # the caller broke base.py's contract: caught, not walked into
+    assert sorted(p.victims()) == [b"a", b"b", b"c"] and len(p) == 3
+
+
+def test_native_plfu_is_deterministic() -> None:
+    trace = WORKLOADS["chat"](300, 5)
+    a, b = native_plfu(50), native_plfu(50)
+    assert kvtier_hits(trace, 50, a) == kvtier_hits(trace, 50, b)
+    assert list(a.victims()) == list(b.victims())
+
+
+# -- the disk index's "plfu" -------------------------------------------------------
+class RefDiskPLFU(RefPLFU):
+    """The disk index knows keys by their digest: it samples a key for the
+    miniatures by digest bytes 12-15 (little-endian) instead of crc32."""
+
+    def sampled(self, h: int) -> bool:
+        dig = key_digest(key_of(h))
+        return bool(self.minis) and int.from_bytes(dig[12:16], "little") % self.sample == 0
+
+
+def disk_index_hits(trace: Trace, capacity: int) -> int:
+    """RefCache's requests on a DiskIndex: hit the ready prefix (touching
+    each), touch ready keys after the first miss, pin the ready keys of the
+    offer, claim records for the new ones (evicting as needed), then make
+    them ready in order."""
+    ix = _native.DiskIndex(capacity, "plfu")
+    hits = 0
+    for ids in trace:
+        digs = [key_digest(key_of(h)) for h in ids]
+        n = 0
+        while n < len(digs) and ix.ready(digs[n]):
+            n += 1
+        hits += n
+        for d in digs[:n]:
+            ix.touch(ix[d])
+        new: list[bytes] = []
+        for d in digs[n:]:
+            if ix.ready(d):
+                ix.touch(ix[d])
+            elif d not in new:
+                new.append(d)
+        pinned = [r for r in (ix.pin_ready(d) for d in set(digs[n:])) if r >= 0]
+        recs = []
+        for d in new:
+            rec, _ = ix.claim(d)
+            if rec < 0:
+                break
+            recs.append(rec)
+        for rec in recs:
+            ix.set_ready(rec)
+        for rec in pinned:
+            ix.unpin(rec)
+    return hits
+
+
+@pytest.mark.parametrize("workload,requests,capacity", CASES)
+def test_disk_index_plfu_exact_hits(workload: str, requests: int, capacity: int) -> None:
+    trace = WORKLOADS[workload](requests, 0)
+    want = reference_hits(trace, capacity, RefDiskPLFU(capacity))
+    assert disk_index_hits(trace, capacity) == want
+    if workload == "agent":  # not LRU in disguise
+        assert want != reference_hits(trace, capacity, RefLRU())
+
+
+def test_disk_index_plfu_exact_hits_with_many_miniatures() -> None:
+    """1,100 records: miniatures of 550 keys over a 1/2 sample of the digests."""
+    trace = WORKLOADS["agent"](1500, 2)
+    want = reference_hits(trace, 1100, RefDiskPLFU(1100))
+    assert disk_index_hits(trace, 1100) == want
+    assert _native.DiskIndex(1100, "plfu").plfu == {
+        "beta": 1.0, "weights": [0.0, 1.0, 2.0, 3.0], "horizon": 1100 / 1e-3, "ghosts": 0,
+        "miniatures": 8, "sample_mask": 1,
+    }  # fmt: skip
+
+
+def test_disk_index_policy_bytes_per_record() -> None:
+    by = _native.DiskIndex.policy_bytes_per_record
+    assert (by("clock"), by("lru"), by("plfu")) == (0, 8, 14)
+    assert _native.DiskIndex(4, "lru").plfu is None
+
+
+def test_replay_with_the_disk_tier_on_plfu(tmp_path: Path) -> None:
+    from kvtier.cli import main
+
+    runs = []
+    for n in (1, 2):
+        out = tmp_path / f"r{n}.json"
+        args = ["replay", "--workload", "agent", "--max-requests", "300", "--no-data",
+                "--host-blocks", "60", "--policy", "plfu", "--disk", f"{tmp_path}/d{n}:4MiB",
+                "--disk-policy", "plfu", "--no-progress", "--json", str(out)]  # fmt: skip
+        assert main(args) == 0
+        runs.append(json.loads(out.read_text()))
+    assert runs[0]["disk_policy"] == "plfu"
+    assert runs[0]["hit_blocks"]["disk"] > 0 and runs[0]["tiers"]["disk"]["evictions"] > 0
+    assert runs[0]["hit_blocks"] == runs[1]["hit_blocks"]  # deterministic

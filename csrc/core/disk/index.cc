@@ -27,8 +27,21 @@ std::uint64_t tag_of(const Digest& d) {
 EvictPolicy parse_evict_policy(const std::string& name) {
   if (name == "lru") return EvictPolicy::kLru;
   if (name == "clock") return EvictPolicy::kClock;
+  if (name == "plfu") return EvictPolicy::kPlfu;
   throw Error(StatusCode::kInvalidArgument,
-              "disk index policy must be lru or clock, not '" + name + "'");
+              "disk index policy must be lru, clock or plfu, not '" + name + "'");
+}
+
+std::size_t Index::policy_bytes_per_record(EvictPolicy p) {
+  switch (p) {
+    case EvictPolicy::kLru:
+      return 2 * sizeof(std::uint32_t);
+    case EvictPolicy::kPlfu:
+      return Plfu::kBytesPerId;
+    case EvictPolicy::kClock:
+      break;
+  }
+  return 0;
 }
 
 Index::Index(std::uint32_t num_records, EvictPolicy policy, std::uint8_t clock_max)
@@ -42,6 +55,33 @@ Index::Index(std::uint32_t num_records, EvictPolicy policy, std::uint8_t clock_m
     prev_.assign(num_records + 1u, num_records);
     next_.assign(num_records + 1u, num_records);
   }
+  if (policy_ == EvictPolicy::kPlfu) plfu_ = std::make_unique<Plfu>(num_records, num_records);
+}
+
+std::uint64_t Index::key_hash(const Digest& d) {
+  std::uint64_t h;
+  std::memcpy(&h, d.b, sizeof h);  // blake2b: any 8 bytes are a good hash
+  return h;
+}
+
+std::uint32_t Index::sample_bits(const Digest& d) {
+  std::uint32_t b;
+  std::memcpy(&b, d.b + 12, sizeof b);  // apart from the bytes that place it in the table
+  return b;
+}
+
+void Index::rank_ready(std::uint32_t rec) {
+  if (policy_ == EvictPolicy::kLru)
+    lru_push_back(rec);
+  else if (policy_ == EvictPolicy::kPlfu)
+    plfu_->insert(rec, key_hash(recs_[rec].digest), sample_bits(recs_[rec].digest));
+}
+
+void Index::rank_drop(std::uint32_t rec, bool evicted) {
+  if (policy_ == EvictPolicy::kLru)
+    lru_unlink(rec);
+  else if (policy_ == EvictPolicy::kPlfu)
+    plfu_->remove(rec, key_hash(recs_[rec].digest), evicted);
 }
 
 std::size_t Index::home(const Digest& d) const {
@@ -126,6 +166,12 @@ std::int64_t Index::victim() {
       if (evictable(r)) return r;
     return kNone;
   }
+  if (policy_ == EvictPolicy::kPlfu) {
+    PlfuRank::Cursor c = plfu_->victims();
+    for (std::uint32_t r = c.next(); r != Plfu::kNil; r = c.next())
+      if (evictable(r)) return r;
+    return kNone;
+  }
   // CLOCK: a record with references loses one and is passed over; after
   // clock_max + 1 sweeps every evictable record has none left.
   const std::uint64_t limit = static_cast<std::uint64_t>(n) * (clock_max_ + 1u) + 1u;
@@ -158,7 +204,7 @@ std::int64_t Index::allocate(Digest* evicted, bool* was_evicted, EventId* evicte
   *was_evicted = true;
   if (evicted_id != nullptr) *evicted_id = event_id(r);
   table_erase(r);
-  if (policy_ == EvictPolicy::kLru) lru_unlink(r);
+  rank_drop(r, true);
   set_state(recs_[r], RecState::kFree);  // the caller's to use: not on the free list
   return r;
 }
@@ -175,7 +221,7 @@ void Index::insert(const Digest& d, std::uint32_t rec, RecState s, EventId id) {
   recs_[rec] = Rec{d, recs_[rec].bits, 0, 0};
   set_state(recs_[rec], s);
   table_insert(rec);
-  if (s == RecState::kReady && policy_ == EvictPolicy::kLru) lru_push_back(rec);
+  if (s == RecState::kReady) rank_ready(rec);
 }
 
 void Index::set_ready(std::uint32_t rec) {
@@ -183,7 +229,7 @@ void Index::set_ready(std::uint32_t rec) {
   if (state_of(r) == RecState::kReady) return;
   set_state(r, RecState::kReady);
   r.ref = 0;
-  if (policy_ == EvictPolicy::kLru) lru_push_back(rec);
+  rank_ready(rec);
 }
 
 void Index::touch(std::uint32_t rec) {
@@ -192,6 +238,8 @@ void Index::touch(std::uint32_t rec) {
   if (policy_ == EvictPolicy::kLru) {
     lru_unlink(rec);
     lru_push_back(rec);
+  } else if (policy_ == EvictPolicy::kPlfu) {
+    plfu_->touch(rec, key_hash(r.digest));
   } else if (r.ref < clock_max_) {
     ++r.ref;
   }
@@ -212,7 +260,7 @@ void Index::remove(std::uint32_t rec, bool hold) {
   const RecState s = state_of(r);
   if (s == RecState::kFree || s == RecState::kHeld) return;
   table_erase(rec);
-  if (s == RecState::kReady && policy_ == EvictPolicy::kLru) lru_unlink(rec);
+  if (s == RecState::kReady) rank_drop(rec, false);
   if (hold)
     set_state(r, RecState::kHeld);
   else
@@ -229,6 +277,9 @@ std::vector<std::uint32_t> Index::ready_records() const {
   const std::uint32_t n = num_records();
   if (policy_ == EvictPolicy::kLru) {
     for (std::uint32_t r = next_[n]; r != n; r = next_[r]) out.push_back(r);
+  } else if (policy_ == EvictPolicy::kPlfu) {
+    PlfuRank::Cursor c = plfu_->victims();
+    for (std::uint32_t r = c.next(); r != Plfu::kNil; r = c.next()) out.push_back(r);
   } else {
     for (std::uint32_t r = 0; r < n; ++r)
       if (state_of(recs_[r]) == RecState::kReady) out.push_back(r);
@@ -246,10 +297,14 @@ void Index::apply(std::uint8_t op, std::uint32_t rec, const Digest& d, EventId i
     if (policy_ == EvictPolicy::kLru) {
       if (linked) lru_unlink(rec);
       lru_push_back(rec);  // the last entry for a record sets its place
+    } else if (policy_ == EvictPolicy::kPlfu) {
+      // Counts and ghosts are not kept across a restart: the records come
+      // back unused, oldest entry first to go.
+      plfu_->restore(rec, sample_bits(d));
     }
   } else if (op == kJournalDrop && linked) {
+    rank_drop(rec, false);
     set_state(r, RecState::kFree);
-    if (policy_ == EvictPolicy::kLru) lru_unlink(rec);
   }
 }
 
@@ -267,8 +322,8 @@ std::size_t Index::rebuild() {
     if (old != kNone) {  // the later record wins
       auto o = static_cast<std::uint32_t>(old);
       table_erase(o);
+      rank_drop(o, false);
       set_state(recs_[o], RecState::kFree);
-      if (policy_ == EvictPolicy::kLru) lru_unlink(o);
     }
     table_insert(rec);
   }

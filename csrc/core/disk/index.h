@@ -10,17 +10,20 @@
 // construction for a load factor of at most 0.8 (8 bytes a slot: 10 bytes per
 // record). Per record: the digest, a state, a reference count for CLOCK and a
 // count of loads in flight (20 bytes), and its event id (8 bytes, EventId);
-// LRU adds two 4-byte links. Eviction is the policy's choice among records
-// that are readable and not being loaded.
+// LRU adds two 4-byte links, PLFU 14 bytes (Plfu::kBytesPerId: links, burst,
+// class, count) plus its ghosts and miniatures (plfu.h). Eviction is the
+// policy's choice among records that are readable and not being loaded.
 //
 // Not thread-safe: the disk tier calls it under the manager's lock.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "plfu.h"
 #include "record.h"
 
 namespace kvtier::disk {
@@ -34,7 +37,9 @@ enum class RecState : std::uint8_t {
   kHeld = 3,     // out of use until a timed-out job ends (then release())
 };
 
-enum class EvictPolicy : std::uint8_t { kLru, kClock };
+// kPlfu: plfu.h's ranking with its default options; a record's key is its
+// digest (bytes 0-7 its hash, 12-15 its sample bits).
+enum class EvictPolicy : std::uint8_t { kLru, kClock, kPlfu };
 
 // The group of a record with no event id (recovered from a journal written
 // before ids were kept, or a key the tier could not name).
@@ -96,8 +101,14 @@ class Index {
   void remove(std::uint32_t rec, bool hold);
   void release(std::uint32_t rec);  // a held record becomes free
 
-  // Readable records, least valuable first (LRU order; record order for CLOCK).
+  // Readable records, least valuable first (LRU or PLFU order; record order
+  // for CLOCK).
   std::vector<std::uint32_t> ready_records() const;
+  // The PLFU ranking (nullptr under other policies), for stats and tests.
+  const Plfu* plfu() const { return plfu_.get(); }
+  // Bytes per record the policy keeps beyond the table and the 28 bytes every
+  // record has (Rec and its event id): LRU 8, CLOCK 0, PLFU 14.
+  static std::size_t policy_bytes_per_record(EvictPolicy p);
 
   // Warm restart: apply journal or checkpoint entries in their order (op
   // kJournalPut or kJournalDrop; others are ignored), then rebuild() once. Between
@@ -136,6 +147,11 @@ class Index {
   void lru_unlink(std::uint32_t rec);
   void lru_push_back(std::uint32_t rec);
   std::int64_t victim();
+  // The ranking's view of a record: readable, or not.
+  void rank_ready(std::uint32_t rec);
+  void rank_drop(std::uint32_t rec, bool evicted);
+  static std::uint64_t key_hash(const Digest& d);
+  static std::uint32_t sample_bits(const Digest& d);
 
   EvictPolicy policy_;
   std::uint8_t clock_max_;
@@ -145,6 +161,7 @@ class Index {
   std::size_t count_ = 0;
   std::vector<std::uint32_t> prev_, next_;  // LRU only
   std::uint32_t hand_ = 0;                  // CLOCK only
+  std::unique_ptr<Plfu> plfu_;              // PLFU only
   // Free records: every free record at or after scan_ is found by scanning;
   // those before it are on free_ (so each free record is in one place).
   std::uint32_t scan_ = 0;

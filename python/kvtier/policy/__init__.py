@@ -7,6 +7,7 @@ blocks or does I/O."""
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 from kvtier.errors import InvalidArgument
@@ -14,13 +15,18 @@ from kvtier.policy.admission import AdmissionFilter
 from kvtier.policy.arc import ARCPolicy
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.lru import LRUPolicy
-from kvtier.policy.plfu import PLFUPolicy
+from kvtier.policy.plfu import PLFUPolicy, native_plfu
 
-_BUILTIN: dict[str, type[Any]] = {"lru": LRUPolicy, "arc": ARCPolicy, "plfu": PLFUPolicy}
+# "plfu" is the native ranking (same victims as PLFUPolicy, a fraction of the cost).
+_BUILTIN: dict[str, Callable[[int], Any]] = {
+    "lru": LRUPolicy,
+    "arc": ARCPolicy,
+    "plfu": native_plfu,
+}
 
 
 def make_policy(spec: str | EvictionPolicy, capacity: int) -> EvictionPolicy:
-    """``"lru"``, ``"arc"``, ``"plfu"``, ``"pkg.module.Class"`` (constructed with
+    """``"lru"``, ``"arc"``, ``"plfu"`` (native: :func:`native_plfu`), ``"pkg.module.Class"`` (constructed with
     ``capacity``) or an instance. ``"belady"`` needs the future: only
     ``kvtier replay`` builds it (:func:`kvtier.replay.main_replay`)."""
     if not isinstance(spec, str):
@@ -52,4 +58,5 @@ __all__ = [
     "LRUPolicy",
     "PLFUPolicy",
     "make_policy",
+    "native_plfu",
 ]

@@ -30,7 +30,7 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
         "disk tier size, e.g. 100GiB, or a share of the free space, e.g. 80% (default 100GiB)",
     ),
     "kvtier_disk_reserve": ((int, str), "free space the disk tier never takes"),
-    "kvtier_disk_policy": (str, "disk eviction policy: lru, clock or clock:N (default lru)"),
+    "kvtier_disk_policy": (str, "disk eviction policy: lru, clock, clock:N or plfu (default lru)"),
     "kvtier_disk_backend": (str, "auto, io_uring or pread (default auto)"),
     "kvtier_disk_timeout_s": ((int, float), "a disk job not done after this fails (default 30)"),
     "kvtier_remote_url": (

@@ -15,11 +15,10 @@ load re-checks the trailer, so a crash can lose recent blocks but never
 serve wrong bytes.
 
 The index (digest -> record, each record's state and eviction state) is
-native (``_native.DiskIndex``, 38-46 bytes per record, 8 of them the
-record's event id): a disk holds
-hundreds of millions of records, too many for a Python object each. Its
-eviction policy (``lru`` or ``clock``) is chosen here; admission stays a
-Python decision per offered key (:class:`WriteGate`).
+native (``_native.DiskIndex``, 38 (clock), 46 (lru) or 52 (plfu) bytes per
+record, 8 of them the record's event id): a disk holds hundreds of millions
+of records, too many for a Python object each. Its eviction policy is chosen
+here; admission stays a Python decision per offered key (:class:`WriteGate`).
 """
 
 from __future__ import annotations
@@ -49,17 +48,17 @@ from kvtier.units import FreeFraction
 __all__ = ["DISK_POLICIES", "DiskTier"]
 
 
-#: Eviction policies of the disk tier (native): ``lru``, or ``clock`` /
-#: ``clock:N`` (a record used k times survives k sweeps of the hand, k <= N).
-DISK_POLICIES = ("lru", "clock")
+#: Eviction policies of the disk tier (native): ``lru``; ``clock`` /
+#: ``clock:N`` (a record used k times survives k sweeps of the hand, k <= N);
+#: ``plfu`` (:mod:`kvtier.policy.plfu`'s ranking, 14 bytes per record more).
+DISK_POLICIES = ("lru", "clock", "plfu")
 
 
 def _parse_policy(spec: str) -> tuple[str, int]:
     name, _, arg = spec.lower().partition(":")
     if name not in DISK_POLICIES or (arg and (name != "clock" or not arg.isdigit())):
-        raise InvalidArgument(
-            f"disk tier policy must be lru, clock or clock:N (N in 1..255), not {spec!r}"
-        )
+        msg = f"disk tier policy must be lru, clock, clock:N (N in 1..255) or plfu, not {spec!r}"
+        raise InvalidArgument(msg)
     n = int(arg) if arg else 1
     if not 1 <= n <= 255:
         raise InvalidArgument(f"disk tier policy {spec!r}: N must be in 1..255")
@@ -79,7 +78,7 @@ class DiskTier(JobTier):
     blocks. One process at a time owns a namespace's directory (an ``flock``
     held until :meth:`close`; a second opener gets :class:`~kvtier.errors.InUse`
     naming the owner's pid).
-    ``policy``: ``lru``, ``clock`` or ``clock:N`` (see :data:`DISK_POLICIES`).
+    ``policy``: ``lru``, ``clock``, ``clock:N`` or ``plfu`` (:data:`DISK_POLICIES`).
     ``event_id``: what names a record in removal events once its key is gone
     (the index keeps digests, not keys): a function of the key giving 12
     bytes (an 8-byte id, then a group index below 63, big-endian), or None
