@@ -410,6 +410,11 @@ class RemoteTier(JobTier):
         return batch.token
 
     def poll(self) -> list[TierCompletion]:
+        # Called on every engine step; most steps have nothing in flight.
+        if not (self._exists_queue or self._stream_pending or self.jobs.busy()):
+            if self.known:
+                self._expire(time.monotonic())
+            return []
         if self.known:
             self._expire(time.monotonic())
         self.submit_checks()
