@@ -77,8 +77,8 @@ void PlfuGhosts::compact() {
   std::deque<std::uint64_t> kept;
   for (std::size_t k = 0; k < ring_.size(); ++k) {
     std::size_t i = find(ring_[k]);
-    if (i < table_.size() && table_[i].pos == popped_ + k) {
-      table_[i].pos = popped_ + kept.size();
+    if (i < table_.size() && table_[i].pos == static_cast<std::uint32_t>(popped_ + k)) {
+      table_[i].pos = static_cast<std::uint32_t>(popped_ + kept.size());
       kept.push_back(ring_[k]);
     }
   }
@@ -98,7 +98,9 @@ std::uint8_t PlfuGhosts::take(std::uint64_t h) {
 void PlfuGhosts::put(std::uint64_t h, std::uint8_t count) {
   if (cap_ == 0) return;
   h = nz(h);
-  if (2 * (live_ + 1) > table_.size()) grow();
+  // At most 3/4 full: linear probes stay short (about 2.5 per hit, 8.5 per
+  // miss at worst), and 2M ghosts fit 4M slots (64 MB).
+  if (4 * (live_ + 1) > 3 * table_.size()) grow();
   std::size_t i = find(h);
   if (i < table_.size()) {
     table_[i].count = count;  // as an ordered dict's assignment: its place stays
@@ -106,14 +108,14 @@ void PlfuGhosts::put(std::uint64_t h, std::uint8_t count) {
     const std::size_t m = table_.size() - 1;
     i = h & m;
     while (table_[i].h != 0) i = (i + 1) & m;
-    table_[i] = Slot{h, popped_ + ring_.size(), count};
+    table_[i] = Slot{h, static_cast<std::uint32_t>(popped_ + ring_.size()), count};
     ring_.push_back(h);
     ++live_;
   }
   while (live_ > cap_) {  // forget the oldest
     std::uint64_t old = ring_.front();
     std::size_t j = find(old);
-    if (j < table_.size() && table_[j].pos == popped_) erase_at(j);
+    if (j < table_.size() && table_[j].pos == static_cast<std::uint32_t>(popped_)) erase_at(j);
     ring_.pop_front();
     ++popped_;
   }

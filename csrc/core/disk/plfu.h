@@ -14,9 +14,10 @@
 // of its last use (4), its class and flags (1) and its use count (1, it
 // saturates at 255: only min(count, classes - 1) and count == 0 matter):
 // kBytesPerId = 14. Besides: ghosts (evicted keys' counts, at most
-// min(ghost_ratio * capacity, ghost_max), about 16-24 bytes each once
-// present) and one miniature cache per variant, each of capacity / M keys
-// (M: the sample's power of two) with its own ids, key map and ghosts.
+// min(ghost_ratio * capacity, ghost_max): a 16-byte slot in a table at most
+// 3/4 full and an 8-byte ring entry each, about 30-50 bytes a ghost) and one miniature cache per
+// variant, each of capacity / M keys (M: the sample's power of two) with its own ids, key map and
+// ghosts.
 //
 // Not thread-safe: its owner (the disk index, the host tier's binding) is
 // called under the manager's lock.
@@ -62,9 +63,10 @@ class PlfuGhosts {
  private:
   struct Slot {
     std::uint64_t h;    // 0: empty (hashes are made nonzero)
-    std::uint64_t pos;  // its entry in ring_ (absolute), to tell stale entries
+    std::uint32_t pos;  // its entry in ring_ (absolute, mod 2^32: the ring is far shorter)
     std::uint8_t count;
   };
+  static_assert(sizeof(Slot) == 16, "a ghost's slot must stay 16 bytes");
   // 0 marks an empty slot: a key hashing to 0 is taken as hashing to 2^64 - 1.
   static std::uint64_t nz(std::uint64_t h) { return h == 0 ? ~std::uint64_t{0} : h; }
   std::size_t find(std::uint64_t h) const;  // its slot, or table_.size()
@@ -74,7 +76,7 @@ class PlfuGhosts {
 
   std::size_t cap_;
   std::size_t live_ = 0;
-  std::vector<Slot> table_;  // open addressing, a power of two, load <= 1/2
+  std::vector<Slot> table_;  // open addressing, a power of two, load <= 3/4
   // Hashes in put order; an entry is stale once its key was taken.
   std::deque<std::uint64_t> ring_;
   std::uint64_t popped_ = 0;  // entries popped from ring_'s front so far
