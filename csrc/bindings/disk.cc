@@ -6,30 +6,54 @@
 
 namespace kvtier::bindings {
 
+namespace {
+// records: int64 (N, 4) of (slot address, file, offset, payload length);
+// keys: uint8 (N, 16) key digests.
+std::vector<disk::RecordRef> record_refs(const py::object& recs, const py::object& keys) {
+  auto rv = rows_of<std::int64_t>(recs, -1, 4, "records").unchecked<2>();
+  auto kv = rows_of<std::uint8_t>(keys, rv.shape(0), 16, "keys").unchecked<2>();
+  std::vector<disk::RecordRef> v(static_cast<std::size_t>(rv.shape(0)));
+  for (py::ssize_t i = 0; i < rv.shape(0); ++i) {
+    if (rv(i, 1) < 0 || rv(i, 2) < 0 || rv(i, 3) <= 0)
+      throw Error(StatusCode::kInvalidArgument,
+                  "record " + std::to_string(i) + ": negative file/offset or length <= 0");
+    auto& x = v[static_cast<std::size_t>(i)];
+    x.slot = static_cast<std::uintptr_t>(rv(i, 0));
+    x.file = static_cast<std::uint32_t>(rv(i, 1));
+    x.offset = static_cast<std::uint64_t>(rv(i, 2));
+    x.payload_len = static_cast<std::uint64_t>(rv(i, 3));
+    std::memcpy(x.key.b, kv.data(i, 0), 16);
+  }
+  return v;
+}
+}  // namespace
+
 void bind_disk(py::module_& m, EngineClass& engine) {
-  // records: int64 (N, 4) of (slot address, file, offset, payload length);
-  // keys: uint8 (N, 16) key digests.
+  // records and keys: see record_refs.
   engine.def(
       "submit_disk",
       [](Engine& e, const std::shared_ptr<disk::Store>& store, bool write, const py::object& recs,
          const py::object& keys, std::size_t queue) {
-        auto rv = rows_of<std::int64_t>(recs, -1, 4, "records").unchecked<2>();
-        auto kv = rows_of<std::uint8_t>(keys, rv.shape(0), 16, "keys").unchecked<2>();
-        std::vector<disk::RecordRef> v(static_cast<std::size_t>(rv.shape(0)));
-        for (py::ssize_t i = 0; i < rv.shape(0); ++i) {
-          if (rv(i, 1) < 0 || rv(i, 2) < 0 || rv(i, 3) <= 0)
-            throw Error(StatusCode::kInvalidArgument,
-                        "record " + std::to_string(i) + ": negative file/offset or length <= 0");
-          auto& x = v[static_cast<std::size_t>(i)];
-          x.slot = static_cast<std::uintptr_t>(rv(i, 0));
-          x.file = static_cast<std::uint32_t>(rv(i, 1));
-          x.offset = static_cast<std::uint64_t>(rv(i, 2));
-          x.payload_len = static_cast<std::uint64_t>(rv(i, 3));
-          std::memcpy(x.key.b, kv.data(i, 0), 16);
-        }
-        return submit_or_busy(e, store->make_job(write, std::move(v)), queue);
+        return submit_or_busy(e, store->make_job(write, record_refs(recs, keys)), queue);
       },
       py::arg("store"), py::arg("write"), py::arg("records"), py::arg("keys"),
+      py::arg("queue") = 0);
+  // The same reads, of bytes [lo, hi) of every record only (4 KiB aligned);
+  // a range ending at the record's end checks the record whole (see
+  // disk::RecordRef): submitted last, on a serial queue, after the others.
+  engine.def(
+      "submit_disk_range",
+      [](Engine& e, const std::shared_ptr<disk::Store>& store, const py::object& recs,
+         const py::object& keys, std::uint64_t lo, std::uint64_t hi, std::size_t queue) {
+        if (hi == 0) throw Error(StatusCode::kInvalidArgument, "a range needs hi > 0");
+        auto v = record_refs(recs, keys);
+        for (auto& x : v) {
+          x.lo = lo;
+          x.hi = hi;
+        }
+        return submit_or_busy(e, store->make_job(false, std::move(v)), queue);
+      },
+      py::arg("store"), py::arg("records"), py::arg("keys"), py::arg("lo"), py::arg("hi"),
       py::arg("queue") = 0);
 
   py::class_<disk::Store, std::shared_ptr<disk::Store>>(m, "DiskStore")

@@ -129,6 +129,15 @@ class Engine:
         keys: npt.NDArray[np.uint8],
         queue: int = 0,
     ) -> int: ...
+    def submit_disk_range(
+        self,
+        store: DiskStore,
+        records: npt.NDArray[np.int64],
+        keys: npt.NDArray[np.uint8],
+        lo: int,
+        hi: int,
+        queue: int = 0,
+    ) -> int: ...
     # remote.cc
     def submit_remote(
         self,

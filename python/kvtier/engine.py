@@ -174,6 +174,23 @@ class Engine:
         when full."""
         return int(self._engine.submit_disk(store, write, records, digests, queue))
 
+    def submit_disk_range(
+        self,
+        store: _native.DiskStore,
+        records: np.ndarray,
+        digests: np.ndarray,
+        lo: int,
+        hi: int,
+        queue: int = 0,
+    ) -> int:
+        """Queue reads of bytes ``[lo, hi)`` (4 KiB aligned) of each record
+        into the same bytes of its host memory (``records`` and ``digests``
+        as for :meth:`submit_disk`). A range ending at the record's end
+        checks the whole record in memory, so on a serial queue it goes
+        after the record's other ranges; the others' codes say only that
+        they were read. Returns the job id; raises as :meth:`submit_disk`."""
+        return int(self._engine.submit_disk_range(store, records, digests, lo, hi, queue))
+
     def submit_remote(
         self,
         store: _native.RemoteStore,

@@ -830,6 +830,49 @@ def test_disk_capacity_as_a_share_of_free_space_split_over_stages(small_fs: Path
     assert list((small_fs / "b").iterdir()) == []
 
 
+def _store_below(
+    m: Any, w: Any, layers: list[torch.Tensor], keys: list[OffloadKey], src: list[int]
+) -> list[torch.Tensor]:
+    """Store blocks ``src`` as ``keys`` through the worker, wait until the
+    first lower tier holds them, then empty vLLM's and the host tier's
+    caches; the stored bytes, per layer."""
+    with m.lock:
+        out = m.prepare_store(keys, CTX)
+    assert out is not None
+    assert w.submit_store(1, GPULoadStoreSpec(src, [len(src)], [0]), out.store_spec)
+    w.wait({1})
+    assert [r.success for r in w.get_finished()] == [True]
+    before = [t[src].clone() for t in layers]
+    lower = m.m.lower[0]
+    with m.lock:
+        m.complete_store(keys, CTX)
+    _steps_until(m, lambda: all(lower.lookup(bytes(k)).name == "HIT" for k in keys), "cascade")
+    with m.lock:
+        m.reset_cache()
+        m.on_reset_flushed()
+        m.on_schedule_end(END)
+    return before
+
+
+def _spoil_record(disk: Any, key: OffloadKey) -> None:
+    """Change bytes 1000-1003 of ``key``'s record in its slab file, behind
+    the disk tier's back."""
+    rec, f, off = (int(x) for x in disk.pin_for_read([bytes(key)])[0][0])
+    disk.unpin_read([rec])
+    with open(disk.paths[f], "r+b") as fh:
+        fh.seek(off + 1000)
+        fh.write(b"XXXX")
+
+
+def _streamed_load(m: Any, keys: list[OffloadKey]) -> Any:
+    """Look ``keys`` up (all HIT) and prepare their load, every chunk streamed."""
+    with m.lock:
+        assert [m.lookup(k, CTX) for k in keys] == [LookupResult.HIT] * len(keys)
+        load = m.prepare_load(keys, CTX)
+    assert load.stream is not None and len(load.stream.index) == len(keys)
+    return load
+
+
 @pytest.mark.parametrize(
     ("which", "reporting"), [("redis", True), ("redis", False), ("disk", True)]
 )
@@ -857,20 +900,8 @@ def test_reporting_spec_streams_and_reports_a_failed_load_as_its_blocks(
     m = spec.get_manager()
     remote = m.m.lower[0]
     keys = [K(i) for i in range(3)]
+    before = _store_below(m, w, layers, keys, [1, 4, 6])
     with m.lock:
-        out = m.prepare_store(keys, CTX)
-    assert out is not None
-    assert w.submit_store(1, GPULoadStoreSpec([1, 4, 6], [3], [0]), out.store_spec)
-    w.wait({1})
-    assert [r.success for r in w.get_finished()] == [True]
-    before = [t[[1, 4, 6]].clone() for t in layers]
-    with m.lock:
-        m.complete_store(keys, CTX)
-    _steps_until(m, lambda: all(remote.lookup(bytes(k)).name == "HIT" for k in keys), "cascade")
-    with m.lock:
-        m.reset_cache()
-        m.on_reset_flushed()
-        m.on_schedule_end(END)
         first = m.lookup(keys[0], CTX)
     if not reporting:
         assert first is LookupResult.HIT_PENDING  # promoted through the host tier
@@ -884,15 +915,8 @@ def test_reporting_spec_streams_and_reports_a_failed_load_as_its_blocks(
         if corrupt and which == "redis":  # one value's payload changed: its crc fails
             srv.cli("SETRANGE", remote.server_key(bytes(keys[1])), "1000", "XXXX")
         elif corrupt:  # one record's payload changed in its slab file
-            rec, f, off = (int(x) for x in remote.pin_for_read([bytes(keys[1])])[0][0])
-            remote.unpin_read([rec])
-            with open(remote.paths[f], "r+b") as fh:
-                fh.seek(off + 1000)
-                fh.write(b"XXXX")
-        with m.lock:
-            assert [m.lookup(k, CTX) for k in keys] == [LookupResult.HIT] * 3
-            load = m.prepare_load(keys, CTX)
-        assert load.stream is not None and len(load.stream.index) == 3
+            _spoil_record(remote, keys[1])
+        load = _streamed_load(m, keys)
         assert w.submit_load(job, load, GPULoadStoreSpec(dst, [3], [0]))
         w.wait({job})
         assert [(r.job_id, r.success) for r in w.get_finished()] == [(job, True)]
@@ -1084,3 +1108,53 @@ def test_check_engine_refuses_mla_only_where_vllm_turned_prefix_caching_off(
             check_engine(cfg)
     else:
         check_engine(cfg)
+
+
+def test_a_streamed_disk_load_waited_for_by_layer_reads_ranges_and_reports_a_bad_record(
+    tmp_path: Path,
+) -> None:
+    """A disk hit streamed by the worker within the step (KVTierConnector's
+    synchronous load, ``expedite``) is read range by range in layer order:
+    each layer's wait returns once that layer's bytes are in, byte for
+    byte. A record changed on disk has its first layer copied before the
+    record's check (by its last range) fails: the load finishes with its
+    engine blocks reported for recomputing (vLLM then drops that step's
+    output of the request)."""
+    extra = {**SPEC, "spec_name": "KVTierReportingSpec", "kvtier_host_bytes": "1MiB",
+             "kvtier_num_slots": 8, "kvtier_promote": False, "kvtier_scan_wait_ms": 0,
+             "kvtier_disk_path": str(tmp_path / "disk"), "kvtier_disk_bytes": "8MiB"}  # fmt: skip
+    spec = OffloadingSpecFactory.create_spec(config(extra, bpc=8))
+    caches, layers = _kv_caches(64)
+    w = spec.get_worker(caches)
+    w.map_layers([["l0", "l1"]])
+    m = spec.get_manager()
+    disk = m.m.lower[0]
+    keys = [K(i) for i in range(3)]
+    before = _store_below(m, w, layers, keys, list(range(40, 64)))
+    for job, corrupt in ((2, False), (3, True)):
+        for t in layers:
+            t.zero_()
+        if corrupt:  # the second record's first layer changed in its slab file
+            _spoil_record(disk, keys[1])
+        load = _streamed_load(m, keys)
+        dst = list(range(24))
+        w.expedite.add(job)
+        assert w.submit_load(job, load, GPULoadStoreSpec(dst, [24], [0]))
+        for i, name in enumerate(("l0", "l1")):
+            w.wait_layer({job}, name)
+            if not corrupt:
+                assert torch.equal(layers[i][dst], before[i])
+        w.wait({job})
+        assert [(r.job_id, r.success) for r in w.get_finished()] == [(job, True)]
+        assert w.take_load_errors() == (set(dst) if corrupt else set())
+        assert w._stream is not None
+        assert [len(p.ranges) for p in w._stream._plans.values()] == [2]  # read by ranges
+        if not corrupt:
+            for t, want in zip(layers, before):
+                assert torch.equal(t[dst], want)
+        with m.lock:
+            m.complete_load(keys, CTX)
+            if corrupt:
+                m.load_failed(load)
+    w.shutdown()
+    m.shutdown()

@@ -1,6 +1,9 @@
 """Loads streamed from the disk tier by the worker (kvtier.streaming): the
 manager hands out disk hits that find no room in the host tier, and the
-StreamLoader reads them into the KV cache through its staging ring."""
+StreamLoader reads them into the KV cache through its staging ring. Layer
+by layer, it reads each record as byte ranges in layer order and copies a
+layer into the KV cache once its range arrived; the range that completes a
+record checks it whole, so a corrupt record still fails its job."""
 
 from __future__ import annotations
 
@@ -16,8 +19,10 @@ from kvtier.pool import HostPool
 from kvtier.streaming import StreamChunk, StreamLoader
 from kvtier.tiers import HostTier, LookupResult
 from kvtier.tiers.disk import DiskTier
+from kvtier.worker.transfer import DeviceTransfer
 
 BLOCK = 4096
+LAYERS, PER_LAYER = 4, 2  # layered loads: K and V per layer
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
 
@@ -292,3 +297,159 @@ def test_redis_hits_and_stores_stream_too(redis_standalone) -> None:  # type: ig
         loader.close()
         m.shutdown()
         pool.close()
+
+
+class Disk:
+    """8 chunks of random KV on a disk tier only (a 4-slot host tier pushed
+    them out), as ``bpc`` blocks of ``LAYERS * PER_LAYER`` tensors of
+    ``page`` bytes each; ``src`` holds their bytes, chunk n in blocks
+    ``[n * bpc, (n + 1) * bpc)``."""
+
+    def __init__(self, tmp_path: Path, page: int, bpc: int) -> None:
+        self.page, self.bpc = page, bpc
+        self.block = LAYERS * PER_LAYER * page * bpc  # a chunk's payload
+        rng = np.random.default_rng(page + bpc)
+        self.src = [
+            rng.integers(0, 256, (8 * bpc, page), np.uint8) for _ in range(LAYERS * PER_LAYER)
+        ]
+        self.pool = HostPool(4, DiskTier.slot_bytes_for(self.block))
+        self.disk = DiskTier(tmp_path, 32 * DiskTier.slot_bytes_for(self.block), self.block,
+                             backend="pread")  # fmt: skip
+        self.m = TieredOffloadingManager(HostTier(self.pool, 4), [self.disk], streaming=True)
+        fill = DeviceTransfer(self.src, self.pool, blocks_per_chunk=bpc, num_threads=1)
+        try:
+            for first in (0, 4, 8):
+                keys = [K(i) for i in range(first, first + 4)]
+                out = self.m.prepare_store(keys)
+                assert out is not None and out.keys_to_store == keys
+                blocks = np.arange(first * bpc, min(first + 4, 8) * bpc) if first < 8 else None
+                if blocks is not None:
+                    assert fill.submit_store(first, blocks, out.store_spec.slots)
+                    fill.wait([first])
+                    assert all(r.success for r in fill.get_finished())
+                self.m.complete_store(keys)
+                settle(self.m)
+        finally:
+            fill.shutdown()
+        self.m.options.promote = False  # every disk hit streams
+        assert [self.m.lookup(K(i)) for i in range(8)] == [HIT] * 8
+        assert [self.m.get_load_source(K(i)) for i in range(8)] == ["disk"] * 8
+
+    def close(self) -> None:
+        self.m.shutdown()
+        self.pool.close()
+
+
+def chunks(st, dst_first: int, bpc: int, last_blocks: int) -> list[StreamChunk]:  # type: ignore[no-untyped-def]
+    """The 8 streamed chunks into engine blocks from ``dst_first`` on; the
+    last one only partly covered (``last_blocks`` of its blocks)."""
+    out = []
+    for n in range(8):
+        nb = last_blocks if n == 7 else bpc
+        blocks = np.arange(dst_first + n * bpc, dst_first + n * bpc + nb)
+        out.append(StreamChunk(0, blocks, n * bpc, "disk", st.locations[n],
+                               st.digests[16 * n : 16 * n + 16]))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(("page", "bpc"), [(5000, 1), (4096, 2), (3000, 3)])
+def test_a_layered_stream_load_is_byte_for_byte_and_ready_layer_by_layer(
+    tmp_path: Path, page: int, bpc: int
+) -> None:
+    """Pages that do not fall on 4 KiB boundaries (a layer's bytes span two
+    ranges), chunks of several blocks, a partly covered last chunk; a ring
+    smaller than the load (the later chunks come in a second round)."""
+    d = Disk(tmp_path, page, bpc)
+    keys = [K(i) for i in range(8)]
+    spec = d.m.prepare_load(keys)
+    st = spec.stream
+    assert st is not None and (spec.slots == -1).all()
+    dst = [np.zeros((9 * bpc, page), np.uint8) for _ in range(LAYERS * PER_LAYER)]
+    loader = StreamLoader([(dst, [page] * len(dst))], blocks_per_chunk=bpc,
+                          slot_bytes=d.pool.slot_bytes, num_slots=5, min_range_bytes=4096)  # fmt: skip
+    last = max(1, bpc - 1)
+    try:
+        loader.submit(7, chunks(st, bpc, bpc, last), st.readers, layers=[PER_LAYER])
+        got = np.concatenate([np.arange(n * bpc, n * bpc + bpc) for n in range(7)]
+                             + [np.arange(7 * bpc, 7 * bpc + last)])  # fmt: skip
+        for layer in range(LAYERS):
+            loader.wait_layer(7, 0, layer, timeout=10)
+            for t in range(layer * PER_LAYER, (layer + 1) * PER_LAYER):
+                assert np.array_equal(dst[t][bpc + got], d.src[t][got])
+        loader.wait([7], timeout=10)
+        (r,) = loader.get_finished()
+        n_blocks = 7 * bpc + last
+        assert (r.job_id, r.success) == (7, True)
+        assert r.transfer_size == n_blocks * LAYERS * PER_LAYER * page
+        for t in range(LAYERS * PER_LAYER):  # nothing else written
+            assert np.array_equal(dst[t][bpc + got], d.src[t][got])
+            assert not dst[t][:bpc].any() and not dst[t][bpc + n_blocks :].any()
+        (plan,) = loader._plans.values()
+        assert len(plan.ranges) > 1  # really read by ranges
+        assert loader.pool.num_slots == 5
+    finally:
+        loader.close()
+        d.m.complete_load(keys)
+        d.close()
+
+
+@pytest.mark.parametrize("where", ["first layer", "last layer"])
+def test_a_corrupt_record_read_by_ranges_fails_its_job(tmp_path: Path, where: str) -> None:
+    """A record changed behind the tier's back: its first layer may already
+    be in the KV cache when its last range checks it, so the job fails
+    (the worker reports its blocks for recomputing); the other chunks'
+    bytes are right."""
+    page = 4096
+    d = Disk(tmp_path, page, 1)
+    keys = [K(i) for i in range(8)]
+    spec = d.m.prepare_load(keys)
+    st = spec.stream
+    assert st is not None
+    _, file, offset = st.locations[3].tolist()
+    at = 100 if where == "first layer" else (LAYERS - 1) * PER_LAYER * page + 100
+    fd = os.open(d.disk.paths[file], os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\xff" * 64, offset + at)
+    finally:
+        os.close(fd)
+    dst = [np.zeros((8, page), np.uint8) for _ in range(LAYERS * PER_LAYER)]
+    loader = StreamLoader([(dst, [page] * len(dst))], blocks_per_chunk=1,
+                          slot_bytes=d.pool.slot_bytes, min_range_bytes=4096)  # fmt: skip
+    try:
+        loader.submit(1, chunks(st, 0, 1, 1), st.readers, layers=[PER_LAYER])
+        for layer in range(LAYERS):
+            loader.wait_layer(1, 0, layer, timeout=10)  # never hangs on the failed chunk
+        loader.wait([1], timeout=10)
+        (r,) = loader.get_finished()
+        assert not r.success and "disk read failed" in r.error
+        others = [n for n in range(8) if n != 3]
+        for t in range(LAYERS * PER_LAYER):
+            assert np.array_equal(dst[t][others], d.src[t][others])
+        # The bad chunk's last layer is copied only after the check: never.
+        assert not dst[-1][3].any()
+    finally:
+        loader.close()
+        d.m.complete_load(keys)
+        d.close()
+
+
+def test_without_layers_or_from_a_tier_without_ranges_a_load_stays_whole(tmp_path: Path) -> None:
+    """A load submitted without ``layers`` reads whole records (no plan);
+    wait_layer on it waits for the whole job."""
+    d = Disk(tmp_path, 4096, 1)
+    keys = [K(i) for i in range(8)]
+    st = d.m.prepare_load(keys).stream
+    assert st is not None
+    dst = [np.zeros((8, 4096), np.uint8) for _ in range(LAYERS * PER_LAYER)]
+    loader = StreamLoader([(dst, [4096] * len(dst))], blocks_per_chunk=1,
+                          slot_bytes=d.pool.slot_bytes)  # fmt: skip
+    try:
+        loader.submit(2, chunks(st, 0, 1, 1), st.readers)
+        loader.wait_layer(2, 0, 0, timeout=10)
+        assert all(np.array_equal(a, b) for a, b in zip(dst, d.src))
+        (r,) = loader.get_finished()
+        assert r.success and not loader._plans
+    finally:
+        loader.close()
+        d.m.complete_load(keys)
+        d.close()

@@ -39,6 +39,13 @@ struct RecordRef {
   std::uint64_t offset;  // 4 KiB aligned
   std::uint64_t payload_len;
   Digest key;
+  // A read of bytes [lo, hi) of the record only, into the same place of the
+  // slot (hi 0: the whole record). A range ending at the record's end is
+  // checked as a whole record: the caller reads the other ranges first (a
+  // serial queue), so that a record can be copied out part by part as its
+  // ranges arrive and still be verified once whole.
+  std::uint64_t lo = 0;
+  std::uint64_t hi = 0;
 };
 
 // make_job(write, records): a store (write=true) or load job (item_job.h).
@@ -64,6 +71,7 @@ class Store : public ItemStore<Store, bool, RecordRef> {
 
  private:
   void run_split(bool write, std::vector<RecordRef>& recs, std::vector<std::int32_t>& items) const;
+  void run_ranges(std::vector<RecordRef>& recs, std::vector<std::int32_t>& items) const;
   StoreOptions opts_;
   std::vector<int> fds_;
   std::unique_ptr<IoBackend> backend_;

@@ -32,7 +32,14 @@ run, then the median over runs is reported):
 - ``host-whole-loads``: as ``host``, but the forward pass waits for a whole
   load before its first layer (``kvtier_layered_loads`` false) instead of
   each attention layer waiting for its own part: the A/B of layer-by-layer
-  loading.
+  loading;
+- ``host+disk-stream``: as ``host+disk``, but every disk hit is streamed
+  into the engine's cache by its worker (``kvtier_promote`` false), read
+  and copied layer by layer within the step, instead of promoted into the
+  host tier before its lookup answers;
+- ``host+disk-stream-whole-loads``: as ``host+disk-stream``, but each
+  streamed record is read whole and the forward pass waits for the whole
+  load (``kvtier_layered_loads`` false): the A/B of layer-by-layer streaming.
 
 In ``none`` and every kvtier configuration vLLM's prefix cache is reset
 after each request, so a returning prefix can only come from offloading.
@@ -58,6 +65,7 @@ from kvtier.integrations.vllm_engine import Sessions
 CONFIGS = (
     "none", "prefix", "host", "host+disk", "host+redis", "host+redis-wait", "host+redis-stream",
     "host+disk+redis", "small-host+disk", "second-engine", "vllm-cpu-offload", "host-whole-loads",
+    "host+disk-stream", "host+disk-stream-whole-loads",
 )  # fmt: skip
 TOKENS_PER_BLOCK = 32
 LOAD_TIERS = ("host", "disk", "remote")
@@ -99,7 +107,7 @@ def _config_spec(
     if "redis" in name or name == "second-engine":
         assert redis_url is not None
         kv["kvtier_remote_url"] = redis_url
-    if name.endswith("-stream"):
+    if "-stream" in name:
         kv["kvtier_promote"] = kv["kvtier_remote_probe"] = False
     if name.endswith("-wait"):
         kv["kvtier_fenced_reads"] = False

@@ -99,13 +99,15 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "kvtier_layered_loads": (
         bool,
         "a hit loaded within the step is waited for layer by layer: each attention layer "
-        "waits only for its own KV, the copies of later layers overlap the compute of earlier "
-        "ones (default true; false: the forward pass waits for the whole load first)",
+        "waits only for its own KV, the copies of later layers (and a disk hit's reads, "
+        "record by record in layer order) overlap the compute of earlier ones (default true; "
+        "false: the forward pass waits for the whole load first)",
     ),
     "kvtier_stream_slots": (
         int,
         "staging slots per worker for blocks moved straight between the engine and the disk "
-        "or Redis tier when the host tier has no room (default 32; 0 turns streaming off)",
+        "or Redis tier when the host tier has no room (default 32, or with layered loads "
+        "enough for sync_load_budget_bytes; 0 turns streaming off)",
     ),
     "kvtier_scan_wait_ms": (
         (int, float),

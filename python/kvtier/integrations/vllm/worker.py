@@ -56,8 +56,7 @@ class KVTierWorker(OffloadingWorker):
             self._start_transfers(kv_caches, spec, pool, offset)
         self.bpc = spec.blocks_per_chunk
         # For loads streamed from a lower tier: a staging ring made at first use.
-        self._stream_args = (spec.slot_bytes, offset,
-                             int(spec.kvtier.get("kvtier_stream_slots", 32)))  # fmt: skip
+        self._stream_args = (spec.slot_bytes, offset, _stream_slots(spec))
         self._stream: StreamLoader | None = None
         self._next = 0
         # vLLM's jobs, each made of parts: (group, transfer job) or (_STREAM, stream job).
@@ -233,7 +232,9 @@ class KVTierWorker(OffloadingWorker):
                                             slot_bytes=slot_bytes, slot_offset=offset,
                                             num_slots=num)  # fmt: skip
         self._next += 1
-        self._stream.submit(self._next, chunks, st.readers, store=store)
+        # The forward pass waits for it layer by layer (as _submit_host's).
+        layers = self._per_layer if not store and expedited and any(self._per_layer) else None
+        self._stream.submit(self._next, chunks, st.readers, store=store, layers=layers)
         self._jobs.add(ours, (_STREAM, self._next))
         return True
 
@@ -335,10 +336,11 @@ class KVTierWorker(OffloadingWorker):
 
     def wait_layer(self, job_ids: set[int], layer_name: str) -> None:
         """Block until this layer's part of each load in ``job_ids`` landed
-        (and the loads' parts not split by layer: a group loaded whole, a
-        streamed part). A layer not named by :meth:`map_layers` waits for
-        the loads whole. Called by KVTierConnector before each attention
-        layer of a forward pass."""
+        (and the loads' parts not split by layer: a group loaded whole; a
+        streamed part submitted by layers waits for this layer only). A
+        layer not named by :meth:`map_layers` waits for the loads whole.
+        Called by KVTierConnector before each attention layer of a forward
+        pass."""
         where = self.layers.get(layer_name)
         if where is None:
             self.wait(job_ids)
@@ -352,7 +354,9 @@ class KVTierWorker(OffloadingWorker):
             split = set(parts.values())
             sub = parts.get((g, i))
             for pg, psub in self._jobs.subs(ours):
-                if psub == sub or psub not in split:
+                if pg == _STREAM and self._stream is not None:
+                    self._stream.wait_layer(psub, g, i)
+                elif psub == sub or psub not in split:
                     self._wait_part(pg, psub)
 
     def _wait_part(self, g: int, sub: int) -> None:
@@ -374,6 +378,22 @@ class KVTierWorker(OffloadingWorker):
             self._stream.close()
         for t in self.transfers:
             t.shutdown()
+
+
+def _stream_slots(spec: KVTierOffloadingSpec) -> int:
+    """Staging slots of the stream ring: ``kvtier_stream_slots``, else 32,
+    or with layered loads as many as one step's synchronous loads take
+    (``sync_load_budget_bytes``): a load read layer by layer holds every
+    chunk's slot until its last layer arrived, so a smaller ring would
+    read the later chunks' first layers only after the earlier chunks'
+    last ones."""
+    given = spec.kvtier.get("kvtier_stream_slots")
+    if given is not None:
+        return int(given)
+    budget = spec.extra_config.get("sync_load_budget_bytes", 0)
+    if not spec.kvtier.get("kvtier_layered_loads", True) or not isinstance(budget, int):
+        return 32
+    return max(32, -(-budget // spec.slot_bytes))
 
 
 # -- secondary tiers under vLLM's TieringOffloadingSpec ---------------------------

@@ -55,7 +55,12 @@ class DiskIO:
             list(spec.paths), spec.file_bytes, spec.backend, 32, 1 << 20,
             True, False, spec.ns, [(pool.address, pool.nbytes)], True,
         )  # fmt: skip
-        self.engine = Engine(num_threads, [(256 << 20, False, spec.timeout_s)])
+        # Queue 1 is serial: the byte ranges of a record read range by range
+        # (submit_range) arrive in submission order, the last one checking
+        # the record whole.
+        self.engine = Engine(
+            num_threads, [(256 << 20, False, spec.timeout_s), (256 << 20, True, spec.timeout_s)]
+        )
         self.engine.register_pool(pool)
 
     def submit(
@@ -63,15 +68,34 @@ class DiskIO:
     ) -> int:
         """One job reading record ``locations[i]`` (record, file, offset)
         into slot ``slots[i]`` (or writing it from there); returns its engine job id."""
+        if self.store is None:
+            raise ClosedError("disk reader is closed")
+        arr, keys = self._records(slots, locations, digests)
+        return self.engine.submit_disk(self.store, write, arr, keys)
+
+    def submit_range(
+        self, slots: Sequence[int], locations: np.ndarray, digests: bytes, lo: int, hi: int
+    ) -> int:
+        """One job reading bytes ``[lo, hi)`` (4 KiB aligned) of each record
+        into the same bytes of its slot, after this reader's earlier ranges
+        (one serial queue); returns its engine job id. Its per-record
+        statuses say only that the range was read, except for a range ending
+        at the record's end: that one checks the whole slot as a record, so
+        it is submitted after the record's other ranges. Never blocks."""
+        if self.store is None:
+            raise ClosedError("disk reader is closed")
+        arr, keys = self._records(slots, locations, digests)
+        return self.engine.submit_disk_range(self.store, arr, keys, lo, hi, queue=1)
+
+    def _records(
+        self, slots: Sequence[int], locations: np.ndarray, digests: bytes
+    ) -> tuple[np.ndarray, np.ndarray]:
         n = len(slots)
         arr = np.empty((n, 4), np.int64)
         arr[:, 0] = self.pool.address + np.asarray(slots, np.int64) * self.pool.slot_bytes
         arr[:, 1:3] = locations[:, 1:3]
         arr[:, 3] = self.block_bytes
-        keys = np.frombuffer(digests, np.uint8).reshape(n, 16)
-        if self.store is None:
-            raise ClosedError("disk reader is closed")
-        return self.engine.submit_disk(self.store, write, arr, keys)
+        return arr, np.frombuffer(digests, np.uint8).reshape(n, 16)
 
     def close(self) -> None:
         """Drain the reads in flight and let go of the files. Blocks."""
