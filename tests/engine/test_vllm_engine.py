@@ -16,6 +16,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +242,58 @@ def test_host_smaller_than_the_working_set_hits_from_disk(
     _assert_clean(e)
 
 
+def _run_spoiling(
+    engine_python: str, tmp: Path, spoil: Callable[[], object], spec: dict[str, Any]
+) -> tuple[Engine, list[str]]:
+    """Run the engine on ``spec`` while ``spoil()`` corrupts what the lower
+    tier holds every 50 ms; the engine and its log lines of loads that
+    failed and were recomputed (at least one)."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            spoil()
+            stop.wait(0.05)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        e = run_engine(engine_python, tmp, spec)
+    finally:
+        stop.set()
+        t.join()
+    failed = [ln for ln in e.log.splitlines() if "blocks are recomputed" in ln]
+    assert failed, e.log[-3000:]
+    return e, failed
+
+
+def test_corrupt_disk_records_streamed_layer_by_layer_are_recomputed_not_served(
+    engine_python: str, model: str, reference: Engine, tmp_path: Path
+) -> None:
+    """Every disk record is spoiled moments after it is written, and the
+    engine's worker streams each disk hit itself within the step, layer by
+    layer: a record's first layers are in the KV cache (and the forward pass
+    may have used them) before its last range fails the record's check.
+    The failed blocks go back to vLLM, which recomputes them and drops the
+    step's output of their request: every output matches the reference."""
+    record = SLOT + 4096
+
+    def spoil() -> None:
+        for f in (tmp_path / "disk").glob("*/slab-*.dat"):
+            with open(f, "r+b") as fh:
+                for off in range(0, os.fstat(fh.fileno()).st_size, record):
+                    os.pwrite(fh.fileno(), b"XXXX", off + 1000)
+
+    e, failed = _run_spoiling(engine_python, tmp_path, spoil, _kvtier_spec(
+        model, kvtier_host_bytes=12 * record, kvtier_disk_path=str(tmp_path / "disk"),
+        kvtier_disk_bytes="16MiB", kvtier_promote=False, kvtier_scan_wait_ms=0))  # fmt: skip
+    assert _outputs(e) == _outputs(reference)
+    assert all("disk read failed" in ln for ln in failed), failed
+    assert e.stats is not None and e.stats["stats"]["streamed"] > 0
+    assert e.stats["stats"]["load_failures"] >= len(failed)
+    _assert_clean(e)
+
+
 def test_host_and_redis(
     engine_python: str, model: str, reference: Engine, tmp_path: Path, redis_standalone: Any
 ) -> None:
@@ -270,25 +323,12 @@ def test_corrupt_redis_values_are_recomputed_not_served(
         "for _, k in ipairs(redis.call('KEYS', 'kvt:*')) do "
         "redis.call('SETRANGE', k, 1000, 'XXXX') end return 0"
     )
-    stop = threading.Event()
-
-    def corrupt() -> None:
-        while not stop.is_set():
-            redis_standalone.cli("EVAL", spoil, "0")
-            stop.wait(0.05)
-
-    t = threading.Thread(target=corrupt, daemon=True)
-    t.start()
-    try:
-        e = run_engine(engine_python, tmp_path, _kvtier_spec(
-            model, kvtier_host_bytes=12 * SLOT, kvtier_remote_url=redis_standalone.url,
-            kvtier_promote=False, kvtier_scan_wait_ms=0))  # fmt: skip
-    finally:
-        stop.set()
-        t.join()
+    e, failed = _run_spoiling(
+        engine_python, tmp_path, lambda: redis_standalone.cli("EVAL", spoil, "0"),
+        _kvtier_spec(model, kvtier_host_bytes=12 * SLOT, kvtier_remote_url=redis_standalone.url,
+                     kvtier_promote=False, kvtier_scan_wait_ms=0),
+    )  # fmt: skip
     assert _outputs(e) == _outputs(reference)
-    failed = [ln for ln in e.log.splitlines() if "blocks are recomputed" in ln]
-    assert failed, e.log[-3000:]
     assert all("payload checksum mismatch" in ln for ln in failed), failed
     assert e.stats is not None
     # Every failed load reached the manager, which forgot what it read (else
