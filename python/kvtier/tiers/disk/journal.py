@@ -208,9 +208,9 @@ class IndexJournal:
         self.entries += 1
 
     @property
-    def buffered(self) -> bool:
-        """Entries appended since the last flush."""
-        return bool(self._buf)
+    def pending(self) -> bool:
+        """Entries appended since the last flush, or a failed append to retry."""
+        return self.lost or bool(self._buf)
 
     def discard(self) -> None:
         """Drop the buffered entries (they are lost already: see :attr:`lost`)."""

@@ -188,9 +188,8 @@ class DiskTier(JobTier):
         if pool is None or self.no_data:
             self.no_data = True
             return
-        # Slots with room for the trailer give one request per record (and
-        # coalescing); slots of exactly a 4 KiB-multiple block (vLLM's primary
-        # region) send the trailer from a buffer as a second request.
+        # Slots with room for the trailer: one request per record (and coalescing);
+        # slots of a 4 KiB-multiple block (vLLM's) send the trailer as a second request.
         trailer_in_slot = pool.slot_bytes >= self.record_bytes
         if not trailer_in_slot and (pool.slot_bytes < self.block_bytes or self.block_bytes % 4096):
             raise InvalidArgument(
@@ -246,15 +245,9 @@ class DiskTier(JobTier):
         assert self.journal is not None
         self.journal.append(op, rec, dig, event_id)
 
-    def journal_pending(self) -> bool:
-        """Entries buffered for the journal, or a failed append to retry."""
-        j = self.journal
-        return j is not None and (j.lost or j.buffered)
-
     def _flush_journal(self) -> None:
-        """Append the buffered entries; once an append failed (the file
-        system full), stop admitting for a while and retry with a checkpoint
-        (see :class:`IndexJournal`)."""
+        """Append the buffered entries; once an append failed (the file system
+        full), stop admitting for a while and retry with a checkpoint."""
         j = self.journal
         assert j is not None
         if j.lost:
@@ -500,9 +493,8 @@ class DiskTier(JobTier):
             self._forget(d, record)
 
     def poll(self) -> list[TierCompletion]:
-        # Called on every engine step: with no job of this tier's engine in
-        # flight and no journal entry buffered there is nothing to do.
-        if not self.jobs.busy() and not self.journal_pending():
+        j = self.journal  # every engine step: nothing in flight nor buffered, nothing to do
+        if not self.jobs.busy() and not (j is not None and j.pending):
             return []
         ended, released = self.jobs.poll()
         for rel in released:  # a timed-out job really ended: its memory is free
