@@ -29,7 +29,7 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "kvtier_policy": (str, "host eviction policy: lru, arc or a dotted class path (default lru)"),
     "kvtier_disk_policy": (
         str,
-        "disk eviction policy (native): lru, clock or clock:N (default lru)",
+        "disk eviction policy (native): lru, clock, clock:N or plfu (default lru)",
     ),
     "kvtier_admit_after": (int, "store a block after it was offered N times (default 1)"),
     "kvtier_lower_writes": (
