@@ -232,6 +232,22 @@ def test_manager_semantics_through_vllm_types() -> None:
         m.m.stats.promotions += 2
         assert m.get_stats().reduce() == {"vllm:kv_offload_kvtier_promotions": 2}
         assert m.get_stats() is None
+        # Every reported counter ends get_stats' "nothing changed" shortcut,
+        # within the gauges' refresh period too.
+        s = m.m.stats
+        for name in ("cascades", "cascades_dropped", "allocation_failures", "scan_reads",
+                     "fenced_reads", "fenced_failures", "scan_timeouts", "load_failures"):  # fmt: skip
+            setattr(s, name, getattr(s, name) + 1)
+            assert m.get_stats().reduce() == {f"vllm:kv_offload_kvtier_{name}": 1}, name
+        s.scan_waits += 1
+        s.scan_wait_s += 0.002
+        assert m.get_stats().reduce() == {
+            "vllm:kv_offload_kvtier_scan_waits": 1, "vllm:kv_offload_kvtier_scan_wait_us": 2000,
+        }  # fmt: skip
+        s.loaded_from["disk"] = s.loaded_from.get("disk", 0) + 3
+        s.loads += 3
+        assert m.get_stats().reduce() == {"vllm:kv_offload_kvtier_loaded_disk": 3}
+        assert m.get_stats() is None
     m.shutdown()
 
 
