@@ -44,6 +44,7 @@ class Sim:
         self.host: OrderedDict[int, None] = OrderedDict()
         self.disk: OrderedDict[int, None] = OrderedDict()
         self.host_hits = self.disk_hits = self.writes = self.refs = self.t = 0
+        self.req_len = 0  # blocks in the request being served
         self.offers: Counter[int] = Counter()  # stores into the host (misses)
         self.hhits: Counter[int] = Counter()  # hits in the host
         self.reads: Counter[int] = Counter()  # hits on disk
@@ -73,7 +74,7 @@ class Sim:
 
     def run(self) -> Sim:
         for t, keys in enumerate(self.trace):
-            self.t = t
+            self.t, self.req_len = t, len(keys)
             self.refs += len(keys)
             for i, k in enumerate(keys):
                 if k not in self.first:
@@ -181,6 +182,7 @@ def features(s: Sim, k: int) -> tuple[int, ...]:
         b(s.t - s.first[k]),
         b(s.t - s.last.get(k, s.t)),
         min(len(s.children[k]), 3),
+        b(s.req_len),
     )
 
 
@@ -222,6 +224,16 @@ def main() -> int:
         ("wt", "2nd offer (baseline)", nth_offer(2)),
         ("wt", "3rd offer", nth_offer(3)),
         ("wt", "2nd offer, parent in host or on disk", chain(nth_offer(2))),
+        (
+            "wt",
+            "2nd offer, request of >= 24 blocks",
+            lambda s, k: s.offers[k] >= 2 and s.req_len >= 24,
+        ),
+        (
+            "wt",
+            "2nd offer, request of >= 32 blocks",
+            lambda s, k: s.offers[k] >= 2 and s.req_len >= 32,
+        ),
         ("wt", "TinyLFU, window 200k, count >= 2", TinyLFU(200_000, 2)),
         ("wt", "TinyLFU, window 50k, count >= 2", TinyLFU(50_000, 2)),
         ("victim", "2nd offer", nth_offer(2)),
@@ -260,7 +272,7 @@ def main() -> int:
     for k, f in cands:
         n[f] += 1
         pos[f] += b2.reads[k] > 0
-    for cut in (0.25, 0.3, 0.35):
+    for cut in (0.2, 0.25, 0.3):
         keep = {f for f in n if pos[f] / n[f] >= cut}
         rows.append(run("wt", kept(keep)).row(f"hindsight feature groups, read rate >= {cut}"))
     ranked = sorted(n, key=lambda f: -pos[f] / n[f])
