@@ -12,6 +12,32 @@ namespace kvtier::bindings {
 
 namespace rm = kvtier::remote;
 
+namespace {
+
+// A reply as Python values: bulk and simple strings bytes, integers int, nil
+// None, arrays lists; an error reply raises (the caller asked for a value).
+py::object reply_to_py(const rm::Reply& r) {
+  switch (r.type) {
+    case rm::Reply::kSimple:
+    case rm::Reply::kBulk:
+      return py::bytes(r.str);
+    case rm::Reply::kInteger:
+      return py::int_(r.integer);
+    case rm::Reply::kNil:
+      return py::none();
+    case rm::Reply::kArray: {
+      py::list out;
+      for (const auto& e : r.elems) out.append(reply_to_py(e));
+      return std::move(out);
+    }
+    case rm::Reply::kError:
+      break;
+  }
+  throw Error(StatusCode::kIoError, "the server replied: " + r.str);
+}
+
+}  // namespace
+
 void bind_remote(py::module_& m, EngineClass& engine) {
   // kind: "store" | "load" | "exists" | "command"; keys: list of bytes (server
   // keys); slots: int64 addresses; digests: uint8 (N, 16); commands (kind
@@ -99,6 +125,20 @@ void bind_remote(py::module_& m, EngineClass& engine) {
            py::arg("window_bytes") = rm::Options{}.window_bytes, py::arg("tls") = false,
            py::arg("tls_ca_file") = "", py::arg("tls_cert_file") = "", py::arg("tls_key_file") = "",
            py::arg("tls_server_name") = "")
+      .def(
+          "call",
+          [](rm::Store& s, const py::bytes& key, const std::vector<std::string>& args) {
+            if (args.empty()) throw Error(StatusCode::kInvalidArgument, "a command needs a name");
+            rm::Reply r;
+            int e;
+            {
+              py::gil_scoped_release nogil;  // waits on the server (XREAD BLOCK)
+              e = s.call(key, args, &r);
+            }
+            if (e != 0) throw_errno("remote command " + args[0], e);
+            return reply_to_py(r);
+          },
+          py::arg("key"), py::arg("args"))
       .def_property_readonly("nodes", &rm::Store::nodes)
       .def_property_readonly("redirects", &rm::Store::redirects);
   m.attr("REMOTE_HEADER_BYTES") = sizeof(disk::Trailer);

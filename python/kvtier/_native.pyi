@@ -2,7 +2,7 @@
 # section per binding file); mypy checks every call into the core against it.
 import enum
 from collections.abc import Callable, Iterator, Sequence
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -291,6 +291,10 @@ class RemoteStore:
         tls_key_file: str = "",
         tls_server_name: str = "",
     ) -> None: ...
+    def call(self, key: bytes, args: Sequence[bytes]) -> Any:
+        """One command on this thread's own connection to ``key``'s node;
+        the reply as bytes, int, None or lists of them. Releases the GIL."""
+        ...
     @property
     def nodes(self) -> list[str]: ...
     @property

@@ -91,7 +91,9 @@ def setup(redis_standalone: Any, request: pytest.FixtureRequest) -> Iterator[Set
     does not know are checked with EXISTS first, or probed with GET."""
     ns = str(uuid.uuid4())
     pool = HostPool(16, BLOCK)
-    tier = RemoteTier(redis_standalone.url, BLOCK, namespace=ns)
+    # pool_index off: the tier must not learn the keys from the pool's
+    # stream either (as behind an index that is not authoritative).
+    tier = RemoteTier(redis_standalone.url, BLOCK, namespace=ns, pool_index=False)
     m = TieredOffloadingManager(
         HostTier(pool), [tier], scan_wait_s=10.0, key_order=following, probe=request.param
     )
@@ -169,7 +171,7 @@ def test_a_stopped_server_costs_one_bounded_wait(tmp_path: Path, probe: bool) ->
     s = RedisServer(tmp_path)
     ns = str(uuid.uuid4())
     pool = HostPool(16, BLOCK)
-    tier = RemoteTier(s.url, BLOCK, namespace=ns, timeout_s=30.0)
+    tier = RemoteTier(s.url, BLOCK, namespace=ns, timeout_s=30.0, pool_index=False)
     m = TieredOffloadingManager(
         HostTier(pool), [tier], scan_wait_s=0.2, key_order=following, probe=probe
     )
@@ -214,7 +216,9 @@ def test_read_ahead_checks_past_a_key_the_worker_streams(redis_standalone: Any) 
     ns = str(uuid.uuid4())
     fill(redis_standalone.url, ns, list(range(6)))
     with HostPool(16, BLOCK) as pool:
-        tier = RemoteTier(redis_standalone.url, BLOCK, namespace=ns, worker_io=True)
+        tier = RemoteTier(
+            redis_standalone.url, BLOCK, namespace=ns, worker_io=True, pool_index=False
+        )
         m = TieredOffloadingManager(
             HostTier(pool), [tier], streaming=True, promote=False, scan_wait_s=10.0,
             key_order=following, probe=False,
@@ -264,7 +268,7 @@ def fenced(tmp_path: Path) -> Iterator[Fenced]:
     s = RedisServer(tmp_path)
     ns = str(uuid.uuid4())
     pool = HostPool(16, BLOCK)
-    tier = RemoteTier(s.url, BLOCK, namespace=ns, timeout_s=30.0)
+    tier = RemoteTier(s.url, BLOCK, namespace=ns, timeout_s=30.0, pool_index=False)
     m = TieredOffloadingManager(
         HostTier(pool), [tier], scan_wait_s=10.0, key_order=following, probe=True, fenced=True
     )

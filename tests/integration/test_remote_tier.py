@@ -137,7 +137,8 @@ def test_worker_threads_yield_the_cpu_unless_told(
 
 def test_async_lookup_retry_then_answer(redis_standalone) -> None:  # type: ignore[no-untyped-def]
     with HostPool(4, BLOCK) as pool:
-        t = RemoteTier(redis_standalone.url, BLOCK, namespace=str(uuid.uuid4()))
+        ns = str(uuid.uuid4())
+        t = RemoteTier(redis_standalone.url, BLOCK, namespace=ns, pool_index=False)
         t.attach(pool)
         assert all(store_blocks(t, pool, [1]))
         t.known.clear()  # as another engine: nothing known locally

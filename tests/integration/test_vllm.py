@@ -490,10 +490,15 @@ def test_whole_spec_with_a_lower_tier_round_trips_every_stage(
     for Redis, the tier having forgotten them, with GETs straight away (one
     stage) or after an EXISTS check (stages)."""
     eid = f"test-{which}-{uuid.uuid4().hex[:8]}"
+    # A namespace of its own: the cases store different bytes under the same
+    # keys, which the pool's index (read from the shared server's stream)
+    # would otherwise take for one another's.
     extra: dict[str, Any] = {**SPEC, "kvtier_host_bytes": "1MiB", "kvtier_num_slots": 8,
-                             "kvtier_promote": promote}  # fmt: skip
+                             "kvtier_promote": promote, "kvtier_namespace": eid}  # fmt: skip
     if not scan:
         extra["kvtier_scan_wait_ms"] = 0
+    else:  # the tier forgets the keys below: no index may know them either
+        extra["kvtier_pool_index"] = False
     if which == "disk":
         extra.update(kvtier_disk_path=str(tmp_path / "disk"), kvtier_disk_bytes="4MiB")
     elif which == "redis":

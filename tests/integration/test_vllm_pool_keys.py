@@ -28,15 +28,16 @@ def remote_tier(extra: dict[str, Any]) -> Any:
 
 
 @pytest.mark.parametrize(
-    "keys,stream,engine",
+    "keys,stream,engine,index",
     [
-        ({}, True, f"{socket.gethostname()}:{os.getpid()}"),
-        ({"kvtier_pool_events": True, "kvtier_engine_id": "prefill-7"}, True, "prefill-7"),
-        ({"kvtier_pool_events": False}, False, None),
+        ({}, True, f"{socket.gethostname()}:{os.getpid()}", True),
+        ({"kvtier_pool_events": True, "kvtier_engine_id": "prefill-7"}, True, "prefill-7", True),
+        ({"kvtier_pool_events": False}, False, None, False),
+        ({"kvtier_pool_index": False}, True, None, False),
     ],
 )
 def test_pool_event_keys_reach_the_remote_tier(
-    redis_standalone: Any, keys: dict[str, Any], stream: bool, engine: str | None
+    redis_standalone: Any, keys: dict[str, Any], stream: bool, engine: str | None, index: bool
 ) -> None:
     extra = {**SPEC, "kvtier_host_bytes": "1MiB", "kvtier_num_slots": 8,
              "kvtier_remote_url": redis_standalone.url,
@@ -45,6 +46,7 @@ def test_pool_event_keys_reach_the_remote_tier(
     try:
         assert (tier.stream is not None) == stream
         assert (tier.pool_events > 0) == stream
+        assert (tier.index is not None) == index
         if engine is not None:
             assert tier.engine_id == engine
     finally:
@@ -57,6 +59,7 @@ def test_pool_event_keys_reach_the_remote_tier(
         ({"kvtier_pool_events": "yes"}, "kvtier_pool_events"),
         ({"kvtier_pool_events": 1}, "kvtier_pool_events"),
         ({"kvtier_engine_id": 7}, "kvtier_engine_id"),
+        ({"kvtier_pool_index": "on"}, "kvtier_pool_index"),
         ({"kvtier_engine_id": ""}, "kvtier_engine_id: must be a non-blank name"),
         ({"kvtier_engine_id": "  "}, "kvtier_engine_id: must be a non-blank name"),
         ({"kvtier_engine_id": "x" * 257}, "at most 256 characters"),

@@ -1,5 +1,8 @@
 #include "client.h"
 
+#include <cerrno>
+#include <string_view>
+
 #include "../status.h"
 
 namespace kvtier::remote {
@@ -48,6 +51,34 @@ std::shared_ptr<Store> Store::open(Options o) {
 }
 
 std::vector<std::string> Store::nodes() const { return cluster_.nodes(); }
+
+int Store::call(const std::string& key, const std::vector<std::string>& args, Reply* out) {
+  cluster_.refresh_if_asked();
+  std::vector<std::string_view> views(args.begin(), args.end());
+  const std::string cmd = encode(views);
+  for (int round = 0; round < 2; ++round) {
+    const std::size_t node = cluster_.node_for(key);
+    std::int32_t err = 0;
+    Connection* c = cluster_.conn(node, &err);
+    if (!c) return err;
+    Reply r;
+    if (int e = c->command(cmd, &r); e != 0) {
+      c->close();
+      cluster_.mark_down(node);
+      return e;
+    }
+    if (r.type == Reply::kError) {
+      if (auto to = parse_redirect(r.str); to && to->moved && round == 0) {
+        redirects_++;
+        cluster_.moved(key, to->to);
+        continue;
+      }
+    }
+    *out = std::move(r);
+    return 0;
+  }
+  return EIO;  // moved twice: the slot map is changing; the caller tries later
+}
 
 void Store::run(Kind kind, std::vector<Item>& items, std::vector<std::int32_t>& out) {
   run_items(kind, items, out);

@@ -52,6 +52,14 @@ class Store : public ItemStore<Store, Kind, Item> {
   std::vector<std::string> nodes() const;
   std::uint64_t redirects() const { return redirects_.load(); }
 
+  // One command and its whole reply, on the calling thread's own connection
+  // to the node that holds `key` (a MOVED reply is followed once). For a
+  // reader that waits on the server (XREAD BLOCK on the pool's event
+  // stream): it must not hold an engine worker, whose queue the tier's
+  // stores and loads share. 0, or an errno with *out untouched; a server's
+  // error reply is a kError reply. Blocks for at most the io timeout.
+  int call(const std::string& key, const std::vector<std::string>& args, Reply* out);
+
  private:
   // Rounds of groups: an item redirected in one round is retried in the
   // next (at most four rounds).

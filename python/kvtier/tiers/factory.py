@@ -70,6 +70,9 @@ class TierConfig:
     # engine appends its stores to it, and what names the engine there
     # (None: host:pid).
     remote_pool_events: bool = True
+    # Lookups answered from the stream (RemoteTier's pool_index; None: with
+    # remote_pool_events).
+    remote_pool_index: bool | None = None
     remote_engine_id: str | None = None
     no_data: bool = False
 
@@ -125,6 +128,7 @@ def build_tier(
         tls_key_file=cfg.remote_tls_key_file, tls_server_name=cfg.remote_tls_server_name,
         worker_io=cfg.remote_worker_io,
         pool_events=STREAM_MAXLEN if cfg.remote_pool_events else 0,
+        pool_index=cfg.remote_pool_index,
         engine_id=cfg.remote_engine_id,
     )  # fmt: skip
 

@@ -4,11 +4,10 @@ C++ worker threads (pipelined, zero-copy into host slots).
 
 Who calls: the manager, under its lock. Nothing blocks but construction
 (which connects, authenticates and, for a cluster, reads the slot map) and
-:meth:`RemoteTier.close` and :meth:`RemoteTier.wait`. Existence checks are
-asynchronous: a key never seen answers RETRY, is checked with a pipelined
-EXISTS batch at the next step, and answers HIT or MISS after that; or the
-manager probes it (:meth:`RemoteTier.submit_probe`): a GET straight into a
-host slot that answers both questions in one round trip.
+:meth:`RemoteTier.close` and :meth:`RemoteTier.wait`. A lookup the pool's
+index (below) cannot answer is asynchronous: RETRY, then a pipelined EXISTS
+at the next step, then HIT or MISS; or the manager probes it
+(:meth:`RemoteTier.submit_probe`): a GET straight into a host slot.
 
 ``rediss://`` (and ``rediss-cluster://``) connect with TLS: the server's
 certificate is verified against ``tls_ca_file`` (default: OpenSSL's system
@@ -21,7 +20,8 @@ connection (``AUTH user password``, an ACL user), cluster redirects included.
 With ``pool_events`` (on by default) every store the server acknowledged is
 also appended to the pool's event stream (:mod:`kvtier.tiers.pool_stream`),
 one ``XADD`` per batch of stores, so that one subscriber (``kvtier events``)
-learns what the whole pool holds, whichever engine wrote it.
+learns what the whole pool holds, whichever engine wrote it; the tier reads
+it too (:mod:`kvtier.tiers.pool_index`) to answer lookups without asking.
 
 Every value is a 64-byte header (magic, version, namespace and key digests,
 length, crc32c) followed by the block; a load that fails any check, or whose
@@ -50,10 +50,12 @@ from kvtier.pool import HostPool
 from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
 from kvtier.tiers.events import EVENT_LOG_KEYS, vllm_event_id
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
+from kvtier.tiers.pool_index import PoolIndex
 from kvtier.tiers.pool_stream import STREAM_MAXLEN, UNNAMED, stream_key, xadd_commands
 from kvtier.tiers.records import key_digest, namespace_digest
 from kvtier.tiers.remote_url import (
     RemoteConnection,
+    check_tls_options,
     default_connections,
     parse_url,
     redact_url,
@@ -89,7 +91,8 @@ class RemoteTier(JobTier):
     (:data:`~kvtier.tiers.pool_stream.STREAM_MAXLEN`; 0: append nothing).
     ``engine_id`` names this engine in it (default ``host:pid``);
     ``event_id`` names a block by its key there (12 bytes, or None:
-    :func:`~kvtier.tiers.events.vllm_event_id`)."""
+    :func:`~kvtier.tiers.events.vllm_event_id`). ``pool_index`` (default:
+    with ``pool_events``): lookups answered by :class:`~kvtier.tiers.pool_index.PoolIndex`."""
 
     can_probe = True
 
@@ -123,6 +126,7 @@ class RemoteTier(JobTier):
         pool_events: int = STREAM_MAXLEN,
         engine_id: str | None = None,
         event_id: Callable[[bytes], bytes | None] = vllm_event_id,
+        pool_index: bool | None = None,
     ) -> None:
         if block_bytes <= 0:
             raise InvalidArgument(f"block_bytes must be > 0, got {block_bytes}")
@@ -132,6 +136,8 @@ class RemoteTier(JobTier):
             raise InvalidArgument(f"known_ttl_s must be > 0, got {known_ttl_s}")
         if pool_events < 0:
             raise InvalidArgument(f"pool_events must be >= 0 (0: off), got {pool_events}")
+        if pool_index and not pool_events:
+            raise InvalidArgument("pool_index reads the pool's event stream: it needs pool_events")
         from kvtier import _native
         from kvtier.engine import Engine, io_nice
 
@@ -139,15 +145,7 @@ class RemoteTier(JobTier):
         cfg = parse_url(url)
         tls = {"tls_ca_file": tls_ca_file, "tls_cert_file": tls_cert_file,
                "tls_key_file": tls_key_file, "tls_server_name": tls_server_name}  # fmt: skip
-        given = [k for k, v in tls.items() if v]
-        if given and not cfg["tls"]:
-            raise InvalidArgument(
-                f"{', '.join(given)} given for {redact_url(url)!r}: TLS needs a rediss:// "
-                "(or rediss-cluster://) URL"
-            )
-        for k in given:
-            if k.endswith("_file") and not os.path.isfile(str(tls[k])):
-                raise InvalidArgument(f"{k} {tls[k]!r} is not a file")
+        check_tls_options(url, cfg, tls)
         self._tier_init(
             name, "load_failures", "vanished", "corrupt", "io_errors", "server_errors",
             "exists_checks", "budget_skips", "not_admitted", "probes", "probe_misses",
@@ -197,22 +195,20 @@ class RemoteTier(JobTier):
         self.negative_ttl_s = negative_ttl_s
         self.known_ttl_s = known_ttl_s
         self.known_capacity = known_capacity
-        # Off unless the engine can survive a failed read (the vLLM shim's
-        # KVTierConnector reports it for recomputing; vLLM's own offloading
-        # worker asserts success): a Redis value can vanish between the
-        # existence check and a worker's read (maxmemory eviction, TTL), or
-        # a worker's write can meet a server that went away. Promotion
-        # checks the bytes into the host tier before the engine hears HIT.
+        # Off unless the engine survives a failed read (the vLLM shim's
+        # connector recomputes; vLLM's own worker asserts success): a value
+        # can vanish between the existence check and a worker's read, or a
+        # write meet a server gone. Promotion checks bytes before HIT.
         self.worker_io = worker_io
-        # digest -> (exists, when), oldest first: what live requests learnt
-        # (an EXISTS answer between a lookup's RETRY and its repeat, a store
-        # or load that just ended), kept known_ttl_s (absent: negative_ttl_s)
-        # and at most known_capacity entries. The server is the index: no
-        # state per stored key outlives the requests that touched it.
+        # digest -> (exists, when), oldest first: what live requests learnt (an
+        # EXISTS answer, a store or load that just ended), kept known_ttl_s
+        # (absent: negative_ttl_s), at most known_capacity entries.
         self.known: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
         self._exists_queue: dict[bytes, bytes] = {}  # digest -> server key
         self._exists_inflight: set[bytes] = set()
         self.jobs.engine = self.engine
+        on = bool(pool_events) if pool_index is None else pool_index
+        self.index = PoolIndex(self.store, self.stream) if on and self.stream else None
 
     # -- helpers -------------------------------------------------------------
     def server_key(self, key: bytes) -> bytes:
@@ -258,6 +254,9 @@ class RemoteTier(JobTier):
                 return LookupResult.HIT
             if not exists and age < self.negative_ttl_s:
                 return LookupResult.MISS
+        index = self.index
+        if index is not None and (dig in index or index.authoritative()):
+            return LookupResult.HIT if dig in index else LookupResult.MISS
         if dig not in self._exists_inflight:
             self._exists_queue[dig] = self.server_key(key)
         return LookupResult.RETRY
@@ -410,13 +409,11 @@ class RemoteTier(JobTier):
         return batch.token
 
     def poll(self) -> list[TierCompletion]:
-        # Called on every engine step; most steps have nothing in flight.
-        if not (self._exists_queue or self._stream_pending or self.jobs.busy()):
-            if self.known:
-                self._expire(time.monotonic())
-            return []
         if self.known:
             self._expire(time.monotonic())
+        # Called on every engine step; most steps have nothing in flight.
+        if not (self._exists_queue or self._stream_pending or self.jobs.busy()):
+            return []
         self.submit_checks()
         ended, _ = self.jobs.poll()  # no deadlines here: no job is ever held
         out: list[TierCompletion] = []
@@ -439,6 +436,8 @@ class RemoteTier(JobTier):
         """Blocks the server acknowledged: appended to the pool's stream by
         the first poll :data:`STREAM_DELAY_S` later (one XADD per
         :data:`ENTRY_BLOCKS` of them)."""
+        if self.index is not None:
+            self.index.learn(digs, True)
         if self.stream is None:
             return
         name, pending, ids = self.event_id, self._stream_pending, self._stream_ids
@@ -538,6 +537,8 @@ class RemoteTier(JobTier):
                     self.counters["corrupt"] += 1
                 if code < 0:
                     self._remember(dig, False)  # gone or not ours: a miss from now on
+                    if self.index is not None:
+                        self.index.learn((dig,), False)
                     self._events.append(TierEvent([key], self.name, removed=True))
                 else:
                     self.known.pop(dig, None)
@@ -570,10 +571,14 @@ class RemoteTier(JobTier):
             while (self.jobs.busy() or self._stream_pending) and time.monotonic() < deadline:
                 self.poll()
                 time.sleep(0.001)
+        if self.index is not None:
+            self.index.close()
         super().close()
 
     def reset(self) -> None:
         self.known.clear()
+        if self.index is not None:
+            self.index.restart()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -583,6 +588,7 @@ class RemoteTier(JobTier):
             "redirects": int(self.store.redirects),
             "events_dropped": self._events.dropped,
             "stream": None if self.stream is None else self.stream.decode(),
+            "index": None if self.index is None else self.index.stats(),
             **self.counters,
         }
 

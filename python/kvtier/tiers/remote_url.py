@@ -99,6 +99,20 @@ def parse_url(url: str) -> dict[str, Any]:
     }
 
 
+def check_tls_options(url: str, cfg: dict[str, Any], tls: dict[str, str | None]) -> None:
+    """Raises InvalidArgument for TLS options a URL cannot use (``cfg``: its
+    :func:`parse_url`) or files that are not there."""
+    given = [k for k, v in tls.items() if v]
+    if given and not cfg["tls"]:
+        raise InvalidArgument(
+            f"{', '.join(given)} given for {redact_url(url)!r}: TLS needs a rediss:// "
+            "(or rediss-cluster://) URL"
+        )
+    for k in given:
+        if k.endswith("_file") and not os.path.isfile(str(tls[k])):
+            raise InvalidArgument(f"{k} {tls[k]!r} is not a file")
+
+
 def redact_url(url: str) -> str:
     """``url`` with its password replaced by ``***`` (for stats and reports)."""
     parts = urlsplit(url)

@@ -338,6 +338,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
                 if tier.name == "remote":
                     prefix = tier.server_key(b"")[:-32]  # type: ignore[attr-defined]
                     _delete_values(self.settings.tier_fields, prefix)
+                    tier.reset()  # its pool index read the history just deleted
 
     def kvtier_stats(self) -> dict[str, Any]:
         """kvtier's counters per host pool (pages moved, failures, each tier's own)."""
@@ -386,6 +387,7 @@ def _delete_values(fields: dict[str, Any], prefix: bytes) -> int:
     except ImportError:
         log.warning("kvtier: clear: redis-py is not installed; Redis values stay until their TTL")
         return 0
+    from kvtier.tiers.pool_stream import stream_key
     from kvtier.tiers.remote import parse_url
 
     cfg = parse_url(str(fields["remote_url"]))
@@ -415,6 +417,9 @@ def _delete_values(fields: dict[str, Any], prefix: bytes) -> int:
                     pipe.unlink(k)
                 deleted += sum(pipe.execute())
                 batch = []
+        # The namespace's event stream names the values just deleted: gone
+        # too, every reader's index (kvtier.tiers.pool_index) starts again.
+        client.unlink(stream_key(prefix))
     finally:
         client.close()
     return deleted

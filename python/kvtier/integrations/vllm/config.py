@@ -69,6 +69,12 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
         "append the stores Redis acknowledged to the pool's own event stream, which `kvtier "
         "events URL` tails for every engine on the pool (default true)",
     ),
+    "kvtier_pool_index": (
+        bool,
+        "answer Redis lookups from what the pool's event stream says the pool holds, with no "
+        "round trip (default: with kvtier_pool_events; turn it off on a pool shared with "
+        "writers whose stream is off)",
+    ),
     "kvtier_engine_id": (
         str,
         "what names this engine in the pool's event stream (default host:pid)",

@@ -250,6 +250,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 remote_tls_server_name=k.get("kvtier_remote_tls_server_name"),
                 remote_worker_io=self.reports_load_errors,
                 remote_pool_events=k.get("kvtier_pool_events", True),
+                remote_pool_index=k.get("kvtier_pool_index"),
                 remote_engine_id=k.get("kvtier_engine_id"),
                 # on_reuse: lower tiers take a block on its second offer,
                 # the first being its store, the second its first reuse.
