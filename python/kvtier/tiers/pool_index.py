@@ -77,7 +77,6 @@ class PoolIndex:
         self.entries = 0  # stream entries applied
         self.errors = 0  # reads that failed (server away): the index is stale meanwhile
         self.resets = 0  # the stream was deleted or recreated under the reader
-        self._whole = True
         self._seen_added = 0
         self._caught_up = False  # the reader reached the stream's end since _start
         self._restart = False  # restart() asked the reader to begin again
@@ -128,19 +127,19 @@ class PoolIndex:
     def _call(self, *args: bytes) -> Any:
         return self._store.call(self._stream, list(args))
 
-    def _added(self) -> int | None:
-        """Entries the stream ever had (``entries-added``: Redis/Valkey >= 7),
-        0 when there is no stream, None when the server does not say."""
+    def _added(self) -> tuple[int | None, bool]:
+        """Entries the stream ever had (``entries-added``: Redis/Valkey >= 7;
+        0 when there is no stream, None when the server does not say), and
+        whether it still holds them all (not trimmed by MAXLEN: what fell out
+        may still be in the pool)."""
         if not self._call(b"EXISTS", self._stream):
-            return 0
+            return 0, True
         info = self._call(b"XINFO", b"STREAM", self._stream)
         fields = dict(zip(info[::2], info[1::2]))
         added = fields.get(b"entries-added")
         if not isinstance(added, int):
-            return None
-        # Trimmed (MAXLEN): what fell out may still be in the pool.
-        self._whole = added == fields.get(b"length")
-        return added
+            return None, False
+        return added, added == fields.get(b"length")
 
     def _start(self) -> None:
         """Reads the history again from the stream's first entry; decides
@@ -150,15 +149,14 @@ class PoolIndex:
         self._present.clear()
         self.entries = 0
         self._caught_up = False
-        self._whole = True
-        added = self._added()
+        added, whole = self._added()
         self._seen_added = added or 0
-        self.complete = added is not None and self._whole and not self.overflowed
+        self.complete = added is not None and whole and not self.overflowed
 
     def _reset_seen(self) -> bool:
         """Whether the stream was deleted or recreated since the reader began
         (a FLUSHALL, a new server): its history starts again then."""
-        added = self._added()
+        added, _ = self._added()
         if added is None:
             return False
         if added < self._seen_added or (added == 0 and self.entries > 0):

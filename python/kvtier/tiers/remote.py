@@ -255,8 +255,8 @@ class RemoteTier(JobTier):
             if not exists and age < self.negative_ttl_s:
                 return LookupResult.MISS
         index = self.index
-        if index is not None and (dig in index or index.authoritative()):
-            return LookupResult.HIT if dig in index else LookupResult.MISS
+        if index is not None and ((found := dig in index) or index.authoritative()):
+            return LookupResult.HIT if found else LookupResult.MISS
         if dig not in self._exists_inflight:
             self._exists_queue[dig] = self.server_key(key)
         return LookupResult.RETRY

@@ -215,12 +215,12 @@ class KVTierConnector(OffloadingConnector):
             return
         cw = self.connector_worker
         worker = cw.worker if cw is not None else None
-        if sync and isinstance(worker, KVTierWorker):
+        if isinstance(worker, KVTierWorker):
             worker.expedite.update(sync)
             if self._layered is None:
                 self._layered = _map_layers(worker, cw)
         super().start_load_kv(forward_context, **kwargs)
-        if sync and cw is not None and isinstance(worker, KVTierWorker):
+        if cw is not None and isinstance(worker, KVTierWorker):
             for job in sync:
                 cw._load_jobs[job] = None
             if self._layered:
