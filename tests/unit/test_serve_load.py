@@ -144,3 +144,39 @@ def test_commands_carry_the_same_engine_settings_and_kvtier_only_where_named(
     assert args[args.index("--timed-trace-sec-multiplier") + 1] == "0.002"
     with pytest.raises(InvalidArgument, match="unknown workload"):
         client_args("nope", 1, "u", "/m", Workloads(), None, tmp_path / "r.json")
+
+
+def test_prefix_rate_sends_open_loop_arrivals_seeded_alike_for_every_configuration(
+    tmp_path: Path,
+) -> None:
+    from kvtier.bench.serve_load_plan import levels
+
+    w = Workloads(rates=(8.0, 2.0))
+    assert levels("prefix-rate", w) == [2.0, 8.0]  # lightest first
+    a = client_args("prefix-rate", 2.0, "http://h:1", "/m", w, None, tmp_path / "a.json")
+    b = client_args("prefix-rate", 2.0, "http://h:2", "/m", w, None, tmp_path / "b.json")
+    # Open loop: a rate and Poisson arrivals, no cap on requests in flight.
+    assert a[a.index("--request-rate") + 1] == "2"
+    assert a[a.index("--burstiness") + 1] == "1"
+    assert "--max-concurrency" not in a
+    assert a[a.index("--num-prompts") + 1] == str(w.rate_prompts)
+    assert a[a.index("--prefix-repetition-num-prefixes") + 1] == str(w.rate_prefix_count)
+    # The same arrival instants whatever the server: the seed depends on
+    # the workload and level only, and differs from the closed loop's.
+    assert a[a.index("--seed") + 1] == b[b.index("--seed") + 1]
+    c = client_args("prefix", 2, "http://h:1", "/m", w, None, tmp_path / "c.json")
+    assert c[c.index("--seed") + 1] != a[a.index("--seed") + 1]
+
+
+@pytest.mark.parametrize("rates", ["0", "-1", "nan", "inf", "four", ""])
+def test_bench_serve_refuses_rates_that_are_not_positive_numbers(
+    rates: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvtier.cli import main
+
+    # Refused before the engine's Python is looked at (this one does not exist).
+    argv = ["bench", "serve", "--server", "--python", "/nonexistent/python", "--rates", rates]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: --rates: ")
+    assert repr(rates) in err

@@ -219,8 +219,6 @@ def _cmd_bench_serve_load(args: argparse.Namespace) -> int:
         table,
     )
 
-    python = args.python or sys.executable
-    check_engine_python(python)
     out = Path(args.out) if args.out else default_output_dir("bench-serve-load")
     configs = tuple(args.configs.split(",")) if args.configs else CONFIGS
     names = tuple(args.workloads.split(",")) if args.workloads else WORKLOADS
@@ -235,9 +233,17 @@ def _cmd_bench_serve_load(args: argparse.Namespace) -> int:
         conc = tuple(int(c) for c in args.concurrencies.split(","))
     except ValueError:
         raise InvalidArgument(f"--concurrencies: integers, got {args.concurrencies!r}") from None
+    try:
+        rates = tuple(float(r) for r in args.rates.split(","))
+    except ValueError:
+        raise InvalidArgument(f"--rates: numbers, got {args.rates!r}") from None
     args.max_requests = 40 if args.max_requests is None else args.max_requests
     if not conc or min(conc) < 1 or args.time_scale <= 0 or args.max_requests < 1:
         raise InvalidArgument("--concurrencies, --time-scale and --max-requests must be positive")
+    if not rates or not all(0 < r < float("inf") for r in rates):
+        raise InvalidArgument(f"--rates: positive, finite requests per second, got {args.rates!r}")
+    python = args.python or sys.executable
+    check_engine_python(python)  # after the flags: a typo is refused before vLLM is imported
     model_dir = out / f"model-{args.model_kind}"
     subprocess.run(
         [python, "-m", "kvtier.integrations.vllm_engine", "make-model", str(model_dir),
@@ -247,7 +253,8 @@ def _cmd_bench_serve_load(args: argparse.Namespace) -> int:
         out, python, str(model_dir), configs=configs, repeats=args.repeats or 3,
         settings=EngineSettings(lower_writes=args.lower_writes),
         workloads=Workloads(trace=trace, time_scale=args.time_scale,
-                            max_requests=args.max_requests, concurrencies=conc, names=names),
+                            max_requests=args.max_requests, concurrencies=conc, rates=rates,
+                            names=names),
         progress=None if args.json else (lambda m: print(f"  {m}", flush=True)),
     )  # fmt: skip
     base = out / f"serve-load-{time.strftime('%Y%m%dT%H%M%S')}"
@@ -446,11 +453,15 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="--server: trace requests (default 40); route: the first M (default: all)",
     )  # fmt: skip
     o.add_argument("--concurrencies", default="1,4", help="--server: prefix and random load levels")
+    o.add_argument("--rates", default="4",
+                   help="--server: prefix-rate's load levels, requests per second (default 4)")  # fmt: skip
     o.add_argument(
         "--lower-writes", default="on_store", choices=["on_store", "on_reuse"],
         help="--server: kvtier_lower_writes of every kvtier configuration (default on_store)",
     )  # fmt: skip
-    o.add_argument("--workloads", help="--server: comma-separated: trace, prefix, random")
+    o.add_argument(
+        "--workloads", help="--server: comma-separated: trace, prefix, prefix-rate, random"
+    )
     o = b.add_argument_group("soak")
     o.add_argument(
         "--minutes",

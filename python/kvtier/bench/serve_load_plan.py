@@ -22,7 +22,14 @@ Workloads: ``trace`` (a Mooncake-format trace cut to ``max_requests`` and
 capped to the model's length, replayed with the client's ``timed_trace``
 dataset on its own timestamps times ``time_scale``), ``prefix`` (the
 client's ``prefix_repetition``) and ``random`` (zero reuse), the last two at
-each of ``concurrencies``. Every workload's prompts are the same in every
+each of ``concurrencies``, and ``prefix-rate``: shared prefixes again, three
+times as many prompts and prefixes, sent at each of ``rates`` (requests per
+second, seeded Poisson arrivals). A closed loop of a few clients locks
+into whichever rhythm its first completions set (hits batched beside a
+miss's prefill or on their own), so its TTFT p50 jumps between two modes
+from run to run, the ideal's included; open-loop arrivals are the same
+instants in every configuration, and a rate the engine keeps up with
+leaves only what each configuration's service time adds. Every workload's prompts are the same in every
 configuration and repeat (fixed seeds, ``PYTHONHASHSEED`` pinned for the
 trace's token expansion), so the second server asks for what the first
 stored.
@@ -54,7 +61,7 @@ FLOOR_CONNECTOR = {
     "kv_connector_module_path": "kvtier.bench.null_connector",
     "kv_role": "kv_both",
 }
-WORKLOADS = ("trace", "prefix", "random")
+WORKLOADS = ("trace", "prefix", "prefix-rate", "random")
 TRACE_BLOCK = 512  # tokens per hash id in Mooncake's traces
 # Client metrics carried into the report: (report key, client key, scale).
 METRICS = (
@@ -117,6 +124,12 @@ class Workloads:
     # each run 6-12 s and the do-no-harm ratios comparable.
     random_prompts: int = 64
     output_len: int = 32
+    # prefix-rate: measured on this machine's engine, 4 requests/s keeps it
+    # busy without a queue (the ideal's TTFT p50 29 ms in two runs, the
+    # baseline's 128); at 8/s it ran 8 requests at once and queued.
+    rates: tuple[float, ...] = (4.0,)
+    rate_prefix_count: int = 36
+    rate_prompts: int = 108
     names: tuple[str, ...] = WORKLOADS
 
 
@@ -269,6 +282,17 @@ def client_args(
             "--prefix-repetition-output-len", str(w.output_len),
             "--max-concurrency", str(int(level)), "--ignore-eos",
         ]  # fmt: skip
+    elif workload == "prefix-rate":
+        args += [
+            "--dataset-name", "prefix_repetition", "--num-prompts", str(w.rate_prompts),
+            "--prefix-repetition-prefix-len", str(w.prefix_len),
+            "--prefix-repetition-suffix-len", str(w.prefix_suffix_len),
+            "--prefix-repetition-num-prefixes", str(w.rate_prefix_count),
+            "--prefix-repetition-output-len", str(w.output_len),
+            # The client seeds its arrival draws with --seed: the same
+            # instants in every configuration.
+            "--request-rate", f"{float(level):g}", "--burstiness", "1", "--ignore-eos",
+        ]  # fmt: skip
     elif workload == "random":
         args += [
             "--dataset-name", "random", "--num-prompts", str(w.random_prompts),
@@ -281,12 +305,17 @@ def client_args(
                    "--result-filename", result.name]  # fmt: skip
 
 
-_SEEDS = {"trace": 0, "prefix": 5_000_000, "random": 7_000_000}
+_SEEDS = {"trace": 0, "prefix": 5_000_000, "prefix-rate": 6_000_000, "random": 7_000_000}
 
 
 def levels(workload: str, w: Workloads) -> list[float]:
-    """The load levels of a workload, lightest first."""
-    return [w.time_scale] if workload == "trace" else [float(c) for c in w.concurrencies]
+    """The load levels of a workload, lightest first: the trace's time
+    scale, prefix-rate's request rates, the others' concurrencies."""
+    if workload == "trace":
+        return [w.time_scale]
+    if workload == "prefix-rate":
+        return sorted(float(r) for r in w.rates)
+    return [float(c) for c in w.concurrencies]
 
 
 def default_trace() -> Path | None:

@@ -112,7 +112,7 @@ def table(result: dict[str, Any]) -> str:
             "blocks reusable by an unbounded cache"
         )
     lines.append(
-        f"{'config':<16}{'workload':<9}{'level':>6}{'req/s':>7}{'out tok/s':>10}"
+        f"{'config':<16}{'workload':<12}{'level':>6}{'req/s':>7}{'out tok/s':>10}"
         f"{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'tput/base':>10}"
         f"{'TTFT/base':>10}{'TTFT/ideal':>11}{'captured':>9}{'cached':>8}  kvtier loads h/d/r, dropped"
     )
@@ -123,7 +123,7 @@ def table(result: dict[str, Any]) -> str:
             cap = None  # the ideal barely beats the baseline here: no share to speak of
         k = r["kvtier"]
         lines.append(
-            f"{r['config']:<16}{r['workload']:<9}{r['level']:>6g}{r['throughput_rps']:>7.2f}"
+            f"{r['config']:<16}{r['workload']:<12}{r['level']:>6g}{r['throughput_rps']:>7.2f}"
             f"{r['output_tps']:>10.1f}{1e3 * r['ttft_p50_s']:>8.0f}ms{1e3 * r['ttft_p99_s']:>6.0f}ms"
             f"{1e3 * r['tpot_p50_s']:>8.1f}ms{1e3 * r['tpot_p99_s']:>6.1f}ms"
             f"{vb.get('output_tps', float('nan')):>10.2f}{vb.get('ttft_p50_s', float('nan')):>10.2f}"
@@ -167,7 +167,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
             xs = [x for x, _ in pts]
             axes[0][col].plot(xs, [1e3 * r["ttft_p50_s"] for _, r in pts], marker="o", label=config)
             axes[1][col].plot(xs, [r["output_tps"] for _, r in pts], marker="o", label=config)
-        xlabel = "time scale" if wl == "trace" else "concurrency"
+        xlabel = {"trace": "time scale", "prefix-rate": "requests per second"}.get(
+            wl, "concurrency"
+        )
         axes[0][col].set_title(wl)
         axes[0][col].set_ylabel("TTFT p50 (ms)")
         axes[1][col].set_ylabel("output tokens/s")
