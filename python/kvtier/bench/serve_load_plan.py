@@ -273,26 +273,22 @@ def client_args(
             "--timed-trace-label-output-length", "output_length",
             "--timed-trace-label-hash-ids", "hash_ids",
         ]  # fmt: skip
-    elif workload == "prefix":
+    elif workload in ("prefix", "prefix-rate"):
+        closed = workload == "prefix"
         args += [
-            "--dataset-name", "prefix_repetition", "--num-prompts", str(w.prefix_prompts),
+            "--dataset-name", "prefix_repetition",
+            "--num-prompts", str(w.prefix_prompts if closed else w.rate_prompts),
             "--prefix-repetition-prefix-len", str(w.prefix_len),
             "--prefix-repetition-suffix-len", str(w.prefix_suffix_len),
-            "--prefix-repetition-num-prefixes", str(w.prefix_count),
-            "--prefix-repetition-output-len", str(w.output_len),
-            "--max-concurrency", str(int(level)), "--ignore-eos",
+            "--prefix-repetition-num-prefixes", str(w.prefix_count if closed else w.rate_prefix_count),
+            "--prefix-repetition-output-len", str(w.output_len), "--ignore-eos",
         ]  # fmt: skip
-    elif workload == "prefix-rate":
-        args += [
-            "--dataset-name", "prefix_repetition", "--num-prompts", str(w.rate_prompts),
-            "--prefix-repetition-prefix-len", str(w.prefix_len),
-            "--prefix-repetition-suffix-len", str(w.prefix_suffix_len),
-            "--prefix-repetition-num-prefixes", str(w.rate_prefix_count),
-            "--prefix-repetition-output-len", str(w.output_len),
-            # The client seeds its arrival draws with --seed: the same
-            # instants in every configuration.
-            "--request-rate", f"{float(level):g}", "--burstiness", "1", "--ignore-eos",
-        ]  # fmt: skip
+        # Open loop: the client seeds its arrival draws with --seed, so
+        # the same instants in every configuration.
+        args += (
+            ["--max-concurrency", str(int(level))] if closed
+            else ["--request-rate", f"{float(level):g}", "--burstiness", "1"]
+        )  # fmt: skip
     elif workload == "random":
         args += [
             "--dataset-name", "random", "--num-prompts", str(w.random_prompts),
