@@ -102,7 +102,7 @@ soak: install
 
 # `kvtier bench serve`: a live vLLM engine per configuration (about 5 minutes a
 # run), then `--server`: vLLM's OpenAI server per configuration under vLLM's
-# own benchmark client (about 50 minutes for 3 repeats).
+# own benchmark client (about 60 minutes for 3 repeats).
 bench-serve: install engine-venv
 	$(VENV)/bin/kvtier bench serve --python $(EPY)
 	$(VENV)/bin/kvtier bench serve --server --python $(EPY) --time-scale 3
