@@ -32,12 +32,23 @@ void bind_disk(py::module_& m, EngineClass& engine) {
   // records and keys: see record_refs.
   engine.def(
       "submit_disk",
+      // fences: int64 (N, 2) of (fence word address, armed value), loads
+      // only: each record's slot fence is settled once it was checked.
       [](Engine& e, const std::shared_ptr<disk::Store>& store, bool write, const py::object& recs,
-         const py::object& keys, std::size_t queue) {
-        return submit_or_busy(e, store->make_job(write, record_refs(recs, keys)), queue);
+         const py::object& keys, std::size_t queue, const py::object& fences) {
+        auto v = record_refs(recs, keys);
+        if (!fences.is_none()) {
+          if (write) throw Error(StatusCode::kInvalidArgument, "fences go with loads only");
+          auto f = fences_from_array(fences, v.size(), 1.0);
+          for (std::size_t i = 0; i < v.size(); ++i) {
+            v[i].fence = f.refs[i].word;
+            v[i].armed = f.refs[i].armed;
+          }
+        }
+        return submit_or_busy(e, store->make_job(write, std::move(v)), queue);
       },
-      py::arg("store"), py::arg("write"), py::arg("records"), py::arg("keys"),
-      py::arg("queue") = 0);
+      py::arg("store"), py::arg("write"), py::arg("records"), py::arg("keys"), py::arg("queue") = 0,
+      py::arg("fences") = py::none());
   // The same reads, of bytes [lo, hi) of every record only (4 KiB aligned);
   // a range ending at the record's end checks the record whole (see
   // disk::RecordRef): submitted last, on a serial queue, after the others.

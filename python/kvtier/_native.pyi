@@ -128,6 +128,7 @@ class Engine:
         records: npt.NDArray[np.int64],
         keys: npt.NDArray[np.uint8],
         queue: int = 0,
+        fences: npt.NDArray[np.int64] | None = None,
     ) -> int: ...
     def submit_disk_range(
         self,

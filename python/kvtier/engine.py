@@ -164,15 +164,18 @@ class Engine:
         records: np.ndarray,
         digests: np.ndarray,
         queue: int = 0,
+        fences: np.ndarray | None = None,
     ) -> int:
         """Queue reads (or, ``write``, writes) of disk records between
         ``store``'s slab files and registered host memory: ``records`` is
         ``(N, 4)`` int64 of (host address, file, offset, payload bytes),
         ``digests`` ``(N, 16)`` uint8 key digests checked against (or written
-        into) each record's trailer. Returns the job id; per-item codes come
-        with its result. Raises InvalidArgument for bad descriptors, Busy
-        when full."""
-        return int(self._engine.submit_disk(store, write, records, digests, queue))
+        into) each record's trailer. With ``fences`` (reads only; ``(N, 2)``
+        int64 of fence word address and armed value, :meth:`HostPool.fences`)
+        each record's slot fence is settled once the job read and checked it.
+        Returns the job id; per-item codes come with its result. Raises
+        InvalidArgument for bad descriptors, Busy when full."""
+        return int(self._engine.submit_disk(store, write, records, digests, queue, fences))
 
     def submit_disk_range(
         self,

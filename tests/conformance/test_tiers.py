@@ -319,7 +319,7 @@ _REMOTES = {"remote", "remote-cluster", "remote-valkey", "remote-valkey-cluster"
 _DISKS = {"disk-io_uring", "disk-pread"}
 OFFERS: dict[str, set[str]] = {
     "probe": _REMOTES,
-    "fenced_load": _REMOTES,
+    "fenced_load": _REMOTES | _DISKS,
     "pin_for_read": _DISKS | _REMOTES,
     "read_failed": _DISKS | _REMOTES,
     "write_by_worker": _DISKS | _REMOTES,
@@ -401,6 +401,27 @@ def test_fenced_load_settles_each_fence_before_the_batch_is_polled(
     assert not any(pool.settle_fence(s, int(a), True) for s, a in zip(slots, armed))
     c = wait_done(t, token)
     assert (c.kind, c.keys, c.key_ok) == ("load", [K(1), K(0), K(9)], [True, True, False])
+
+
+def test_fenced_load_of_a_corrupt_value_fails_its_fence(
+    make_tier: MakeTier, pool: HostPool
+) -> None:
+    tut = offered(make_tier, pool, "fenced_load")
+    t = tut.tier
+    want = fill(pool, 0, 70)
+    assert wait_done(t, t.submit_store([K(3), K(4)], [0, 1])).ok
+    tut.corrupt(K(4))
+    slots = [13, 14]
+    armed = pool.arm_fences(slots)
+    token = t.submit_fenced_load([K(3), K(4)], slots, armed)
+    assert token is not None
+    c = wait_done(t, token)
+    # The bytes a copy would take are checked first: a corrupt one fails its
+    # fence (the waiting copy fails its load), the good one is ready.
+    assert [pool.fence_word(s) for s in slots] == [int(armed[0]) & ~3, (int(armed[1]) & ~3) | 2]
+    assert np.array_equal(pool.view(13)[:BLOCK], want)
+    assert (c.ok, c.key_ok) == (False, [True, False])
+    assert look(t, K(4)) is MISS
 
 
 def _worker_io(t: LowerTier, pool: HostPool) -> TierIO:

@@ -186,6 +186,15 @@ void Store::run_ranges(std::vector<RecordRef>& recs, std::vector<std::int32_t>& 
 }
 
 void Store::run(bool write, std::vector<RecordRef>& recs, std::vector<std::int32_t>& items) const {
+  run_items(write, recs, items);
+  // Per job (the tier spreads a read over the worker threads), so a fenced
+  // copy starts on the first records while later jobs still read.
+  for (std::size_t i = 0; i < recs.size(); ++i)
+    if (recs[i].fence != nullptr) fence::settle(recs[i].fence, recs[i].armed, items[i] == 0);
+}
+
+void Store::run_items(bool write, std::vector<RecordRef>& recs,
+                      std::vector<std::int32_t>& items) const {
   items.assign(recs.size(), 0);
   if (!write &&
       std::any_of(recs.begin(), recs.end(), [](const RecordRef& r) { return r.hi != 0; })) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../engine.h"
+#include "../fence.h"
 #include "../item_job.h"
 #include "io.h"
 #include "record.h"
@@ -46,6 +47,11 @@ struct RecordRef {
   // ranges arrive and still be verified once whole.
   std::uint64_t lo = 0;
   std::uint64_t hi = 0;
+  // A fenced load's host-slot word (fence.h): settled ready or failed once
+  // this record was read and checked, so a copy out of the slot may start
+  // before the rest of the job's records arrive.
+  fence::Word* fence = nullptr;
+  fence::Word armed = 0;
 };
 
 // make_job(write, records): a store (write=true) or load job (item_job.h).
@@ -70,6 +76,7 @@ class Store : public ItemStore<Store, bool, RecordRef> {
   void run(bool write, std::vector<RecordRef>& recs, std::vector<std::int32_t>& items) const;
 
  private:
+  void run_items(bool write, std::vector<RecordRef>& recs, std::vector<std::int32_t>& items) const;
   void run_split(bool write, std::vector<RecordRef>& recs, std::vector<std::int32_t>& items) const;
   void run_ranges(std::vector<RecordRef>& recs, std::vector<std::int32_t>& items) const;
   StoreOptions opts_;

@@ -37,9 +37,9 @@ from kvtier.codes import ItemStatus
 from kvtier.errors import InvalidArgument, IoError, NoSpace
 from kvtier.policy.admission import WriteGate
 from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
+from kvtier.tiers.disk import shared
 from kvtier.tiers.disk.directory import SlabFiles, check_directory
 from kvtier.tiers.disk.journal import IndexJournal, JournalOp, RecordState
-from kvtier.tiers.disk.worker import DiskReaderSpec
 from kvtier.tiers.events import EVENT_LOG_KEYS, vllm_event_id
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
 from kvtier.tiers.records import key_digest, namespace_digest, record_bytes
@@ -328,9 +328,14 @@ class DiskTier(JobTier):
         per = min(self.job_records, -(-n // self.opts["num_threads"]))
         engine = self.engine
 
+        fences = d.get("io_fences")
+
         def submit_one(first: int, count: int) -> int:
             end = first + count
-            return int(engine.submit_disk(self.store, write, arr[first:end], keys[first:end]))
+            f = None if fences is None else fences[first:end]
+            return int(
+                engine.submit_disk(self.store, write, arr[first:end], keys[first:end], fences=f)
+            )
 
         return self.jobs.submit(batch, per, submit_one, self.record_bytes)
 
@@ -343,6 +348,7 @@ class DiskTier(JobTier):
         recs: list[int | None],
         io_idx: list[int],
         ok: list[bool],
+        fences: np.ndarray | None = None,
     ) -> Batch | None:
         """One batch over ``keys``: items ``io_idx`` move data (record
         ``recs[i]`` <-> host slot ``slots[i]``); it ends at once when there
@@ -352,6 +358,7 @@ class DiskTier(JobTier):
             kind, 0 if self.no_data else len(io_idx),
             keys=list(keys), digs=digs, recs=recs, slots=list(slots), ok=ok, io_idx=io_idx,
             io_recs=[recs[i] for i in io_idx], io_slots=[slots[i] for i in io_idx],
+            io_fences=fences,
         )  # fmt: skip
         if batch.n == 0:
             self.jobs.end_now(batch)
@@ -386,7 +393,9 @@ class DiskTier(JobTier):
             return None
         return batch.token
 
-    def submit_load(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
+    def submit_load(
+        self, keys: Sequence[bytes], slots: Sequence[int], armed: np.ndarray | None = None
+    ) -> int | None:
         self._check(keys, slots)
         digs = [key_digest(k) for k in keys]
         recs: list[int | None] = [None] * len(keys)
@@ -397,52 +406,51 @@ class DiskTier(JobTier):
                 continue
             recs[i] = rec
             io_idx.append(i)
-        batch = self._launch("load", keys, slots, digs, recs, io_idx, [False] * len(keys))
+        fences = None
+        if armed is not None:
+            assert self.pool is not None
+            io_slots = np.asarray([slots[i] for i in io_idx], np.int64)
+            fences = self.pool.fences(io_slots, np.asarray(armed, np.int64)[io_idx])
+        batch = self._launch(
+            "load", keys, slots, digs, recs, io_idx, [False] * len(keys), fences=fences
+        )
         if batch is None:
             for i in io_idx:
                 pinned = recs[i]
                 assert pinned is not None
                 self.index.unpin(pinned)
             return None
+        if armed is not None:
+            # What no record holds is read by no job: its fence fails now.
+            assert self.pool is not None
+            held = set(io_idx)
+            for i, a in enumerate(np.asarray(armed, np.int64).tolist()):
+                if i not in held and a:
+                    self.pool.settle_fence(slots[i], a, False)
         return batch.token
 
-    # -- reads by another process (an engine worker streaming a hit) ----------
-    def reader_spec(self) -> DiskReaderSpec | None:
-        """What a :class:`DiskIO` in another process needs to read and write
-        this tier's records (None without data: nothing to read)."""
-        if self.no_data or self.store is None:
+    @property
+    def can_fence(self) -> bool:  # type: ignore[override]
+        return not self.no_data and self.pool is not None
+
+    def submit_fenced_load(
+        self, keys: Sequence[bytes], slots: Sequence[int], armed: np.ndarray
+    ) -> int | None:
+        """See :meth:`LowerTier.submit_fenced_load`: each engine job settles
+        its records' fences once they were read and checked (a read is
+        spread over the worker threads, so the first records are ready while
+        later ones are read); a key no record holds fails its fence at once."""
+        if not self.can_fence:
             return None
-        o = self.opts
-        return DiskReaderSpec(
-            tuple(self.paths), self.file_bytes, self.ns, self.block_bytes, o["backend"],
-            o["timeout_s"],
-        )  # fmt: skip
+        return self.submit_load(keys, slots, armed)
 
-    def pin_for_read(self, keys: Sequence[bytes]) -> tuple[np.ndarray, bytes]:
-        """Locations of ``keys`` (all HIT) as ``(n, 3)`` int64 of record,
-        file, offset, and their digests (16 bytes each, concatenated). The
-        records are neither evicted nor reused until :meth:`unpin_read` of the
-        same record numbers. Counts as a use for the eviction policy."""
-        out = np.empty((len(keys), 3), np.int64)
-        digs = [key_digest(k) for k in keys]
-        for i, d in enumerate(digs):
-            rec = self.index.get(d)
-            if rec is None or self.index.state(rec) != RecordState.READY:
-                raise InvalidArgument(f"pin_for_read of a key that is not a HIT: {d.hex()[:16]}")
-            out[i] = (rec, *self._locate(rec))
-        for rec in out[:, 0].tolist():
-            self.index.pin(rec)
-            self.index.touch(rec)
-        return out, b"".join(digs)
-
-    def unpin_read(self, records: Sequence[int]) -> None:
-        """The reads of ``records`` pinned by :meth:`pin_for_read` ended."""
-        for rec in records:
-            self.index.unpin(int(rec))
-
-    def read_failed(self, locations: np.ndarray, digests: bytes) -> None:
-        for i, loc in enumerate(locations):
-            self._drop_unreadable(int(loc[0]), digests[16 * i : 16 * i + 16])
+    # Reads and writes by another process (an engine worker streaming a hit).
+    reader_spec = shared.reader_spec
+    pin_for_read = shared.pin_for_read
+    unpin_read = shared.unpin_read
+    read_failed = shared.read_failed
+    reserve_for_write = shared.reserve_for_write
+    commit_write = shared.commit_write
 
     def _drop_unreadable(self, rec: int, dig: bytes, key: bytes | None = None) -> None:
         """A read of ``rec`` (holding ``dig``: ``key``, when known) failed:
@@ -457,40 +465,6 @@ class DiskTier(JobTier):
             if key is None and name is None:
                 self.counters["unnamed_removals"] += 1
             self._removed([] if key is None else [key], [] if name is None else [name])
-
-    def reserve_for_write(self, keys: Sequence[bytes]) -> list[tuple[int, np.ndarray, bytes]]:
-        """Records for ``keys`` that another process writes itself (an engine
-        worker storing blocks the host tier has no room for): per key that
-        is admitted, not stored yet and gets a record, ``(position in keys,
-        location (record, file, offset), digest)``. Each stays unreadable
-        until :meth:`commit_write`; may evict (reported as events)."""
-        out: list[tuple[int, np.ndarray, bytes]] = []
-        evicted: list[bytes] = []
-        for i, k in enumerate(keys):
-            d = key_digest(k)
-            if d in self.index or not self.admit(k):
-                continue
-            rec = self._claim(d, self.event_id(k), evicted)
-            if rec < 0:
-                break
-            out.append((i, np.array([rec, *self._locate(rec)], np.int64), d))
-        self._removed([], evicted)
-        return out
-
-    def commit_write(self, key: bytes, record: int, ok: bool) -> None:
-        """The write of ``record`` reserved for ``key`` ended: readable (and
-        journaled) when ``ok``, else the record is free again."""
-        d = key_digest(key)
-        if self.index.state(record) != RecordState.WRITING or self.index.digest(record) != d:
-            return  # not ours any more (reset)
-        if ok:
-            self.index.set_ready(record)
-            self._journal(JournalOp.PUT, record, d, self.index.event_id(record))
-            count_moved(self.counters, "store", 1, self.record_bytes)
-            self._events.append(TierEvent([key], self.name, removed=False))
-        else:
-            self.counters["io_errors"] += 1
-            self._forget(d, record)
 
     def poll(self) -> list[TierCompletion]:
         j = self.journal  # every engine step: nothing in flight nor buffered, nothing to do
