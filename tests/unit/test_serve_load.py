@@ -28,14 +28,56 @@ def test_cut_trace_caps_lengths_cuts_hash_ids_and_counts_reuse(tmp_path: Path) -
         {"timestamp": 4000, "input_length": 100, "output_length": 9, "hash_ids": [5]},
     ]
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    info = cut_trace(src, tmp_path / "cut.jsonl", max_requests=2, max_input=1024, max_output=32)
+    info = cut_trace(src, tmp_path / "cut.jsonl", max_requests=2, max_input=1024, max_output=32,
+                     mode="head")  # fmt: skip
     out = [json.loads(x) for x in (tmp_path / "cut.jsonl").read_text().splitlines()]
     assert out == [
         {"timestamp": 0.0, "input_length": 1024, "output_length": 32, "hash_ids": [0, 1]},
         {"timestamp": 500.0, "input_length": 1024, "output_length": 3, "hash_ids": [0, 1]},
     ]
     # 4 block references, the second request's two hit an unbounded cache.
-    assert info == {"requests": 2, "span_s": 0.5, "input_tokens": 2048, "reusable_block_share": 0.5}
+    assert info == {"mode": "head", "requests": 2, "sessions": None, "span_s": 0.5,
+                    "trace_span_s": 0.5, "input_tokens": 2048, "reusable_block_share": 0.5}  # fmt: skip
+
+
+def test_sessions_cut_keeps_returning_conversations_and_scales_to_the_rate(tmp_path: Path) -> None:
+    """Conversations (same first two blocks) that return, whole, in arrival
+    order; one-turn conversations and single-block requests left out; the
+    arrivals stretched or squeezed to the rate with their shape kept."""
+    src = tmp_path / "t.jsonl"
+    lines = [
+        (0, [0, 1, 2]),  # A turn 1
+        (10_000, [0, 5]),  # never returns
+        (20_000, [0, 7, 8]),  # B turn 1
+        (30_000, [9]),  # one block: its own conversation
+        (50_000, [0, 1, 2, 3]),  # A turn 2
+        (90_000, [0, 7, 8, 4]),  # B turn 2
+        (100_000, [0, 20, 21]),  # C turn 1: past the cut's 4 requests
+        (110_000, [0, 20, 21, 22]),
+    ]
+    src.write_text("".join(json.dumps({"timestamp": t, "input_length": 512 * len(h),
+                                       "output_length": 8, "hash_ids": h}) + "\n"
+                           for t, h in lines))  # fmt: skip
+    info = cut_trace(src, tmp_path / "cut.jsonl", max_requests=4, max_input=4096, max_output=32,
+                     rate=2.0)  # fmt: skip
+    out = [json.loads(x) for x in (tmp_path / "cut.jsonl").read_text().splitlines()]
+    assert [r["hash_ids"] for r in out] == [[0, 1, 2], [0, 7, 8], [0, 1, 2, 3], [0, 7, 8, 4]]
+    # 3 gaps over 90 s of trace at 2 requests/s: 1.5 s, times 1/60.
+    assert [r["timestamp"] for r in out] == [0.0, pytest.approx(333.333), pytest.approx(833.333),
+                                             1500.0]  # fmt: skip
+    # 14 block references: A's 3 and B's 2 shared ones hit the second time, block 0 twice more.
+    assert info == {"mode": "sessions", "requests": 4, "sessions": 2, "span_s": 1.5,
+                    "trace_span_s": 90.0, "input_tokens": 512 * 14,
+                    "reusable_block_share": pytest.approx(7 / 14)}  # fmt: skip
+    with pytest.raises(InvalidArgument, match="trace cut 'tail'"):
+        cut_trace(src, tmp_path / "c", 4, 4096, 32, mode="tail")
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(InvalidArgument, match="trace rate must be positive"):
+            cut_trace(src, tmp_path / "c", 4, 4096, 32, rate=bad)
+    src.write_text(json.dumps({"timestamp": 0, "input_length": 5, "output_length": 1,
+                               "hash_ids": [0, 1]}) + "\n")  # fmt: skip
+    with pytest.raises(InvalidArgument, match="no conversation returns"):
+        cut_trace(src, tmp_path / "c", 4, 4096, 32)
 
 
 def test_cut_trace_refuses_what_is_not_a_trace(tmp_path: Path) -> None:

@@ -237,7 +237,7 @@ def _cmd_bench_serve_load(args: argparse.Namespace) -> int:
         rates = tuple(float(r) for r in args.rates.split(","))
     except ValueError:
         raise InvalidArgument(f"--rates: numbers, got {args.rates!r}") from None
-    args.max_requests = 40 if args.max_requests is None else args.max_requests
+    args.max_requests = 60 if args.max_requests is None else args.max_requests
     if not conc or min(conc) < 1 or args.time_scale <= 0 or args.max_requests < 1:
         raise InvalidArgument("--concurrencies, --time-scale and --max-requests must be positive")
     if not rates or not all(0 < r < float("inf") for r in rates):
@@ -252,7 +252,7 @@ def _cmd_bench_serve_load(args: argparse.Namespace) -> int:
     result = run_load(
         out, python, str(model_dir), configs=configs, repeats=args.repeats or 3,
         settings=EngineSettings(lower_writes=args.lower_writes),
-        workloads=Workloads(trace=trace, time_scale=args.time_scale,
+        workloads=Workloads(trace=trace, trace_cut=args.trace_cut, time_scale=args.time_scale,
                             max_requests=args.max_requests, concurrencies=conc, rates=rates,
                             names=names),
         progress=None if args.json else (lambda m: print(f"  {m}", flush=True)),
@@ -450,7 +450,12 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )  # fmt: skip
     o.add_argument(
         "--max-requests", type=int,
-        help="--server: trace requests (default 40); route: the first M (default: all)",
+        help="--server: trace requests (default 60); route: the first M (default: all)",
+    )  # fmt: skip
+    o.add_argument(
+        "--trace-cut", default="sessions", choices=["sessions", "head"],
+        help="--server: the trace's turns of its first returning conversations, arriving at 1 "
+        "request/s at time scale 1 (sessions, default), or its first requests on its own clock",
     )  # fmt: skip
     o.add_argument("--concurrencies", default="1,4", help="--server: prefix and random load levels")
     o.add_argument("--rates", default="4",

@@ -29,7 +29,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -235,7 +235,17 @@ def run_load(
         if w.trace is None:
             raise InvalidArgument("the trace workload needs --trace FILE")
         trace_file = out / "trace-cut.jsonl"
-        trace_info = cut_trace(w.trace, trace_file, w.max_requests, w.max_input, w.max_output)
+        trace_info = cut_trace(
+            w.trace,
+            trace_file,
+            w.max_requests,
+            w.max_input,
+            w.max_output,
+            mode=w.trace_cut,
+            rate=w.trace_rate,
+        )
+        # The client asks for as many as the cut holds (a short trace holds fewer).
+        w = replace(w, max_requests=trace_info["requests"])
     block_bytes = kv_bytes_per_block(model_dir, settings.block_size)
     env = {k: v for k, v in os.environ.items()}
     env.update({

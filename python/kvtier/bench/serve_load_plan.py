@@ -18,9 +18,11 @@ settings (printed in the report):
   ``host+redis`` filled in the same repeat: what a second engine of a fleet
   gets from the shared pool.
 
-Workloads: ``trace`` (a Mooncake-format trace cut to ``max_requests`` and
-capped to the model's length, replayed with the client's ``timed_trace``
-dataset on its own timestamps times ``time_scale``), ``prefix`` (the
+Workloads: ``trace`` (a Mooncake-format trace cut to ``max_requests``:
+by default the turns of its first conversations that return, their arrivals
+scaled to ``trace_rate``; capped to the model's length, replayed with the
+client's ``timed_trace`` dataset on the cut's timestamps times
+``time_scale``), ``prefix`` (the
 client's ``prefix_repetition``) and ``random`` (zero reuse), the last two at
 each of ``concurrencies``, and ``prefix-rate``: shared prefixes again, three
 times as many prompts and prefixes, sent at each of ``rates`` (requests per
@@ -109,8 +111,12 @@ class Workloads:
     busy, not drowning: a run is about 2 minutes a configuration)."""
 
     trace: Path | None = None
+    trace_cut: str = "sessions"  # cut_trace's mode
+    # The sessions cut arrives at this mean rate at time scale 1: what this
+    # machine's engine serves busy but without a queue (see the README).
+    trace_rate: float = 1.0
     time_scale: float = 1.0
-    max_requests: int = 40
+    max_requests: int = 60
     max_input: int = 3072
     max_output: int = 32
     concurrencies: tuple[int, ...] = (1, 4)
@@ -133,45 +139,95 @@ class Workloads:
     names: tuple[str, ...] = WORKLOADS
 
 
-def cut_trace(
-    src: Path, dst: Path, max_requests: int, max_input: int, max_output: int
-) -> dict[str, Any]:
-    """Write the first ``max_requests`` requests of a Mooncake-format trace to
-    ``dst`` with prompts capped to ``max_input`` tokens (their hash ids cut to
-    match) and outputs to ``max_output``, timestamps rebased to the first.
-    Returns what the cut holds: requests, span, tokens and the share of
-    512-token blocks an unbounded cache would serve. Clear errors for a
-    file that is not such a trace."""
+def _read_trace(src: Path) -> list[dict[str, Any]]:
+    """Every request of a Mooncake-format trace, in file order; clear errors
+    for a line that is not one."""
     out: list[dict[str, Any]] = []
     with open(src) as f:
         for n, line in enumerate(f, 1):
-            if len(out) >= max_requests:
-                break
             if not line.strip():
                 continue
             try:
                 r = json.loads(line)
-                ts, inp, outp, ids = (
-                    float(r["timestamp"]), int(r["input_length"]), int(r["output_length"]),
-                    [int(h) for h in r["hash_ids"]],
-                )  # fmt: skip
+                out.append({
+                    "timestamp": float(r["timestamp"]), "input_length": int(r["input_length"]),
+                    "output_length": int(r["output_length"]),
+                    "hash_ids": [int(h) for h in r["hash_ids"]],
+                })  # fmt: skip
             except (ValueError, KeyError, TypeError) as e:
                 raise InvalidArgument(
                     f"{src}:{n}: not a Mooncake-format trace line (timestamp, input_length, "
                     f"output_length, hash_ids): {e}"
                 ) from None
-            inp = min(inp, max_input)
-            ids = ids[: max(1, math.ceil(inp / TRACE_BLOCK))]
-            out.append({"timestamp": ts, "input_length": inp,
-                        "output_length": max(1, min(outp, max_output)), "hash_ids": ids})  # fmt: skip
     if not out:
         raise InvalidArgument(f"{src}: no requests")
-    t0 = out[0]["timestamp"]
+    return out
+
+
+def _returning_sessions(reqs: list[dict[str, Any]], max_requests: int) -> list[dict[str, Any]]:
+    """The turns of the trace's first conversations that return, in arrival
+    order, at most ``max_requests``. A conversation: the requests whose
+    first two blocks are the same (the trace's shared system block, then the
+    conversation's first own block); one that never returns is left out."""
+    convs: dict[tuple[int, ...], list[int]] = {}
+    for i, r in enumerate(reqs):
+        convs.setdefault(
+            tuple(r["hash_ids"][:2]) if len(r["hash_ids"]) > 1 else (-1, i), []
+        ).append(i)
+    picked: list[int] = []
+    for turns in sorted(
+        (t for t in convs.values() if len(t) > 1), key=lambda t: reqs[t[0]]["timestamp"]
+    ):
+        if len(picked) >= max_requests:
+            break
+        picked += turns
+    picked.sort(key=lambda i: (reqs[i]["timestamp"], i))
+    return [reqs[i] for i in picked[:max_requests]]
+
+
+def cut_trace(
+    src: Path, dst: Path, max_requests: int, max_input: int, max_output: int,
+    mode: str = "sessions", rate: float = 1.0,
+) -> dict[str, Any]:  # fmt: skip
+    """Write a cut of a Mooncake-format trace to ``dst``: prompts capped to
+    ``max_input`` tokens (their hash ids cut to match), outputs to
+    ``max_output``, timestamps rebased to the first.
+
+    ``mode`` ``"sessions"``: every turn of the first conversations that
+    return (:func:`_returning_sessions`), ``max_requests`` in all, their
+    timestamps scaled so that the cut arrives at ``rate`` requests a second
+    on average (its gaps keep their shape; the trace's own minutes between
+    turns would make one run last an hour). ``"head"``: the first
+    ``max_requests`` requests on the trace's own clock, which on the
+    conversation trace are mostly first turns whose next turns come after
+    the cut. Returns what the cut holds: requests, conversations (sessions),
+    span at time scale 1, the trace's own span, tokens and the share of
+    512-token blocks an unbounded cache would serve. Blocks on reading the
+    whole trace."""
+    if mode not in ("sessions", "head"):
+        raise InvalidArgument(f"trace cut {mode!r}: one of sessions, head")
+    if not rate > 0 or rate == float("inf"):
+        raise InvalidArgument(f"trace rate must be positive and finite, got {rate}")
+    reqs = _read_trace(src)
+    cut = _returning_sessions(reqs, max_requests) if mode == "sessions" else reqs[:max_requests]
+    if not cut:
+        raise InvalidArgument(
+            f"{src}: no conversation returns (a second request on its first blocks)"
+        )
+    t0 = cut[0]["timestamp"]
+    trace_span_ms = cut[-1]["timestamp"] - t0
+    scale = 1.0
+    if mode == "sessions" and len(cut) > 1 and trace_span_ms > 0:
+        scale = (len(cut) - 1) / rate * 1000 / trace_span_ms
+    out = []
     seen: set[tuple[int, ...]] = set()
     hit = total = 0
-    for r in out:
-        r["timestamp"] -= t0
-        ids = r["hash_ids"]
+    for r in cut:
+        inp = min(r["input_length"], max_input)
+        ids = r["hash_ids"][: max(1, math.ceil(inp / TRACE_BLOCK))]
+        out.append({"timestamp": round((r["timestamp"] - t0) * scale, 3), "input_length": inp,
+                    "output_length": max(1, min(r["output_length"], max_output)),
+                    "hash_ids": ids})  # fmt: skip
         prefix_ok = True
         for i in range(len(ids)):
             key = tuple(ids[: i + 1])
@@ -181,7 +237,9 @@ def cut_trace(
             seen.add(key)
     dst.write_text("".join(json.dumps(r) + "\n" for r in out))
     return {
-        "requests": len(out), "span_s": out[-1]["timestamp"] / 1000,
+        "mode": mode, "requests": len(out),
+        "sessions": len({tuple(r["hash_ids"][:2]) for r in cut}) if mode == "sessions" else None,
+        "span_s": out[-1]["timestamp"] / 1000, "trace_span_s": trace_span_ms / 1000,
         "input_tokens": sum(r["input_length"] for r in out),
         "reusable_block_share": hit / total if total else 0.0,
     }  # fmt: skip

@@ -107,7 +107,11 @@ def table(result: dict[str, Any]) -> str:
     if result.get("trace"):
         t = result["trace"]
         lines.append(
-            f"trace cut: {t['requests']} requests over {t['span_s']:.0f} s, "
+            f"trace cut ({t.get('mode', 'head')}): {t['requests']} requests"
+            + (f" of {t['sessions']} returning conversations" if t.get("sessions") else "")
+            + f" over {t['span_s']:.0f} s at time scale 1"
+            + (f" ({t['trace_span_s']:.0f} s in the trace)" if t.get("trace_span_s") else "")
+            + ", "
             f"{t['input_tokens']} prompt tokens, {100 * t['reusable_block_share']:.1f}% of "
             "blocks reusable by an unbounded cache"
         )
