@@ -40,10 +40,13 @@ def test_cut_trace_caps_lengths_cuts_hash_ids_and_counts_reuse(tmp_path: Path) -
                     "trace_span_s": 0.5, "input_tokens": 2048, "reusable_block_share": 0.5}  # fmt: skip
 
 
-def test_sessions_cut_keeps_returning_conversations_and_scales_to_the_rate(tmp_path: Path) -> None:
-    """Conversations (same first two blocks) that return, whole, in arrival
-    order; one-turn conversations and single-block requests left out; the
-    arrivals stretched or squeezed to the rate with their shape kept."""
+def test_sessions_cut_strides_returning_conversations_and_scales_to_the_rate(
+    tmp_path: Path,
+) -> None:
+    """Conversations (same first two blocks) that return within the window,
+    every k-th for the smallest k that fits, whole, in arrival order;
+    one-turn conversations and single-block requests left out; the arrivals
+    stretched or squeezed to the rate with their shape kept."""
     src = tmp_path / "t.jsonl"
     lines = [
         (0, [0, 1, 2]),  # A turn 1
@@ -52,8 +55,8 @@ def test_sessions_cut_keeps_returning_conversations_and_scales_to_the_rate(tmp_p
         (30_000, [9]),  # one block: its own conversation
         (50_000, [0, 1, 2, 3]),  # A turn 2
         (90_000, [0, 7, 8, 4]),  # B turn 2
-        (100_000, [0, 20, 21]),  # C turn 1: past the cut's 4 requests
-        (110_000, [0, 20, 21, 22]),
+        (100_000, [0, 20, 21]),  # C turn 1
+        (110_000, [0, 20, 21, 22]),  # C turn 2
     ]
     src.write_text("".join(json.dumps({"timestamp": t, "input_length": 512 * len(h),
                                        "output_length": 8, "hash_ids": h}) + "\n"
@@ -61,14 +64,19 @@ def test_sessions_cut_keeps_returning_conversations_and_scales_to_the_rate(tmp_p
     info = cut_trace(src, tmp_path / "cut.jsonl", max_requests=4, max_input=4096, max_output=32,
                      rate=2.0)  # fmt: skip
     out = [json.loads(x) for x in (tmp_path / "cut.jsonl").read_text().splitlines()]
-    assert [r["hash_ids"] for r in out] == [[0, 1, 2], [0, 7, 8], [0, 1, 2, 3], [0, 7, 8, 4]]
-    # 3 gaps over 90 s of trace at 2 requests/s: 1.5 s, times 1/60.
-    assert [r["timestamp"] for r in out] == [0.0, pytest.approx(333.333), pytest.approx(833.333),
+    # A, B and C make 6 turns: every 2nd conversation (A, C) fits in 4.
+    assert [r["hash_ids"] for r in out] == [[0, 1, 2], [0, 1, 2, 3], [0, 20, 21], [0, 20, 21, 22]]
+    # 3 gaps over 110 s of trace at 2 requests/s: 1.5 s.
+    assert [r["timestamp"] for r in out] == [0.0, pytest.approx(681.818), pytest.approx(1363.636),
                                              1500.0]  # fmt: skip
-    # 14 block references: A's 3 and B's 2 shared ones hit the second time, block 0 twice more.
+    # 14 block references: A's 3 and C's 2 the second time, block 0 once more.
     assert info == {"mode": "sessions", "requests": 4, "sessions": 2, "span_s": 1.5,
-                    "trace_span_s": 90.0, "input_tokens": 512 * 14,
+                    "trace_span_s": 110.0, "input_tokens": 512 * 14,
                     "reusable_block_share": pytest.approx(7 / 14)}  # fmt: skip
+    # A 60 s window: B's second turn is past it, so only A returns.
+    info = cut_trace(src, tmp_path / "cut.jsonl", 4, 4096, 32, window_s=60)
+    out = [json.loads(x) for x in (tmp_path / "cut.jsonl").read_text().splitlines()]
+    assert [r["hash_ids"] for r in out] == [[0, 1, 2], [0, 1, 2, 3]] and info["sessions"] == 1
     with pytest.raises(InvalidArgument, match="trace cut 'tail'"):
         cut_trace(src, tmp_path / "c", 4, 4096, 32, mode="tail")
     for bad in (0.0, -1.0, float("inf"), float("nan")):

@@ -132,6 +132,8 @@ def test_recorder_takes_deltas_per_child() -> None:
 def test_proc_status_reads_this_process() -> None:
     st = proc_status()
     assert st["rss_kib"] > 0 and st["threads"] >= 1
+    # VmRSS is the sum of its three parts (each read from the same status file)
+    assert st["rss_kib"] == st["anon_kib"] + st["file_kib"] + st["shmem_kib"]
     assert st["fds"] == len(os.listdir("/proc/self/fd"))  # each count includes its own listing
 
 

@@ -454,8 +454,9 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )  # fmt: skip
     o.add_argument(
         "--trace-cut", default="sessions", choices=["sessions", "head"],
-        help="--server: the trace's turns of its first returning conversations, arriving at 1 "
-        "request/s at time scale 1 (sessions, default), or its first requests on its own clock",
+        help="--server: every turn of every k-th conversation that returns within the trace's "
+        "first 10 minutes, arriving at 1 request/s at time scale 1 (sessions, default), or the "
+        "trace's first requests on its own clock (head)",
     )  # fmt: skip
     o.add_argument("--concurrencies", default="1,4", help="--server: prefix and random load levels")
     o.add_argument("--rates", default="4",

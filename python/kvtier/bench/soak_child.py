@@ -31,13 +31,16 @@ KNOWN_CAPACITY = 1 << 14
 
 
 def proc_status(pid: int | str = "self") -> dict[str, int]:
-    """RSS, locked and pinned memory (KiB), threads and open fds of a process
+    """RSS (and its anonymous, file-backed and shared-memory parts), locked
+    and pinned memory (KiB), threads and open fds of a process
     from /proc. ``threads`` leaves out the kernel's io_uring workers
     (``iou-wrk-*``, counted in ``io_workers``): the kernel starts them while
     buffered I/O is punted to it and ends them after they idle, so they come
     and go with the load without anything leaking. Never blocks."""
-    out = {"rss_kib": 0, "lck_kib": 0, "pin_kib": 0, "threads": 0, "io_workers": 0, "fds": 0}
-    names = {"VmRSS": "rss_kib", "VmLck": "lck_kib", "VmPin": "pin_kib"}
+    out = {"rss_kib": 0, "anon_kib": 0, "file_kib": 0, "shmem_kib": 0, "lck_kib": 0,
+           "pin_kib": 0, "threads": 0, "io_workers": 0, "fds": 0}  # fmt: skip
+    names = {"VmRSS": "rss_kib", "RssAnon": "anon_kib", "RssFile": "file_kib",
+             "RssShmem": "shmem_kib", "VmLck": "lck_kib", "VmPin": "pin_kib"}  # fmt: skip
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             k, _, v = line.partition(":")
