@@ -180,6 +180,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         axes[1][col].set_xlabel(xlabel)
         for ax in (axes[0][col], axes[1][col]):
             ax.grid(alpha=0.3)
+            # From zero, with headroom: a 1% gap must not fill the panel.
+            ax.set_ylim(0, 1.1 * ax.get_ylim()[1])
     axes[0][0].legend(fontsize=7)
     # One column is 5 inches wide: the title takes two lines there.
     sep = "\n" if len(names) < 2 else " "
