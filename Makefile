@@ -102,10 +102,10 @@ soak: install
 
 # `kvtier bench serve`: a live vLLM engine per configuration (about 5 minutes a
 # run), then `--server`: vLLM's OpenAI server per configuration under vLLM's
-# own benchmark client (about 60 minutes for 3 repeats).
+# own benchmark client (about 70 minutes for 3 repeats).
 bench-serve: install engine-venv
 	$(VENV)/bin/kvtier bench serve --python $(EPY)
-	$(VENV)/bin/kvtier bench serve --server --python $(EPY) --time-scale 3
+	$(VENV)/bin/kvtier bench serve --server --python $(EPY)
 
 # The C++ unit tests, plain and under ASan+UBSan and TSan.
 test-cpp: sysdeps
