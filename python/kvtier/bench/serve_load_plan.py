@@ -204,9 +204,9 @@ def cut_trace(
 
     ``mode`` ``"sessions"``: every turn of conversations that return within
     the first ``window_s`` seconds (:func:`_returning_sessions`), at most
-    ``max_requests``, their timestamps scaled so that the cut arrives at ``rate`` requests a second
-    on average (its gaps keep their shape; the trace's own minutes between
-    turns would make one run last an hour). ``"head"``: the first
+    ``max_requests``, their timestamps scaled so that the cut arrives at
+    ``rate`` requests a second on average (its gaps keep their shape; the
+    trace's own minutes between turns would make one run last an hour). ``"head"``: the first
     ``max_requests`` requests on the trace's own clock, which on the
     conversation trace are mostly first turns whose next turns come after
     the cut. Returns what the cut holds: requests, conversations (sessions),
