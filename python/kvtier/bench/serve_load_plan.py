@@ -20,11 +20,11 @@ settings (printed in the report):
 
 Workloads: ``trace`` (a Mooncake-format trace cut to ``max_requests``:
 by default every turn of every k-th conversation that returns within its
-first 10 minutes, their arrivals scaled to ``trace_rate``; capped to the model's length, replayed with the
-client's ``timed_trace`` dataset on the cut's timestamps times
-``time_scale``), ``prefix`` (the
-client's ``prefix_repetition``) and ``random`` (zero reuse), the last two at
-each of ``concurrencies``, and ``prefix-rate``: shared prefixes again, three
+first 10 minutes, their arrivals scaled to ``trace_rate``; capped to the
+model's length, replayed with the client's ``timed_trace`` dataset on the
+cut's timestamps times ``time_scale``), ``prefix`` (the client's
+``prefix_repetition``) and ``random`` (zero reuse), the last two at each
+of ``concurrencies``, and ``prefix-rate``: shared prefixes again, three
 times as many prompts and prefixes, sent at each of ``rates`` (requests per
 second, seeded Poisson arrivals). A closed loop of a few clients locks
 into whichever rhythm its first completions set (hits batched beside a
@@ -139,12 +139,14 @@ class Workloads:
     names: tuple[str, ...] = WORKLOADS
 
 
-def _read_trace(src: Path) -> list[dict[str, Any]]:
-    """Every request of a Mooncake-format trace, in file order; clear errors
-    for a line that is not one."""
+def _read_trace(src: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """The requests of a Mooncake-format trace (the first ``limit``, or
+    all), in file order; clear errors for a line that is not one."""
     out: list[dict[str, Any]] = []
     with open(src) as f:
         for n, line in enumerate(f, 1):
+            if limit is not None and len(out) >= limit:
+                break
             if not line.strip():
                 continue
             try:
@@ -164,6 +166,12 @@ def _read_trace(src: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _conversation(r: dict[str, Any], i: int) -> tuple[int, ...]:
+    """The conversation of request ``i``: its first two blocks (a one-block
+    request is its own)."""
+    return tuple(r["hash_ids"][:2]) if len(r["hash_ids"]) > 1 else (-1, i)
+
+
 def _returning_sessions(
     reqs: list[dict[str, Any]], max_requests: int, window_s: float
 ) -> list[dict[str, Any]]:
@@ -180,8 +188,7 @@ def _returning_sessions(
     convs: dict[tuple[int, ...], list[int]] = {}
     for i, r in enumerate(reqs):
         if r["timestamp"] < end:
-            ids = r["hash_ids"]
-            convs.setdefault(tuple(ids[:2]) if len(ids) > 1 else (-1, i), []).append(i)
+            convs.setdefault(_conversation(r, i), []).append(i)
     returning = sorted(
         (t for t in convs.values() if len(t) > 1), key=lambda t: reqs[t[0]]["timestamp"]
     )
@@ -206,10 +213,10 @@ def cut_trace(
     the first ``window_s`` seconds (:func:`_returning_sessions`), at most
     ``max_requests``, their timestamps scaled so that the cut arrives at
     ``rate`` requests a second on average (its gaps keep their shape; the
-    trace's own minutes between turns would make one run last an hour). ``"head"``: the first
-    ``max_requests`` requests on the trace's own clock, which on the
-    conversation trace are mostly first turns whose next turns come after
-    the cut. Returns what the cut holds: requests, conversations (sessions),
+    trace's own minutes between turns would make one run last an hour).
+    ``"head"``: the first ``max_requests`` requests on the trace's own
+    clock, which on the conversation trace are mostly first turns whose
+    next turns come after the cut. Returns what the cut holds: requests, conversations (sessions),
     span at time scale 1, the trace's own span, tokens and the share of
     512-token blocks an unbounded cache would serve. Blocks on reading the
     whole trace."""
@@ -217,12 +224,10 @@ def cut_trace(
         raise InvalidArgument(f"trace cut {mode!r}: one of sessions, head")
     if not rate > 0 or rate == float("inf"):
         raise InvalidArgument(f"trace rate must be positive and finite, got {rate}")
-    reqs = _read_trace(src)
-    cut = (
-        _returning_sessions(reqs, max_requests, window_s)
-        if mode == "sessions"
-        else reqs[:max_requests]
-    )
+    if mode == "sessions":
+        cut = _returning_sessions(_read_trace(src), max_requests, window_s)
+    else:
+        cut = _read_trace(src, max_requests)
     if not cut:
         raise InvalidArgument(
             f"{src}: no conversation returns (a second request on its first blocks)"
@@ -251,7 +256,9 @@ def cut_trace(
     dst.write_text("".join(json.dumps(r) + "\n" for r in out))
     return {
         "mode": mode, "requests": len(out),
-        "sessions": len({tuple(r["hash_ids"][:2]) for r in cut}) if mode == "sessions" else None,
+        "sessions": len({_conversation(r, i) for i, r in enumerate(cut)})
+        if mode == "sessions"
+        else None,
         "span_s": out[-1]["timestamp"] / 1000, "trace_span_s": trace_span_ms / 1000,
         "input_tokens": sum(r["input_length"] for r in out),
         "reusable_block_share": hit / total if total else 0.0,
