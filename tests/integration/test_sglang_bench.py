@@ -19,11 +19,19 @@ def test_bench_sglang_reports_ratios_per_op(tmp_path: Path) -> None:
     shape = {"page_size": 4, "layers": 2, "heads": 1, "head_dim": 64}
     r = run_sglang(str(tmp_path), repeats=1, shapes=(("tiny", shape, 16),))
     assert set(r["vs_hicache_file"]) == set(OPS) == {"set", "exists", "get"}
-    assert all(v > 0 for k in ("vs_hicache_file", "vs_hicache_file_device", "redis_vs_redis_py")
-               for v in r[k].values())  # fmt: skip
+    ratios = (
+        "vs_hicache_file",
+        "disk_vs_hicache_file",
+        "vs_hicache_file_device",
+        "redis_vs_redis_py",
+    )
+    assert all(v > 0 for k in ratios for v in r[k].values())
     (s,) = r["shapes"]
     assert (s["page_bytes"], s["pages_per_run"], s["batch_pages"]) == (2048, 16, 128)
-    for c in ("kvtier_disk", "hicache_file", "hicache_file_device", "kvtier_redis", "redis_py"):
+    # The memory tier holds the run's pages: every read of them came from it.
+    assert s["host_disk_get_from_memory"] == 1.0
+    contenders = ("kvtier_host_disk", "kvtier_disk", "hicache_file", "hicache_file_device")
+    for c in (*contenders, "kvtier_redis", "redis_py"):
         assert len(s[c]["get"]["runs_pages_per_s"]) == 1 and "gbps" not in s[c]["exists"]
     assert "kvtier_disk" in table(r)
     assert list(tmp_path.iterdir()) == []  # its scratch directory removed

@@ -46,6 +46,7 @@ from kvtier.integrations.sglang.standin import (
     storage_batch_pages,
     token_indices,
 )
+from kvtier.tiers.records import record_bytes
 
 OPS = ("set", "exists", "get")
 #: Page geometries measured by default: (name, pool kwargs, pages per run).
@@ -171,6 +172,13 @@ def run_shape(
     work = Path(tempfile.mkdtemp(prefix="sglang-", dir=directory))
     cap = (repeats + 2) * num_pages * (nbytes + 8192) + (64 << 20)
     disk = open_storage({"kvtier_disk_path": str(work), "kvtier_disk_bytes": cap}, pool)
+    # kvtier's memory tier holds a run's pages (twice over), as the page
+    # cache holds HiCacheFile's: both read back from memory.
+    host_disk = open_storage(
+        {"kvtier_disk_path": str(work / "host+disk"), "kvtier_disk_bytes": cap,
+         "kvtier_host_bytes": 2 * num_pages * record_bytes(nbytes)},
+        pool,
+    )  # fmt: skip
     remote = open_storage({"kvtier_remote_url": url}, pool)
     hfile = hicache_file({"file_storage_path": str(work)}, layout=layout)
     pyredis = RedisPyPages(url)
@@ -178,6 +186,7 @@ def run_shape(
     # interface_v1 (kvtier), the generic ones for its file backend.
     contenders = {
         "kvtier_disk": controller(disk, pool, zero_copy=True),
+        "kvtier_host_disk": controller(host_disk, pool, zero_copy=True),
         "hicache_file": controller(hfile, pool, zero_copy=False),
         "hicache_file_device": controller(hfile, pool, zero_copy=False),
         "kvtier_redis": controller(remote, pool, zero_copy=True),
@@ -196,15 +205,18 @@ def run_shape(
                 for op, s in _run_once(contenders[c], tokens, pool, device).items():
                     runs[c][op].append(num_pages / s)
             pyredis.r.flushall()
+        st = host_disk.kvtier_stats()["kv"]
+        # Share of the memory tier's reads that found their page in memory.
+        from_memory = st["host_pages_loaded"] / max(1, st["pages_loaded"])
     finally:
-        for backend in (disk, remote, pyredis):
+        for backend in (disk, host_disk, remote, pyredis):
             backend.close()
         hfile.clear()
         shutil.rmtree(work, ignore_errors=True)
     med = statistics.median
     out: dict[str, Any] = {
         "shape": name, "layout": layout, "page_bytes": nbytes, "pages_per_run": num_pages,
-        "batch_pages": storage_batch_pages(),
+        "batch_pages": storage_batch_pages(), "host_disk_get_from_memory": round(from_memory, 3),
     }  # fmt: skip
     for c, ops in runs.items():
         out[c] = {
@@ -214,6 +226,9 @@ def run_shape(
             for op, v in ops.items()
         }  # fmt: skip
     out["vs_hicache_file"] = {
+        op: paired_ratio(runs["kvtier_host_disk"][op], runs["hicache_file"][op]) for op in OPS
+    }
+    out["disk_vs_hicache_file"] = {
         op: paired_ratio(runs["kvtier_disk"][op], runs["hicache_file"][op]) for op in OPS
     }
     out["vs_hicache_file_device"] = {
@@ -258,6 +273,12 @@ def run_sglang(
     return {
         "component": "sglang",
         "sglang": sglang_version(),
+        "contenders": {
+            "kvtier_disk": "kvtier's disk tier (direct I/O: reads come from the device)",
+            "kvtier_host_disk": "kvtier's memory tier (kvtier_host_bytes: twice a run's pages) "
+            "in front of its disk tier: reads of pages just stored come from memory",
+            "kvtier_redis": "kvtier's Redis tier",
+        },
         "baselines": {
             "hicache_file": "SGLang's HiCacheFile on the same directory (generic calls), as "
             "SGLang runs it: writes end in the page cache, reads of them come from it",
@@ -265,7 +286,13 @@ def run_sglang(
             "dropped from the page cache before get: both from the device, as kvtier's",
             "redis_py": "redis-py + hiredis, one pipeline per batch (generic calls), same Redis",
         },
+        # Like for like: kvtier's memory tier against the page cache, its
+        # disk tier against HiCacheFile's device reads; and kvtier's disk
+        # against the page cache.
         "vs_hicache_file": {op: _med(r["vs_hicache_file"][op] for r in results) for op in OPS},
+        "disk_vs_hicache_file": {
+            op: _med(r["disk_vs_hicache_file"][op] for r in results) for op in OPS
+        },
         "vs_hicache_file_device": {
             op: _med(r["vs_hicache_file_device"][op] for r in results) for op in OPS
         },
@@ -287,7 +314,10 @@ def table(result: dict[str, Any]) -> str:
         lines.append(
             f"{r['shape']} ({r['page_bytes']} B, {r['layout']}, batches of {r['batch_pages']})"
         )
-        for c in ("kvtier_disk", "hicache_file", "hicache_file_device", "kvtier_redis", "redis_py"):
+        for c in (
+            "kvtier_host_disk", "kvtier_disk", "hicache_file", "hicache_file_device",
+            "kvtier_redis", "redis_py",
+        ):  # fmt: skip
             cells = "  ".join(
                 f"{op} {r[c][op]['pages_per_s']:>9.0f} p/s"
                 + (f" {r[c][op]['gbps']:6.3f} GB/s" if op != "exists" else "")
@@ -295,10 +325,13 @@ def table(result: dict[str, Any]) -> str:
             )
             lines.append(f"  {c:<19} {cells}")
         lines.append(
-            f"  kvtier/HiCacheFile {r['vs_hicache_file']}  from the device "
-            f"{r['vs_hicache_file_device']}  kvtier/redis-py {r['redis_vs_redis_py']}"
+            f"  kvtier host+disk/HiCacheFile {r['vs_hicache_file']}  kvtier disk/HiCacheFile "
+            f"{r['disk_vs_hicache_file']}  from the device {r['vs_hicache_file_device']}  "
+            f"kvtier/redis-py {r['redis_vs_redis_py']}"
         )
     lines.append(
-        f"vs_hicache_file {result['vs_hicache_file']}  redis_vs_redis_py {result['redis_vs_redis_py']}"
+        f"vs_hicache_file {result['vs_hicache_file']}  disk_vs_hicache_file "
+        f"{result['disk_vs_hicache_file']}  vs_hicache_file_device "
+        f"{result['vs_hicache_file_device']}  redis_vs_redis_py {result['redis_vs_redis_py']}"
     )
     return "\n".join(lines)

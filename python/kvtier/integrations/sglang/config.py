@@ -44,6 +44,11 @@ CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "kvtier_remote_tls_key_file": (str, "rediss: PEM key of the client certificate"),
     "kvtier_remote_tls_server_name": (str, "rediss: name the server certificate must carry"),
     "kvtier_namespace": (str, "extra namespace mixed into every key (default none)"),
+    "kvtier_host_bytes": (
+        (int, str),
+        "kvtier's memory tier in front of disk and Redis: the pages stored last, read back from "
+        "memory, per rank and KV pool (e.g. 8GiB; default 0: none)",
+    ),
     "kvtier_staging_bytes": (
         (int, str),
         "host memory for pages on their way to or from the tiers, per rank and pool (default: "
@@ -60,6 +65,7 @@ class StorageSettings:
     tier_fields: dict[str, Any] = field(default_factory=dict)
     namespace: str = ""
     staging_bytes: int | None = None  # None: see STAGING_PAGES
+    host_bytes: int = 0  # the memory tier's bytes for the KV pool (0: none)
 
     def tier_config(self) -> TierConfig:
         """The tiers to build (imports the tier factory, and with it the native core)."""
@@ -102,7 +108,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> StorageSettings:
     )
     given = got.get("kvtier_staging_bytes")
     staging = None if given is None else to_bytes("kvtier_staging_bytes", given)
-    return StorageSettings(tiers, got.get("kvtier_namespace", ""), staging)
+    given_host = got.get("kvtier_host_bytes", 0)
+    host = 0 if given_host == 0 else to_bytes("kvtier_host_bytes", given_host)
+    return StorageSettings(tiers, got.get("kvtier_namespace", ""), staging, host)
 
 
 def storage_namespace(

@@ -123,12 +123,15 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
             )  # fmt: skip
 
         cfg = self.settings.tier_config()
+        host_bytes = self.settings.host_bytes
         kv = self.movers.get(str(PoolName.KV))
-        if name != PoolName.KV and kv is not None and not isinstance(cfg.disk_bytes, FreeFraction):
-            # A sidecar pool holds at most one page per KV page: its disk
-            # tier gets the KV tier's capacity scaled by their page sizes.
-            scaled = cfg.disk_bytes * plan.page_bytes // kv.plan.page_bytes
-            cfg = dataclasses.replace(cfg, disk_bytes=max(scaled, 1 << 20))
+        if name != PoolName.KV and kv is not None:
+            # A sidecar pool holds at most one page per KV page: its tiers
+            # get the KV pool's capacities scaled by their page sizes.
+            host_bytes = host_bytes * plan.page_bytes // kv.plan.page_bytes
+            if not isinstance(cfg.disk_bytes, FreeFraction):
+                scaled = cfg.disk_bytes * plan.page_bytes // kv.plan.page_bytes
+                cfg = dataclasses.replace(cfg, disk_bytes=max(scaled, 1 << 20))
         # MLA: Redis holds one copy for every TP rank, written by the writer
         # rank; a disk directory has one owner, so each rank keeps (and
         # writes) its own. Mamba state is sharded by TP even in MLA models.
@@ -142,7 +145,10 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
             (kind, cfg, plan.page_bytes, namespace(shared and kind == "remote")) for kind in kinds
         )
         try:
-            self.movers[name] = PageMover(plan, tiers, self.settings.staging_bytes, writes)
+            self.movers[name] = PageMover(
+                plan, tiers, self.settings.staging_bytes, writes,
+                host_bytes=host_bytes or None,
+            )  # fmt: skip
         except BaseException:
             close_after_failure(tiers)
             raise
