@@ -46,6 +46,46 @@ class HostEntry:
         return self.ref == 0 and self.cascading == 0 and self.fill is Fill.NONE
 
 
+class SlotHolds:
+    """Slots a timed-out job may still read or write: a slot released while
+    held goes back to ``free`` (the owner's free list) only when its last
+    hold ends. Who calls: the owner of ``free``, under its lock."""
+
+    def __init__(self, free: list[int]) -> None:
+        self.free = free
+        self._held: dict[int, list[int]] = {}  # slot -> [holds, release asked]
+
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._held
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def release(self, slot: int) -> None:
+        """``slot`` is no longer used: free now, or when its last hold ends."""
+        h = self._held.get(slot)
+        if h is not None:
+            h[1] = 1
+        else:
+            self.free.append(slot)
+
+    def hold(self, slot: int) -> None:
+        """A job that timed out may still touch ``slot``: never hand it out
+        again until :meth:`unhold`."""
+        self._held.setdefault(slot, [0, 0])[0] += 1
+
+    def unhold(self, slot: int) -> None:
+        """The job that held ``slot`` ended; freed now if released meanwhile."""
+        h = self._held.get(slot)
+        if h is None:
+            return
+        h[0] -= 1
+        if h[0] <= 0:
+            del self._held[slot]
+            if h[1]:
+                self.free.append(slot)
+
+
 class HostTier:
     """Slot allocation, eviction and admission over a :class:`HostPool`.
 
@@ -81,9 +121,8 @@ class HostTier:
         self._owner: dict[int, bytes] = {}
         self._free: list[int] = list(range(capacity - 1, -1, -1)) if capacity else []
         self._next_virtual = 0  # unbounded mode
-        # slot -> [holds, release asked]: slots a timed-out device job may
-        # still read or write; freed only when the last hold ends.
-        self._held: dict[int, list[int]] = {}
+        # Slots a timed-out device job may still read or write.
+        self._held = SlotHolds(self._free)
 
     # -- queries ---------------------------------------------------------
     def get(self, key: bytes) -> HostEntry | None:
@@ -183,30 +222,18 @@ class HostTier:
         return e
 
     def release_slot(self, slot: int) -> None:
-        if self.capacity is None:
-            return
-        h = self._held.get(slot)
-        if h is not None:
-            h[1] = 1  # freed when the last hold ends
-        else:
-            self._free.append(slot)
+        if self.capacity is not None:
+            self._held.release(slot)
 
     def hold(self, slot: int) -> None:
         """A device job that timed out may still touch ``slot``: never hand it
         out again until :meth:`unhold` (called when the job really ended)."""
-        self._held.setdefault(slot, [0, 0])[0] += 1
+        self._held.hold(slot)
 
     def unhold(self, slot: int) -> None:
         """The device job that held ``slot`` ended; the slot is freed now if a
         release was asked meanwhile. Called by the manager, under its lock."""
-        h = self._held.get(slot)
-        if h is None:
-            return
-        h[0] -= 1
-        if h[0] <= 0:
-            del self._held[slot]
-            if h[1]:
-                self._free.append(slot)
+        self._held.unhold(slot)
 
     @property
     def held_slots(self) -> int:

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.pool import HostPool
+from kvtier.tiers.host import SlotHolds
 
 
 class HostPages:
@@ -45,8 +46,7 @@ class HostPages:
         self._writing: dict[bytes, int] = {}
         self._pins: dict[bytes, int] = {}
         self._free = list(range(first + num_slots - 1, first - 1, -1))
-        # slot -> [holds, freed meanwhile]: a timed-out tier job may still read it.
-        self._held: dict[int, list[int]] = {}
+        self._held = SlotHolds(self._free)  # slots a timed-out tier job may still read
         self.counters = dict.fromkeys(
             ("host_pages_stored", "host_pages_loaded", "host_evictions"), 0
         )
@@ -97,19 +97,12 @@ class HostPages:
             if key in self._pins:
                 pinned.append((key, slot))
                 continue
-            self._release(slot)
+            self._held.release(slot)
             self.counters["host_evictions"] += 1
             n -= 1
         for key, slot in reversed(pinned):
             self._ready[key] = slot
             self._ready.move_to_end(key, last=False)
-
-    def _release(self, slot: int) -> None:
-        h = self._held.get(slot)
-        if h is not None:
-            h[1] = 1  # freed when the last hold ends
-        else:
-            self._free.append(slot)
 
     def commit(self, keys: Sequence[bytes]) -> None:
         """The bytes of ``keys`` (reserved) are in their slots and no tier
@@ -122,24 +115,16 @@ class HostPages:
     def abort(self, keys: Sequence[bytes]) -> None:
         """The copy into the slots of ``keys`` (reserved) failed: forget them."""
         for k in keys:
-            self._release(self._writing.pop(k))
+            self._held.release(self._writing.pop(k))
 
     def hold(self, slot: int) -> None:
         """A timed-out tier job may still read pool slot ``slot``: it is not
         handed out again until :meth:`unhold`."""
-        self._held.setdefault(slot, [0, 0])[0] += 1
+        self._held.hold(slot)
 
     def unhold(self, slot: int) -> None:
-        """The job that held pool slot ``slot`` ended (freed now if it was
-        released meanwhile)."""
-        h = self._held.get(slot)
-        if h is None:
-            return
-        h[0] -= 1
-        if h[0] <= 0:
-            del self._held[slot]
-            if h[1]:
-                self._free.append(slot)
+        """The job that held pool slot ``slot`` ended."""
+        self._held.unhold(slot)
 
     def pin(self, keys: Sequence[bytes]) -> list[int | None]:
         """Per key: its pool slot, pinned against eviction until :meth:`unpin`
@@ -169,7 +154,7 @@ class HostPages:
         holds both of its direction locks; a slot a timed-out job holds is
         freed when the job ends)."""
         for slot in [*self._ready.values(), *self._writing.values()]:
-            self._release(slot)
+            self._held.release(slot)
         self._ready.clear()
         self._writing.clear()
         self._pins.clear()
