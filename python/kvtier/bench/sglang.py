@@ -17,6 +17,14 @@ backend, computed beforehand). A repeat backs up fresh pages, finds
 them, reads them back (verified byte for byte); contenders take turns in a
 rotating order.
 
+kvtier runs twice: its disk tier alone (direct I/O: reads from the device)
+and with its memory tier in front (``kvtier_host_bytes``, twice a run's
+pages: reads of pages just stored from memory). ``vs_hicache_file`` pairs
+the memory tier with HiCacheFile as SGLang runs it (its reads from the page
+cache), ``vs_hicache_file_device`` the disk alone with HiCacheFile synced and
+dropped from the page cache (both from the device), and
+``disk_vs_hicache_file`` the disk alone with the page cache.
+
 A command-line tool: runs in the ``kvtier`` process. Who calls:
 :mod:`kvtier.bench.commands`. Blocks for the whole run.
 """
