@@ -14,6 +14,7 @@ from kvtier.bench.serve_load import (
     cut_trace,
     kvtier_extra,
     parse_metrics,
+    repeat_order,
     server_command,
     summarize,
 )
@@ -230,3 +231,18 @@ def test_bench_serve_refuses_rates_that_are_not_positive_numbers(
     err = capsys.readouterr().err
     assert err.startswith("kvtier: error: --rates: ")
     assert repr(rates) in err
+
+
+def test_each_configuration_runs_once_in_every_position_over_as_many_repeats() -> None:
+    configs = ["baseline", "ideal", "host", "host+redis", "second-server"]
+    orders = [repeat_order(configs, rep) for rep in range(5)]
+    assert orders[0] == ["baseline", "ideal", "host", "host+redis", "second-server"]
+    assert orders[1] == ["ideal", "host", "host+redis", "second-server", "baseline"]
+    assert orders[2] == ["host", "host+redis", "second-server", "baseline", "ideal"]
+    assert orders[3] == ["host+redis", "second-server", "baseline", "ideal", "host"]
+    assert orders[4] == orders[0]  # four rotating configurations: period 4
+    # Without second-server (which follows host+redis), every configuration
+    # takes every place once in four repeats.
+    rotating = [[c for c in o if c != "second-server"] for o in orders[:4]]
+    for c in ("baseline", "ideal", "host", "host+redis"):
+        assert sorted(o.index(c) for o in rotating) == [0, 1, 2, 3]
