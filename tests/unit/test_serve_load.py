@@ -4,6 +4,7 @@ metrics parse, the medians and ratios, the commands it runs."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from kvtier.bench.serve_load import (
     server_command,
     summarize,
 )
+from kvtier.bench.serve_load_report import table
 from kvtier.errors import InvalidArgument
 
 
@@ -246,3 +248,35 @@ def test_each_configuration_runs_once_in_every_position_over_as_many_repeats() -
     rotating = [[c for c in o if c != "second-server"] for o in orders[:4]]
     for c in ("baseline", "ideal", "host", "host+redis"):
         assert sorted(o.index(c) for o in rotating) == [0, 1, 2, 3]
+
+
+def test_the_interval_of_a_median_is_the_order_statistics_with_exact_coverage() -> None:
+    from kvtier.bench.serve_load_report import median_interval
+
+    six = [1.1, 0.9, 0.8, 1.0, 1.2, 0.7]
+    # n = 6: only the range covers 95% (1 - 2 / 64).
+    assert median_interval(six) == {"lo": 0.7, "hi": 1.2, "confidence": 0.9688}
+    # n = 10: the 2nd and 9th values, 1 - 2 * 11 / 1024.
+    ten = [float(v) for v in range(10, 0, -1)]
+    assert median_interval(ten) == {"lo": 2.0, "hi": 9.0, "confidence": 0.9785}
+    # n = 3 cannot reach 95%: the range, and its 75% said.
+    assert median_interval([3.0, float("nan"), 1.0, 2.0]) == {
+        "lo": 1.0,
+        "hi": 3.0,
+        "confidence": 0.75,
+    }
+    assert math.isnan(median_interval([])["lo"])
+
+
+def test_summarize_and_the_table_give_each_ratio_its_interval() -> None:
+    base = [(1.0, 100), (3.0, 80), (2.0, 90)]
+    host = [(0.5, 99), (1.2, 88), (1.2, 90)]
+    runs = [_run("baseline", 1, t, tps, rep) for rep, (t, tps) in enumerate(base)]
+    runs += [_run("host", 1, t, tps, rep) for rep, (t, tps) in enumerate(host)]
+    rows = summarize(runs)
+    h = {r["config"]: r for r in rows}["host"]
+    iv = h["vs_baseline_interval"]["output_tps"]
+    assert (iv["lo"], iv["hi"], iv["confidence"]) == (pytest.approx(0.99), pytest.approx(1.1), 0.75)
+    assert h["vs_ideal_interval"] is None  # no ideal in this run
+    text = table({"settings": {}, "rows": rows})
+    assert "  host            prefix           1  out tok/s 1.00 [0.99, 1.10, 75%]" in text

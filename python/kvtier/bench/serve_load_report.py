@@ -30,17 +30,41 @@ def _median(values: list[float]) -> float:
     return statistics.median(vals) if vals else float("nan")
 
 
+def median_interval(values: list[float], confidence: float = 0.95) -> dict[str, float]:
+    """A distribution-free confidence interval of the median of ``values``:
+    the order statistics ``[x(k), x(n + 1 - k)]`` with the largest ``k``
+    whose coverage, ``1 - 2 P(Binomial(n, 1/2) <= k - 1)``, is at least
+    ``confidence`` (or ``k = 1`` and its coverage, when even the range falls
+    short: five values or fewer cover 94% at most). Returns ``lo``, ``hi``
+    and the exact ``confidence``. NaNs are left out; none left: NaNs. Pure."""
+    xs = sorted(v for v in values if not math.isnan(v))
+    n = len(xs)
+    if not n:
+        return {"lo": float("nan"), "hi": float("nan"), "confidence": float("nan")}
+    tail = 0.0  # P(Bin(n, 1/2) <= k - 1)
+    best_k, best_cov = 1, 1 - 2 * 0.5**n
+    for k in range(1, n // 2 + 1):
+        tail += math.comb(n, k - 1) * 0.5**n
+        cov = 1 - 2 * tail
+        if cov < confidence:
+            break
+        best_k, best_cov = k, cov
+    return {"lo": xs[best_k - 1], "hi": xs[n - best_k], "confidence": round(best_cov, 4)}
+
+
 def _paired(
     mine: list[dict[str, Any]], refs: list[dict[str, Any]], ref_med: dict[str, Any],
     my_med: dict[str, Any],
-) -> dict[str, float]:  # fmt: skip
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:  # fmt: skip
     """Each metric's ratio to a reference configuration: the median over
     repeats of the ratio within each repeat (both servers ran back to back),
     which cancels the drift between repeats (the baseline alone moved 32% in
-    output throughput from one repeat to the next on this machine); runs
-    without a repeat index in both fall back to the ratio of the medians."""
+    output throughput from one repeat to the next on this machine), and that
+    median's :func:`median_interval`; runs without a repeat index in both
+    fall back to the ratio of the medians (no interval)."""
     by_rep = {r["repeat"]: r for r in refs if "repeat" in r}
     out: dict[str, float] = {}
+    spread: dict[str, dict[str, float]] = {}
     for name, _, _ in METRICS:
         pairs = [
             r[name] / by_rep[r["repeat"]][name]
@@ -49,16 +73,18 @@ def _paired(
         ]  # fmt: skip
         if pairs:
             out[name] = _median(pairs)
+            spread[name] = median_interval(pairs)
         else:
             out[name] = my_med[name] / ref_med[name] if ref_med[name] else float("nan")
-    return out
+    return out, spread
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Medians over repeats per (config, workload, level), with ``vs_baseline``
     and ``vs_ideal`` (each metric's median over repeats of its ratio to that
     reference in the same repeat, same workload and level: see
-    :func:`_paired`) and ``ttft_reduction_captured`` (the share of the ideal's TTFT
+    :func:`_paired`; ``vs_baseline_interval`` and ``vs_ideal_interval`` give
+    each such median's confidence interval) and ``ttft_reduction_captured`` (the share of the ideal's TTFT
     reduction over the baseline that the configuration reaches, for p50 and
     mean). Pure; rows in first-seen order."""
     groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
@@ -77,8 +103,8 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         mine = groups[(m["config"], workload, level)]
         for ref in ("baseline", "ideal"):
             base = med.get((ref, workload, level))
-            m[f"vs_{ref}"] = (
-                None if base is None
+            m[f"vs_{ref}"], m[f"vs_{ref}_interval"] = (
+                (None, None) if base is None
                 else _paired(mine, groups[(ref, workload, level)], base, m)
             )  # fmt: skip
         b, i = med.get(("baseline", workload, level)), med.get(("ideal", workload, level))
@@ -137,6 +163,26 @@ def table(result: dict[str, Any]) -> str:
             f"  {k['loaded_host']:.0f}/{k['loaded_disk']:.0f}/{k['loaded_remote']:.0f}, "
             f"{k['cascades_dropped']:.0f}"
         )
+    spread = [
+        r for r in result["rows"] if r["config"] != "baseline" and r.get("vs_baseline_interval")
+    ]
+    if spread:
+        lines.append(
+            "within-repeat ratios to the baseline: median [interval of the median, its confidence]"
+        )
+        for r in spread:
+            cells = []
+            for name, label in (("output_tps", "out tok/s"), ("ttft_p99_s", "TTFT p99")):
+                iv = r["vs_baseline_interval"].get(name)
+                if iv is None:
+                    continue
+                cells.append(
+                    f"{label} {r['vs_baseline'][name]:.2f} [{iv['lo']:.2f}, {iv['hi']:.2f}, "
+                    f"{100 * iv['confidence']:.0f}%]"
+                )
+            lines.append(
+                f"  {r['config']:<16}{r['workload']:<12}{r['level']:>6g}  " + "  ".join(cells)
+            )
     return "\n".join(lines)
 
 
