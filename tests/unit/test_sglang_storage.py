@@ -305,7 +305,10 @@ def test_sglangs_dynamic_factory_builds_the_backend_from_one_line(tmp_path: Path
     assert line is not None, "the README's SGLang launch line"
     extra = json.loads(line.group(1))
     extra.pop("kvtier_remote_url")
+    # The line's sizes are a deployment's (16 GiB of memory tier): small ones here.
     extra.update(kvtier_disk_path=str(tmp_path / "kv"), kvtier_disk_bytes="16MiB")
+    assert "kvtier_host_bytes" in extra
+    extra["kvtier_host_bytes"] = "1MiB"
     backend = StorageBackendFactory.create_backend("dynamic", storage_config(extra), None)
     try:
         assert type(backend) is KVTierStorage
@@ -315,6 +318,7 @@ def test_sglangs_dynamic_factory_builds_the_backend_from_one_line(tmp_path: Path
         assert backend.batch_set_v1(["a"], token_indices(pool, 0, 1)) == [True]
         assert backend.batch_get_v1(["a"], token_indices(pool, 2, 1)) == [True]
         assert page_bytes(pool, 2) == page_bytes(pool, 0)
+        assert backend.kvtier_stats()["kv"]["host_pages_loaded"] == 1  # from its memory tier
     finally:
         backend.close()
 
