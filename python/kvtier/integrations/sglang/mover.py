@@ -99,7 +99,7 @@ class PageMover:
         self._copied: dict[int, bool] = {}
         # The memory tier's slots follow the staging slots in one pool: the
         # tiers write a page from its memory slot, so a store copies it once
-        # (a second gather into a pool of its own cost 21% of the store rate
+        # (a second gather into a pool of its own cost 14-21% of the store rate
         # of 32 KiB pages, 2 cores).
         mem_slots = (host_bytes or 0) // self.slot_bytes
         if host_bytes and not mem_slots:
