@@ -133,14 +133,52 @@ def test_pinned_pages_stay_and_held_slots_wait_for_their_job() -> None:
         assert hp.keys() == [b"c", b"a", b"d"]
         hp.unpin([b"a"], loaded=1)
         # A slot a timed-out job still reads is not handed out again.
-        hp.hold(5)
+        hp.held.hold(5)
         # c is evicted for e, but its slot 5 stays out of use until the job ends.
         assert hp.reserve([b"e"]) == []
         assert (hp.keys(), hp.holds(b"c")) == ([b"a", b"d"], False)
-        hp.unhold(5)
+        hp.held.unhold(5)
         assert hp.reserve([b"f"]) == [(0, 5)]
         hp.abort([b"f"])
         assert (hp.holds(b"f"), hp._free) == (False, [5])
         assert (hp.counters["host_evictions"], hp.counters["host_pages_loaded"]) == (2, 1)
     finally:
         pool.close()
+
+
+def test_the_mover_keeps_held_staging_and_memory_slots_out_of_use_until_released(
+    sglang_filled: Any, tmp_path: Path
+) -> None:
+    from kvtier.tiers.base import TierCompletion
+
+    slot = slot_size(sglang_filled, tmp_path)
+    pool, s = sglang_filled(extra(tmp_path, 2, slot), 6)
+    m = s.movers["kv"]
+    disk = m.tiers[0]
+    staging = m._free["store"]
+    assert s.batch_set_v1(["h0", "h1"], token_indices(pool, 0, 2)) == [True] * 2
+    (mem0,) = m.host_pages.pin([b"h0"])
+    m.host_pages.unpin([b"h0"], 0)
+    # A timed-out job still touches staging slot 0 (twice: two jobs) and h0's memory slot.
+    c = TierCompletion(token=0, ok=False, kind="store", keys=[b"x", b"y", b"h0"], held=[True] * 3)
+    m._note_held(c, [staging[0], staging[0], mem0])
+    assert staging[0] not in m._take_slots("store", len(staging))
+    # Two new pages evict h0 and h1, but h0's slot is held: only n0 finds one
+    # (h1's), n1 goes to the disk alone.
+    assert s.batch_set_v1(["n0", "n1"], token_indices(pool, 2, 2)) == [True] * 2
+    assert (m.host_pages.keys(), m.host_pages._free) == ([b"n0"], [])
+
+    def release(slots: list[int]) -> None:
+        disk.take_released_slots = lambda: slots  # type: ignore[method-assign]
+        with m._lock:
+            m._drain(disk)
+
+    release([staging[0]])  # one of the two jobs ended: still held
+    assert staging[0] not in m._take_slots("store", len(staging))
+    release([staging[0], mem0])
+    assert staging[0] in m._take_slots("store", len(staging))
+    assert m.host_pages._free == [mem0]  # the evicted page's slot, free at last
+    # Every page still reads back byte for byte (from memory or the disk).
+    keys = ["h0", "h1", "n0", "n1"]
+    assert s.batch_get_v1(keys, token_indices(pool, 8, 4)) == [True] * 4
+    assert [page_bytes(pool, 8 + i) for i in range(4)] == [page_bytes(pool, i) for i in range(4)]

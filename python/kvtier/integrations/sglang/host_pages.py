@@ -46,7 +46,10 @@ class HostPages:
         self._writing: dict[bytes, int] = {}
         self._pins: dict[bytes, int] = {}
         self._free = list(range(first + num_slots - 1, first - 1, -1))
-        self._held = SlotHolds(self._free)  # slots a timed-out tier job may still read
+        # Slots a timed-out tier job may still touch. The mover notes holds
+        # of its staging slots here too: those are never released, so they
+        # never reach this free list.
+        self.held = SlotHolds(self._free)
         self.counters = dict.fromkeys(
             ("host_pages_stored", "host_pages_loaded", "host_evictions"), 0
         )
@@ -57,10 +60,6 @@ class HostPages:
     def keys(self) -> list[bytes]:
         """The keys held or being written, least recently used first."""
         return [*self._ready, *self._writing]
-
-    def owns(self, slot: int) -> bool:
-        """Is pool slot ``slot`` one of the memory tier's?"""
-        return self.first <= slot < self.first + self.num_slots
 
     def holds(self, key: bytes) -> bool:
         """Is ``key`` here, its bytes complete?"""
@@ -97,7 +96,7 @@ class HostPages:
             if key in self._pins:
                 pinned.append((key, slot))
                 continue
-            self._held.release(slot)
+            self.held.release(slot)
             self.counters["host_evictions"] += 1
             n -= 1
         for key, slot in reversed(pinned):
@@ -115,16 +114,7 @@ class HostPages:
     def abort(self, keys: Sequence[bytes]) -> None:
         """The copy into the slots of ``keys`` (reserved) failed: forget them."""
         for k in keys:
-            self._held.release(self._writing.pop(k))
-
-    def hold(self, slot: int) -> None:
-        """A timed-out tier job may still read pool slot ``slot``: it is not
-        handed out again until :meth:`unhold`."""
-        self._held.hold(slot)
-
-    def unhold(self, slot: int) -> None:
-        """The job that held pool slot ``slot`` ended."""
-        self._held.unhold(slot)
+            self.held.release(self._writing.pop(k))
 
     def pin(self, keys: Sequence[bytes]) -> list[int | None]:
         """Per key: its pool slot, pinned against eviction until :meth:`unpin`
@@ -154,7 +144,7 @@ class HostPages:
         holds both of its direction locks; a slot a timed-out job holds is
         freed when the job ends)."""
         for slot in [*self._ready.values(), *self._writing.values()]:
-            self._held.release(slot)
+            self.held.release(slot)
         self._ready.clear()
         self._writing.clear()
         self._pins.clear()

@@ -75,6 +75,7 @@ class PageMover:
         from kvtier.integrations.sglang.host_pages import HostPages
         from kvtier.pool import HostPool
         from kvtier.tiers.disk import DiskTier
+        from kvtier.tiers.host import SlotHolds
         from kvtier.tiers.jobs import JobTier
         from kvtier.tiers.records import record_bytes
 
@@ -92,7 +93,6 @@ class PageMover:
             staging_bytes = min(2 * STAGING_PAGES * self.slot_bytes, STAGING_MAX_BYTES)
         half = max(2, min(256, staging_bytes // (2 * self.slot_bytes)))
         self._free = {"store": list(range(half)), "load": list(range(half, 2 * half))}
-        self._held: set[int] = set()  # slots of timed-out jobs, out of use until they end
         self._dir_locks = {"store": threading.Lock(), "load": threading.Lock()}
         self._lock = threading.RLock()  # the tiers, the copy engine's results, slot lists
         self._done: dict[int, dict[int, TierCompletion]] = {id(t): {} for t in self.tiers}
@@ -108,6 +108,10 @@ class PageMover:
             )
         self.staging = HostPool(2 * half + mem_slots, self.slot_bytes)
         self.host_pages = HostPages(mem_slots, self.staging, 2 * half) if mem_slots else None
+        # Slots of timed-out jobs, out of use until they end: one count per
+        # pool slot, staging or memory (a memory slot evicted meanwhile is
+        # freed when its last hold ends).
+        self._held = self.host_pages.held if self.host_pages is not None else SlotHolds([])
         try:
             # Host copies (gather before a store, scatter after a load) on
             # their own threads: SGLang's pool tensor and the staging slots
@@ -180,10 +184,7 @@ class PageMover:
             done[c.token] = c
         tier.take_events()  # nobody subscribes: SGLang asks, it is not told
         for slot in tier.take_released_slots():
-            if self.host_pages is not None and self.host_pages.owns(slot):
-                self.host_pages.unhold(slot)
-            else:
-                self._held.discard(slot)
+            self._held.unhold(slot)
 
     def _wait_jobs(self, tier: JobTier, token: int) -> None:
         """Block until no engine job of batch ``token`` of ``tier`` is queued
@@ -222,12 +223,8 @@ class PageMover:
         if c.held:
             with self._lock:
                 for s, h in zip(slots, c.held):
-                    if not h:
-                        continue
-                    if self.host_pages is not None and self.host_pages.owns(s):
-                        self.host_pages.hold(s)
-                    else:
-                        self._held.add(s)
+                    if h:
+                        self._held.hold(s)
 
     # -- pages ---------------------------------------------------------------
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
