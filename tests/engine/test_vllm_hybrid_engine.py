@@ -17,46 +17,22 @@ engine's Python like test_vllm_engine.py (skipped without
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
 from engine.test_vllm_engine import (  # noqa: F401  (engine_python: a fixture)
-    ROOT,
     _assert_clean,
+    _generated_model,
     _outputs,
     engine_python,
     run_engine,
 )
+from kvtier.bench.serve import HYBRID_BLOCK_TOKENS
 from kvtier.integrations.vllm_engine import Sessions
 
 pytestmark = pytest.mark.timeout(900)
 
-QWEN3_NEXT = {
-    "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-    "full_attention_interval": 2, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
-    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
-    "shared_expert_intermediate_size": 128, "max_position_embeddings": 8192,
-    # Random weights at 0.02 repeat one token, which would hide a wrong state.
-    "initializer_range": 0.2,
-}  # fmt: skip
-_MAKE = """
-import json, sys, torch
-from pathlib import Path
-from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-from kvtier.integrations.vllm_engine import _save_tokenizer
-out, cfg = Path(sys.argv[1]), json.loads(sys.argv[2])
-stamp = out / "kvtier-model.json"
-if not (stamp.exists() and stamp.read_text() == sys.argv[2]):
-    torch.manual_seed(0)
-    Qwen3NextForCausalLM(Qwen3NextConfig(**cfg)).save_pretrained(out)
-    _save_tokenizer(out, cfg["vocab_size"])
-    stamp.write_text(sys.argv[2])
-"""
-BLOCK = 544  # tokens per block: vLLM's, for an attention page to hold a GDN state
+BLOCK = HYBRID_BLOCK_TOKENS  # vLLM's block: an attention page holds a GDN state
 REQUESTS = Sessions(
     sessions=3, system_prompts=1, system_tokens=1200, turns=2, user_tokens=64
 ).requests()
@@ -65,12 +41,8 @@ BASE = {"requests": REQUESTS, "block_size": BLOCK, "dtype": "bfloat16"}
 
 @pytest.fixture(scope="module")
 def hybrid_model(engine_python: str) -> str:  # noqa: F811
-    path = ROOT / "build" / "engine-model-qwen3next"
-    subprocess.run(
-        [engine_python, "-c", _MAKE, str(path), json.dumps(QWEN3_NEXT, sort_keys=True)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
-    return str(path)
+    # kvtier.integrations.vllm_engine's "hybrid" kind (HYBRID_MODEL).
+    return _generated_model(engine_python, "hybrid")
 
 
 def test_hybrid_model_loads_prefixes_token_identical_to_recomputing(

@@ -219,6 +219,11 @@ def _cmd_bench_serve_load(args: argparse.Namespace) -> int:
         table,
     )
 
+    if args.model_kind == "hybrid":
+        raise InvalidArgument(
+            "--server --model-kind hybrid: the hybrid model needs 544-token blocks in bfloat16, "
+            "which --server's engine settings do not take; run it without --server"
+        )
     out = Path(args.out) if args.out else default_output_dir("bench-serve-load")
     configs = tuple(args.configs.split(",")) if args.configs else CONFIGS
     names = tuple(args.workloads.split(",")) if args.workloads else WORKLOADS
@@ -441,8 +446,10 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "host+disk, host+redis, host+disk+redis, second-server)",
     )
     o.add_argument(
-        "--model-kind", default="llama", choices=["llama", "gemma3", "mla"],
-        help="the generated model (default llama; mla runs in bfloat16 on vLLM's AMX backend)",
+        "--model-kind", default="llama", choices=["llama", "gemma3", "mla", "hybrid"],
+        help="the generated model (default llama; mla runs in bfloat16 on vLLM's AMX backend; "
+        "hybrid: Qwen3-Next-shaped, Gated DeltaNet and attention layers, bfloat16, 544-token "
+        "blocks, one request at a time only)",
     )  # fmt: skip
     o.add_argument(
         "--time-scale", type=float, default=1.0,

@@ -68,6 +68,9 @@ CONFIGS = (
     "host+disk-stream", "host+disk-stream-whole-loads",
 )  # fmt: skip
 TOKENS_PER_BLOCK = 32
+# The hybrid model's block: vLLM sizes it so one attention page holds a
+# Gated DeltaNet layer's state (align mode keeps one state per block).
+HYBRID_BLOCK_TOKENS = 544
 LOAD_TIERS = ("host", "disk", "remote")
 
 
@@ -79,6 +82,13 @@ def _kv_layout(kind: str, model: dict[str, Any]) -> tuple[int, int]:
     with every third layer full attention gives groups of L/3 layers), so
     every group's page weighs the same."""
     layers = int(model["num_hidden_layers"])
+    if kind == "hybrid":
+        # Attention on every full_attention_interval-th layer, Gated DeltaNet
+        # on the rest: two groups of equal pages (vLLM pads the attention
+        # page, 544 tokens, to hold a layer's recurrent state).
+        head_dim = int(model["head_dim"])
+        per_token = layers * 2 * int(model["num_key_value_heads"]) * head_dim * 4
+        return per_token, 2
     if kind == "mla":
         return layers * (int(model["kv_lora_rank"]) + int(model["qk_rope_head_dim"])) * 4, 1
     head_dim = int(model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"])
@@ -126,9 +136,12 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, math.ceil(q * len(s)) - 1)]
 
 
-def summarize(result: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, Any]:
+def summarize(
+    result: dict[str, Any], ref: dict[str, Any] | None, prefix: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Per configuration: TTFT p50/p99 of first and later turns, throughput,
-    tokens computed and loaded per source, outputs identical to ``ref``."""
+    tokens computed and loaded per source, outputs identical to ``ref``
+    (recomputing) and to ``prefix`` (vLLM's prefix cache, where it ran)."""
     if "refused" in result:
         return {"refused": result["refused"]}
     reqs = result["requests"]
@@ -154,7 +167,8 @@ def summarize(result: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, A
         "computed_tokens": prompt - cached,
         "cached_tokens_by_source": c.get("cached_by_source", {}),
         "kvtier_loaded_tokens": {
-            t: int(kv.get(f"loaded_{t}", 0)) * TOKENS_PER_BLOCK for t in ("host", "disk", "remote")
+            t: int(kv.get(f"loaded_{t}", 0)) * int(result.get("block_size", TOKENS_PER_BLOCK))
+            for t in ("host", "disk", "remote")
         },
         # Chunks (one key per KV-cache group) loaded from every tier, per
         # request that loaded anything; the full-attention equivalent is
@@ -184,9 +198,10 @@ def summarize(result: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, A
             for r in reqs
         ],
     }
-    if ref is not None and "requests" in ref:
-        want = {r["id"]: r["output"] for r in ref["requests"]}
-        out["identical_outputs"] = all(want.get(r["id"]) == r["output"] for r in reqs)
+    for key, other in (("identical_outputs", ref), ("identical_to_prefix", prefix)):
+        if other is not None and "requests" in other:
+            want = {r["id"]: r["output"] for r in other["requests"]}
+            out[key] = all(want.get(r["id"]) == r["output"] for r in reqs)
     return out
 
 
@@ -265,8 +280,10 @@ def run_serve(
     )  # fmt: skip
     model = model_config(model_kind)
     # vLLM's CPU MLA backend (float32) cannot take a cached prefix (kvtier
-    # refuses it); its AMX backend (bfloat16, CPUs with AMX) can.
-    dtype = "bfloat16" if model_kind == "mla" else "float32"
+    # refuses it); its AMX backend (bfloat16, CPUs with AMX) can. vLLM's CPU
+    # Gated DeltaNet kernel takes bfloat16 only.
+    dtype = "bfloat16" if model_kind in ("mla", "hybrid") else "float32"
+    block = HYBRID_BLOCK_TOKENS if model_kind == "hybrid" else TOKENS_PER_BLOCK
     w = workload or Sessions()
     requests = w.requests()
     per_token, groups = _kv_layout(model_kind, model)
@@ -277,7 +294,7 @@ def run_serve(
     sizes = {"large": max(2 * working, 64 << 20), "small": working // 3, "tiny": one_request // 2}
     base = {
         "model": str(model_dir), "requests": requests, "max_tokens": max_tokens,
-        "warmup_requests": 2, "dtype": dtype,
+        "warmup_requests": 2, "dtype": dtype, "block_size": block,
     }  # fmt: skip
 
     from tqdm import tqdm
@@ -301,7 +318,7 @@ def run_serve(
                 spec = {**base, **_config_spec(name, str(model_dir), sizes, work, url)}
                 raw[name] = _run_child(python, spec, work, name)
                 bar.update(1)
-            summary = {n: summarize(r, raw["none"]) for n, r in raw.items()}
+            summary = {n: summarize(r, raw["none"], raw.get("prefix")) for n, r in raw.items()}
             runs.append(summary)
         finally:
             if redis is not None:
@@ -322,7 +339,7 @@ def run_serve(
         },
         "model": dict(model, kind=model_kind, dtype=dtype),
         "repeats": repeats,
-        "medians": _loaded_bytes(_medians(runs, configs), runs, per_token, groups),
+        "medians": _loaded_bytes(_medians(runs, configs), runs, per_token, groups, block),
         "runs": runs,
         "machine": machine_facts(),
     }
@@ -361,6 +378,8 @@ def _medians(runs: list[dict[str, Any]], configs: tuple[str, ...]) -> dict[str, 
             m["ttft_miss_p50_ms"] = statistics.median(b for _, b in own)
             m["ttft_later_p50_vs_own_miss"] = round(statistics.median(a / b for a, b in own), 3)
         m["identical_outputs"] = all(r.get("identical_outputs", True) for r in rs)
+        if any("identical_to_prefix" in r for r in rs):
+            m["identical_to_prefix"] = all(r.get("identical_to_prefix", True) for r in rs)
         m["ttft_by_turn_ms"] = {
             t: statistics.median(r["ttft_by_turn_ms"][t] for r in rs)
             for t in rs[0]["ttft_by_turn_ms"]
@@ -373,13 +392,16 @@ def _medians(runs: list[dict[str, Any]], configs: tuple[str, ...]) -> dict[str, 
 
 
 def _loaded_bytes(
-    medians: dict[str, Any], runs: list[dict[str, Any]], per_token: int, groups: int
-) -> dict[str, Any]:
+    medians: dict[str, Any], runs: list[dict[str, Any]], per_token: int, groups: int,
+    block_tokens: int = TOKENS_PER_BLOCK,
+) -> dict[str, Any]:  # fmt: skip
     """Add, per kvtier configuration, the KV bytes loaded per request that
     loaded (median over runs) and the same for the full-attention equivalent
     (every layer over every token taken from kvtier): on a sliding-window
-    model their ratio is what loading only the windows saves."""
-    chunk = per_token * TOKENS_PER_BLOCK // groups
+    model their ratio is what loading only the windows saves. On the hybrid
+    model a recurrent state's chunk counts as a whole page, an upper bound
+    (kvtier stores the state without vLLM's padding to the page size)."""
+    chunk = per_token * block_tokens // groups
     for name, m in medians.items():
         rs = [r[name] for r in runs if name in r and r[name].get("kvtier_loading_requests")]
         if "refused" in m or not rs:
@@ -391,6 +413,15 @@ def _loaded_bytes(
             r["kvtier_cached_tokens"] * per_token / r["kvtier_loading_requests"] for r in rs
         )
     return medians
+
+
+def _identical(m: dict[str, Any]) -> str:
+    """The table's word for outputs: identical to recomputing; else the same
+    as vLLM's own prefix cache (a model whose prefix cache itself changes
+    tokens, as bfloat16 recurrent layers can), else different."""
+    if m["identical_outputs"]:
+        return "yes"
+    return "as prefix cache" if m.get("identical_to_prefix") else "NO"
 
 
 def table(result: dict[str, Any]) -> str:
@@ -422,7 +453,7 @@ def table(result: dict[str, Any]) -> str:
             f"| {m['computed_tokens']:.0f} / {m['prompt_tokens']} "
             f"| {lt['host']} / {lt['disk']} / {lt['remote']} "
             f"| {m.get('read_ahead_wait_ms', 0.0):.1f} | {loaded} "
-            f"| {'yes' if m['identical_outputs'] else 'NO'} |"
+            f"| {_identical(m)} |"
         )
     return "\n".join(rows)
 

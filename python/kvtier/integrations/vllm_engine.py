@@ -54,8 +54,12 @@ TINY_MODEL = {
 #   manager makes one group per attention type;
 # - ``mla``: DeepSeek-V3-shaped multi-head latent attention, one latent of
 #   512 + rope 64 per token and layer (the only size vLLM's CPU MLA decode
-#   kernel takes), every layer dense (no MoE).
-MODEL_KINDS = ("llama", "gemma3", "mla")
+#   kernel takes), every layer dense (no MoE);
+# - ``hybrid``: Qwen3-Next-shaped, Gated DeltaNet linear attention on layers
+#   0 and 2 and full attention on 1 and 3, a small MoE; vLLM's CPU build runs
+#   it in bfloat16 with 544-token blocks (an attention page holds one layer's
+#   recurrent state) and, with prefix caching, a state per block.
+MODEL_KINDS = ("llama", "gemma3", "mla", "hybrid")
 GEMMA3_MODEL: dict[str, Any] = {
     "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 6,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
@@ -74,11 +78,25 @@ MLA_MODEL: dict[str, Any] = {
 }  # fmt: skip
 
 
+HYBRID_MODEL: dict[str, Any] = {
+    "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "full_attention_interval": 2, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128, "max_position_embeddings": 8192,
+    # As for MLA: at the default scale a random model repeats one token,
+    # which would hide a wrong recurrent state.
+    "initializer_range": 0.2,
+}  # fmt: skip
+
+
 def model_config(kind: str) -> dict[str, Any]:
     """The generated model's shape for ``kind`` (a copy). Pure."""
     if kind not in MODEL_KINDS:
         raise ValueError(f"unknown model kind {kind!r}: one of {', '.join(MODEL_KINDS)}")
-    return dict({"llama": TINY_MODEL, "gemma3": GEMMA3_MODEL, "mla": MLA_MODEL}[kind])
+    shapes = {"llama": TINY_MODEL, "gemma3": GEMMA3_MODEL, "mla": MLA_MODEL, "hybrid": HYBRID_MODEL}
+    return dict(shapes[kind])
 
 
 def make_tiny_model(path: str | Path, seed: int = 0, kind: str = "llama", **overrides: int) -> Path:
@@ -110,6 +128,10 @@ def make_tiny_model(path: str | Path, seed: int = 0, kind: str = "llama", **over
             for i in range(int(c["num_hidden_layers"]))
         ]
         model = Gemma3ForCausalLM(Gemma3TextConfig(**c))
+    elif kind == "hybrid":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(**cfg))
     else:
         from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -367,6 +389,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     elapsed = time.perf_counter() - t1
     result = {
         "mode": spec["mode"],
+        "block_size": spec.get("block_size", 32),
         "startup_s": started,
         "workload_s": elapsed,
         "requests": reqs,
