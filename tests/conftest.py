@@ -66,6 +66,15 @@ def engine() -> Iterator[Engine]:
     e.close(cancel=True)
 
 
+@pytest.fixture(autouse=True)
+def _fake_gpu_memory_forgotten(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Device memory a test declared on the fake runtime is forgotten after
+    it: its addresses may come back as another test's host memory."""
+    yield
+    if "fake_cudart" in request.fixturenames:
+        request.getfixturevalue("fake_cudart").fake_cuda_forget_all_devices()
+
+
 @pytest.fixture(scope="session")
 def fake_cudart(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """Build the fake CUDA runtime and point kvtier's dlopen at it."""
@@ -92,9 +101,37 @@ def fake_cudart(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-un
         ctypes.c_size_t,
     ]
     lib.fake_cuda_stream_sleep_us.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.fake_cuda_stream_read.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+    ]
     lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
     lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
+    lib.fake_cuda_declare_device.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lib.fake_cuda_pageable_copies.restype = ctypes.c_uint64
+    lib.fake_cuda_implicit_device_uses.restype = ctypes.c_uint64
+    lib.fake_cuda_has_context.restype = ctypes.c_bool
+    lib.fake_cuda_live_objects.restype = ctypes.c_long
+    lib.fake_cuda_registrations.restype = ctypes.c_long
     lib.fake_path = str(out)
+
+    def on_gpu(*arrays: object, device: int = 0) -> None:
+        """Declares the memory of numpy arrays or CPU tensors (their whole
+        allocation) device memory of ``device`` on the fake runtime, as
+        cudaMalloc'd memory is on a real one."""
+        for a in arrays:
+            if isinstance(a, np.ndarray):
+                root = a
+                while isinstance(root.base, np.ndarray):
+                    root = root.base
+                lib.fake_cuda_declare_device(root.ctypes.data, root.nbytes, device)
+            else:
+                st = a.untyped_storage()  # type: ignore[attr-defined]
+                lib.fake_cuda_declare_device(st.data_ptr(), st.nbytes(), device)
+
+    lib.on_gpu = on_gpu
     yield lib
     lib.fake_cuda_set_delay_us(0)
 

@@ -127,10 +127,23 @@ def _disk(directory: str) -> dict[str, Any]:
 
 
 def _cuda() -> dict[str, Any]:
+    """The CUDA runtime kvtier loads (where from, its version) and each GPU:
+    its name, PCI bus id, and whether registered host memory is usable
+    through its host pointer (what the host pool's copies rely on)."""
     from kvtier import _native
+    from kvtier.worker import cuda_runtime
 
-    path, version, batch = _native.cuda_runtime()
-    return {"runtime": path, "version": version, "batch_copies": bool(batch)}
+    path, version, batch, found = cuda_runtime.load()
+    facts = _native.cuda_devices()
+    return {
+        "runtime": path,
+        "found": found,
+        "version": version,
+        "driver_version": facts["driver_version"],
+        "batch_copies": batch,
+        "gpus": facts["devices"],
+        **({"error": facts["error"]} if "error" in facts else {}),
+    }
 
 
 def _limits() -> dict[str, Any]:

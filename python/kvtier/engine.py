@@ -141,14 +141,15 @@ class Engine:
         2 expedited load), from an ``(N, 3)`` int64 array of ``(src, dst, nbytes)``.
 
         The copies are enqueued on the stream now (after the work so far of the
-        compute stream ``wait_stream``, when not 0, and after the still
-        running jobs ``deps``); the job ends, for :meth:`poll` and
+        compute stream ``wait_stream``, 0 being the device's legacy default
+        stream, and after the still running jobs ``deps``); the job ends, for :meth:`poll` and
         :meth:`wait`, once the GPU has passed them. Put one direction's jobs on
         one serial queue so that they are reported in stream order. With
         ``fences`` (as for :meth:`submit_copy`) the copies are enqueued by a
         worker once their source slots are filled instead. Returns the
         job id. Raises InvalidArgument when the host side lies outside the
-        copier's registered pool or this engine's registered memory, CudaError
+        copier's registered pool or this engine's registered memory or the
+        device side outside the copier's device memory, CudaError
         when the runtime cannot create the job's events, Busy when full.
         """
         return int(

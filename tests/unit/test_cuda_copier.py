@@ -46,6 +46,13 @@ def store_desc(dev: np.ndarray, pool: HostPool, slot: int, offset: int = 0) -> n
     return np.array([[dev.ctypes.data + offset, pool.slot_address(slot), 4096]], np.int64)
 
 
+def make_copier(fake, pool: HostPool, dev: np.ndarray) -> _native.CudaCopier:  # type: ignore[no-untyped-def]
+    """A copier between ``pool`` and ``dev``, an array standing in for the
+    KV cache (declared device memory on the fake runtime)."""
+    fake.on_gpu(dev)
+    return _native.CudaCopier(0, [(pool.address, pool.nbytes)], [(dev.ctypes.data, dev.nbytes)])
+
+
 def cuda_engine(pool: HostPool, deadline_s: float = 0.0) -> Engine:
     """Two serial queues (store, load) and one for other jobs."""
     e = Engine(3, [(1 << 30, True, deadline_s), (1 << 30, True, deadline_s), (1 << 30, False)])
@@ -57,14 +64,17 @@ def test_a_constructor_failing_at_every_step_leaks_nothing(fake) -> None:  # typ
     with HostPool(8, 4096) as pool:
         half = pool.nbytes // 2
         regions = [(pool.address, half), (pool.address + half, half)]
+        dev = np.zeros(4096, np.uint8)
+        fake.on_gpu(dev)
+        assert fake.cudaSetDevice(0) == 0  # as torch.cuda.set_device: the copier keeps to it
         gc.collect()
         live, registered = fake.fake_cuda_live_objects(), fake.fake_cuda_registered_bytes()
-        # set device, 3 streams, 1 event, 2 registrations: 7 steps that can fail
+        # 3 streams, 1 event, 2 registrations: 6 steps that can fail
         failures = 0
         for step in range(1, 20):
             fake.fake_cuda_fail_setup(step)
             try:
-                copier = _native.CudaCopier(0, regions, True)
+                copier = _native.CudaCopier(0, regions, [(dev.ctypes.data, dev.nbytes)], True)
             except kvtier.CudaError:
                 failures += 1
                 assert fake.fake_cuda_live_objects() == live, f"leak after failing step {step}"
@@ -75,7 +85,7 @@ def test_a_constructor_failing_at_every_step_leaks_nothing(fake) -> None:  # typ
             del copier
             gc.collect()
             break
-        assert failures == 7
+        assert failures == 6
         assert fake.fake_cuda_live_objects() == live
         assert fake.fake_cuda_registered_bytes() == registered
 
@@ -85,7 +95,7 @@ def test_jobs_give_their_events_back_and_a_failed_event_leaks_nothing(fake, pool
     gc.collect()
     live = fake.fake_cuda_live_objects()
     engine = cuda_engine(pool)
-    copier = _native.CudaCopier(0, [(pool.address, pool.nbytes)], True)
+    copier = make_copier(fake, pool, dev)
     with_copier = fake.fake_cuda_live_objects()
     d = store_desc(dev, pool, 0)
     fake.fake_cuda_fail_setup(2)  # the job's end event cannot be created
@@ -108,7 +118,7 @@ def test_jobs_give_their_events_back_and_a_failed_event_leaks_nothing(fake, pool
 def test_the_host_side_must_lie_in_the_pool_and_the_engines_memory(fake, pool) -> None:  # type: ignore[no-untyped-def]
     dev = np.zeros(2 * 4096, np.uint8)
     engine = cuda_engine(pool)
-    copier = _native.CudaCopier(0, [(pool.address, pool.nbytes)], True)
+    copier = make_copier(fake, pool, dev)
     past_end = np.array([[dev.ctypes.data, pool.slot_address(3) + 1, 4096]], np.int64)
     with pytest.raises(kvtier.InvalidArgument, match="outside the registered pool"):
         engine.submit_cuda(copier, STORE, past_end)  # a store writes past the pool's end
@@ -132,14 +142,14 @@ def test_copy_job_ids_come_from_the_engine_beside_its_other_jobs(  # type: ignor
     fake, tmp_path, redis_standalone
 ) -> None:
     with HostPool(4, 8192) as pool:  # a disk record: 4 KiB of payload, 4 KiB of trailer
-        interleave(pool, tmp_path, redis_standalone.port)
+        interleave(fake, pool, tmp_path, redis_standalone.port)
 
 
-def interleave(pool: HostPool, tmp_path: Path, redis_port: int) -> None:
+def interleave(fake, pool: HostPool, tmp_path: Path, redis_port: int) -> None:  # type: ignore[no-untyped-def]
     dev = (np.arange(2 * 4096) % 251).astype(np.uint8)
     second = dev[4096:].copy()
     engine = cuda_engine(pool)
-    copier = _native.CudaCopier(0, [(pool.address, pool.nbytes)], True)
+    copier = make_copier(fake, pool, dev)
     ns = bytes(16)
     disk = _native.DiskStore(
         [str(tmp_path / "f")], 1 << 20, "pread", 4, 1 << 20, False, False, ns,
@@ -177,7 +187,7 @@ def interleave(pool: HostPool, tmp_path: Path, redis_port: int) -> None:
 def test_a_deadline_fails_the_job_and_its_events_come_back_at_its_end(fake, pool) -> None:  # type: ignore[no-untyped-def]
     dev = np.full(2 * 4096, 7, np.uint8)
     engine = cuda_engine(pool, deadline_s=0.05)
-    copier = _native.CudaCopier(0, [(pool.address, pool.nbytes)], True)
+    copier = make_copier(fake, pool, dev)
     with_copier = fake.fake_cuda_live_objects()
     fake.fake_cuda_set_delay_us(300_000)  # the GPU is slow: each copy takes 0.3 s
     slow = engine.submit_cuda(copier, STORE, store_desc(dev, pool, 0), queue=STORE)
@@ -210,7 +220,7 @@ def test_a_deadline_fails_the_job_and_its_events_come_back_at_its_end(fake, pool
 def test_wait_honours_its_timeout_and_ctrl_c(fake, pool) -> None:  # type: ignore[no-untyped-def]
     dev = np.zeros(4096, np.uint8)
     engine = cuda_engine(pool)
-    copier = _native.CudaCopier(0, [(pool.address, pool.nbytes)], True)
+    copier = make_copier(fake, pool, dev)
     fake.fake_cuda_set_delay_us(2_000_000)
     job = engine.submit_cuda(copier, STORE, store_desc(dev, pool, 0), queue=STORE)
     with pytest.raises(kvtier.Timeout):
@@ -236,7 +246,7 @@ def test_closing_with_cancel_lets_enqueued_copies_end(fake, pool) -> None:  # ty
     gc.collect()
     live = fake.fake_cuda_live_objects()
     engine = cuda_engine(pool)
-    copier = _native.CudaCopier(0, [(pool.address, pool.nbytes)], True)
+    copier = make_copier(fake, pool, dev)
     fake.fake_cuda_set_delay_us(50_000)
     ids = [
         engine.submit_cuda(copier, STORE, store_desc(dev, pool, s, s * 4096), queue=STORE)

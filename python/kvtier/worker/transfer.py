@@ -131,6 +131,20 @@ def layout_from_tensors(
     )
 
 
+def _allocations(tensors: Sequence[Any]) -> list[tuple[int, int]]:
+    """The memory the KV tensors view, ``(address, bytes)`` sorted, overlapping
+    or touching ranges merged (several layers may view one allocation)."""
+    spans = sorted(_describe(t).memory for t in tensors)
+    out: list[tuple[int, int]] = []
+    for start, n in spans:
+        if out and start <= out[-1][0] + out[-1][1]:
+            s0, n0 = out[-1]
+            out[-1] = (s0, max(s0 + n0, start + n) - s0)
+        else:
+            out.append((start, n))
+    return out
+
+
 class _EngineBackend:
     """What both backends share: their jobs are engine jobs (ids, byte
     budgets, deadlines, poll and wait are the engine's), one serial queue per
@@ -201,12 +215,22 @@ class _CudaBackend(_EngineBackend):
     name = "cuda"
 
     def __init__(
-        self, pool: HostPool, device: int, use_batch: bool, budget_bytes: int, deadline_s: float
+        self,
+        tensors: Sequence[Any],
+        pool: HostPool,
+        device: int,
+        use_batch: bool,
+        budget_bytes: int,
+        deadline_s: float,
     ) -> None:
         from kvtier import _native
+        from kvtier.worker import cuda_runtime
 
+        cuda_runtime.load()  # finds pip's libcudart even where torch is not imported
+        # The copier checks once that these are memory of `device` and then
+        # that every descriptor's device side lies in one of them.
         self.copier: _native.CudaCopier | None = _native.CudaCopier(
-            device, [(pool.address, pool.nbytes)], use_batch
+            device, [(pool.address, pool.nbytes)], _allocations(tensors), use_batch
         )
         super().__init__(3, budget_bytes, deadline_s)
         self.engine.register_pool(pool)
@@ -305,7 +329,7 @@ class DeviceTransfer:
         else:
             if device is None:
                 device = int(dev.split(":")[1]) if ":" in dev else 0
-            self._b = _CudaBackend(pool, device, use_batch, budget_bytes, deadline_s)
+            self._b = _CudaBackend(self._tensors, pool, device, use_batch, budget_bytes, deadline_s)
         self.backend = self._b.name
         # The caller's jobs, one engine job each; a timed-out one held (its
         # slots kept from later jobs' ordering) until the engine releases it.
@@ -377,7 +401,10 @@ class DeviceTransfer:
         stream: int | None = None,
     ) -> bool:
         """KV blocks -> host slots, after the compute ``stream``'s work so far
-        (default: torch's current stream for CUDA tensors). False when full."""
+        (a CUDA stream handle of the tensors' device; default: torch's current
+        stream there, whose handle is 0 for torch's default stream: the
+        legacy default stream, which is waited for like any other). False
+        when full."""
         if not self.is_writer:
             self._acks.append(TransferResult(job_id, True, 0, 0.0))
             return True
@@ -396,6 +423,8 @@ class DeviceTransfer:
         tensors: tuple[int, int] | None = None,
     ) -> bool:
         """Host slots -> KV blocks. Expedited loads have their own queue/stream.
+        Like a store, the copies wait for the work queued so far on the
+        compute ``stream`` (a kernel still reading the blocks keeps its bytes).
 
         ``fences``: per slot, the armed value of a write still filling it
         (:meth:`HostPool.arm_fences`; 0 for a slot already filled): its
@@ -427,6 +456,8 @@ class DeviceTransfer:
         )
 
     def _stream(self, stream: int | None) -> int:
+        """The compute stream jobs wait for: ``stream``, else torch's current
+        stream of the tensors' device, else 0 (the legacy default stream)."""
         if stream is not None or self.backend != "cuda":
             return int(stream or 0)
         t = self._tensors[0]
@@ -500,6 +531,7 @@ class DeviceTransfer:
         if isinstance(self._b, _CudaBackend) and self._b.copier is not None:
             return {
                 "backend": "cuda",
+                "device": self._b.copier.device,
                 "runtime": self._b.copier.runtime_path,
                 "runtime_version": self._b.copier.runtime_version,
                 **self._b.copier.stats(),
