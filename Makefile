@@ -8,7 +8,7 @@ SYS_PACKAGES := liburing-dev libisal-dev libssl-dev openssl zlib1g-dev libgtest-
 TORCH_SPEC := torch==2.13.0
 JOBS ?= 2
 
-.PHONY: all sysdeps venv engine-venv install demo test test-py test-cpp wheel wheel-all bench bench-serve soak lint format clean
+.PHONY: all sysdeps venv engine-venv install demo test test-py test-cpp wheel wheel-all bench bench-serve soak lint format clean gpu-check
 
 all: install
 
@@ -106,6 +106,13 @@ soak: install
 bench-serve: install engine-venv
 	$(VENV)/bin/kvtier bench serve --python $(EPY)
 	$(VENV)/bin/kvtier bench serve --server --python $(EPY)
+
+# On the GPU machine (no network, nothing installed by hand): build from the
+# tree, tests/gpu, doctor and `kvtier bench copy --device cuda`, JSON and logs
+# to $$OUT (bench/gpu_check.sh says what each file holds). No venv: it uses
+# the machine's python3, torch and build tools.
+gpu-check:
+	bash bench/gpu_check.sh
 
 # The C++ unit tests, plain and under ASan+UBSan and TSan.
 test-cpp: sysdeps

@@ -1,12 +1,12 @@
 // The disk tier's native index (core/disk/index.h) as kvtier._native.DiskIndex.
 // Digests cross as 16-byte bytes; bulk paths (checkpoint, warm restart) as
 // numpy arrays and buffers, so a restart never loops over records in Python.
-#include <zlib.h>
 
 #include <cstring>
 
 #include "../core/disk/index.h"
 #include "bindings.h"
+#include "zcrc32.h"
 
 namespace kvtier::bindings {
 
@@ -373,7 +373,7 @@ void bind_disk_index(py::module_& m) {
                 const bool v1 = !v2 && off + kJournalEntryBytesV1 <= n &&
                                 std::memcmp(e, kJournalMagicV1, sizeof kJournalMagicV1) == 0;
                 const std::size_t crc_at = v2 ? kJournalCrc : kJournalEntryBytesV1 - 4;
-                if (!(v1 || v2) || crc32(0L, e, static_cast<uInt>(crc_at)) !=
+                if (!(v1 || v2) || zlib_crc32(e, crc_at) !=
                                        load_le<std::uint32_t>(e + crc_at))
                   break;  // torn tail: everything after it is ignored
                 off += v2 ? kJournalEntryBytes : kJournalEntryBytesV1;

@@ -16,6 +16,9 @@
 #ifndef KVTIER_SSL_BUILD
 #define KVTIER_SSL_BUILD "unknown"
 #endif
+#ifndef KVTIER_ZLIB_BUILD
+#define KVTIER_ZLIB_BUILD "unknown"
+#endif
 
 namespace kvtier::bindings {
 
@@ -167,6 +170,7 @@ PYBIND11_MODULE(_native, m) {
     d["io_uring"] = KVTIER_URING_BUILD;
     d["isa_l"] = KVTIER_ISAL_BUILD;
     d["tls"] = KVTIER_SSL_BUILD;
+    d["zlib"] = KVTIER_ZLIB_BUILD;
     return d;
   });
 }

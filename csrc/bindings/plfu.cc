@@ -9,14 +9,13 @@
 // call is a few hundred nanoseconds of Python.
 #include "../core/disk/plfu.h"
 
-#include <zlib.h>
-
 #include <functional>
 #include <new>
 #include <optional>
 #include <string_view>
 
 #include "bindings.h"
+#include "zcrc32.h"
 
 namespace kvtier::bindings {
 
@@ -95,8 +94,7 @@ class HostPlfu {
     // A 64-bit hash names the key in ghosts and miniatures (libstdc++'s, fixed
     // seed: the same in every run); crc32 samples it as plfu.py does.
     const std::uint64_t h = std::hash<std::string_view>{}(kb.view);
-    const auto crc = static_cast<std::uint32_t>(crc32(
-        0L, reinterpret_cast<const Bytef*>(kb.view.data()), static_cast<uInt>(kb.view.size())));
+    const std::uint32_t crc = zlib_crc32(kb.view.data(), kb.view.size());
     std::uint32_t id = 0;
     if (!take_id(&id)) return false;
     // One int object per id, kept: most ids are above the interpreter's small ints.

@@ -321,3 +321,17 @@ def test_doctor_reports_the_runtime_and_each_gpu(fake) -> None:  # type: ignore[
             "registered_host_pointer_usable": True,
         }
     ]
+
+
+def test_gpu_check_script_parses_and_names_its_outputs() -> None:
+    # `make gpu-check` runs on the GPU machine only; here: it parses, and the
+    # files it promises are the ones it writes (at most 8 come back).
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    written = {"build.log", "tests.log", "doctor.json", "bench.json", "bench.log", "gpu-check.json"}
+    for name in written:
+        assert name in text, name
+    assert len(written) <= 8
