@@ -47,6 +47,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _cmd_bench_sglang(args)
     if args.component == "route":
         return _cmd_bench_route(args)
+    if args.component == "copy" and args.device == "cuda":
+        return _cmd_bench_copy_cuda(args)
     args.repeats = args.repeats or 5
     if args.component == "copy":
         sizes = [parse_size(args.block_bytes)] if args.block_bytes else None
@@ -123,6 +125,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(json.dumps(r))
         _print_json_last(results[-1])
     return 0
+
+
+def _cmd_bench_copy_cuda(args: argparse.Namespace) -> int:
+    """``kvtier bench copy --device cuda``: see :mod:`kvtier.bench.device_cuda`.
+    Without a CUDA GPU: InvalidArgument (one line, status 2) before any work."""
+    from kvtier.bench.device_cuda import run_device_cuda, settings
+    from kvtier.bench.device_cuda_report import table
+    from kvtier.bench.harness import output_dir, save_result
+
+    if args.block_bytes:
+        raise InvalidArgument("--device cuda measures vLLM's block sizes: give --tokens")
+    s = settings(args.tokens, args.layouts, args.repeats, args.quick)
+    result = run_device_cuda(s, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    path = save_result(result, output_dir(args.out, "bench"))
+    return _table_or_json(args, result, table(result), path)
 
 
 def _cmd_bench_disk_index(args: argparse.Namespace) -> int:
@@ -384,9 +401,24 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     o = b.add_argument_group("copy")
     o.add_argument(
         "--device",
-        choices=["host", "cpu"],
+        choices=["host", "cpu", "cuda"],
         default="host",
-        help="host: pool<->buffer copies; cpu: DeviceTransfer with a CPU KV cache",
+        help="host: pool<->buffer copies; cpu: DeviceTransfer with a CPU KV cache; cuda: "
+        "DeviceTransfer on this GPU against torch's copies and the pinned-copy ceiling "
+        "(needs torch with CUDA; --json PATH writes the JSON there too)",
+    )
+    o.add_argument(
+        "--tokens", help="--device cuda: tokens per block, comma-separated (default 16,64,256,512)"
+    )
+    o.add_argument(
+        "--layouts",
+        help="--device cuda: comma-separated of per_layer, kv_split, cross_layer, mla "
+        "(default all)",
+    )
+    o.add_argument(
+        "--quick",
+        action="store_true",
+        help="--device cuda: a smoke run (64 MiB per run, 16 and 256 tokens, 2 repeats)",
     )
     o = b.add_argument_group("disk, vllm, sglang")
     o.add_argument(
