@@ -110,6 +110,12 @@ HostPool HostPool::create(std::size_t num_slots, std::size_t slot_bytes, std::st
   pool.owner_ = true;  // from here on the destructor unlinks the name
   if (::ftruncate(fd.get(), static_cast<off_t>(total)) != 0)
     throw_errno("ftruncate of pool " + name, errno);
+  // Reserve the pages now: a /dev/shm too small for the pool (a container's
+  // 64 MiB default) is then ENOSPC here, not SIGBUS at the first touch of a
+  // page past its end (the prefault, or a copy on a worker thread).
+  if (int e = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(total));
+      e != 0 && e != EOPNOTSUPP && e != EINVAL)
+    throw_errno("reserving " + std::to_string(total) + " bytes of /dev/shm for pool " + name, e);
   pool.map(fd.get(), total);
   pool.num_slots_ = num_slots;
   pool.slot_bytes_ = slot_bytes;

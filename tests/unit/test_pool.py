@@ -127,3 +127,31 @@ def test_pools_of_dead_creators_are_reaped_live_ones_kept() -> None:
         assert os.path.exists(f"/dev/shm/{live.name}")
         assert HostPool.reap_stale() == 0  # nothing stale left; the live pool stays
         assert HostPool.attach(live.name).num_slots == 2
+
+
+def test_a_pool_larger_than_dev_shm_fails_with_enospc_not_sigbus() -> None:
+    # A container's /dev/shm is often 64 MiB: a bigger pool must be refused
+    # with ENOSPC when it is made, not kill the process with SIGBUS when a
+    # page past the end is first touched. A child with a 16 MiB /dev/shm of
+    # its own (a private mount namespace: root and unshare needed).
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare for a private /dev/shm")
+    code = (
+        "import errno, kvtier\nfrom kvtier.pool import HostPool\n"
+        "try:\n    HostPool(64, 1 << 20)\nexcept kvtier.IoError as e:\n"
+        "    print('refused', e.errno == errno.ENOSPC)\n"
+        "with HostPool(4, 1 << 20) as p:\n    p.view(3)[:] = 1; print('small ok')\n"
+    )
+    script = f'mount -t tmpfs -o size=16m tmpfs /dev/shm && exec {sys.executable} -c "$0"'
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, code],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    if out.returncode != 0 and "mount" in out.stderr and "refused" not in out.stdout:
+        pytest.skip(f"cannot mount a private /dev/shm here: {out.stderr.strip()}")
+    assert out.stdout.split("\n")[:2] == ["refused True", "small ok"], (out.returncode, out.stderr)
