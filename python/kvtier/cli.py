@@ -168,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="lru",
         help="host tier: lru | arc | plfu | belady (offline bound) | dotted.path.Class",
     )
+    r.add_argument(
+        "--no-prefix-eviction",
+        dest="prefix_eviction",
+        action="store_false",
+        help="host tier: the policy's victims as ranked, not tails of prefix chains first",
+    )
     r.add_argument("--admit-after", type=int, default=1, help="store a key after N offers")
     r.add_argument(
         "--lower-admit-after",

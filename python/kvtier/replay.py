@@ -61,6 +61,11 @@ class ReplayResult:
     verify_failures: int = 0
     store_rejections: int = 0
     load_latency_ms: list[float] = field(default_factory=list)
+    # Per tier, at the end: blocks held whose predecessor in their prefix
+    # chain is gone from that tier (lookups walk a prefix from its start, so
+    # such a block can never hit there again); and the mean over the samples.
+    stranded: dict[str, int] = field(default_factory=dict)
+    stranded_mean: dict[str, float] = field(default_factory=dict)
     transfer_seconds: float = 0.0
     wall_s: float = 0.0
     series: list[dict[str, float]] = field(default_factory=list)
@@ -92,6 +97,8 @@ class ReplayResult:
             },
             "verify_failures": self.verify_failures,
             "store_rejections": self.store_rejections,
+            "stranded_blocks": dict(self.stranded),
+            "stranded_blocks_mean": {k: round(v, 1) for k, v in self.stranded_mean.items()},
             "wall_s": round(self.wall_s, 3),
             **(extra or {}),
         }
@@ -177,12 +184,24 @@ class Replayer:
         self.series_every = series_every
         self.result = ReplayResult(hit_blocks={t: 0 for t in self.tier_names})
         self._job = 0
+        # Each key's predecessor in its request's prefix (a trace's hashes are
+        # chained: a hash names its whole prefix, so this is one key each).
+        self._pred: dict[bytes, bytes] = {}
+        self._stranded_sum: dict[str, int] = {}
+        self._stranded_samples = 0
 
     @property
     def tier_names(self) -> list[str]:
         return [self.m.host.name] + [t.name for t in self.m.lower]
 
-    def _lookup_prefix(self, keys: list[bytes]) -> int:
+    def note_chain(self, keys: Sequence[bytes]) -> None:
+        """A request's keys, in prefix order: each one's predecessor (for
+        :meth:`stranded`)."""
+        self._pred.update(zip(keys[1:], keys))
+
+    def lookup_prefix(self, keys: list[bytes]) -> int:
+        """Look ``keys`` up in order until the first MISS, stepping the
+        manager while some are pending; the number of leading HITs."""
         for _ in range(MAX_PENDING_STEPS):
             hits, pending = 0, False
             with self.m.lock:
@@ -208,7 +227,8 @@ class Replayer:
         if self.on_request is not None:
             self.on_request(res.requests)
         keys = [key_of(h) for h in hash_ids]
-        hits = self._lookup_prefix(keys)
+        self.note_chain(keys)
+        hits = self.lookup_prefix(keys)
         gpu = np.arange(len(keys), dtype=np.int64)
         with self.m.lock:
             self.m.on_new_request()
@@ -258,7 +278,7 @@ class Replayer:
         res.requests += 1
         res.block_refs += len(keys)
         if res.requests % self.series_every == 0:
-            self._sample()
+            self.sample()
 
     def _submit(self, fn: Any) -> None:
         for _ in range(10000):
@@ -270,11 +290,32 @@ class Replayer:
     def _drain(self) -> bool:
         return all(r.success for r in self.transfer.get_finished())
 
-    def _sample(self) -> None:
+    def stranded(self, lower: bool = False) -> dict[str, int]:
+        """Per tier, the blocks it holds whose chain predecessor it does not
+        hold: the host tier from its index; with ``lower``, each lower tier
+        by its lookups of every key of the trace so far (a tier that cannot
+        answer at once, RETRY, counts as not holding the key)."""
+        pred = self._pred
+        held = self.m.host.entries
+        out = {self.m.host.name: sum(1 for k in held if k in pred and pred[k] not in held)}
+        for t in self.m.lower if lower else ():
+            keys = {k for pair in pred.items() for k in pair}
+            have = {k for k in keys if t.lookup(k) is LookupResult.HIT}
+            out[t.name] = sum(1 for k in have if k in pred and pred[k] not in have)
+        return out
+
+    def sample(self) -> None:
+        """Append a point to the result's series (hit rates, stranded blocks)."""
         res = self.result
         point = {"requests": float(res.requests), "hit_rate": res.hit_rate}
         for t, n in res.hit_blocks.items():
             point[t] = n / res.block_refs if res.block_refs else 0.0
+        res.stranded = self.stranded()
+        self._stranded_samples += 1
+        for t, n in res.stranded.items():  # the host tier's, every sample
+            self._stranded_sum[t] = self._stranded_sum.get(t, 0) + n
+            point[f"stranded {t}"] = float(n)
+        res.stranded_mean = {t: v / self._stranded_samples for t, v in self._stranded_sum.items()}
         res.series.append(point)
 
     def run(self, trace: Sequence[Sequence[int]], progress: bool = True) -> ReplayResult:
@@ -294,7 +335,9 @@ class Replayer:
                 if not self.m.has_pending_work():
                     break
                 self.m.on_schedule_end()
-        self._sample()
+        self.sample()
+        with self.m.lock:
+            self.result.stranded = self.stranded(lower=True)
         self.result.wall_s = time.perf_counter() - t0
         return self.result
 
@@ -323,6 +366,10 @@ def _format_table(res: ReplayResult, js: dict[str, Any]) -> str:
             f"{js['load_latency_ms']['p50']} / {js['load_latency_ms']['p99']} ms",
         ),
         ("verify failures", f"{res.verify_failures}"),
+        (
+            "stranded blocks",
+            ", ".join(f"{t} {n:,}" for t, n in res.stranded.items()) or "none",
+        ),
         ("wall time", f"{res.wall_s:.1f} s"),
     ]
     w = max(len(a) for a, _ in rows)
@@ -359,6 +406,7 @@ class ReplayOptions:
     host: str | None = None
     host_blocks: int | None = None
     policy: str = "lru"
+    prefix_eviction: bool = True
     admit_after: int = 1
     lower_admit_after: int = 1
     cascade_on_hit: bool = False
@@ -457,7 +505,13 @@ def main_replay(args: ReplayOptions) -> int:
 
         policy = BeladyPolicy(trace, key_of)
         on_request = policy.advance
-    host = HostTier(pool, capacity, policy=policy, admit_after=args.admit_after)
+    host = HostTier(
+        pool,
+        capacity,
+        policy=policy,
+        admit_after=args.admit_after,
+        prefix_aware=args.prefix_eviction,
+    )
     manager = TieredOffloadingManager(host, lower, cascade_on_hit=args.cascade_on_hit)
     cap_txt = "unbounded" if capacity is None else f"{capacity:,} blocks"
     print(

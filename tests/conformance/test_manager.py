@@ -128,12 +128,13 @@ def test_failed_store_drops_keys_and_frees_slots(pool: HostPool, policy: str) ->
 
 def test_events(pool: HostPool, policy: str) -> None:
     m = make(pool, policy, capacity=2)
-    store(m, [K(1), K(2)])
+    store(m, [K(1), K(2)])  # one offer: a chain, K(2) after K(1)
+    m.on_request_finished()
     store(m, [K(3)])
     ev = m.take_events()
     assert [(e.tier, e.removed, e.keys) for e in ev] == [
         ("host", False, [K(1), K(2)]),
-        ("host", True, [K(1)]),
+        ("host", True, [K(2)]),  # the chain's tail goes first, under every policy
         ("host", False, [K(3)]),
     ]
     assert m.take_events() == []

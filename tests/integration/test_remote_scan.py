@@ -343,6 +343,10 @@ def test_a_fenced_read_that_fails_fails_its_copy_and_is_dropped(fenced: Fenced) 
     assert m.occupancy()["writing"] == 0 and m.occupancy()["pinned"] == 0
     m.load_failed(spec)  # as KVTierConnector reports a job of them all
     assert len(m.host) == 0 and m.host.free_slots == 16
+    # K(2) was HIT but never announced stored: a metadata-only removal (issue 49).
+    host = [e for e in m.take_events() if e.tier == "host"]
+    assert [e.keys for e in host if e.metadata_only] == [[K(2)]]
+    assert all(K(2) not in e.keys for e in host if not e.metadata_only)
 
 
 def test_a_fenced_read_failing_in_the_step_of_its_hit_still_fails_its_load(
@@ -378,4 +382,10 @@ def test_a_fenced_read_failing_in_the_step_of_its_hit_still_fails_its_load(
     assert K(2) not in m.host.entries and K(3) in m.host.entries  # K(3): no load yet
     m.on_schedule_end()
     assert K(3) not in m.host.entries and m.occupancy()["writing"] == 0
+    host = [e for e in m.take_events() if e.tier == "host"]
+    # K(2) and K(3) were HIT, never announced stored: metadata-only removals
+    # (so are the other requests' probes of keys Redis lacks).
+    forgotten = [k for e in host if e.metadata_only for k in e.keys]
+    assert [k for k in forgotten if k in keys] == [K(2), K(3)]
+    assert not any(e.removed for e in host if not e.metadata_only)
     assert m.host.free_slots == 16 - 2  # K(0), K(1) stay

@@ -118,10 +118,11 @@ Seq = list[tuple[str, str, list[int]]]
 
 
 def seen(events: list[TierEvent]) -> Seq:
-    """Events as (tier, "stored" | "removed", block indexes): a key ``V(i)``
-    and its event id both give ``i``."""
+    """Events as (tier, "stored" | "removed" | "forgotten", block indexes): a
+    key ``V(i)`` and its event id both give ``i``; "forgotten" is a
+    metadata-only removal (a block never announced stored)."""
     return [
-        (e.tier, "removed" if e.removed else "stored",
+        (e.tier, "forgotten" if e.metadata_only else "removed" if e.removed else "stored",
          [int.from_bytes(k[:32], "big") for k in e.keys]
          + [int.from_bytes(n[:8], "big") for n in e.ids])
         for e in events
@@ -155,11 +156,15 @@ def offer(m: TieredOffloadingManager, ids: list[int], complete: bool = True) -> 
 
 def holds(history: Seq) -> dict[str, set[int]]:
     """What each tier holds by its events: stored minus removed, in order
-    (a block is never removed before it was stored, nor stored twice)."""
+    (a block is never removed before it was stored, nor stored twice, nor
+    forgotten while held)."""
     out: dict[str, set[int]] = {}
     for tier, op, blocks in history:
         have = out.setdefault(tier, set())
         for b in blocks:
+            if op == "forgotten":
+                assert b not in have, (tier, op, b)
+                continue
             assert (b in have) == (op == "removed"), (tier, op, b)
             (have.discard if op == "removed" else have.add)(b)
     return out
@@ -191,7 +196,9 @@ def tiers(
     pool = HostPool(host_slots, record_bytes(SEQ_BLOCK))
     disk = DiskTier(disk_dir, disk_records * record_bytes(SEQ_BLOCK), SEQ_BLOCK, reserve_bytes=0)
     redis = RemoteTier(url, SEQ_BLOCK, namespace=str(uuid.uuid4()), known_ttl_s=3600.0, **remote)
-    m = TieredOffloadingManager(HostTier(pool, host_slots), [disk, redis])
+    # Plain LRU in the host tier: these sequences follow blocks through the
+    # tiers, not prefixes (their offers are not chains).
+    m = TieredOffloadingManager(HostTier(pool, host_slots, prefix_aware=False), [disk, redis])
     try:
         yield m, disk, redis
     finally:
@@ -222,11 +229,13 @@ def test_host_disk_and_redis_through_evictions_a_corrupt_record_and_a_reset(
                           ("disk", "removed", [0]), ("disk", "stored", [4]),
                           ("remote", "stored", [4])])  # fmt: skip
         # A corrupt record: its promotion fails its check, the disk tier drops
-        # it; the block promoted never became readable, so the host tier says
-        # nothing of it (only of the block it evicted for the slot).
+        # it; the block promoted never became readable, so the host tier only
+        # forgets it (a metadata-only removal: the lookup said HIT_PENDING),
+        # and removes the block it evicted for the slot.
         corrupt(disk, V(1))
         assert m.lookup(V(1)) is LookupResult.HIT_PENDING
-        step(drained(m), [("host", "removed", [2]), ("disk", "removed", [1])])
+        step(drained(m), [("host", "removed", [2]), ("host", "forgotten", [1]),
+                          ("disk", "removed", [1])])  # fmt: skip
         assert disk.stats()["corrupt"] == 1 and m.stats.promotion_failures == 1
         # Looked up again: Redis has it.
         assert m.lookup(V(1)) is LookupResult.HIT_PENDING

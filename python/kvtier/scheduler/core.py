@@ -26,6 +26,9 @@ class Core:
     options: ManagerOptions
     stats: ManagerStats = field(default_factory=ManagerStats)
     events: list[TierEvent] = field(default_factory=list)
+    # Metadata-only removals among ``events``: take_events filters those only
+    # (most steps have none, and a scan of every event would be per step).
+    unannounced_events: int = 0
     # Keys some lookup reported HIT or HIT_PENDING since the last step end: a
     # promotion or read-ahead must not evict them, or a prefix longer than
     # the host tier would evict its own head while its tail is promoted (and
@@ -41,6 +44,17 @@ class Core:
         """Host blocks went away (evicted, dropped, reset): tell the engine."""
         if keys:
             self.events.append(TierEvent(list(keys), self.host.name, removed=True))
+
+    def unannounced(self, keys: Sequence[bytes]) -> None:
+        """Host blocks that were never announced readable went away (a
+        failed store, promotion or fenced read): a metadata-only removal,
+        so that an engine forgets what a lookup of them (HIT_PENDING, or
+        HIT for a fenced read) told it, and nothing public is removed."""
+        if keys:
+            self.events.append(
+                TierEvent(list(keys), self.host.name, removed=True, metadata_only=True)
+            )
+            self.unannounced_events += 1
 
     def readable(self, keys: Sequence[bytes]) -> None:
         """Host blocks became readable (stored, promoted): tell the engine."""

@@ -119,7 +119,13 @@ class Fills:
         self.count -= 1
 
     def _drop(self, keys: Iterable[bytes]) -> None:
+        """Drop blocks whose fenced read failed. Lookups reported them HIT
+        but they were never announced stored (a fill is announced when its
+        read ends well): a metadata-only removal."""
+        gone = []
         for k in list(keys):
             if self.core.host.drop(k) is not None:
                 self.count -= 1
+                gone.append(k)
             self._failed.discard(k)
+        self.core.unannounced(gone)

@@ -42,6 +42,17 @@ def _req_id(req_context: Any) -> Any:
     return getattr(req_context, "req_id", None)
 
 
+def _group(key: bytes) -> bytes:
+    """The chain a key belongs to among a request's keys: vLLM's OffloadKey
+    ends in its KV-cache group's 4-byte index (a key of 12 bytes or more, as
+    :func:`kvtier.tiers.events.vllm_event_id` reads it); shorter keys form
+    one chain."""
+    return key[-4:] if len(key) >= 12 else b""
+
+
+_MISS_HINTS = 1 << 16  # keys whose scan predecessor is remembered for their store
+
+
 def _check_keys(keys: Iterable[bytes]) -> list[bytes]:
     out = list(keys)
     for k in out:
@@ -81,6 +92,14 @@ class TieredOffloadingManager:
         self._streams = Streams(core)
         self._lock = threading.Lock()
         self._polled = False  # tiers polled by a lookup since the last step end
+        # Prefix chains, for the host tier's prefix-aware eviction: the key a
+        # scan looked up last (HIT or pending: the one before the next); the
+        # predecessor of each key a scan stopped at (MISS: the first block
+        # the request will offer); each live request's last offered key per
+        # group (the predecessor of its next offer's first).
+        self._scan_prev: bytes | None = None
+        self._miss_prev: dict[bytes, bytes] = {}
+        self._last_offer: dict[tuple[Any, bytes], bytes] = {}
         self._closed = False
         # The shared state again as plain attributes: the calls below run per
         # key, and a property costs a call each time (measured, kvtier bench
@@ -114,7 +133,19 @@ class TieredOffloadingManager:
         self.stats.lookups[r.name.lower()] += 1
         if r is LookupResult.HIT or r is LookupResult.HIT_PENDING:
             self._core.scanned.add(key)
+            self._scan_prev = key
+        elif self._scan_prev is not None:  # the scan ends here
+            prev, self._scan_prev = self._scan_prev, None
+            if r is LookupResult.MISS and _group(prev) == _group(key):
+                if len(self._miss_prev) >= _MISS_HINTS:
+                    del self._miss_prev[next(iter(self._miss_prev))]
+                self._miss_prev[key] = prev
         return r
+
+    def _scan_parent(self, key: bytes) -> bytes | None:
+        """The key a scan looked up just before ``key``, of its chain."""
+        p = self._scan_prev
+        return p if p is not None and _group(p) == _group(key) else None
 
     def _lookup(self, key: bytes) -> LookupResult:
         core = self._core
@@ -150,7 +181,7 @@ class TieredOffloadingManager:
                 return LookupResult.MISS
             (slot,), evicted = got
             core.removed(evicted)
-            core.host.add_writing(key, slot, source=tier.name)
+            core.host.add_writing(key, slot, source=tier.name, parent=self._scan_parent(key))
             self._movement.promote(i, [key])
             return LookupResult.HIT_PENDING
         return LookupResult.MISS
@@ -261,11 +292,12 @@ class TieredOffloadingManager:
                 self.stats.not_admitted += 1
                 continue
             to_store.append(k)
-        got = host.allocate(len(to_store), protected=seen, partial=True) if to_store else ([], [])
+        got = self._allocate(len(to_store), seen) if to_store else ([], [])
         slots, evicted = got if got is not None else ([], [])
+        parents = self._parents(keys, _req_id(req_context))
         if len(slots) == len(to_store):  # all fit (the common case: no copies of lists)
             for k, s in zip(to_store, slots):
-                host.add_writing(k, s)
+                host.add_writing(k, s, parent=parents.get(k))
             self._core.removed(evicted)
             return PrepareStoreResult(to_store, HostSpec(np.asarray(slots, np.int64)), evicted)
         host_keys, rest = to_store[: len(slots)], to_store[len(slots) :]
@@ -279,18 +311,69 @@ class TieredOffloadingManager:
         if got is None and not streamed:
             return None
         for k, s in zip(host_keys, slots):
-            host.add_writing(k, s)
+            host.add_writing(k, s, parent=parents.get(k))
         self._core.removed(evicted)
         all_slots = np.asarray(list(slots) + [-1] * len(streamed), np.int64)
         return PrepareStoreResult(host_keys + streamed, HostSpec(all_slots, stream), evicted)
 
+    def _allocate(self, n: int, offer: set[bytes]) -> tuple[list[int], list[bytes]] | None:
+        """Slots for ``n`` new blocks of an offer, as ``partial_stores`` says
+        when not all fit (see :class:`ManagerOptions`)."""
+        host, mode = self.host, self.options.partial_stores
+        if mode == "prefix":
+            return host.allocate(n, protected=offer, partial=True)
+        got = host.allocate(n, protected=offer)
+        if got is not None or mode == "none":
+            return got
+        free = min(n, host.free_slots)  # "free": what fits without evicting
+        return host.allocate(free) if free else None
+
+    def _parents(self, offer: list[bytes], req: Any) -> dict[bytes, bytes]:
+        """Each offered key's predecessor in its chain: the key offered before
+        it (of its group: vLLM offers group by group), else the request's
+        last offered key of that group, else the key its scan looked up
+        before it. Remembers the offer's last key per group for the
+        request's next offer; an offer with no request (None) is chained
+        within itself only: such callers may never say it ended."""
+        out: dict[bytes, bytes] = {}
+        last = self._last_offer if req is not None else None
+        miss = self._miss_prev
+        prev: bytes | None = None
+        prev_g: bytes | None = None
+        for k in offer:
+            g = _group(k)
+            if g == prev_g:
+                out[k] = prev  # type: ignore[assignment]  # set with prev_g
+            else:  # the offer's first key of a group
+                if last is not None and prev is not None:
+                    last[(req, prev_g)] = prev  # type: ignore[index]
+                p = last.get((req, g)) if last is not None else None
+                if p is None and miss:
+                    p = miss.pop(k, None)
+                if p is not None:
+                    out[k] = p
+                prev_g = g
+            prev = k
+        if last is not None and prev is not None:
+            last[(req, prev_g)] = prev  # type: ignore[index]
+        return out
+
     def complete_store(
         self, keys: Collection[bytes], req_context: Any = None, success: bool = True
     ) -> None:
-        """Stored blocks become readable (or are dropped on failure); starts the cascade."""
+        """Stored blocks become readable, announced stored, and their cascade
+        to lower tiers starts; on failure they are dropped with a
+        metadata-only removal (a lookup may have seen them HIT_PENDING).
+
+        Who calls: the engine, once every worker finished the store job of
+        ``keys`` (a :meth:`prepare_store` result). Non-blocking."""
         stored = []
+        failed = []
         host, writes, lower = self.host, self._streams.writes, self.lower
         for k in keys:
+            # A streamed write needs no event either way here: until it is
+            # committed its tier answers MISS (disk) or RETRY (Redis), never
+            # HIT_PENDING, and the tier itself announces it once readable.
             if writes and self._streams.commit(k, success):
                 continue  # written by the worker straight to a lower tier
             e = host.entries.get(k)
@@ -298,19 +381,29 @@ class TieredOffloadingManager:
                 continue  # not ours to complete (reset, or a promotion)
             if not success:
                 host.drop(k)
-                self.stats.store_failures += 1
+                failed.append(k)
                 continue
             host.mark_ready(k)
             stored.append(k)
             if lower:
                 self._movement.cascade(k)
+        if failed:
+            self.stats.store_failures += len(failed)
+            self._core.unannounced(failed)
         self.stats.stores += len(stored)
         self._core.readable(stored)
 
     def on_new_request(self, req_context: Any = None) -> None:
+        self._scan_prev = None  # its scan begins: not the last request's successor
         return None
 
     def on_request_finished(self, req_context: Any = None) -> None:
+        """No more offers from this request: forget its chain ends."""
+        req = _req_id(req_context)
+        if self._last_offer:
+            for rk in [rk for rk in self._last_offer if rk[0] == req]:
+                del self._last_offer[rk]
+        self._scan_prev = None
         return None
 
     def on_schedule_end(self, context: Any = None) -> None:
@@ -326,8 +419,29 @@ class TieredOffloadingManager:
             self._movement.poll()
 
     def take_events(self) -> list[TierEvent]:
-        """Stored/removed events of every tier, oldest first."""
-        ev, self._core.events = self._core.events, []
+        """Stored/removed events of every tier, oldest first.
+
+        A metadata-only removal (:attr:`TierEvent.metadata_only`) leaves out
+        the keys that the host tier holds again by now (a retried store or a
+        new promotion owns them: forgetting them would lose what the engine
+        learned of the new write), and is left out when none is left, as
+        vLLM's CPUOffloadingManager does. Who calls: the engine, once a step
+        or more, under the lock. Non-blocking."""
+        core = self._core
+        ev, core.events = core.events, []
+        if core.unannounced_events:  # rare: a write failed since the last call
+            core.unannounced_events = 0
+            entries = self.host.entries
+            kept = []
+            for e in ev:
+                if e.metadata_only:
+                    keys = [k for k in e.keys if k not in entries]
+                    if not keys:
+                        continue
+                    if len(keys) < len(e.keys):
+                        e = dataclasses.replace(e, keys=keys)
+                kept.append(e)
+            ev = kept
         for t in self.lower:
             ev.extend(t.take_events())
         return ev

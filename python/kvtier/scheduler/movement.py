@@ -161,7 +161,10 @@ class Movement:
             core.stats.promotions += 1
             core.readable([key])
         else:
+            # Never announced, but a lookup may have reported it HIT_PENDING
+            # (or the read-ahead's probe held it): a metadata-only removal.
             core.host.drop(key)
+            core.unannounced([key])
             if missing:
                 core.stats.probe_misses += 1  # not there: a plain miss
             else:

@@ -29,6 +29,10 @@ answering, a device stuck), lookups do not wait again for this long: a hung
 tier costs the scheduler one deadline, not one per step."""
 
 
+PARTIAL_STORES = ("prefix", "free", "none")
+"""The choices of :attr:`ManagerOptions.partial_stores`, the default first."""
+
+
 @dataclass
 class ManagerOptions:
     """How the manager moves blocks between tiers.
@@ -61,6 +65,16 @@ class ManagerOptions:
     its second offer (``admit_after=2``), a block is then written to disk or
     Redis on its first reuse instead of when it is stored: blocks nobody
     comes back for (a workload without reuse) are never written.
+
+    ``partial_stores``: what ``prepare_store`` does when not every new block
+    of an offer finds a host slot (blocks pinned, being written or offered
+    leave too few to evict). ``"prefix"``: store the longest head of the
+    offer that fits, evicting ready blocks for it (a prefix is looked up
+    from its start, so its head is worth most); ``"free"``: store the head
+    that fits in free slots, evicting nothing; ``"none"``: store nothing
+    (None), as vLLM's own manager does (the engine offers the blocks again).
+    :data:`PARTIAL_STORES` names them; ``bench/policy_sweep.py
+    --partial-stores`` compares them.
     """
 
     streaming: bool = False
@@ -72,8 +86,14 @@ class ManagerOptions:
     probe: bool = False
     fenced: bool = False
     cascade_on_hit: bool = False
+    partial_stores: str = "prefix"
 
     def __post_init__(self) -> None:
+        if self.partial_stores not in PARTIAL_STORES:
+            raise InvalidArgument(
+                f"partial_stores must be one of {', '.join(PARTIAL_STORES)}, "
+                f"got {self.partial_stores!r}"
+            )
         if not self.scan_wait_s >= 0 or self.scan_bytes < 0:
             raise InvalidArgument(
                 f"scan_wait_s and scan_bytes must be >= 0, got {self.scan_wait_s}, "

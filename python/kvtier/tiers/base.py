@@ -70,7 +70,16 @@ class TierEvent:
     (see :func:`kvtier.tiers.events.vllm_event_id`: for a vLLM key, the last 8
     bytes of its block hash then its 4-byte group index, so an event id has
     the shape of a vLLM OffloadKey whose block hash is vLLM's int block
-    hash). A block is named once, by key or by id."""
+    hash). A block is named once, by key or by id.
+
+    ``metadata_only`` (with ``removed``): blocks that were never announced
+    stored went away (their write or promotion failed, or a fenced read of
+    them did), after a lookup may have reported them HIT_PENDING or HIT. No
+    block that was public is removed: a consumer forgets only what it
+    learned of them from lookups (vLLM 0.33's ``OffloadingEvent.metadata_only``;
+    its events tracker drops the payload it kept for the key). The manager's
+    ``take_events`` leaves out a key that a new store or promotion owns
+    again by then."""
 
     keys: list[bytes]
     tier: str
@@ -81,6 +90,7 @@ class TierEvent:
     # of it in the garbage collector's passes over them).
     extra: Mapping[str, Any] = field(default_factory=lambda: _NO_EXTRA)
     ids: Sequence[bytes] = ()
+    metadata_only: bool = False
 
 
 class TierIO(Protocol):

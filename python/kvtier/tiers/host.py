@@ -11,7 +11,7 @@ held while lower tiers copy it (``cascading``).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 
 from kvtier.errors import InvalidArgument
@@ -32,7 +32,7 @@ class Fill(enum.Enum):
     # MISS from now on, its loads fail on the fence; dropped once none holds it
 
 
-@dataclass
+@dataclass(slots=True)
 class HostEntry:
     slot: int
     ref: int = -1  # -1 being written, 0 ready, >0 pinned by loads
@@ -40,6 +40,10 @@ class HostEntry:
     source: str = "host"  # tier the bytes came from (promotion), until first load
     fill: Fill = Fill.NONE
     fence: int = 0  # the armed fence value while ``fill`` is not NONE
+    # Its prefix chain (prefix-aware eviction): the resident block before it
+    # when it was written, and the resident blocks after it.
+    parent: bytes | None = None
+    kids: set[bytes] | None = None
 
     @property
     def evictable(self) -> bool:
@@ -91,6 +95,15 @@ class HostTier:
 
     ``pool=None`` is the no-data mode used by policy studies: ``capacity``
     counts blocks (``None``: unbounded) and slots are just numbers.
+
+    Prefix-aware eviction (``prefix_aware``, under every policy): a block
+    written with its chain predecessor (:meth:`add_writing`'s ``parent``)
+    goes before that parent. Lookups walk a prefix from its start, so a
+    block whose parent is gone can never hit again: when the policy names a
+    victim, the blocks after it in its chains go first, deepest first, then
+    the victim itself. Only when that leaves too few victims (blocks after
+    them pinned, being written or offered) are such parents taken, in the
+    policy's order.
     """
 
     name = "host"
@@ -102,6 +115,7 @@ class HostTier:
         policy: str | EvictionPolicy = "lru",
         admit_after: int = 1,
         max_tracked: int = 1 << 20,
+        prefix_aware: bool = True,
     ) -> None:
         if pool is not None:
             capacity = pool.num_slots if capacity is None else capacity
@@ -123,6 +137,7 @@ class HostTier:
         self._next_virtual = 0  # unbounded mode
         # Slots a timed-out device job may still read or write.
         self._held = SlotHolds(self._free)
+        self.prefix_aware = prefix_aware
 
     # -- queries ---------------------------------------------------------
     def get(self, key: bytes) -> HostEntry | None:
@@ -157,29 +172,157 @@ class HostTier:
         victims: list[bytes] = []
         if need > 0:
             prot = protected if isinstance(protected, (set, frozenset, dict)) else set(protected)
-            for key in self.policy.victims():
-                e = self.entries.get(key)
-                # A held slot would not come free: keep its block instead.
-                if e is not None and e.evictable and key not in prot and e.slot not in self._held:
-                    victims.append(key)
-                    if len(victims) == need:
-                        break
+            victims = self._victims(need, prot)
             if len(victims) < need:
                 if not partial or len(self._free) + len(victims) == 0:
                     return None
                 n = len(self._free) + len(victims)
             for key in victims:
                 self.policy.remove(key, evicted=True)
-                slot = self.entries.pop(key).slot
-                del self._owner[slot]
-                self._free.append(slot)
+                e = self.entries.pop(key)
+                del self._owner[e.slot]
+                if e.parent is not None:
+                    self._unlink(key, e)
+                self._free.append(e.slot)
         return [self._free.pop() for _ in range(n)], victims
 
-    def add_writing(self, key: bytes, slot: int, source: str = "host") -> HostEntry:
-        e = HostEntry(slot=slot, ref=-1, source=source)
+    def _victims(self, need: int, prot: Container[bytes]) -> list[bytes]:
+        """Up to ``need`` evictable keys outside ``prot``, in the policy's
+        order but each chain's tail first (see the class). Pure: neither the
+        policy nor the index changes."""
+        victims: list[bytes] = []
+        entries, held = self.entries, self._held
+        if not self.prefix_aware:
+            for key in self.policy.victims():
+                e = entries.get(key)
+                # A held slot would not come free: keep its block instead.
+                if e is not None and e.evictable and key not in prot and e.slot not in held:
+                    victims.append(key)
+                    if len(victims) == need:
+                        break
+            return victims
+        taken: set[bytes] = set()
+        blocked: set[bytes] = set()  # cannot go: itself or a block after it cannot
+        # Work bound: a chain whose tail cannot go (pinned, being written,
+        # offered) is walked once per allocation; past this many blocks
+        # walked the policy's order alone decides the rest.
+        budget = 8 * need + 256
+        for key in self.policy.victims():
+            e = entries.get(key)
+            if e is None or not e.evictable or key in prot or e.slot in held:
+                continue
+            if e.kids is None:
+                if key not in taken:
+                    victims.append(key)
+                    taken.add(key)
+            elif key not in taken and key not in blocked:
+                budget -= self._take_chain(key, need, victims, taken, blocked, prot)
+            if len(victims) == need or budget <= 0:
+                break
+        if len(victims) < need:
+            # Too few tails could go: parents of blocks that cannot, in order.
+            for key in self.policy.victims():
+                e = entries.get(key)
+                if e is None or not e.evictable or key in prot or e.slot in held:
+                    continue
+                if key not in taken:
+                    victims.append(key)
+                    if len(victims) == need:
+                        break
+        return victims
+
+    def _take_chain(
+        self,
+        root: bytes,
+        need: int,
+        victims: list[bytes],
+        taken: set[bytes],
+        blocked: set[bytes],
+        prot: Container[bytes],
+    ) -> int:
+        """Takes the blocks after ``root`` (all its resident descendants),
+        deepest first, then ``root``, into ``victims`` until ``need``; a block
+        with a descendant that cannot go is ``blocked``. Iterative: chains run
+        thousands of blocks deep. Returns the blocks walked."""
+        entries, held = self.entries, self._held
+        # A plain chain (one block after each): walk down, take from the end.
+        path = [root]
+        kids = entries[root].kids
+        while kids is not None and len(kids) == 1:
+            (child,) = kids
+            ce = entries.get(child)
+            if ce is None or child in taken or child in blocked:
+                break
+            path.append(child)
+            kids = ce.kids
+        if kids is None:
+            for node in reversed(path):
+                e = entries[node]
+                if not e.evictable or node in prot or e.slot in held:
+                    blocked.update(path[: path.index(node) + 1])
+                    return len(path)
+                victims.append(node)
+                taken.add(node)
+                if len(victims) == need:
+                    break
+            return len(path)
+        walked = 0
+        stack: list[tuple[bytes, Iterator[bytes]]] = [(root, iter(entries[root].kids or ()))]
+        while stack:
+            node, children = stack[-1]
+            nxt = next(children, None)
+            if nxt is not None:
+                child = nxt
+                if child in taken or child not in entries:
+                    continue
+                if child in blocked:
+                    blocked.add(node)
+                    continue
+                stack.append((child, iter(entries[child].kids or ())))
+                walked += 1
+                continue
+            stack.pop()
+            e = entries[node]
+            if node in blocked or not e.evictable or node in prot or e.slot in held:
+                blocked.add(node)
+                if stack:
+                    blocked.add(stack[-1][0])
+                continue
+            victims.append(node)
+            taken.add(node)
+            if len(victims) == need:
+                break
+        return walked + 1
+
+    def add_writing(
+        self, key: bytes, slot: int, source: str = "host", parent: bytes | None = None
+    ) -> HostEntry:
+        """``key`` is being written into ``slot``; ``parent``: its predecessor
+        in its prefix chain, kept from eviction while ``key`` is resident."""
+        e = HostEntry(slot, -1, 0, source)
         self.entries[key] = e
         self._owner[slot] = key
+        if parent is not None:
+            # Only a resident parent: a block written after its parent left
+            # is stranded already.
+            pe = self.entries.get(parent)
+            if pe is not None and parent != key:
+                e.parent = parent
+                if pe.kids is None:
+                    pe.kids = {key}
+                else:
+                    pe.kids.add(key)
         return e
+
+    def _unlink(self, key: bytes, e: HostEntry) -> None:
+        """``key`` (entry ``e``) left: its parent has one resident child fewer."""
+        p = e.parent
+        if p is not None:
+            pe = self.entries.get(p)
+            if pe is not None and pe.kids is not None:
+                pe.kids.discard(key)
+                if not pe.kids:
+                    pe.kids = None
 
     # -- references (pins by loads, copies to lower tiers) ----------------------
     def pin(self, key: bytes) -> str:
@@ -218,6 +361,8 @@ class HostTier:
         if e is not None:
             self.policy.remove(key)
             self._owner.pop(e.slot, None)
+            if e.parent is not None:
+                self._unlink(key, e)
             self.release_slot(e.slot)
         return e
 
@@ -245,4 +390,6 @@ class HostTier:
         if e is not None:
             self.policy.remove(key)
             self._owner.pop(e.slot, None)
+            if e.parent is not None:
+                self._unlink(key, e)
         return e

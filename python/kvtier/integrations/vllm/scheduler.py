@@ -35,6 +35,10 @@ from kvtier.integrations.vllm.spec import KVTierSpec
 
 GAUGE_PERIOD_S = 0.5  # the host tier's gauges are refreshed at most this often
 
+# vLLM 0.33's OffloadingEvent has metadata_only (a removal that announces
+# nothing); 0.32's has not.
+_METADATA_ONLY = "metadata_only" in getattr(OffloadingEvent, "__dataclass_fields__", {})
+
 _SOURCE_MEDIUM = {"host": (Medium.CPU, None), "disk": (Medium.STORAGE, Locality.LOCAL),
                   "remote": (Medium.CPU, Locality.REMOTE)}  # fmt: skip
 
@@ -200,9 +204,17 @@ class KVTierManager(OffloadingManager):
         self.m.on_schedule_end(context)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
+        """The manager's events as vLLM's. A metadata-only removal (a failed
+        store or promotion a lookup may have seen) becomes
+        ``OffloadingEvent(removed=True, metadata_only=True)`` where vLLM has
+        that field (0.33), and is left out where it has not (0.32): there a
+        removal is always public, and these blocks were never announced.
+        Who calls: vLLM's connector, under the lock. Non-blocking."""
         for e in self.m.take_events():
+            if e.metadata_only and not _METADATA_ONLY:
+                continue
             medium, locality = _SOURCE_MEDIUM.get(e.tier, (Medium.STORAGE, None))
-            yield OffloadingEvent(
+            out = OffloadingEvent(
                 # Blocks named by event id (kvtier.tiers.events.vllm_event_id) are
                 # OffloadKeys of an 8-byte hash: vLLM publishes their int block hash.
                 keys=[OffloadKey(k) for k in ([*e.keys, *e.ids] if e.ids else e.keys)],
@@ -211,6 +223,9 @@ class KVTierManager(OffloadingManager):
                 locality=locality,
                 ownership=None if e.tier == "host" else e.tier,
             )
+            if e.metadata_only:  # only here under 0.33 (see above)
+                out.metadata_only = True
+            yield out
 
     def has_pending_work(self) -> bool:
         return self.m.has_pending_work()
