@@ -271,6 +271,12 @@ void bind_disk_index(py::module_& m) {
           py::arg("event_id") = py::none())
       .def("set_ready", [](Index& ix, std::int64_t rec) { ix.set_ready(rec_of(ix, rec)); })
       .def("touch", [](Index& ix, std::int64_t rec) { ix.touch(rec_of(ix, rec)); })
+      // Prefix chains: `rec` follows `parent` (both records in the table).
+      .def("link",
+           [](Index& ix, std::int64_t rec, std::int64_t parent) {
+             ix.link(rec_of(ix, rec), rec_of(ix, parent));
+           })
+      .def("children", [](const Index& ix, std::int64_t rec) { return ix.children(rec_of(ix, rec)); })
       .def("pin", [](Index& ix, std::int64_t rec) { ix.pin(rec_of(ix, rec)); })
       .def("unpin", [](Index& ix, std::int64_t rec) { ix.unpin(rec_of(ix, rec)); })
       .def(

@@ -9,6 +9,7 @@
 #include <map>
 #include <random>
 #include <tuple>
+#include <vector>
 
 #include "core/disk/index.h"
 #include "core/status.h"
@@ -85,6 +86,65 @@ TEST(DiskIndex, LruEvictsLeastRecentlyUsedAndSkipsLoads) {
   ix.unpin(1);
   EXPECT_EQ(take(ix, dig(4)), 1);
 }
+
+// A record for `d`, left being written (so never a victim itself).
+std::int64_t claim(Index& ix, const Digest& d) {
+  Digest e{};
+  bool was = false;
+  std::int64_t r = ix.allocate(&e, &was);
+  if (r != Index::kNone) ix.insert(d, static_cast<std::uint32_t>(r), RecState::kWriting);
+  return r;
+}
+
+// A chain 0 -> 1 -> 2 (each the parent of the next) written head first, so
+// every policy's own order would take the head first: the tail goes first.
+class DiskIndexChains : public ::testing::TestWithParam<EvictPolicy> {};
+
+TEST_P(DiskIndexChains, AChainLeavesTailFirst) {
+  Index ix(4, GetParam(), 1);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(take(ix, dig(i)), i);
+  ix.link(1, 0);
+  ix.link(2, 1);
+  EXPECT_EQ(ix.children(0), 1);
+  std::vector<std::int64_t> order;
+  for (int i = 0; i < 4; ++i) order.push_back(claim(ix, dig(100 + i)));
+  // Record 3 (no chain) may go anywhere in the order the policy gives it;
+  // the chain's records go 2, 1, 0.
+  std::vector<std::int64_t> chain;
+  for (auto r : order)
+    if (r != 3) chain.push_back(r);
+  EXPECT_EQ(chain, (std::vector<std::int64_t>{2, 1, 0}));
+}
+
+TEST_P(DiskIndexChains, AParentWhoseChildIsBusyGoesOnlyWhenNothingElseCan) {
+  Index ix(3, GetParam(), 1);
+  for (int i = 0; i < 3; ++i) take(ix, dig(i));
+  ix.link(1, 0);
+  ix.pin(1);                         // the child is being loaded
+  EXPECT_EQ(claim(ix, dig(10)), 2);  // not the parent: 2 can go
+  EXPECT_EQ(claim(ix, dig(11)), 0);  // only the parent can go now: it does
+  EXPECT_EQ(claim(ix, dig(12)), Index::kNone);
+}
+
+TEST_P(DiskIndexChains, AReusedRecordForgetsItsFormerLinks) {
+  Index ix(2, GetParam(), 1);
+  take(ix, dig(0));
+  take(ix, dig(1));
+  ix.link(1, 0);
+  ix.pin(1);
+  EXPECT_EQ(take(ix, dig(2)), 0);  // fallback: the parent goes (then holds dig(2))
+  ix.unpin(1);
+  EXPECT_EQ(ix.children(0), 0);  // record 0 holds another block now
+  Digest e{};
+  bool was = false;
+  ix.remove(1, false);  // the child leaves: nothing of the new record changes
+  EXPECT_EQ(ix.children(0), 0);
+  EXPECT_NE(ix.allocate(&e, &was), Index::kNone);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, DiskIndexChains,
+                         ::testing::Values(EvictPolicy::kLru, EvictPolicy::kClock,
+                                           EvictPolicy::kPlfu));
 
 TEST(DiskIndex, ClockGivesUsedRecordsASecondChance) {
   Index ix(4, EvictPolicy::kClock, 1);

@@ -1,5 +1,6 @@
 #include "index.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "../status.h"
@@ -45,7 +46,16 @@ std::size_t Index::policy_bytes_per_record(EvictPolicy p) {
 }
 
 Index::Index(std::uint32_t num_records, EvictPolicy policy, std::uint8_t clock_max)
-    : policy_(policy), clock_max_(clock_max), recs_(num_records), ids_(num_records, 0) {
+    : policy_(policy),
+      clock_max_(clock_max),
+      recs_(num_records),
+      ids_(num_records, 0),
+      parent_(num_records, kEmpty),
+      child_(num_records, kEmpty),
+      pgen_(num_records, 0),
+      cgen_(num_records, 0),
+      gen_(num_records, 0),
+      kids_(num_records, 0) {
   if (num_records == 0 || num_records == kEmpty)
     throw Error(StatusCode::kInvalidArgument, "disk index: num_records must be in [1, 2^32 - 1)");
   if (clock_max == 0)
@@ -159,18 +169,47 @@ void Index::free_record(std::uint32_t rec) {
   if (rec < scan_) free_.push_back(rec);
 }
 
+std::int64_t Index::tail_of(std::uint32_t r) const {
+  std::uint32_t x = r;
+  for (std::uint32_t depth = 0; kids_[x] != 0; ++depth) {
+    const std::uint32_t c = child_[x];
+    if (c == kEmpty || depth == num_records() || gen_[c] != cgen_[x] || parent_[c] != x ||
+        pgen_[c] != gen_[x])
+      return kNone;  // the last-linked child left: another branch is here
+    x = c;
+  }
+  if (x == r) return r;
+  return evictable(x) ? static_cast<std::int64_t>(x) : kNone;
+}
+
 std::int64_t Index::victim() {
   const std::uint32_t n = num_records();
+  // The first evictable record seen, taken when only parents could go.
+  std::int64_t first = kNone;
+  std::uint32_t skips = 0;
+  // The record to evict for candidate r, or kNone to pass r over.
+  auto pick = [&](std::uint32_t r) -> std::int64_t {
+    if (kids_[r] == 0) return r;
+    if (first == kNone) first = r;
+    ++skips;
+    return tail_of(r);
+  };
   if (policy_ == EvictPolicy::kLru) {
-    for (std::uint32_t r = next_[n]; r != n; r = next_[r])
-      if (evictable(r)) return r;
-    return kNone;
+    for (std::uint32_t r = next_[n]; r != n; r = next_[r]) {
+      if (!evictable(r)) continue;
+      if (std::int64_t v = pick(r); v != kNone) return v;
+      if (skips > kMaxParentSkips) return first;
+    }
+    return first;
   }
   if (policy_ == EvictPolicy::kPlfu) {
     PlfuRank::Cursor c = plfu_->victims();
-    for (std::uint32_t r = c.next(); r != Plfu::kNil; r = c.next())
-      if (evictable(r)) return r;
-    return kNone;
+    for (std::uint32_t r = c.next(); r != Plfu::kNil; r = c.next()) {
+      if (!evictable(r)) continue;
+      if (std::int64_t v = pick(r); v != kNone) return v;
+      if (skips > kMaxParentSkips) return first;
+    }
+    return first;
   }
   // CLOCK: a record with references loses one and is passed over; after
   // clock_max + 1 sweeps every evictable record has none left.
@@ -179,10 +218,36 @@ std::int64_t Index::victim() {
     std::uint32_t r = hand_;
     hand_ = hand_ + 1 == n ? 0 : hand_ + 1;
     if (!evictable(r)) continue;
-    if (recs_[r].ref == 0) return r;
+    if (recs_[r].ref == 0) {
+      if (std::int64_t v = pick(r); v != kNone) return v;
+      if (skips > kMaxParentSkips) return first;
+      continue;
+    }
     --recs_[r].ref;
   }
-  return kNone;
+  return first;
+}
+
+void Index::link(std::uint32_t rec, std::uint32_t parent) {
+  if (rec >= num_records() || parent >= num_records() || rec == parent) return;
+  const RecState ps = state_of(recs_[parent]), rs = state_of(recs_[rec]);
+  if (ps == RecState::kFree || ps == RecState::kHeld || rs == RecState::kFree ||
+      rs == RecState::kHeld)
+    return;
+  unlink(rec);
+  parent_[rec] = parent;
+  pgen_[rec] = gen_[parent];
+  child_[parent] = rec;
+  cgen_[parent] = gen_[rec];
+  if (kids_[parent] != 0xffff) ++kids_[parent];
+}
+
+void Index::unlink(std::uint32_t rec) {
+  const std::uint32_t p = parent_[rec];
+  if (p == kEmpty) return;
+  parent_[rec] = kEmpty;
+  // A saturated count stays: the parent is passed over until it leaves.
+  if (gen_[p] == pgen_[rec] && kids_[p] != 0 && kids_[p] != 0xffff) --kids_[p];
 }
 
 std::int64_t Index::allocate(Digest* evicted, bool* was_evicted, EventId* evicted_id) {
@@ -203,6 +268,7 @@ std::int64_t Index::allocate(Digest* evicted, bool* was_evicted, EventId* evicte
   *evicted = recs_[r].digest;
   *was_evicted = true;
   if (evicted_id != nullptr) *evicted_id = event_id(r);
+  unlink(r);
   table_erase(r);
   rank_drop(r, true);
   set_state(recs_[r], RecState::kFree);  // the caller's to use: not on the free list
@@ -219,6 +285,10 @@ void Index::insert(const Digest& d, std::uint32_t rec, RecState s, EventId id) {
     throw Error(StatusCode::kInvalidArgument, "disk index: digest already present");
   set_id(rec, id);  // first: a bad group changes nothing
   recs_[rec] = Rec{d, recs_[rec].bits, 0, 0};
+  ++gen_[rec];  // a new block: links to the record's former one go stale
+  parent_[rec] = kEmpty;
+  child_[rec] = kEmpty;
+  kids_[rec] = 0;
   set_state(recs_[rec], s);
   table_insert(rec);
   if (s == RecState::kReady) rank_ready(rec);
@@ -259,6 +329,7 @@ void Index::remove(std::uint32_t rec, bool hold) {
   Rec& r = recs_[rec];
   const RecState s = state_of(r);
   if (s == RecState::kFree || s == RecState::kHeld) return;
+  unlink(rec);
   table_erase(rec);
   if (s == RecState::kReady) rank_drop(rec, false);
   if (hold)
@@ -309,6 +380,10 @@ void Index::apply(std::uint8_t op, std::uint32_t rec, const Digest& d, EventId i
 }
 
 std::size_t Index::rebuild() {
+  // Links are not journaled: a restart forgets the chains.
+  std::fill(parent_.begin(), parent_.end(), kEmpty);
+  std::fill(child_.begin(), child_.end(), kEmpty);
+  std::fill(kids_.begin(), kids_.end(), std::uint16_t{0});
   table_.assign(table_.size(), kFreeSlot);
   count_ = 0;
   free_.clear();

@@ -12,7 +12,14 @@
 // count of loads in flight (20 bytes), and its event id (8 bytes, EventId);
 // LRU adds two 4-byte links, PLFU 14 bytes (Plfu::kBytesPerId: links, burst,
 // class, count) plus its ghosts and miniatures (plfu.h). Eviction is the
-// policy's choice among records that are readable and not being loaded.
+// policy's choice among records that are readable and not being loaded,
+// prefix-aware under every policy: when the policy's victim is the parent of
+// records still here (link(): the block before them in a prefix chain), the
+// deepest record down its last-linked children goes first, so a chain's
+// tail goes before its head (lookups walk a prefix from its start: a block
+// whose parent is gone can never hit). Links cost 16 bytes a record (parent
+// and last child, each with its generation, the record's own, its count of
+// children) and are not kept across a restart.
 //
 // Not thread-safe: the disk tier calls it under the manager's lock.
 #pragma once
@@ -95,6 +102,12 @@ class Index {
   void set_ready(std::uint32_t rec);
   // A readable record was used (a load completed).
   void touch(std::uint32_t rec);
+  // `rec` (in the table) follows `parent` in a prefix chain: `parent` is not
+  // a victim while `rec` is here (unless only such records could go).
+  // Ignored when either is not in the table or they are the same.
+  void link(std::uint32_t rec, std::uint32_t parent);
+  // Records here that name `rec` their parent (saturates at 65535).
+  std::uint16_t children(std::uint32_t rec) const { return kids_[rec]; }
   void pin(std::uint32_t rec);    // a load started
   void unpin(std::uint32_t rec);  // a load ended
   // `rec` leaves the table; free at once, or held until release().
@@ -151,6 +164,12 @@ class Index {
   void rank_ready(std::uint32_t rec);
   void rank_drop(std::uint32_t rec, bool evicted);
   static std::uint64_t key_hash(const Digest& d);
+  // `rec` leaves the table: its parent has one child fewer (when the parent
+  // is still the record it linked to: same generation).
+  void unlink(std::uint32_t rec);
+  // A victim search passes over at most this many parents before it takes
+  // the first evictable record it saw (chains whose tails cannot go).
+  static constexpr std::uint32_t kMaxParentSkips = 64;
   static std::uint32_t sample_bits(const Digest& d);
 
   EvictPolicy policy_;
@@ -162,6 +181,15 @@ class Index {
   std::vector<std::uint32_t> prev_, next_;  // LRU only
   std::uint32_t hand_ = 0;                  // CLOCK only
   std::unique_ptr<Plfu> plfu_;              // PLFU only
+  // Prefix links: each record's parent (kEmpty: none) and last-linked child,
+  // with their generations when linked; each record's generation (bumped by
+  // insert) and its number of children here.
+  std::vector<std::uint32_t> parent_, child_;
+  std::vector<std::uint16_t> pgen_, cgen_, gen_, kids_;
+  // The record to take for victim candidate `r`: the deepest evictable one
+  // down its last children, `r` itself when it has none, kNone when the way
+  // down is lost (a stale or busy child).
+  std::int64_t tail_of(std::uint32_t r) const;
   // Free records: every free record at or after scan_ is found by scanning;
   // those before it are on free_ (so each free record is in one place).
   std::uint32_t scan_ = 0;

@@ -66,6 +66,9 @@ class Movement:
             if live:
                 keys = [k for k, _ in live]
                 slots = [e.slot for _, e in live]
+                hints = getattr(tier, "chain_hints", None)
+                if hints is not None:  # the tier keeps prefix chains too (disk)
+                    hints({k: e.parent for k, e in live if e.parent is not None})
                 token = tier.submit_store(keys, slots)
                 if token is None:  # backpressure: drop this cascade, unhold the blocks
                     core.stats.cascades_dropped += len(keys)

@@ -27,7 +27,7 @@ import contextlib
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +160,7 @@ class DiskTier(JobTier):
             from kvtier import _native
 
             self.index = _native.DiskIndex(self.num_records, self.policy, clock_max)
+            self._hints: dict[bytes, bytes] = {}
             self._ready = self.index.ready_fn()  # lookup's test, without pybind11's dispatch
             self.event_id = event_id
             self._held = 0  # records out of use until a timed-out write ends
@@ -365,6 +366,14 @@ class DiskTier(JobTier):
             return batch
         return batch if self._submit(kind == "store", batch) else None
 
+    def chain_hints(self, parents: Mapping[bytes, bytes]) -> None:
+        """The next :meth:`submit_store`'s blocks' predecessors in their
+        prefix chains (key -> parent key): a block linked to its parent's
+        record keeps that record from eviction while it is here (the index's
+        prefix-aware eviction). Who calls: the manager, just before the
+        store, under its lock. Non-blocking."""
+        self._hints = dict(parents)
+
     def submit_store(self, keys: Sequence[bytes], slots: Sequence[int]) -> int | None:
         self._check(keys, slots)
         digs = [key_digest(k) for k in keys]
@@ -373,6 +382,7 @@ class DiskTier(JobTier):
         recs: list[int | None] = [None] * len(keys)
         io_idx: list[int] = []
         evicted: list[bytes] = []
+        hints, self._hints = self._hints, {}
         for i, d in enumerate(digs):
             rec = self._claim(d, names[i], evicted)
             if rec < 0:
@@ -380,6 +390,11 @@ class DiskTier(JobTier):
                 continue
             recs[i] = rec
             io_idx.append(i)
+            parent = hints.get(keys[i])
+            if parent is not None:
+                prec = self.index.find(key_digest(parent))
+                if prec >= 0:
+                    self.index.link(rec, prec)
         self._removed([], evicted)
         batch = self._launch("store", keys, slots, digs, recs, io_idx, ok)
         if batch is not None:
