@@ -8,7 +8,7 @@ SYS_PACKAGES := liburing-dev libisal-dev libssl-dev openssl zlib1g-dev libgtest-
 TORCH_SPEC := torch==2.13.0
 JOBS ?= 2
 
-.PHONY: all sysdeps venv engine-venv install demo test test-py test-cpp wheel wheel-all bench bench-serve soak lint format clean gpu-check docs docs-serve
+.PHONY: all sysdeps venv engine-venv install demo test test-py test-cpp wheel wheel-all bench bench-serve soak lint format clean gpu-check docs docs-serve docs-check
 
 all: install
 
@@ -113,6 +113,21 @@ MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
 docs: $(VENV)/.docs
 	$(PY) docs/gen_cli.py
 	$(MKDOCS) build --strict --site-dir build/site
+
+# The built site seen as a reader sees it (issue 51): headless Chromium opens
+# the landing page, the vLLM guide and a benchmark page served from build/site,
+# checks header, navigation, content, images and search (it types a query and
+# waits for results), fails on any console error, and writes screenshots to
+# build/docs-shots/ (docs/check_site.py). Not part of `make test`: it needs
+# Chromium, which is installed here (Debian's `chromium`) when missing and
+# root, and is deliberately not in SYS_PACKAGES. CHROMIUM=path picks another.
+docs-check: docs
+	@command -v "$${CHROMIUM:-chromium}" >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing system packages: chromium"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "error: docs-check needs Chromium (apt-get install chromium, or CHROMIUM=path)"; exit 2; fi; }
+	$(PY) docs/check_site.py $(if $(CHROMIUM),--browser "$(CHROMIUM)")
 
 # The site at http://127.0.0.1:8000, rebuilt on every change (DOCS_ADDR=0.0.0.0:8000 to share it).
 DOCS_ADDR ?= 127.0.0.1:8000

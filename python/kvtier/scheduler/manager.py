@@ -51,6 +51,7 @@ def _group(key: bytes) -> bytes:
 
 
 _MISS_HINTS = 1 << 16  # keys whose scan predecessor is remembered for their store
+_NO_PARENTS: dict[bytes, bytes] = {}  # never written to
 
 
 def _check_keys(keys: Iterable[bytes]) -> list[bytes]:
@@ -292,12 +293,18 @@ class TieredOffloadingManager:
                 self.stats.not_admitted += 1
                 continue
             to_store.append(k)
-        got = self._allocate(len(to_store), seen) if to_store else ([], [])
+        if not to_store:
+            got: tuple[list[int], list[bytes]] | None = ([], [])
+        elif self.options.partial_stores == "prefix":
+            got = host.allocate(len(to_store), protected=seen, partial=True)
+        else:
+            got = self._allocate(len(to_store), seen)
         slots, evicted = got if got is not None else ([], [])
         parents = self._parents(keys, _req_id(req_context))
         if len(slots) == len(to_store):  # all fit (the common case: no copies of lists)
+            add = host.add_writing
             for k, s in zip(to_store, slots):
-                host.add_writing(k, s, parent=parents.get(k))
+                add(k, s, "host", parents.get(k))
             self._core.removed(evicted)
             return PrepareStoreResult(to_store, HostSpec(np.asarray(slots, np.int64)), evicted)
         host_keys, rest = to_store[: len(slots)], to_store[len(slots) :]
@@ -311,17 +318,16 @@ class TieredOffloadingManager:
         if got is None and not streamed:
             return None
         for k, s in zip(host_keys, slots):
-            host.add_writing(k, s, parent=parents.get(k))
+            host.add_writing(k, s, "host", parents.get(k))
         self._core.removed(evicted)
         all_slots = np.asarray(list(slots) + [-1] * len(streamed), np.int64)
         return PrepareStoreResult(host_keys + streamed, HostSpec(all_slots, stream), evicted)
 
     def _allocate(self, n: int, offer: set[bytes]) -> tuple[list[int], list[bytes]] | None:
-        """Slots for ``n`` new blocks of an offer, as ``partial_stores`` says
-        when not all fit (see :class:`ManagerOptions`)."""
+        """Slots for ``n`` new blocks of an offer under ``partial_stores``
+        "free" or "none" (see :class:`ManagerOptions`; prepare_store calls
+        the host tier itself for "prefix", the default)."""
         host, mode = self.host, self.options.partial_stores
-        if mode == "prefix":
-            return host.allocate(n, protected=offer, partial=True)
         got = host.allocate(n, protected=offer)
         if got is not None or mode == "none":
             return got
@@ -335,13 +341,16 @@ class TieredOffloadingManager:
         before it. Remembers the offer's last key per group for the
         request's next offer; an offer with no request (None) is chained
         within itself only: such callers may never say it ended."""
+        miss = self._miss_prev
+        if req is None and len(offer) == 1:  # the common call of a plain caller
+            p = miss.pop(offer[0], None) if miss else None
+            return {offer[0]: p} if p is not None else _NO_PARENTS
         out: dict[bytes, bytes] = {}
         last = self._last_offer if req is not None else None
-        miss = self._miss_prev
         prev: bytes | None = None
         prev_g: bytes | None = None
         for k in offer:
-            g = _group(k)
+            g = k[-4:] if len(k) >= 12 else b""  # _group, inlined: once per key
             if g == prev_g:
                 out[k] = prev  # type: ignore[assignment]  # set with prev_g
             else:  # the offer's first key of a group
