@@ -173,9 +173,13 @@ class Replayer:
         block_bytes: int = 0,
         series_every: int = 200,
         on_request: Callable[[int], None] | None = None,
+        chains: bool = True,
     ) -> None:
         """``on_request(i)`` runs before request ``i`` (0-based): how an
-        offline policy (:class:`~kvtier.policy.belady.BeladyPolicy`) keeps time."""
+        offline policy (:class:`~kvtier.policy.belady.BeladyPolicy`) keeps time.
+        ``chains``: remember each key's predecessor, for the stranded-block
+        counts (a map of every key the trace names: off for long runs that
+        watch their memory, such as the soak)."""
         self.m = manager
         self.on_request = on_request
         self.transfer = transfer
@@ -186,6 +190,7 @@ class Replayer:
         self._job = 0
         # Each key's predecessor in its request's prefix (a trace's hashes are
         # chained: a hash names its whole prefix, so this is one key each).
+        self._chains = chains
         self._pred: dict[bytes, bytes] = {}
         self._stranded_sum: dict[str, int] = {}
         self._stranded_samples = 0
@@ -197,7 +202,8 @@ class Replayer:
     def note_chain(self, keys: Sequence[bytes]) -> None:
         """A request's keys, in prefix order: each one's predecessor (for
         :meth:`stranded`)."""
-        self._pred.update(zip(keys[1:], keys))
+        if self._chains:
+            self._pred.update(zip(keys[1:], keys))
 
     def lookup_prefix(self, keys: list[bytes]) -> int:
         """Look ``keys`` up in order until the first MISS, stepping the
@@ -295,6 +301,8 @@ class Replayer:
         hold: the host tier from its index; with ``lower``, each lower tier
         by its lookups of every key of the trace so far (a tier that cannot
         answer at once, RETRY, counts as not holding the key)."""
+        if not self._chains:
+            return {}
         pred = self._pred
         held = self.m.host.entries
         out = {self.m.host.name: sum(1 for k in held if k in pred and pred[k] not in held)}

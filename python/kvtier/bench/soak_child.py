@@ -117,7 +117,8 @@ def _child_run(c: dict[str, Any], out: TextIO) -> int:
     kv = FakeKV(256, block, seed=int(c["seed"]))  # a prompt has at most 124 blocks
     transfer = DeviceTransfer(kv.layers, pool)
     manager = TieredOffloadingManager(HostTier(pool, c["host_blocks"]), lower)
-    rep = Replayer(manager, transfer, kv, block, series_every=1 << 62)
+    # No chain map: it would hold every key the run names (RSS must stay flat).
+    rep = Replayer(manager, transfer, kv, block, series_every=1 << 62, chains=False)
     emit({"event": "started", "startup_s": time.monotonic() - t_start})
 
     step_started = [time.monotonic()]

@@ -50,7 +50,11 @@ def _group(key: bytes) -> bytes:
     return key[-4:] if len(key) >= 12 else b""
 
 
-_MISS_HINTS = 1 << 16  # keys whose scan predecessor is remembered for their store
+# Keys whose scan predecessor is remembered for their store: one a request
+# (its first new block), so a few engine batches' worth. A hint whose store
+# never comes (an aborted request, a scan that went on past pending keys)
+# stays until pushed out: the bound is the memory it can hold (about 0.6 MB).
+_MISS_HINTS = 4096
 _NO_PARENTS: dict[bytes, bytes] = {}  # never written to
 
 

@@ -298,13 +298,15 @@ class HostTier:
         self, key: bytes, slot: int, source: str = "host", parent: bytes | None = None
     ) -> HostEntry:
         """``key`` is being written into ``slot``; ``parent``: its predecessor
-        in its prefix chain, kept from eviction while ``key`` is resident."""
+        in its prefix chain, kept from eviction while ``key`` is resident
+        (with ``prefix_aware``; ignored otherwise)."""
         e = HostEntry(slot, -1, 0, source)
         self.entries[key] = e
         self._owner[slot] = key
-        if parent is not None:
+        if parent is not None and self.prefix_aware:
             # Only a resident parent: a block written after its parent left
-            # is stranded already.
+            # is stranded already. Without prefix awareness no chain is kept
+            # (nor handed to lower tiers).
             pe = self.entries.get(parent)
             if pe is not None and parent != key:
                 e.parent = parent
