@@ -112,6 +112,7 @@ test-py: engine-venv
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
 docs: $(VENV)/.docs
 	$(PY) docs/gen_cli.py
+	$(PY) docs/gen_config.py
 	$(MKDOCS) build --strict --site-dir build/site
 
 # The built site seen as a reader sees it (issue 51): headless Chromium opens
@@ -133,6 +134,7 @@ docs-check: docs
 DOCS_ADDR ?= 127.0.0.1:8000
 docs-serve: $(VENV)/.docs
 	$(PY) docs/gen_cli.py
+	$(PY) docs/gen_config.py
 	$(MKDOCS) serve --dev-addr $(DOCS_ADDR)
 
 # `kvtier bench soak`: 30 minutes of replay under faults (make test runs 2 minutes of it).

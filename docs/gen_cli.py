@@ -12,6 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from gen_page import write_or_check
+
 PAGE = Path(__file__).resolve().parent / "reference" / "cli.md"
 
 INTRO = """\
@@ -100,16 +102,7 @@ def render() -> str:
 
 
 def main(argv: list[str]) -> int:
-    text = render()
-    if "--check" in argv:
-        if not PAGE.exists() or PAGE.read_text() != text:
-            print(f"{PAGE} is stale: run `make docs` (or python docs/gen_cli.py)", file=sys.stderr)
-            return 1
-        return 0
-    if not PAGE.exists() or PAGE.read_text() != text:
-        PAGE.write_text(text)
-        print(f"wrote {PAGE}")
-    return 0
+    return write_or_check(PAGE, render(), "docs/gen_cli.py", argv)
 
 
 if __name__ == "__main__":

@@ -174,8 +174,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.fixture
 def sglang_open():  # type: ignore[no-untyped-def]
     """Opens kvtier's SGLang backends (``sglang_open(extra, pool, **config)``,
-    see kvtier.integrations.sglang.standin.open_storage) and closes them at the test's end."""
-    from kvtier.integrations.sglang.standin import open_storage
+    see kvtier.bench.sglang_standin.open_storage) and closes them at the test's end."""
+    from kvtier.bench.sglang_standin import open_storage
 
     opened = []
 
@@ -193,7 +193,7 @@ def sglang_filled(sglang_open):  # type: ignore[no-untyped-def]
     """A stand-in SGLang host pool filled with seeded pages and kvtier's
     backend opened on it: ``pool, storage = sglang_filled(extra, seed,
     kind="mha", layout="page_first", pages=16, **config)``."""
-    from kvtier.integrations.sglang.standin import fill, host_pool
+    from kvtier.bench.sglang_standin import fill, host_pool
 
     def open_(extra, seed, *, kind="mha", layout="page_first", pages=16, **config):  # type: ignore[no-untyped-def]
         pool = host_pool(kind, layout, pages=pages)

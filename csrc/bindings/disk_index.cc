@@ -1,12 +1,13 @@
-// The disk tier's native index (core/disk/index.h) as kvtier._native.DiskIndex.
-// Digests cross as 16-byte bytes; bulk paths (checkpoint, warm restart) as
-// numpy arrays and buffers, so a restart never loops over records in Python.
+// The disk tier's native index (core/disk/index.h) as kvtier._native.DiskIndex,
+// and the codec of its journal and checkpoint (core/disk/journal.h). Digests
+// cross as 16-byte bytes; bulk paths (checkpoint, warm restart) as buffers
+// and numpy arrays, so a restart never loops over records in Python.
 
 #include <cstring>
 
 #include "../core/disk/index.h"
+#include "../core/disk/journal.h"
 #include "bindings.h"
-#include "zcrc32.h"
 
 namespace kvtier::bindings {
 
@@ -77,34 +78,30 @@ std::uint32_t rec_of(const Index& ix, std::int64_t rec) {
   return static_cast<std::uint32_t>(rec);
 }
 
-// One journal entry, little-endian: magic, op, event group, 2 pad, record,
-// digest, length, seq, event id (big-endian, as the 12 bytes of an event id
-// begin), then a zlib crc32 of the bytes before it.
-// Python writes it: JOURNAL_ENTRY, JOURNAL_ENTRY_BYTES and JOURNAL_MAGIC in
-// python/kvtier/tiers/disk/journal.py (change both together;
-// tests/integration/test_disk_index.py replays a journal Python wrote).
-// Entries of the first format (KVJ1: no group or id, the crc at 48, 52
-// bytes) are still read; their records have no event id.
-constexpr std::size_t kJournalEntryBytes = 60;
-constexpr char kJournalMagic[4] = {'K', 'V', 'J', '2'};
-constexpr char kJournalMagicV1[4] = {'K', 'V', 'J', '1'};
-constexpr std::size_t kJournalEntryBytesV1 = 52;
-constexpr std::size_t kJournalOp = 4;     // uint8: kJournalPut or kJournalDrop (index.h)
-constexpr std::size_t kJournalGroup = 5;  // uint8: EventId::group
-constexpr std::size_t kJournalRecord = 8;
-constexpr std::size_t kJournalDigest = 16;  // 16 bytes
-constexpr std::size_t kJournalLength = 32;
-constexpr std::size_t kJournalSeq = 40;
-constexpr std::size_t kJournalId = 48;  // EventId::id, big-endian
-constexpr std::size_t kJournalCrc = 56;
-static_assert(kJournalCrc + 4 == kJournalEntryBytes, "the crc ends the entry");
-static_assert(kJournalId == kJournalEntryBytesV1 - 4, "KVJ1's crc sits where the id begins");
+const char* status_name(disk::CheckpointStatus s) {
+  switch (s) {
+    case disk::CheckpointStatus::kApplied:
+      return "applied";
+    case disk::CheckpointStatus::kForeign:
+      return "foreign";
+    case disk::CheckpointStatus::kTruncated:
+      return "truncated";
+    case disk::CheckpointStatus::kDamaged:
+      return "damaged";
+    case disk::CheckpointStatus::kNotCheckpoint:
+      break;
+  }
+  return "journal";
+}
 
-template <typename T>
-T load_le(const std::uint8_t* p) {
-  T v;
-  std::memcpy(&v, p, sizeof v);  // x86-64 and aarch64 Linux: little-endian, as written
-  return v;
+// fn(bytes, size) over a buffer's memory with the GIL released (a journal or
+// checkpoint may be gigabytes: other Python threads run meanwhile).
+template <typename Fn>
+auto without_gil(const py::buffer& data, Fn fn) {
+  py::buffer_info bi = data.request();
+  py::gil_scoped_release nogil;
+  return fn(static_cast<const std::uint8_t*>(bi.ptr),
+            static_cast<std::size_t>(bi.size * bi.itemsize));
 }
 
 // DiskTier.lookup's test, called once per key of every prefix scan: a plain
@@ -272,11 +269,10 @@ void bind_disk_index(py::module_& m) {
       .def("set_ready", [](Index& ix, std::int64_t rec) { ix.set_ready(rec_of(ix, rec)); })
       .def("touch", [](Index& ix, std::int64_t rec) { ix.touch(rec_of(ix, rec)); })
       // Prefix chains: `rec` follows `parent` (both records in the table).
-      .def("link",
-           [](Index& ix, std::int64_t rec, std::int64_t parent) {
-             ix.link(rec_of(ix, rec), rec_of(ix, parent));
-           })
-      .def("children", [](const Index& ix, std::int64_t rec) { return ix.children(rec_of(ix, rec)); })
+      .def("link", [](Index& ix, std::int64_t rec,
+                      std::int64_t parent) { ix.link(rec_of(ix, rec), rec_of(ix, parent)); })
+      .def("children",
+           [](const Index& ix, std::int64_t rec) { return ix.children(rec_of(ix, rec)); })
       .def("pin", [](Index& ix, std::int64_t rec) { ix.pin(rec_of(ix, rec)); })
       .def("unpin", [](Index& ix, std::int64_t rec) { ix.unpin(rec_of(ix, rec)); })
       .def(
@@ -308,105 +304,85 @@ void bind_disk_index(py::module_& m) {
              std::memcpy(out.mutable_data(), v.data(), v.size() * sizeof(std::uint32_t));
              return out;
            })
-      .def("digests",
-           [](const Index& ix,
-              const py::array_t<std::uint32_t, py::array::c_style | py::array::forcecast>& recs) {
-             auto r = recs.unchecked<1>();
-             py::array_t<std::uint8_t> out({r.shape(0), py::ssize_t{16}});
-             std::uint8_t* o = out.mutable_data();
-             for (py::ssize_t i = 0; i < r.shape(0); ++i)
-               std::memcpy(o + 16 * i, ix.digest(rec_of(ix, r(i))).b, 16);
-             return out;
-           })
-      // Event ids of records, for a checkpoint: (ids uint64, groups uint8).
-      .def("event_ids",
-           [](const Index& ix,
-              const py::array_t<std::uint32_t, py::array::c_style | py::array::forcecast>& recs) {
-             auto r = recs.unchecked<1>();
-             py::array_t<std::uint64_t> ids(r.shape(0));
-             py::array_t<std::uint8_t> groups(r.shape(0));
-             std::uint64_t* io = ids.mutable_data();
-             std::uint8_t* go = groups.mutable_data();
-             for (py::ssize_t i = 0; i < r.shape(0); ++i) {
-               EventId e = ix.event_id(rec_of(ix, r(i)));
-               io[i] = e.id;
-               go[i] = e.group;
-             }
-             return py::make_tuple(ids, groups);
-           })
-      // Checkpoint entries, readable; ids and groups (from event_ids) may be
-      // None: the records then have no event id.
-      .def(
-          "apply",
-          [](Index& ix,
-             const py::array_t<std::uint32_t, py::array::c_style | py::array::forcecast>& recs,
-             const py::object& digs, const py::object& ids, const py::object& groups) {
-            auto r = recs.unchecked<1>();
-            const py::ssize_t n = r.shape(0);
-            auto dv = rows_of<std::uint8_t>(digs, n, 16, "digests").unchecked<2>();
-            using U64 = py::array_t<std::uint64_t, py::array::c_style | py::array::forcecast>;
-            using U8 = py::array_t<std::uint8_t, py::array::c_style | py::array::forcecast>;
-            const bool named = !ids.is_none() && !groups.is_none();
-            U64 iv = named ? ids.cast<U64>() : U64(0);
-            U8 gv = named ? groups.cast<U8>() : U8(0);
-            if (named && (iv.size() != n || gv.size() != n))
-              throw Error(StatusCode::kInvalidArgument,
-                          "apply: ids and groups must have one entry per record");
-            for (py::ssize_t i = 0; i < n; ++i) {
-              Digest d;
-              std::memcpy(d.b, dv.data(i, 0), 16);
-              EventId e;
-              if (named && gv.data()[i] < disk::kUnnamed) e = EventId{iv.data()[i], gv.data()[i]};
-              ix.apply(disk::kJournalPut, rec_of(ix, r(i)), d, e);
-            }
-          },
-          py::arg("records"), py::arg("digests"), py::arg("ids") = py::none(),
-          py::arg("groups") = py::none())
+      // The journal's entries in `data` applied in order up to the first torn
+      // or foreign one (rebuild() after): (bytes of whole entries, the
+      // highest sequence seen, entries applied).
       .def(
           "replay_journal",
           [](Index& ix, const py::buffer& data, std::uint64_t block_bytes) {
-            py::buffer_info bi = data.request();
-            const auto* p = static_cast<const std::uint8_t*>(bi.ptr);
-            const auto n = static_cast<std::size_t>(bi.size * bi.itemsize);
-            std::size_t good = 0, applied = 0;
-            std::uint64_t max_seq = 0;
+            disk::JournalReplay r = without_gil(data, [&](const std::uint8_t* p, std::size_t n) {
+              return disk::replay_journal(ix, p, n, block_bytes);
+            });
+            return py::make_tuple(r.good, r.max_seq, r.applied);
+          },
+          py::arg("data"), py::arg("block_bytes"))
+      // The checkpoint of the readable records, whole, as the file holds it.
+      .def(
+          "encode_checkpoint",
+          [](const Index& ix, std::uint64_t block_bytes, std::uint64_t seq) {
+            const std::vector<std::uint32_t> recs = ix.ready_records();
+            const std::size_t n = disk::checkpoint_bytes(recs.size());
+            // Encoded in place: a checkpoint may be gigabytes, one copy is enough.
+            auto out = py::reinterpret_steal<py::bytes>(
+                PyBytes_FromStringAndSize(nullptr, static_cast<py::ssize_t>(n)));
+            if (!out) throw py::error_already_set();
+            auto* p = reinterpret_cast<std::uint8_t*>(PyBytes_AS_STRING(out.ptr()));
             {
               py::gil_scoped_release nogil;
-              for (std::size_t off = 0;;) {
-                const std::uint8_t* e = p + off;
-                const bool v2 = off + kJournalEntryBytes <= n &&
-                                std::memcmp(e, kJournalMagic, sizeof kJournalMagic) == 0;
-                const bool v1 = !v2 && off + kJournalEntryBytesV1 <= n &&
-                                std::memcmp(e, kJournalMagicV1, sizeof kJournalMagicV1) == 0;
-                const std::size_t crc_at = v2 ? kJournalCrc : kJournalEntryBytesV1 - 4;
-                if (!(v1 || v2) || zlib_crc32(e, crc_at) !=
-                                       load_le<std::uint32_t>(e + crc_at))
-                  break;  // torn tail: everything after it is ignored
-                off += v2 ? kJournalEntryBytes : kJournalEntryBytesV1;
-                good = off;
-                EventId name;
-                if (v2 && e[kJournalGroup] < disk::kUnnamed)
-                  name = EventId{load_be64(e + kJournalId), e[kJournalGroup]};
-                std::uint8_t op = e[kJournalOp];
-                auto rec = load_le<std::uint64_t>(e + kJournalRecord);
-                auto len = load_le<std::uint64_t>(e + kJournalLength);
-                auto seq = load_le<std::uint64_t>(e + kJournalSeq);
-                if (seq > max_seq) max_seq = seq;
-                if (rec >= ix.num_records() || len != block_bytes)
-                  continue;  // from a larger or different configuration
-                Digest d;
-                std::memcpy(d.b, e + kJournalDigest, sizeof d.b);
-                ix.apply(op, static_cast<std::uint32_t>(rec), d, name);
-                ++applied;
-              }
+              disk::encode_checkpoint(ix, recs, block_bytes, seq, p);
             }
-            return py::make_tuple(good, max_seq, applied);
+            return out;
+          },
+          py::arg("block_bytes"), py::arg("seq"))
+      // A checkpoint file's bytes applied (rebuild() after): (status, its
+      // sequence, records applied); status "applied", "foreign" (another
+      // block length: only its sequence counts), "truncated" or "damaged"
+      // (nothing applied), or "journal" (no checkpoint magic: the file is in
+      // the journal's format, for replay_journal).
+      .def(
+          "apply_checkpoint",
+          [](Index& ix, const py::buffer& data, std::uint64_t block_bytes) {
+            disk::CheckpointApply a = without_gil(data, [&](const std::uint8_t* p, std::size_t n) {
+              return disk::apply_checkpoint(ix, p, n, block_bytes);
+            });
+            return py::make_tuple(status_name(a.status), a.seq, a.applied);
           },
           py::arg("data"), py::arg("block_bytes"))
       .def("rebuild", [](Index& ix) {
         py::gil_scoped_release nogil;
         return ix.rebuild();
       });
+
+  // The journal's and checkpoint's layout (core/disk/journal.h), for the
+  // Python side that writes and sizes the files.
+  m.def(
+      "disk_journal_entry",
+      [](int op, std::uint64_t record, const py::bytes& digest, std::uint64_t block_bytes,
+         std::uint64_t seq, const py::object& event_id) {
+        if (op != disk::kJournalPut && op != disk::kJournalDrop)
+          throw Error(StatusCode::kInvalidArgument,
+                      "a journal entry's op is " + std::to_string(disk::kJournalPut) +
+                          " (put) or " + std::to_string(disk::kJournalDrop) + " (drop), got " +
+                          std::to_string(op));
+        disk::JournalEntry e;
+        e.op = static_cast<std::uint8_t>(op);
+        e.record = record;
+        e.digest = digest_of(digest);
+        e.length = block_bytes;
+        e.seq = seq;
+        e.id = event_id_of(event_id);
+        char out[disk::kJournalEntryBytes];
+        disk::encode_journal_entry(e, reinterpret_cast<std::uint8_t*>(out));
+        return py::bytes(out, sizeof out);
+      },
+      py::arg("op"), py::arg("record"), py::arg("digest"), py::arg("block_bytes"), py::arg("seq"),
+      py::arg("event_id") = py::none());
+  m.attr("DISK_JOURNAL_ENTRY_BYTES") = disk::kJournalEntryBytes;
+  m.attr("DISK_JOURNAL_MAGIC") = py::bytes(disk::kJournalMagic, 4);
+  m.attr("DISK_CHECKPOINT_MAGIC") = py::bytes(disk::kCheckpointMagic, 4);
+  m.attr("DISK_CHECKPOINT_HEAD_BYTES") = disk::kCheckpointHeadBytes;
+  m.attr("DISK_CHECKPOINT_ENTRY_BYTES") = disk::kCheckpointEntryBytes;
+  m.attr("DISK_UNNAMED_GROUP") = disk::kUnnamed;
 }
 
 }  // namespace kvtier::bindings

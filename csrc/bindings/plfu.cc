@@ -1,21 +1,18 @@
-// The native PLFU ranking (core/disk/plfu.h) for the host tier, as
-// kvtier._native.PlfuPolicy: the EvictionPolicy protocol of
-// python/kvtier/policy/base.py over Python keys, so the tier calls it as it
-// calls a Python policy. Keys map to dense ids here (a dict of the keys the
-// tier holds); the ranking itself keeps no Python object.
+// The host tier's PLFU (core/policy/host_plfu.h) as kvtier._native.PlfuPolicy:
+// the EvictionPolicy protocol of python/kvtier/policy/base.py over Python
+// keys, so the tier calls it as it calls a Python policy. Here keys become
+// the core's ids (a dict of the keys the tier holds) and ids keys again; the
+// ranking itself keeps no Python object.
 //
 // Why native: the Python PLFU cost the manager 35% of its cycles per second
 // against LRU (bench/results/policy/manager-cost.md); its bookkeeping per
 // call is a few hundred nanoseconds of Python.
-#include "../core/disk/plfu.h"
-
-#include <functional>
 #include <new>
 #include <optional>
 #include <string_view>
 
+#include "../core/policy/host_plfu.h"
 #include "bindings.h"
-#include "zcrc32.h"
 
 namespace kvtier::bindings {
 
@@ -24,6 +21,7 @@ namespace {
 using disk::Plfu;
 using disk::PlfuOptions;
 using disk::PlfuRank;
+using policy::HostPlfu;
 
 // A key's bytes as the Python policy samples them (plfu.py's _sampled):
 // bytes as they are, anything else by its repr.
@@ -41,12 +39,12 @@ struct KeyBytes {
   std::string_view view;
 };
 
-class HostPlfu {
+// A HostPlfu's Python side: the id of each key (a dict, so keys match as in
+// the tier's own dict), the key of each id (victims() yields keys), and a
+// version for base.py's contract that nothing changes while victims are read.
+class KeyedPlfu {
  public:
-  HostPlfu(std::uint64_t capacity, const PlfuOptions& o)
-      // Unbounded tiers pass a huge capacity: ids grow with the keys held.
-      : plfu_(static_cast<std::uint32_t>(std::min<std::uint64_t>(capacity, 1024) + 1), capacity,
-              o) {}
+  KeyedPlfu(std::uint64_t capacity, const PlfuOptions& o) : core_(capacity, o) {}
 
   // Each returns false with a Python error set (the dict's: a key that
   // cannot be hashed), true otherwise.
@@ -54,14 +52,14 @@ class HostPlfu {
     ++version_;
     std::uint32_t id = 0;
     if (!lookup(key, &id)) return !PyErr_Occurred() && add(key);
-    plfu_.touch(id, hash_[id]);
+    core_.touch(id);
     return true;
   }
 
   bool touch(PyObject* key) {
     ++version_;
     std::uint32_t id = 0;
-    if (lookup(key, &id)) plfu_.touch(id, hash_[id]);
+    if (lookup(key, &id)) core_.touch(id);
     return !PyErr_Occurred();
   }
 
@@ -69,15 +67,12 @@ class HostPlfu {
     ++version_;
     std::uint32_t id = 0;
     if (!lookup(key, &id)) return !PyErr_Occurred();
-    plfu_.remove(id, hash_[id], evicted);
+    core_.remove(id, evicted);
     py::object keep = std::move(keys_[id]);  // alive until the dict lets go of it
-    if (PyDict_DelItem(ids_.ptr(), key) != 0) return false;
-    free_.push_back(id);
-    return true;
+    return PyDict_DelItem(ids_.ptr(), key) == 0;
   }
 
-  std::size_t size() const { return plfu_.size(); }
-  const Plfu& plfu() const { return plfu_; }
+  const HostPlfu& core() const { return core_; }
   PyObject* key(std::uint32_t id) const { return keys_[id].ptr(); }
   std::uint64_t version() const { return version_; }  // changes with every call
 
@@ -91,54 +86,50 @@ class HostPlfu {
 
   bool add(PyObject* key) {
     KeyBytes kb{py::handle(key)};
-    // A 64-bit hash names the key in ghosts and miniatures (libstdc++'s, fixed
-    // seed: the same in every run); crc32 samples it as plfu.py does.
-    const std::uint64_t h = std::hash<std::string_view>{}(kb.view);
-    const std::uint32_t crc = zlib_crc32(kb.view.data(), kb.view.size());
-    std::uint32_t id = 0;
-    if (!take_id(&id)) return false;
-    // One int object per id, kept: most ids are above the interpreter's small ints.
-    if (PyDict_SetItem(ids_.ptr(), key, id_objs_[id].ptr()) != 0) {
-      free_.push_back(id);
-      return false;
+    const std::uint32_t id = core_.next_id();
+    if (id == id_objs_.size()) {
+      // One int object per id, kept: most ids are above the interpreter's small ints.
+      py::object o = py::reinterpret_steal<py::object>(PyLong_FromUnsignedLong(id));
+      if (!o) return false;
+      id_objs_.push_back(std::move(o));
+      keys_.emplace_back();
     }
+    // Filed before the core takes the id: a dict that refuses the key
+    // leaves the ranking as it was.
+    if (PyDict_SetItem(ids_.ptr(), key, id_objs_[id].ptr()) != 0) return false;
     keys_[id] = py::reinterpret_borrow<py::object>(key);
-    hash_[id] = h;
-    plfu_.insert(id, h, crc);
+    try {
+      core_.add(kb.view);
+    } catch (...) {
+      keys_[id] = py::object();
+      if (PyDict_DelItem(ids_.ptr(), key) != 0) PyErr_Clear();
+      throw;
+    }
     return true;
   }
 
-  bool take_id(std::uint32_t* id) {
-    if (!free_.empty()) {
-      *id = free_.back();
-      free_.pop_back();
-      return true;
-    }
-    const std::uint32_t n = plfu_.max_ids();
-    if (keys_.size() == n) {
-      if (n >= 0x7ffffff0u) {  // ids are 32-bit: far more keys than a host pool has slots
-        PyErr_NoMemory();
-        return false;
-      }
-      plfu_.grow(2 * n);
-    }
-    *id = static_cast<std::uint32_t>(keys_.size());
-    py::object o = py::reinterpret_steal<py::object>(PyLong_FromUnsignedLong(*id));
-    if (!o) return false;
-    id_objs_.push_back(std::move(o));
-    keys_.emplace_back();
-    hash_.push_back(0);
-    return true;
-  }
-
-  Plfu plfu_;
+  HostPlfu core_;
   py::dict ids_;                     // key -> id, the keys resident
   std::vector<py::object> keys_;     // id -> key (null when free)
   std::vector<py::object> id_objs_;  // id -> its int
-  std::vector<std::uint64_t> hash_;
-  std::vector<std::uint32_t> free_;
   std::uint64_t version_ = 0;
 };
+
+// The CPython entry points below are not pybind11's: a C++ exception must
+// not cross them (a repr that raises, ids run out).
+template <typename F>
+PyObject* guarded(F&& f) {
+  try {
+    return f();
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
 
 std::vector<double> doubles(const py::handle& seq) {
   std::vector<double> out;
@@ -154,7 +145,7 @@ std::vector<double> doubles(const py::handle& seq) {
 // parsing and error translation.
 struct PolicyObject {
   PyObject ob_base;
-  std::unique_ptr<HostPlfu> impl;
+  std::unique_ptr<KeyedPlfu> impl;
 };
 
 // victims(): lazily, as the Python policy's generator (the tier stops after
@@ -170,7 +161,7 @@ struct VictimsObject {
 PyTypeObject* g_policy_type = nullptr;
 PyTypeObject* g_victims_type = nullptr;
 
-HostPlfu& impl_of(PyObject* self) { return *reinterpret_cast<PolicyObject*>(self)->impl; }
+KeyedPlfu& impl_of(PyObject* self) { return *reinterpret_cast<PolicyObject*>(self)->impl; }
 
 void policy_dealloc(PyObject* self) {
   PyTypeObject* type = Py_TYPE(self);
@@ -180,13 +171,17 @@ void policy_dealloc(PyObject* self) {
 }
 
 PyObject* policy_insert(PyObject* self, PyObject* key) {
-  if (!impl_of(self).insert(key)) return nullptr;
-  Py_RETURN_NONE;
+  return guarded([&]() -> PyObject* {
+    if (!impl_of(self).insert(key)) return nullptr;
+    Py_RETURN_NONE;
+  });
 }
 
 PyObject* policy_touch(PyObject* self, PyObject* key) {
-  if (!impl_of(self).touch(key)) return nullptr;
-  Py_RETURN_NONE;
+  return guarded([&]() -> PyObject* {
+    if (!impl_of(self).touch(key)) return nullptr;
+    Py_RETURN_NONE;
+  });
 }
 
 // remove(key, evicted=False), evicted by position or keyword.
@@ -207,14 +202,16 @@ PyObject* policy_remove(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
     return nullptr;
   }
   const int ev = evicted == nullptr ? 0 : PyObject_IsTrue(evicted);
-  if (ev < 0 || !impl_of(self).remove(args[0], ev != 0)) return nullptr;
-  Py_RETURN_NONE;
+  return guarded([&]() -> PyObject* {
+    if (ev < 0 || !impl_of(self).remove(args[0], ev != 0)) return nullptr;
+    Py_RETURN_NONE;
+  });
 }
 
 PyObject* policy_victims(PyObject* self, PyObject*) {
   auto* v = reinterpret_cast<VictimsObject*>(g_victims_type->tp_alloc(g_victims_type, 0));
   if (v == nullptr) return nullptr;
-  new (&v->cursor) std::optional<PlfuRank::Cursor>(impl_of(self).plfu().victims());
+  new (&v->cursor) std::optional<PlfuRank::Cursor>(impl_of(self).core().victims());
   v->version = impl_of(self).version();
   Py_INCREF(self);
   v->owner = self;
@@ -222,17 +219,19 @@ PyObject* policy_victims(PyObject* self, PyObject*) {
 }
 
 PyObject* policy_ghosts(PyObject* self, PyObject*) {
-  return PyLong_FromSize_t(impl_of(self).plfu().ghosts());
+  return PyLong_FromSize_t(impl_of(self).core().plfu().ghosts());
 }
 
-Py_ssize_t policy_len(PyObject* self) { return static_cast<Py_ssize_t>(impl_of(self).size()); }
+Py_ssize_t policy_len(PyObject* self) {
+  return static_cast<Py_ssize_t>(impl_of(self).core().size());
+}
 
 PyObject* policy_beta(PyObject* self, void*) {
-  return PyFloat_FromDouble(impl_of(self).plfu().beta());
+  return PyFloat_FromDouble(impl_of(self).core().plfu().beta());
 }
 
 PyObject* policy_weights(PyObject* self, void*) {
-  const std::vector<double>& w = impl_of(self).plfu().weights();
+  const std::vector<double>& w = impl_of(self).core().plfu().weights();
   PyObject* out = PyList_New(static_cast<Py_ssize_t>(w.size()));
   if (out == nullptr) return nullptr;
   for (std::size_t i = 0; i < w.size(); ++i) {
@@ -247,7 +246,7 @@ PyObject* policy_weights(PyObject* self, void*) {
 }
 
 PyObject* policy_horizon(PyObject* self, void*) {
-  return PyFloat_FromDouble(impl_of(self).plfu().horizon());
+  return PyFloat_FromDouble(impl_of(self).core().plfu().horizon());
 }
 
 void victims_dealloc(PyObject* self) {
@@ -354,11 +353,11 @@ void bind_plfu(py::module_& m) {
             o.variants.emplace_back(t[0].cast<double>(), doubles(t[1]));
           }
         }
-        auto impl = std::make_unique<HostPlfu>(static_cast<std::uint64_t>(capacity), o);
+        auto impl = std::make_unique<KeyedPlfu>(static_cast<std::uint64_t>(capacity), o);
         PyObject* obj = g_policy_type->tp_alloc(g_policy_type, 0);
         if (obj == nullptr) throw py::error_already_set();
         new (&reinterpret_cast<PolicyObject*>(obj)->impl)
-            std::unique_ptr<HostPlfu>(std::move(impl));
+            std::unique_ptr<KeyedPlfu>(std::move(impl));
         return py::reinterpret_steal<py::object>(obj);
       },
       py::arg("capacity"), py::arg("beta") = 1.0,

@@ -198,6 +198,22 @@ class DiskStore:
 DISK_TRAILER_BYTES: Final[int]
 
 def disk_record_bytes(payload_len: int) -> int: ...
+def disk_journal_entry(
+    op: int,
+    record: int,
+    digest: bytes,
+    block_bytes: int,
+    seq: int,
+    event_id: bytes | None = None,
+) -> bytes: ...
+
+DISK_JOURNAL_ENTRY_BYTES: Final[int]
+DISK_JOURNAL_MAGIC: Final[bytes]
+DISK_CHECKPOINT_MAGIC: Final[bytes]
+DISK_CHECKPOINT_HEAD_BYTES: Final[int]
+DISK_CHECKPOINT_ENTRY_BYTES: Final[int]
+DISK_UNNAMED_GROUP: Final[int]
+
 def uring_compiled_in() -> bool: ...
 
 # disk_index.cc
@@ -242,18 +258,9 @@ class DiskIndex:
     def values(self) -> list[int]: ...
     def loading_counts(self) -> npt.NDArray[np.uint16]: ...
     def ready_records(self) -> npt.NDArray[np.uint32]: ...
-    def digests(self, records: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint8]: ...
-    def event_ids(
-        self, records: npt.NDArray[np.uint32]
-    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint8]]: ...
-    def apply(
-        self,
-        records: npt.NDArray[np.uint32],
-        digests: npt.NDArray[np.uint8],
-        ids: npt.NDArray[np.uint64] | None = None,
-        groups: npt.NDArray[np.uint8] | None = None,
-    ) -> None: ...
     def replay_journal(self, data: Buffer, block_bytes: int) -> tuple[int, int, int]: ...
+    def encode_checkpoint(self, block_bytes: int, seq: int) -> bytes: ...
+    def apply_checkpoint(self, data: Buffer, block_bytes: int) -> tuple[str, int, int]: ...
     def rebuild(self) -> int: ...
 
 # plfu.cc (csrc/core/disk/plfu.h): kvtier.policy.plfu's ranking for the host tier

@@ -15,24 +15,21 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from kvtier.errors import InvalidArgument, KvtierError
-
-
-def _print_json_last(obj: dict[str, Any]) -> None:
-    """The JSON object is always the last line of output (scripts parse it)."""
-    print(json.dumps(obj, sort_keys=False))
+from kvtier.options.surfaces import add_tier_arguments
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
+    from kvtier.options.surfaces import tier_options_from_args
     from kvtier.replay import ReplayOptions, main_replay
+    from kvtier.tiers.factory import TierConfig
 
-    return main_replay(
-        ReplayOptions(**{f.name: getattr(args, f.name) for f in fields(ReplayOptions)})
-    )
+    host, disk, remote = tier_options_from_args(args)
+    run = {f.name: getattr(args, f.name) for f in fields(ReplayOptions) if hasattr(args, f.name)}
+    return main_replay(ReplayOptions(**run, host_tier=host, tiers=TierConfig(disk, remote)))
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -142,14 +139,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_tls_arguments(p: argparse._ActionsContainer, prefix: str) -> None:
-    """The remote tier's TLS files and name (for rediss:// URLs)."""
-    p.add_argument(f"{prefix}-ca", help="rediss: PEM CA file (default: the system's trust store)")
-    p.add_argument(f"{prefix}-cert", help="rediss: PEM client certificate")
-    p.add_argument(f"{prefix}-key", help="rediss: PEM key of the client certificate")
-    p.add_argument(f"{prefix}-server-name", help="rediss: name the server's certificate must carry")
-
-
 def build_parser() -> argparse.ArgumentParser:
     from kvtier import __version__
 
@@ -164,41 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", help="host tier size, e.g. 2GiB (or 'inf' with --no-data)")
     g.add_argument("--host-blocks", type=int, help="host tier capacity in blocks")
     r.add_argument(
-        "--policy",
-        default="lru",
-        help="host tier: lru | arc | plfu | belady (offline bound) | dotted.path.Class",
-    )
-    r.add_argument(
-        "--no-prefix-eviction",
-        dest="prefix_eviction",
-        action="store_false",
-        help="host tier: the policy's victims as ranked, not tails of prefix chains first",
-    )
-    r.add_argument("--admit-after", type=int, default=1, help="store a key after N offers")
-    r.add_argument(
-        "--lower-admit-after",
-        type=int,
-        default=1,
-        help="disk and remote tiers: write a key after N offers of the cascade",
-    )
-    r.add_argument(
         "--cascade-on-hit",
         action="store_true",
         help="offer a block to the lower tiers again when it is reused in the host tier "
         "(with --lower-admit-after 2: written on its first reuse, not when stored)",
     )
-    r.add_argument(
-        "--disk", help="disk tier DIR:SIZE, e.g. /mnt/nvme/kv:100GiB, or DIR:80%% of the free space"
-    )
-    r.add_argument(
-        "--disk-policy", default="lru", help="disk tier (native): lru | clock | clock:N | plfu"
-    )
-    r.add_argument(
-        "--remote",
-        help="remote tier: redis://[USER:PASS@]HOST:PORT or redis-cluster://H:P,H:P "
-        "(rediss:// and rediss-cluster:// for TLS)",
-    )
-    _add_tls_arguments(r, "--remote-tls")
+    add_tier_arguments(r)
     r.add_argument("--no-data", action="store_true", help="policy only: no pool, no bytes")
     r.add_argument("--max-requests", type=int, help="stop after this many requests")
     r.add_argument("--synthetic-requests", type=int, default=4000)
@@ -229,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvtier.events_cli import add_events_parser
 
-    add_events_parser(sub, _add_tls_arguments)
+    add_events_parser(sub)
     return p
 
 

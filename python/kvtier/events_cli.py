@@ -22,10 +22,10 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
 from typing import Any, TextIO
 
 from kvtier.errors import InvalidArgument
+from kvtier.options.surfaces import add_tls_arguments, tls_settings
 from kvtier.tiers.pool_stream import STREAM_MAXLEN, PoolEvent
 
 __all__ = ["add_events_parser", "vllm_batch"]
@@ -35,7 +35,7 @@ __all__ = ["add_events_parser", "vllm_batch"]
 _MEDIUM, _LOCALITY = "CPU", "REMOTE"
 
 
-def add_events_parser(sub: Any, add_tls: Callable[[Any, str], None]) -> None:
+def add_events_parser(sub: Any) -> None:
     """The ``events`` subcommand on ``sub`` (argparse subparsers)."""
     e = sub.add_parser("events", help="tail a shared Redis/Valkey pool's event stream")
     e.add_argument("url", help="the remote tier's URL (redis://, redis-cluster://, rediss://...)")
@@ -60,7 +60,7 @@ def add_events_parser(sub: Any, add_tls: Callable[[Any, str], None]) -> None:
                    help="blocks whose event ids are remembered to name removals")  # fmt: skip
     e.add_argument("--count", type=int, help="exit after printing this many entries")
     e.add_argument("--idle-exit", type=float, help="exit when nothing came for this long (s)")
-    add_tls(e, "--tls")
+    add_tls_arguments(e)
     e.set_defaults(func=main_events)
 
 
@@ -142,8 +142,7 @@ def _snapshot(reader: Any, printer: _Printer, position: str) -> None:
 def main_events(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     from kvtier.pool_watch import PoolReader, Watcher, connect, find_streams
 
-    tls = {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key}
-    client = connect(args.url, tls)
+    client = connect(args.url, tls_settings(args))
     stream = args.stream.encode() if args.stream else None
     if stream is None:
         found = find_streams(client)

@@ -6,8 +6,8 @@ block count of the tightest one and the rest is dead memory. The planner gives
 each stage KV memory in proportion to its KV bytes per token, so that block
 counts are equal and nothing is wasted.
 
-Who calls: ``kvtier plan``, the vLLM shim (host pool per pipeline rank) and
-users' scripts. Pure arithmetic: nothing blocks, no native code is loaded.
+Who calls: ``kvtier plan``, the vLLM shim (host pool and disk share per
+pipeline stage) and users' scripts. Pure arithmetic: nothing blocks, no native code is loaded.
 
 Any process.
 """
@@ -15,11 +15,14 @@ Any process.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvtier.errors import InvalidArgument
+from kvtier.options.tiers import DiskOptions
+from kvtier.units import FreeFraction
 
 DTYPE_BYTES = {
     "float32": 4, "fp32": 4, "float": 4,
@@ -298,6 +301,33 @@ def host_pool_for_chunks(
     if n < 1:
         raise InvalidArgument(f"{setting}: {host_bytes} B holds no chunk of {slot_bytes} B")
     return n, slot_bytes
+
+
+def stage_disks(disk: DiskOptions, payloads: Sequence[int]) -> list[DiskOptions]:
+    """One disk tier's options per pipeline stage (``payloads``: each stage's
+    bytes of a block): its own directory ``stage<i>`` under ``disk.path`` and a
+    share of the capacity in proportion to its part of a block. A share of
+    the free space (``80%``) is resolved once for all stages before the first
+    allocates (their own slabs count as free); that reads the file system.
+
+    Who calls: the vLLM shim's spec, with pipeline parallelism (one stage: ``[disk]``).
+    """
+    if len(payloads) == 1:
+        return [disk]
+    if disk.path is None:
+        raise InvalidArgument("stage_disks: the disk options have no path")
+    capacity = disk.capacity_bytes
+    if isinstance(capacity, FreeFraction):
+        from kvtier.tiers.disk.directory import resolve_capacity
+
+        root = Path(disk.path)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        capacity = resolve_capacity(capacity, root, root.glob("stage*/kvtier-*/slab-*.dat"))
+    return [
+        replace(disk, path=str(Path(disk.path) / f"stage{st}"),
+                capacity_bytes=capacity * p // sum(payloads))
+        for st, p in enumerate(payloads)
+    ]  # fmt: skip
 
 
 def recommend_partition(

@@ -49,7 +49,8 @@ _CHECK_BATCH = 1000  # EXISTS per pipeline of a reconciling check
 
 
 def connect(url: str, tls: dict[str, str | None] | None = None) -> Any:
-    """A redis-py client of the pool at ``url`` (a remote tier's URL):
+    """A redis-py client of the pool at ``url`` (a remote tier's URL; ``tls``: its
+    TLS settings by option name, :func:`kvtier.options.surfaces.tls_settings`):
     ``redis.Redis`` or ``redis.cluster.RedisCluster``. Blocks while it connects."""
     try:
         import redis
@@ -62,8 +63,8 @@ def connect(url: str, tls: dict[str, str | None] | None = None) -> Any:
     kw: dict[str, Any] = {"password": cfg["password"] or None, "username": cfg["user"] or None}
     if cfg["tls"]:
         tls = tls or {}
-        kw.update(ssl=True, ssl_ca_certs=tls.get("ca"), ssl_certfile=tls.get("cert"),
-                  ssl_keyfile=tls.get("key"))  # fmt: skip
+        kw.update(ssl=True, ssl_ca_certs=tls.get("tls_ca_file"),
+                  ssl_certfile=tls.get("tls_cert_file"), ssl_keyfile=tls.get("tls_key_file"))  # fmt: skip
     try:
         if cfg["cluster"]:
             nodes = [ClusterNode(h, p) for h, p in cfg["seeds"]]  # type: ignore[no-untyped-call]

@@ -22,7 +22,7 @@ import math
 import struct
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,9 @@ from kvtier.bench.traces import synthetic_requests as synthetic_requests
 from kvtier.bench.traces import synthetic_trace as synthetic_trace
 from kvtier.errors import InvalidArgument, IoError
 from kvtier.manager import TieredOffloadingManager
+from kvtier.options.tiers import HostOptions
 from kvtier.tiers.base import LookupResult
-from kvtier.tiers.factory import TierConfig, build_lower_tiers, host_slot_bytes, parse_disk_spec
+from kvtier.tiers.factory import TierConfig, build_lower_tiers, host_slot_bytes
 from kvtier.tiers.host import HostTier
 from kvtier.units import parse_size
 
@@ -407,24 +408,16 @@ def plot_series(res: ReplayResult, path: str, title: str) -> None:
 
 @dataclass(frozen=True)
 class ReplayOptions:
-    """What ``kvtier replay`` was asked for (the CLI's flags, sizes as text)."""
+    """What ``kvtier replay`` was asked for: the run's flags (sizes as text)
+    and the tiers' options (:mod:`kvtier.options`, from the tiers' flags)."""
 
     trace: str | None = None
     block_bytes: str = "65536"
     host: str | None = None
     host_blocks: int | None = None
-    policy: str = "lru"
-    prefix_eviction: bool = True
-    admit_after: int = 1
-    lower_admit_after: int = 1
+    host_tier: HostOptions = field(default_factory=HostOptions)
+    tiers: TierConfig = field(default_factory=TierConfig)
     cascade_on_hit: bool = False
-    disk: str | None = None
-    disk_policy: str = "lru"
-    remote: str | None = None
-    remote_tls_ca: str | None = None
-    remote_tls_cert: str | None = None
-    remote_tls_key: str | None = None
-    remote_tls_server_name: str | None = None
     no_data: bool = False
     max_requests: int | None = None
     synthetic_requests: int = 4000
@@ -433,23 +426,6 @@ class ReplayOptions:
     json_path: str | None = None
     plot: str | None = None
     no_progress: bool = False
-
-    def tier_config(self) -> TierConfig:
-        """The lower tiers these options ask for, in the factory's shape."""
-        disk_path, disk_bytes = parse_disk_spec(self.disk) if self.disk else (None, 0)
-        return TierConfig(
-            disk_path=disk_path,
-            disk_bytes=disk_bytes,
-            disk_policy=self.disk_policy,
-            disk_admit_after=self.lower_admit_after,
-            remote_admit_after=self.lower_admit_after,
-            remote_url=self.remote,
-            remote_tls_ca_file=self.remote_tls_ca,
-            remote_tls_cert_file=self.remote_tls_cert,
-            remote_tls_key_file=self.remote_tls_key,
-            remote_tls_server_name=self.remote_tls_server_name,
-            no_data=self.no_data,
-        )
 
 
 def main_replay(args: ReplayOptions) -> int:
@@ -461,8 +437,6 @@ def main_replay(args: ReplayOptions) -> int:
         raise InvalidArgument(f"--max-requests must be >= 1, got {args.max_requests}")
     if args.seed < 0:
         raise InvalidArgument(f"--seed must be >= 0, got {args.seed}")
-    if args.lower_admit_after < 1:
-        raise InvalidArgument(f"--lower-admit-after must be >= 1, got {args.lower_admit_after}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise InvalidArgument("--plot needs matplotlib: pip install 'kvtier[bench]'")
     if args.workload not in WORKLOADS:
@@ -494,7 +468,9 @@ def main_replay(args: ReplayOptions) -> int:
     if capacity is not None and capacity <= 0:
         raise InvalidArgument("host capacity must hold at least one block")
 
-    tier_cfg = args.tier_config()
+    tier_cfg = args.tiers
+    if args.no_data and tier_cfg.disk is not None:
+        tier_cfg = replace(tier_cfg, disk=replace(tier_cfg.disk, no_data=True))
     lower = build_lower_tiers(tier_cfg, block_bytes, namespace=f"replay-{block_bytes}")
     pool = transfer = kv = None
     if not args.no_data:
@@ -506,9 +482,9 @@ def main_replay(args: ReplayOptions) -> int:
         pool = HostPool(capacity, host_slot_bytes(block_bytes, tier_cfg))
         kv = FakeKV(max(len(t) for t in trace), block_bytes, seed=args.seed)
         transfer = DeviceTransfer(kv.layers, pool)
-    policy: Any = args.policy
+    policy: Any = args.host_tier.policy
     on_request = None
-    if args.policy.lower() == "belady":
+    if policy.lower() == "belady":
         from kvtier.policy.belady import BeladyPolicy
 
         policy = BeladyPolicy(trace, key_of)
@@ -517,13 +493,14 @@ def main_replay(args: ReplayOptions) -> int:
         pool,
         capacity,
         policy=policy,
-        admit_after=args.admit_after,
-        prefix_aware=args.prefix_eviction,
+        admit_after=args.host_tier.admit_after,
+        max_tracked=args.host_tier.max_tracked,
+        prefix_aware=args.host_tier.prefix_eviction,
     )
     manager = TieredOffloadingManager(host, lower, cascade_on_hit=args.cascade_on_hit)
     cap_txt = "unbounded" if capacity is None else f"{capacity:,} blocks"
     print(
-        f"kvtier replay: {source}; host {cap_txt}, policy {args.policy}, "
+        f"kvtier replay: {source}; host {cap_txt}, policy {args.host_tier.policy}, "
         f"{'no data' if args.no_data else f'{block_bytes:,} B blocks, data verified'}"
         + "".join(f"; {t.name} tier" for t in lower)
     )
@@ -539,8 +516,8 @@ def main_replay(args: ReplayOptions) -> int:
     js = res.to_json(
         {
             "trace": source,
-            "policy": args.policy,
-            "disk_policy": args.disk_policy if args.disk else None,
+            "policy": args.host_tier.policy,
+            "disk_policy": tier_cfg.disk.policy if tier_cfg.disk else None,
             "host_blocks": capacity,
             "block_bytes": block_bytes,
             "data": not args.no_data,
@@ -553,7 +530,7 @@ def main_replay(args: ReplayOptions) -> int:
         _write_out(args.json_path, lambda p: p.write_text(json.dumps(js, indent=2) + "\n"))
         print(f"  wrote {args.json_path}")
     if args.plot:
-        title = f"kvtier replay: {Path(source).name}, {cap_txt}, {args.policy}"
+        title = f"kvtier replay: {Path(source).name}, {cap_txt}, {args.host_tier.policy}"
         _write_out(args.plot, lambda p: plot_series(res, str(p), title))
         print(f"  wrote {args.plot}")
     if res.verify_failures:

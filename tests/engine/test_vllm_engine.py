@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtier.integrations.vllm_engine import Sessions
+from kvtier.bench.vllm_engine import Sessions
 
 # Each test runs a vLLM engine for minutes: past the suite's default timeout.
 pytestmark = pytest.mark.timeout(900)
@@ -53,7 +53,7 @@ def _generated_model(engine_python: str, kind: str = "llama") -> str:
     per build directory: the maker skips an identical one)."""
     path = ROOT / "build" / ("engine-model" if kind == "llama" else f"engine-model-{kind}")
     subprocess.run(
-        [engine_python, "-m", "kvtier.integrations.vllm_engine", "make-model", str(path), kind],
+        [engine_python, "-m", "kvtier.bench.vllm_engine", "make-model", str(path), kind],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     return str(path)
@@ -115,7 +115,7 @@ def run_engine(
     child_env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     child_env.update(env or {})
     p = subprocess.Popen(
-        [engine_python, "-m", "kvtier.integrations.vllm_engine", "run",
+        [engine_python, "-m", "kvtier.bench.vllm_engine", "run",
          str(tmp / "spec.json"), str(tmp / "out.json")],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env,
         start_new_session=True,

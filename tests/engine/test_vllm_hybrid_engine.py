@@ -28,7 +28,7 @@ from engine.test_vllm_engine import (  # noqa: F401  (engine_python: a fixture)
     run_engine,
 )
 from kvtier.bench.serve import HYBRID_BLOCK_TOKENS
-from kvtier.integrations.vllm_engine import Sessions
+from kvtier.bench.vllm_engine import Sessions
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -41,7 +41,7 @@ BASE = {"requests": REQUESTS, "block_size": BLOCK, "dtype": "bfloat16"}
 
 @pytest.fixture(scope="module")
 def hybrid_model(engine_python: str) -> str:  # noqa: F811
-    # kvtier.integrations.vllm_engine's "hybrid" kind (HYBRID_MODEL).
+    # kvtier.bench.vllm_engine's "hybrid" kind (HYBRID_MODEL).
     return _generated_model(engine_python, "hybrid")
 
 

@@ -59,7 +59,7 @@ def test_server_loads_an_evicted_prefix_from_kvtier_and_vllms_client_runs(
 ) -> None:
     model = ROOT / "build" / "engine-model"
     subprocess.run(
-        [engine_python, "-m", "kvtier.integrations.vllm_engine", "make-model", str(model)],
+        [engine_python, "-m", "kvtier.bench.vllm_engine", "make-model", str(model)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     # 48 engine blocks of 32 tokens: two 1,024-token prompts evict a 672-token one.

@@ -179,8 +179,8 @@ def test_checkpoint_in_the_journal_format_is_still_read(tmp_path: Path) -> None:
 
 
 def test_a_journal_python_writes_is_what_the_native_index_reads(tmp_path: Path) -> None:
-    # The journal's format has two sides: IndexJournal writes it, the native
-    # index replays it (csrc/bindings/disk_index.cc). This fails when they drift.
+    # IndexJournal's file, entry by entry, is what the native replay reads
+    # (both ends in csrc/core/disk/journal.cc, Python only appending bytes).
     j = IndexJournal(tmp_path, BLOCK, 8, sync=False)
     j.recover(_native.DiskIndex(8))  # nothing to recover: opens the journal
     for rec in range(4):
@@ -200,6 +200,29 @@ def test_a_journal_python_writes_is_what_the_native_index_reads(tmp_path: Path) 
     ready, free = RecordState.READY, RecordState.FREE
     assert states == [free, ready, free, ready, free, ready, free, free]
     assert ix[key_digest(K(0))] == 5 and ix.digest(3) == key_digest(K(3))
+
+
+def test_journal_entries_keep_the_bytes_of_the_struct_layout() -> None:
+    # The layout journal.py packed before the codec moved to the core: files
+    # written then must still read, and entries written now look the same.
+    layout = struct.Struct("<4sBBxxQ16sQQ8s")  # then a crc32 of these bytes
+    named = layout.pack(b"KVJ2", 1, E(5)[11], 5, key_digest(K(5)), BLOCK, 7, E(5)[:8])
+    unnamed = layout.pack(b"KVJ2", 2, 63, 1, key_digest(K(1)), BLOCK, 9, bytes(8))
+    for body, entry in (
+        (named, journal_entry(JournalOp.PUT, 5, key_digest(K(5)), BLOCK, 7, E(5))),
+        (unnamed, journal_entry(JournalOp.DROP, 1, key_digest(K(1)), BLOCK, 9)),
+    ):
+        assert entry == body + struct.pack("<I", zlib.crc32(body))
+        assert len(entry) == JOURNAL_ENTRY_BYTES
+
+
+def test_journal_entries_refuse_bad_input() -> None:
+    with pytest.raises(kvtier.InvalidArgument, match="a key digest is 16 bytes, got 3"):
+        journal_entry(JournalOp.PUT, 0, b"abc", BLOCK, 1)
+    with pytest.raises(kvtier.InvalidArgument, match="an event id is 12 bytes, got 8"):
+        journal_entry(JournalOp.PUT, 0, key_digest(K(0)), BLOCK, 1, bytes(8))
+    with pytest.raises(kvtier.InvalidArgument, match=r"op is 1 \(put\) or 2 \(drop\), got 3"):
+        journal_entry(3, 0, key_digest(K(0)), BLOCK, 1)
 
 
 def test_record_states_are_the_native_index_states() -> None:

@@ -25,11 +25,13 @@ import pytest
 from conftest import block_content as content
 from conftest import block_key as K
 from conftest import finish, store_blocks
+from kvtier.options import DiskOptions
+from kvtier.options.surfaces import parse_disk_spec
 from kvtier.pool import HostPool
 from kvtier.tiers import LookupResult
 from kvtier.tiers.disk import DiskTier, record_bytes, resolve_capacity
 from kvtier.tiers.disk.journal import JOURNAL_ENTRY_BYTES
-from kvtier.tiers.factory import TierConfig, build_tier, parse_disk_spec
+from kvtier.tiers.factory import build_tier
 from kvtier.units import FreeFraction
 
 BLOCK = 16384
@@ -98,8 +100,7 @@ def test_fraction_of_free_space_and_restart(small_fs: Path) -> None:
     t.close()
     # Every front end takes the same spelling.
     assert parse_disk_spec(f"{small_fs}:80%") == (str(small_fs), FreeFraction(0.8))
-    cfg = TierConfig(disk_path=str(small_fs), disk_bytes=FreeFraction(0.5))
-    tier = build_tier("disk", cfg, BLOCK, "default")
+    tier = build_tier(DiskOptions(str(small_fs), FreeFraction(0.5)), BLOCK, "default")
     assert isinstance(tier, DiskTier) and tier.num_records == want
     tier.close()
     assert resolve_capacity("1MiB", small_fs) == 1 << 20

@@ -83,12 +83,15 @@ def test_unreachable_server_is_a_clear_error_or_a_degraded_tier(tmp_path: Path) 
         assert look(t, K(1)) is MISS  # down: a miss, never a hang
         server = RedisServer(tmp_path, port=port)
         try:
-            time.sleep(2.1)  # past the reconnect backoff
-            deadline = time.monotonic() + 10
-            while not all(store_blocks(t, pool, [1])) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            time.sleep(0.06)
-            assert look(t, K(1)) is HIT  # recovered
+            # Stores fail until the reconnect backoff (2 s) ends: waited for
+            # as conditions with a deadline, never as a margin over a delay.
+            deadline = time.monotonic() + 30
+            while not all(store_blocks(t, pool, [1])):
+                assert time.monotonic() < deadline, "no store succeeded after the restart"
+                time.sleep(0.1)
+            while look(t, K(1)) is not HIT:  # recovered (once the negative answer expires)
+                assert time.monotonic() < deadline, "the stored block never became a hit"
+                time.sleep(0.02)
         finally:
             t.close()
             server.stop()
@@ -332,10 +335,9 @@ def test_server_killed_mid_storm_no_hang_then_recovery(server: str, tmp_path: Pa
     try:
         with _stormed(s.url, 32, s.kill) as (t, pool):
             s.start()  # same port, empty (no persistence)
-            time.sleep(2.1)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30  # past the reconnect backoff (2 s)
             while not all(store_blocks(t, pool, list(range(32)))) and time.monotonic() < deadline:
-                time.sleep(0.2)
+                time.sleep(0.1)
             assert all(finish(t, t.submit_load([K(i) for i in range(32)], list(range(32)))))
     finally:
         s.stop()

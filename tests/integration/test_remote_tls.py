@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import kvtier
@@ -17,8 +18,9 @@ import numpy as np
 import pytest
 import redis
 from kvtier.bench.redis_server import Certificates, RedisCluster, RedisServer, make_certificates
+from kvtier.options import RemoteOptions
 from kvtier.pool import HostPool
-from kvtier.tiers.factory import TierConfig, build_tier
+from kvtier.tiers.factory import build_tier
 from kvtier.tiers.remote import RemoteTier
 
 BLOCK = 16384
@@ -224,19 +226,16 @@ def test_tls_cluster_with_an_acl_user(tmp_path: Path, certs: Certificates) -> No
 def test_tls_options_reach_the_tier_from_config_and_cli(
     server: RedisServer, certs: Certificates, tmp_path: Path
 ) -> None:
-    cfg = TierConfig(
-        remote_url=server.tls_url,
-        remote_tls_ca_file=str(certs.ca),
-        remote_tls_cert_file=str(certs.client_cert),
-        remote_tls_key_file=str(certs.client_key),
-        remote_tls_server_name="localhost",
+    opts = RemoteOptions(
+        server.tls_url,
+        tls_ca_file=str(certs.ca),
+        tls_cert_file=str(certs.client_cert),
+        tls_key_file=str(certs.client_key),
+        tls_server_name="localhost",
     )
-    build_tier("remote", cfg, BLOCK, "tls-config").close()
+    build_tier(opts, BLOCK, "tls-config").close()
     with pytest.raises(kvtier.TlsError, match="hostname mismatch"):
-        build_tier(
-            "remote", TierConfig(**{**cfg.__dict__, "remote_tls_server_name": "x.example"}),
-            BLOCK, "tls-config",
-        )  # fmt: skip
+        build_tier(replace(opts, tls_server_name="x.example"), BLOCK, "tls-config")
     out = subprocess.run(
         [sys.executable, "-m", "kvtier.cli", "replay", "--max-requests", "200",
          "--host-blocks", "32", "--block-bytes", "16KiB", "--remote", server.tls_url,

@@ -124,7 +124,10 @@ def test_spec_loads_through_the_factory() -> None:
         ({"kvtier_host_bytes": "1MiB", "kvtier_scan_wait_ms": -1}, "kvtier_scan_wait_ms"),
         ({"kvtier_host_bytes": "1MiB", "kvtier_scan_bytes": "lots"}, "cannot parse size"),
         ({"kvtier_host_bytes": "1MiB", "kvtier_remote_probe": 1}, "kvtier_remote_probe"),
-        ({"kvtier_host_bytes": "1MiB", "kvtier_lower_writes": "later"}, "on_store or on_reuse"),
+        (
+            {"kvtier_host_bytes": "1MiB", "kvtier_lower_writes": "later"},
+            "must be one of on_store, on_reuse",
+        ),
     ],
 )
 def test_bad_config_keys_are_clear_errors(extra: dict[str, Any], match: str) -> None:
@@ -692,9 +695,9 @@ def _namespaces(tmp_path: Path, cfg: OffloadingConfig, tag: str = "ns") -> tuple
     given: list[str] = []
     build = factory.build_tier
 
-    def record(kind: str, c: Any, block_bytes: int, namespace: str, name: Any = None) -> Any:
+    def record(options: Any, block_bytes: int, namespace: str, name: Any = None) -> Any:
         given.append(namespace)
-        return build(kind, c, block_bytes, namespace, name)
+        return build(options, block_bytes, namespace, name)
 
     extra = {**SPEC, "kvtier_host_bytes": "1MiB", "kvtier_num_slots": 16, "kvtier_namespace": tag}
     whole = OffloadingSpecFactory.create_spec(replace(cfg, extra_config=extra)).namespace

@@ -57,7 +57,7 @@ def test_pool_event_keys_reach_the_remote_tier(
     "keys,match",
     [
         ({"kvtier_pool_events": "yes"}, "kvtier_pool_events"),
-        ({"kvtier_pool_events": 1}, "kvtier_pool_events"),
+        ({"kvtier_pool_events": -1}, "kvtier_pool_events: must be >= 0"),
         ({"kvtier_engine_id": 7}, "kvtier_engine_id"),
         ({"kvtier_pool_index": "on"}, "kvtier_pool_index"),
         ({"kvtier_engine_id": ""}, "kvtier_engine_id: must be a non-blank name"),

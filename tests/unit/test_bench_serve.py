@@ -19,7 +19,7 @@ def test_every_configuration_is_a_valid_kvtier_config(tmp_path: Path) -> None:
     specs = {c: _config_spec(c, "model", sizes, tmp_path, url) for c in CONFIGS}
     for name, spec in specs.items():
         if spec["mode"] == "kvtier":
-            assert set(parse_extra_config(spec["kvtier"])) == set(spec["kvtier"]), name
+            assert parse_extra_config(spec["kvtier"]).given == set(spec["kvtier"]), name
     stream, ahead = specs["host+redis-stream"]["kvtier"], specs["host+redis"]["kvtier"]
     assert stream == {**ahead, "kvtier_promote": False, "kvtier_remote_probe": False}
     assert specs["host+redis-wait"]["kvtier"] == {**ahead, "kvtier_fenced_reads": False}
@@ -27,7 +27,7 @@ def test_every_configuration_is_a_valid_kvtier_config(tmp_path: Path) -> None:
 
 def test_each_model_kinds_kv_bytes_per_token_and_groups() -> None:
     from kvtier.bench.serve import _kv_layout
-    from kvtier.integrations.vllm_engine import MODEL_KINDS, model_config
+    from kvtier.bench.vllm_engine import MODEL_KINDS, model_config
 
     got = {k: _kv_layout(k, model_config(k)) for k in MODEL_KINDS}
     # float32, every layer as full attention: layers x (K, V) x kv heads x head dim x 4.

@@ -32,6 +32,8 @@ def _load(name: str, path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    if str(path.parent) not in sys.path:  # the generators import docs/gen_page.py
+        sys.path.insert(0, str(path.parent))
     spec.loader.exec_module(mod)
     return mod
 
@@ -73,6 +75,19 @@ def test_the_cli_reference_is_generated_from_the_parsers() -> None:
     assert page.read_text() == _gen_cli().render(), (
         "docs/reference/cli.md is stale: run `make docs` (python docs/gen_cli.py)"
     )
+
+
+def test_the_configuration_reference_is_generated_from_the_options() -> None:
+    page = DOCS / "reference" / "configuration.md"
+    gen = _load("gen_config", DOCS / "gen_config.py")
+    assert page.read_text() == gen.render(), (
+        "docs/reference/configuration.md is stale: run `make docs` (python docs/gen_config.py)"
+    )
+    # Every engine key is on the page.
+    from kvtier.options.surfaces import engine_keys
+
+    keys = [*engine_keys("vllm"), *engine_keys("sglang")]
+    assert all(f"`{k}`" in page.read_text() for k in keys)
 
 
 def test_the_cli_reference_names_every_subcommand() -> None:

@@ -396,7 +396,7 @@ def test_replay_lower_admit_after_gates_the_disk_tier(
     assert stats[0]["not_admitted"] == 0 < stats[1]["not_admitted"]
     assert 0 < stats[1]["stores"] < stats[0]["stores"]
     assert main(["replay", "--max-requests", "5", "--no-data", "--lower-admit-after", "0"]) != 0
-    assert "--lower-admit-after must be >= 1" in capsys.readouterr().err
+    assert "--lower-admit-after: must be >= 1" in capsys.readouterr().err
 
 
 # -- the native ranking (csrc/core/disk/plfu.h): the host tier's "plfu" --------

@@ -16,9 +16,9 @@ hs = pytest.importorskip(
 )
 torch = pytest.importorskip("torch")
 
+from kvtier.bench.sglang_standin import page_bytes, token_indices  # noqa: E402
 from kvtier.errors import InvalidArgument  # noqa: E402
 from kvtier.integrations.sglang import parse_extra_config  # noqa: E402
-from kvtier.integrations.sglang.standin import page_bytes, token_indices  # noqa: E402
 
 
 def extra(tmp_path: Path, pages: int | None, slot: int) -> dict[str, Any]:

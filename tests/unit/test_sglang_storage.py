@@ -2,7 +2,7 @@
 against SGLang's own storage classes (HiCacheStorageConfig, the
 HiCacheStorage base, its pool names and hit policies) and its host KV pools
 on CPU tensors, whose page methods are SGLang's own code
-(kvtier.integrations.sglang.standin)."""
+(kvtier.bench.sglang_standin)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,7 @@ hs = pytest.importorskip(
 )
 torch = pytest.importorskip("torch")
 
-from kvtier.errors import InvalidArgument  # noqa: E402
-from kvtier.integrations.sglang import KVTierStorage, parse_extra_config  # noqa: E402
-from kvtier.integrations.sglang.standin import (  # noqa: E402
+from kvtier.bench.sglang_standin import (  # noqa: E402
     CLASSES,
     STANDIN_ATTRIBUTES,
     class_def,
@@ -33,6 +31,8 @@ from kvtier.integrations.sglang.standin import (  # noqa: E402
     storage_config,
     token_indices,
 )
+from kvtier.errors import InvalidArgument  # noqa: E402
+from kvtier.integrations.sglang import KVTierStorage, parse_extra_config  # noqa: E402
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 # (kind, layout): every host pool layout SGLang keeps flat data pages of
@@ -94,7 +94,7 @@ def test_extra_config_errors_are_clear(tmp_path: Path) -> None:
         parse_extra_config({"kvtier_disk_path": "/x", "kvtier_disk_bytes": "lots"})
     s = parse_extra_config({"kvtier_disk_path": "/x", "kvtier_disk_bytes": "1GiB",
                             "enable_metadata_cache": True, "interface_v1": 1})  # fmt: skip
-    assert s.tier_config().disk_bytes == 1 << 30 and s.tier_config().remote_url is None
+    assert s.disk is not None and s.disk.capacity_bytes == 1 << 30 and s.remote is None
 
 
 @pytest.mark.parametrize(("kind", "layout"), POOLS)
@@ -353,9 +353,9 @@ def test_sglangs_controller_backs_up_finds_and_prefetches_pages(
     zero_copy: bool, disk: dict[str, Any], sglang_filled: Any
 ) -> None:
     """SGLang's own cache-controller code (its backup, hit query and
-    prefetch transfer, kvtier.integrations.sglang.standin.controller) over the backend:
+    prefetch transfer, kvtier.bench.sglang_standin.controller) over the backend:
     a prompt's pages backed up, found as a prefix, read back byte for byte."""
-    from kvtier.integrations.sglang.standin import controller
+    from kvtier.bench.sglang_standin import controller
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     pool, s = sglang_filled(disk, 12, layout="layer_first", pages=24)

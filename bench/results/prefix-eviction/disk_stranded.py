@@ -10,8 +10,10 @@ import json
 import shutil
 import sys
 
+from kvtier.options import DiskOptions
 from kvtier.replay import ReplayOptions, main_replay
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.factory import TierConfig
 
 linked, pol = sys.argv[1] == "on", sys.argv[2]
 if not linked:
@@ -21,8 +23,7 @@ opts = ReplayOptions(
     trace="../shared/traces/mooncake_conversation_trace.jsonl",
     block_bytes="16KiB",
     host_blocks=500,
-    disk="/tmp/rd:64MiB",
-    disk_policy=pol,
+    tiers=TierConfig(DiskOptions("/tmp/rd", 64 << 20, policy=pol)),
     max_requests=4000,
     json_path="/tmp/rd.json",
     no_progress=True,

@@ -36,7 +36,7 @@
 namespace kvtier::disk {
 
 // A record's state. Python names the same values RecordState
-// (python/kvtier/tiers/disk/journal.py): change both together.
+// (python/kvtier/tiers/disk/journal.py, which reads them from the index).
 enum class RecState : std::uint8_t {
   kFree = 0,
   kReady = 1,    // readable
@@ -63,8 +63,8 @@ struct EventId {
   bool named() const { return group < kUnnamed; }
 };
 
-// The op byte of a journal entry (JournalOp in
-// python/kvtier/tiers/disk/journal.py, which writes the journal).
+// The op byte of a journal entry (journal.h owns the format; Python names
+// the ops JournalOp in python/kvtier/tiers/disk/journal.py).
 constexpr std::uint8_t kJournalPut = 1;   // the record holds the digest, readable
 constexpr std::uint8_t kJournalDrop = 2;  // the record was dropped
 

@@ -17,8 +17,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.cli import _add_tls_arguments, _print_json_last
+from kvtier.bench.harness import print_json_last
 from kvtier.errors import InvalidArgument, KvtierError
+from kvtier.options.surfaces import add_tls_arguments, tls_settings
 
 
 def _scratch_dir(args: argparse.Namespace) -> str:
@@ -79,7 +80,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kvtier.bench.remote import run_remote, run_remote_tls
 
         sizes = [parse_size(args.block_bytes)] if args.block_bytes else [262144, 2 << 20]
-        tls = {k: getattr(args, k) for k in ("tls_ca", "tls_cert", "tls_key", "tls_server_name")}
+        tls = tls_settings(args)
         if args.tls and args.url:
             raise InvalidArgument(
                 "--tls measures TLS on a local server; for a server of yours give a rediss:// --url"
@@ -103,7 +104,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 for s in sizes
             ]
     elif args.component == "vllm":
-        from kvtier.integrations.vllm_bench import run_vllm
+        from kvtier.bench.vllm_managers import run_vllm
 
         chunks = (parse_size(args.block_bytes),) if args.block_bytes else (262144, 2 << 20)
         results = [run_vllm(_scratch_dir(args), chunks, args.repeats or 3, trace_path=args.trace)]
@@ -123,15 +124,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         for r in results[:-1]:
             print(json.dumps(r))
-        _print_json_last(results[-1])
+        print_json_last(results[-1])
     return 0
 
 
 def _cmd_bench_copy_cuda(args: argparse.Namespace) -> int:
     """``kvtier bench copy --device cuda``: see :mod:`kvtier.bench.device_cuda`.
     Without a CUDA GPU: InvalidArgument (one line, status 2) before any work."""
-    from kvtier.bench.device_cuda import run_device_cuda, settings
+    from kvtier.bench.device_cuda import settings
     from kvtier.bench.device_cuda_report import table
+    from kvtier.bench.device_cuda_run import run_device_cuda
     from kvtier.bench.harness import output_dir, save_result
 
     if args.block_bytes:
@@ -205,7 +207,7 @@ def _table_or_json(args: argparse.Namespace, result: dict[str, Any], text: str, 
     from pathlib import Path
 
     if args.json == "-":
-        _print_json_last(result)
+        print_json_last(result)
         return 0
     print(text)
     if saved:
@@ -268,7 +270,7 @@ def _cmd_bench_serve_load(args: argparse.Namespace) -> int:
     check_engine_python(python)  # after the flags: a typo is refused before vLLM is imported
     model_dir = out / f"model-{args.model_kind}"
     subprocess.run(
-        [python, "-m", "kvtier.integrations.vllm_engine", "make-model", str(model_dir),
+        [python, "-m", "kvtier.bench.vllm_engine", "make-model", str(model_dir),
          args.model_kind], check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     result = run_load(
@@ -293,7 +295,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
     from kvtier.bench.harness import default_output_dir
     from kvtier.bench.serve import CONFIGS, plot, run_serve, table
-    from kvtier.integrations.vllm_engine import Sessions
+    from kvtier.bench.vllm_engine import Sessions
 
     out = Path(args.out) if args.out else default_output_dir("bench-serve")
     configs = tuple(args.configs.split(",")) if args.configs else CONFIGS
@@ -327,7 +329,7 @@ def _save_and_show(
     path.write_text(json.dumps(result, indent=2) + "\n")
     plot(result, png)
     if args.json:
-        _print_json_last(result)
+        print_json_last(result)
     else:
         print(table(result))
         print(f"  saved {path}\n{more}  plot  {png}")
@@ -347,7 +349,7 @@ def _cmd_bench_soak(args: argparse.Namespace) -> int:
         log=(lambda _: None) if args.json else print,
     )
     if args.json:
-        _print_json_last(result)
+        print_json_last(result)
     else:
         print(report(result))
         if "json_path" in result:
@@ -446,7 +448,7 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="without --url, the local server also serves TLS; kvtier's runs alternate "
         "between its plain and TLS ports (the ratio is TLS's cost)",
     )
-    _add_tls_arguments(o, "--tls")
+    add_tls_arguments(o)
     o.add_argument(
         "--connections",
         type=int,

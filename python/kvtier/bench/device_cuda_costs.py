@@ -5,7 +5,7 @@ loop slows while kvtier's copies, or torch's, run beside it ("do no harm").
 
 A command-line tool's module: runs in the ``kvtier`` process, torch with a
 CUDA GPU there (:func:`kvtier.bench.device_cuda.require_cuda` checked it).
-Who calls: :func:`kvtier.bench.device_cuda.run_device_cuda`. Everything here
+Who calls: :func:`kvtier.bench.device_cuda_run.run_device_cuda`. Everything here
 blocks; each function returns its rows in the order measured.
 """
 

@@ -3,7 +3,7 @@
 link, CUDA and torch versions) and the human-readable table.
 
 A command-line tool's module: runs in the ``kvtier`` process. Who calls:
-:func:`kvtier.bench.device_cuda.run_device_cuda` (:func:`gpu_facts`, which
+:func:`kvtier.bench.device_cuda_run.run_device_cuda` (:func:`gpu_facts`, which
 blocks up to 10 s on nvidia-smi) and :mod:`kvtier.bench.commands`
 (:func:`table`, pure).
 """

@@ -21,6 +21,12 @@ from pathlib import Path
 from typing import Any
 
 
+def print_json_last(obj: dict[str, Any]) -> None:
+    """Print ``obj`` as one JSON line: always the last line of a command's
+    output (scripts parse it)."""
+    print(json.dumps(obj, sort_keys=False))
+
+
 def median_rate(
     fn: Callable[[], int], repeats: int = 5, warmup: int = 1
 ) -> tuple[float, list[float]]:

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from kvtier.bench.peers import (
     lmcache_redis,
 )
 from kvtier.errors import InvalidArgument
+from kvtier.options.tiers import RemoteOptions
 from kvtier.pool import HostPool
 from kvtier.tiers.remote import RemoteTier, parse_url
 
@@ -147,7 +149,7 @@ def run_remote(
     total_bytes: int = 512 << 20,
     repeats: int = 3,
     connections: int | None = None,
-    tls: dict[str, str | None] | None = None,
+    tls: dict[str, Any] | None = None,
     peers: Sequence[str] = (),
     peer_cache: Path | None = None,
 ) -> dict[str, Any]:
@@ -182,11 +184,7 @@ def run_remote(
         url,
         block_bytes,
         namespace="bench",
-        num_threads=connections,
-        tls_ca_file=tls.get("tls_ca"),
-        tls_cert_file=tls.get("tls_cert"),
-        tls_key_file=tls.get("tls_key"),
-        tls_server_name=tls.get("tls_server_name"),
+        options=replace(RemoteOptions(url, num_threads=connections), **tls),
     )
     t.attach(pool)
     batch = max(1, min(256, (16 << 20) // block_bytes))

@@ -59,8 +59,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.vllm_engine import Sessions
 from kvtier.errors import InvalidArgument
-from kvtier.integrations.vllm_engine import Sessions
 
 CONFIGS = (
     "none", "prefix", "host", "host+disk", "host+redis", "host+redis-wait", "host+redis-stream",
@@ -211,7 +211,7 @@ def _run_child(python: str, spec: dict[str, Any], workdir: Path, name: str) -> d
     log = workdir / f"{name}.log"
     with open(log, "w") as f:
         p = subprocess.run(
-            [python, "-m", "kvtier.integrations.vllm_engine", "run", str(spec_path), str(out_path)],
+            [python, "-m", "kvtier.bench.vllm_engine", "run", str(spec_path), str(out_path)],
             stdout=f, stderr=subprocess.STDOUT, timeout=1800, check=False,
         )  # fmt: skip
     text = log.read_text()
@@ -232,7 +232,7 @@ def _run_child(python: str, spec: dict[str, Any], workdir: Path, name: str) -> d
 def check_engine_python(python: str) -> None:
     """Raise InvalidArgument unless ``python`` can import vLLM and kvtier."""
     p = subprocess.run(
-        [python, "-c", "import vllm, kvtier.integrations.vllm_engine"],
+        [python, "-c", "import vllm, kvtier.bench.vllm_engine"],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     if p.returncode != 0:
@@ -254,12 +254,12 @@ def run_serve(
     model_kind: str = "llama",
 ) -> dict[str, Any]:
     """Run every configuration ``repeats`` times on a generated model of
-    ``model_kind`` (:data:`~kvtier.integrations.vllm_engine.MODEL_KINDS`);
+    ``model_kind`` (:data:`~kvtier.bench.vllm_engine.MODEL_KINDS`);
     the JSON-able result with per-run summaries, medians of per-run ratios to
     ``none`` and machine facts."""
     from kvtier.bench.harness import machine_facts
     from kvtier.bench.redis_server import RedisServer
-    from kvtier.integrations.vllm_engine import MODEL_KINDS, model_config
+    from kvtier.bench.vllm_engine import MODEL_KINDS, model_config
 
     if model_kind not in MODEL_KINDS:
         raise InvalidArgument(f"unknown model kind {model_kind!r}: one of {', '.join(MODEL_KINDS)}")
@@ -275,7 +275,7 @@ def run_serve(
     out_dir.mkdir(parents=True, exist_ok=True)
     model_dir = out_dir / f"model-{model_kind}"
     subprocess.run(
-        [python, "-m", "kvtier.integrations.vllm_engine", "make-model", str(model_dir),
+        [python, "-m", "kvtier.bench.vllm_engine", "make-model", str(model_dir),
          model_kind], check=True, capture_output=True,
     )  # fmt: skip
     model = model_config(model_kind)

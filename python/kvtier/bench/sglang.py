@@ -5,7 +5,7 @@ pages: the usual Python approach; SGLang ships no Redis backend) on the same
 Redis; same host pool, page size and batch size for every contender.
 
 Each contender is driven by SGLang's own cache-controller code
-(:func:`kvtier.integrations.sglang.standin.controller`: its backup, hit query and
+(:func:`kvtier.bench.sglang_standin.controller`: its backup, hit query and
 prefetch transfer, in SGLang's batches of ``STORAGE_BATCH_SIZE`` pages):
 kvtier through the zero-copy calls SGLang picks for a dynamic backend with
 ``interface_v1`` (``batch_set_v1``, ``batch_get_v1``), ``HiCacheFile`` and
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from kvtier.bench.harness import PAIRED, paired_ratio
-from kvtier.integrations.sglang.standin import (
+from kvtier.bench.sglang_standin import (
     controller,
     fill,
     hicache_file,

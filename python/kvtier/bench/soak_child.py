@@ -83,6 +83,7 @@ def _child_run(c: dict[str, Any], out: TextIO) -> int:
 
     from kvtier.errors import KvtierError
     from kvtier.manager import TieredOffloadingManager
+    from kvtier.options.tiers import DiskOptions, RemoteOptions
     from kvtier.pool import HostPool
     from kvtier.replay import FakeKV, Replayer, synthetic_requests
     from kvtier.tiers.factory import TierConfig, build_lower_tiers, host_slot_bytes
@@ -99,10 +100,10 @@ def _child_run(c: dict[str, Any], out: TextIO) -> int:
 
     block = int(c["block_bytes"])
     tier_cfg = TierConfig(
-        disk_path=c["disk_dir"], disk_bytes=int(c["disk_bytes"]), disk_reserve_bytes=0,
-        disk_timeout_s=TIER_TIMEOUT_S["disk"], remote_url=c["redis_url"],
-        remote_timeout_s=TIER_TIMEOUT_S["remote"], remote_degraded_ok=True,
-        remote_known_capacity=KNOWN_CAPACITY,
+        DiskOptions(c["disk_dir"], int(c["disk_bytes"]), reserve_bytes=0,
+                    timeout_s=TIER_TIMEOUT_S["disk"]),
+        RemoteOptions(c["redis_url"], timeout_s=TIER_TIMEOUT_S["remote"], degraded_ok=True,
+                      known_capacity=KNOWN_CAPACITY),
     )  # fmt: skip
     t_start = time.monotonic()
     lower = build_lower_tiers(tier_cfg, block, namespace=f"soak-{block}")

@@ -15,6 +15,7 @@ from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 
 from kvtier.errors import InvalidArgument
+from kvtier.options.tiers import HostOptions
 from kvtier.policy import AdmissionFilter, EvictionPolicy, make_policy
 from kvtier.pool import HostPool
 
@@ -107,6 +108,21 @@ class HostTier:
     """
 
     name = "host"
+
+    @classmethod
+    def from_options(
+        cls, pool: HostPool | None, capacity: int | None, options: HostOptions
+    ) -> HostTier:
+        """The host tier over ``pool`` (``capacity`` slots of it, None: all)
+        as ``options`` say (its ``bytes`` sized the pool: not read here)."""
+        return cls(
+            pool,
+            capacity,
+            options.policy,
+            options.admit_after,
+            options.max_tracked,
+            options.prefix_eviction,
+        )
 
     def __init__(
         self,

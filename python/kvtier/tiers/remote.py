@@ -38,6 +38,7 @@ import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -45,15 +46,17 @@ import numpy as np
 from kvtier._lazy import lazy_getattr
 from kvtier.codes import ItemStatus
 from kvtier.errors import InvalidArgument, IoError, TlsError
+from kvtier.options.tiers import RemoteOptions
 from kvtier.policy.admission import WriteGate
 from kvtier.pool import HostPool
 from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
-from kvtier.tiers.events import EVENT_LOG_KEYS, vllm_event_id
+from kvtier.tiers.events import vllm_event_id
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
 from kvtier.tiers.pool_index import PoolIndex
-from kvtier.tiers.pool_stream import STREAM_MAXLEN, UNNAMED, stream_key, xadd_commands
+from kvtier.tiers.pool_stream import UNNAMED, stream_key, xadd_commands
 from kvtier.tiers.records import key_digest, namespace_digest
 from kvtier.tiers.remote_url import (
+    TLS_FIELDS,
     RemoteConnection,
     check_tls_options,
     default_connections,
@@ -79,7 +82,9 @@ STREAM_DELAY_S = 0.01
 
 
 class RemoteTier(JobTier):
-    """Remote tier over a Redis/Valkey URL; blocks of ``block_bytes``.
+    """Remote tier over a Redis/Valkey URL; blocks of ``block_bytes``. Its
+    settings are a :class:`~kvtier.options.tiers.RemoteOptions` (``options``,
+    or that class's fields given as keywords, which override it).
 
     ``num_threads`` connections (default :func:`default_connections`), each
     served by one worker thread of the tier's engine, at niceness
@@ -96,6 +101,20 @@ class RemoteTier(JobTier):
 
     can_probe = True
 
+    @classmethod
+    def from_options(
+        cls,
+        options: RemoteOptions,
+        block_bytes: int,
+        *,
+        namespace: str | bytes,
+        name: str = "remote",
+    ) -> RemoteTier:
+        """The tier ``options`` describe (their ``url`` must be set). Blocks while it connects."""
+        if options.url is None:
+            raise InvalidArgument("RemoteOptions.url is None: no remote tier configured")
+        return cls(options.url, block_bytes, namespace=namespace, name=name, options=options)
+
     def __init__(
         self,
         url: str,
@@ -103,62 +122,35 @@ class RemoteTier(JobTier):
         *,
         namespace: str | bytes = "default",
         name: str = "remote",
-        ttl_s: float | None = None,
-        timeout_s: float = 2.0,
-        pipeline: int = 64,
-        window_bytes: int = 512 << 10,
-        num_threads: int | None = None,
-        inflight_bytes: int = 512 << 20,
-        job_items: int = 64,
-        admit_after: int = 1,
-        write_budget_bps: float | None = None,
-        degraded_ok: bool = False,
-        negative_ttl_s: float = 1.0,
-        known_ttl_s: float = 2.0,
-        known_capacity: int = 1 << 20,
-        worker_io: bool = False,
-        worker_nice: int | None = None,
-        tls_ca_file: str | None = None,
-        tls_cert_file: str | None = None,
-        tls_key_file: str | None = None,
-        tls_server_name: str | None = None,
-        event_log_keys: int = EVENT_LOG_KEYS,
-        pool_events: int = STREAM_MAXLEN,
-        engine_id: str | None = None,
         event_id: Callable[[bytes], bytes | None] = vllm_event_id,
-        pool_index: bool | None = None,
+        options: RemoteOptions | None = None,
+        **settings: Any,
     ) -> None:
+        # ``settings``: fields of RemoteOptions, a keyword convenience over ``options``.
+        o = replace(options or RemoteOptions(), url=url, **settings)
         if block_bytes <= 0:
             raise InvalidArgument(f"block_bytes must be > 0, got {block_bytes}")
-        if timeout_s <= 0 or pipeline <= 0 or job_items <= 0 or window_bytes <= 0:
-            raise InvalidArgument("timeout_s, pipeline, window_bytes and job_items must be > 0")
-        if not known_ttl_s > 0:
-            raise InvalidArgument(f"known_ttl_s must be > 0, got {known_ttl_s}")
-        if pool_events < 0:
-            raise InvalidArgument(f"pool_events must be >= 0 (0: off), got {pool_events}")
-        if pool_index and not pool_events:
-            raise InvalidArgument("pool_index reads the pool's event stream: it needs pool_events")
+        self.options = o
         from kvtier import _native
         from kvtier.engine import Engine, io_nice
 
-        nice = io_nice(worker_nice)  # checked before connecting
+        nice = io_nice(o.worker_nice)  # checked before connecting
         cfg = parse_url(url)
-        tls = {"tls_ca_file": tls_ca_file, "tls_cert_file": tls_cert_file,
-               "tls_key_file": tls_key_file, "tls_server_name": tls_server_name}  # fmt: skip
+        tls = {f: getattr(o, f) for f in TLS_FIELDS}
         check_tls_options(url, cfg, tls)
         self._tier_init(
             name, "load_failures", "vanished", "corrupt", "io_errors", "server_errors",
             "exists_checks", "budget_skips", "not_admitted", "probes", "probe_misses",
             "pool_events", "pool_event_failures", "pool_events_dropped",
-            event_log_keys=event_log_keys,
+            event_log_keys=o.event_log_keys,
         )  # fmt: skip
         self.url = redact_url(url)
         self.block_bytes = block_bytes
         self.ns = namespace_digest(namespace, block_bytes)
         self._prefix = b"kvt:" + self.ns.hex()[:16].encode() + b":"
-        self.pool_events = pool_events
-        self.stream = stream_key(self._prefix) if pool_events else None
-        self.engine_id = engine_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.pool_events = o.pool_events
+        self.stream = stream_key(self._prefix) if o.pool_events else None
+        self.engine_id = o.engine_id or f"{socket.gethostname()}:{os.getpid()}"
         self.event_id = event_id
         # Digests and event ids acknowledged, not yet appended (same order).
         self._stream_pending: list[bytes] = []
@@ -166,13 +158,13 @@ class RemoteTier(JobTier):
         self._stream_due = 0.0  # when the oldest of them must go
         # What opens a client to the same pool, here and in an engine worker
         # that streams blocks itself (RemoteIO).
-        ms = int(timeout_s * 1000)
+        ms = int(o.timeout_s * 1000)
         self.connection = RemoteConnection(
             tuple(cfg["seeds"]), cfg["cluster"], cfg["user"], cfg["password"], cfg["db"],
-            ms, ms, pipeline, int((ttl_s or 0) * 1000), degraded_ok, self.ns, window_bytes,
-            cfg["tls"], **{k: v or "" for k, v in tls.items()},
+            ms, ms, o.pipeline, int((o.ttl_s or 0) * 1000), o.degraded_ok, self.ns, o.window_bytes,
+            cfg["tls"], tuple(v or "" for v in tls.values()),
         )  # fmt: skip
-        self.timeout_s = timeout_s
+        self.timeout_s = o.timeout_s
         try:
             self.store = self.connection.open_store()
         except IoError as e:
@@ -185,21 +177,21 @@ class RemoteTier(JobTier):
                 f"TLS with {self.url} failed: the server closed the connection right after "
                 f"the handshake (it wants a client certificate, or refused this one): {e.strerror}"
             )) from None  # fmt: skip
-        self.num_threads = num_threads or default_connections()
+        self.num_threads = o.num_threads or default_connections()
         # Background I/O yields the CPU to the engine's threads and to a
         # server on the same machine (see Engine).
-        self.engine = Engine(self.num_threads, [(inflight_bytes, False)], nice)
+        self.engine = Engine(self.num_threads, [(o.inflight_bytes, False)], nice)
         self._value_bytes = block_bytes + int(_native.REMOTE_HEADER_BYTES)
-        self.job_items = job_items
-        self.gate = WriteGate(admit_after, write_budget_bps)
-        self.negative_ttl_s = negative_ttl_s
-        self.known_ttl_s = known_ttl_s
-        self.known_capacity = known_capacity
+        self.job_items = o.job_items
+        self.gate = WriteGate(o.admit_after, o.write_budget_bps)
+        self.negative_ttl_s = o.negative_ttl_s
+        self.known_ttl_s = o.known_ttl_s
+        self.known_capacity = o.known_capacity
         # Off unless the engine survives a failed read (the vLLM shim's
         # connector recomputes; vLLM's own worker asserts success): a value
         # can vanish between the existence check and a worker's read, or a
         # write meet a server gone. Promotion checks bytes before HIT.
-        self.worker_io = worker_io
+        self.worker_io = o.worker_io
         # digest -> (exists, when), oldest first: what live requests learnt (an
         # EXISTS answer, a store or load that just ended), kept known_ttl_s
         # (absent: negative_ttl_s), at most known_capacity entries.
@@ -207,7 +199,7 @@ class RemoteTier(JobTier):
         self._exists_queue: dict[bytes, bytes] = {}  # digest -> server key
         self._exists_inflight: set[bytes] = set()
         self.jobs.engine = self.engine
-        on = bool(pool_events) if pool_index is None else pool_index
+        on = bool(o.pool_events) if o.pool_index is None else o.pool_index
         self.index = PoolIndex(self.store, self.stream) if on and self.stream else None
 
     # -- helpers -------------------------------------------------------------

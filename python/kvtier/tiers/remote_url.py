@@ -99,6 +99,11 @@ def parse_url(url: str) -> dict[str, Any]:
     }
 
 
+TLS_FIELDS = ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name")
+"""The TLS settings of :class:`~kvtier.options.tiers.RemoteOptions`, in the
+order the native client takes them."""
+
+
 def check_tls_options(url: str, cfg: dict[str, Any], tls: dict[str, str | None]) -> None:
     """Raises InvalidArgument for TLS options a URL cannot use (``cfg``: its
     :func:`parse_url`) or files that are not there."""
@@ -144,10 +149,7 @@ class RemoteConnection:
     ns: bytes
     window_bytes: int
     tls: bool
-    tls_ca_file: str = ""
-    tls_cert_file: str = ""
-    tls_key_file: str = ""
-    tls_server_name: str = ""
+    tls_settings: tuple[str, ...] = ("", "", "", "")  # TLS_FIELDS' values, "" when not given
 
     def open_store(self) -> _native.RemoteStore:
         """A connected native client. Blocks while it connects (and, for a
@@ -157,6 +159,5 @@ class RemoteConnection:
         return _native.RemoteStore(
             list(self.seeds), self.cluster, self.user, self.password, self.db,
             self.connect_timeout_ms, self.io_timeout_ms, self.pipeline, self.ttl_ms, self.lazy,
-            self.ns, self.window_bytes, self.tls, self.tls_ca_file, self.tls_cert_file,
-            self.tls_key_file, self.tls_server_name,
+            self.ns, self.window_bytes, self.tls, *self.tls_settings,
         )  # fmt: skip

@@ -23,6 +23,7 @@ order of the keys.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import threading
 import time
@@ -45,6 +46,7 @@ from kvtier.errors import InvalidArgument
 from kvtier.integrations.sglang.config import parse_extra_config, storage_namespace
 from kvtier.integrations.sglang.mover import PageMover
 from kvtier.integrations.sglang.pages import PagePlan
+from kvtier.options.tiers import RemoteOptions
 from kvtier.units import FreeFraction
 
 log = logging.getLogger("kvtier")
@@ -106,7 +108,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         old = self.movers.get(name)
         if old is not None and old.plan.buffer is getattr(pool, "kv_buffer", None):
             return  # the KV pool, registered through both calls
-        from kvtier.tiers.factory import build_tiers, close_after_failure, configured
+        from kvtier.tiers.factory import build_tiers, close_after_failure, kind_of
 
         plan = PagePlan(pool)
         c = self.storage_config
@@ -129,20 +131,23 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
             # A sidecar pool holds at most one page per KV page: its tiers
             # get the KV pool's capacities scaled by their page sizes.
             host_bytes = host_bytes * plan.page_bytes // kv.plan.page_bytes
-            if not isinstance(cfg.disk_bytes, FreeFraction):
-                scaled = cfg.disk_bytes * plan.page_bytes // kv.plan.page_bytes
-                cfg = dataclasses.replace(cfg, disk_bytes=max(scaled, 1 << 20))
+            if cfg.disk is not None and not isinstance(cfg.disk.capacity_bytes, FreeFraction):
+                scaled = cfg.disk.capacity_bytes * plan.page_bytes // kv.plan.page_bytes
+                disk = dataclasses.replace(cfg.disk, capacity_bytes=max(scaled, 1 << 20))
+                cfg = dataclasses.replace(cfg, disk=disk)
         # MLA: Redis holds one copy for every TP rank, written by the writer
         # rank; a disk directory has one owner, so each rank keeps (and
         # writes) its own. Mamba state is sharded by TP even in MLA models.
         shared = self.is_mla and name != PoolName.MAMBA
-        kinds = configured(cfg)
+        lower = cfg.configured()
+        kinds = [kind_of(o) for o in lower]
         writes = [not (shared and kind == "remote") or self.is_writer for kind in kinds]
         if old is not None:  # a pool registered again: its directory is let go of first
             del self.movers[name]
             old.close()
         tiers = build_tiers(
-            (kind, cfg, plan.page_bytes, namespace(shared and kind == "remote")) for kind in kinds
+            (o, plan.page_bytes, namespace(shared and kind == "remote"))
+            for o, kind in zip(lower, kinds)
         )
         try:
             self.movers[name] = PageMover(
@@ -343,7 +348,8 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
             for tier in mover.tiers:
                 if tier.name == "remote":
                     prefix = tier.server_key(b"")[:-32]  # type: ignore[attr-defined]
-                    _delete_values(self.settings.tier_fields, prefix)
+                    assert self.settings.remote is not None
+                    _delete_values(self.settings.remote, prefix)
                     tier.reset()  # its pool index read the history just deleted
 
     def kvtier_stats(self) -> dict[str, Any]:
@@ -384,33 +390,18 @@ def _storage_metrics_class() -> Any:
     return _METRICS[0]
 
 
-def _delete_values(fields: dict[str, Any], prefix: bytes) -> int:
-    """Delete every key under ``prefix`` on the Redis/Valkey of ``fields``
+def _delete_values(remote: RemoteOptions, prefix: bytes) -> int:
+    """Delete every key under ``prefix`` on the Redis/Valkey ``remote`` names
     (SCAN and UNLINK through redis-py, standalone or cluster); how many."""
-    try:
-        import redis
-        from redis.cluster import ClusterNode, RedisCluster
-    except ImportError:
+    if importlib.util.find_spec("redis") is None:
         log.warning("kvtier: clear: redis-py is not installed; Redis values stay until their TTL")
         return 0
+    from kvtier.pool_watch import connect
     from kvtier.tiers.pool_stream import stream_key
-    from kvtier.tiers.remote import parse_url
+    from kvtier.tiers.remote_url import TLS_FIELDS
 
-    cfg = parse_url(str(fields["remote_url"]))
-    auth: dict[str, Any] = {"username": cfg["user"] or None, "password": cfg["password"] or None}
-    if cfg["tls"]:
-        auth.update(
-            ssl=True, ssl_ca_certs=fields.get("remote_tls_ca_file"),
-            ssl_certfile=fields.get("remote_tls_cert_file"),
-            ssl_keyfile=fields.get("remote_tls_key_file"),
-        )  # fmt: skip
-    client: Any
-    if cfg["cluster"]:
-        nodes = [ClusterNode(h, p) for h, p in cfg["seeds"]]  # type: ignore[no-untyped-call]
-        client = RedisCluster(startup_nodes=nodes, **auth)
-    else:
-        host, port = cfg["seeds"][0]
-        client = redis.Redis(host=host, port=port, db=cfg["db"], **auth)
+    assert remote.url is not None
+    client = connect(remote.url, {f: getattr(remote, f) for f in TLS_FIELDS})
     deleted = 0
     try:
         batch: list[bytes] = []

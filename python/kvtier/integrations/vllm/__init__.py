@@ -31,9 +31,10 @@ from kvtier.integrations.vllm.config import (
     engine_namespace,
     parse_extra_config,
 )
+from kvtier.integrations.vllm.host_spec import KVTierSpec
 from kvtier.integrations.vllm.scheduler import KVTierManager, following_keys
 from kvtier.integrations.vllm.secondary import KVTierDiskTier, KVTierRedisTier
-from kvtier.integrations.vllm.spec import KVTierOffloadingSpec, KVTierReportingSpec, KVTierSpec
+from kvtier.integrations.vllm.spec import KVTierOffloadingSpec, KVTierReportingSpec
 from kvtier.integrations.vllm.worker import KVTierWorker
 
 __all__ = [

@@ -10,123 +10,23 @@ spec, the secondary tiers and the connector.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
-from kvtier.errors import InvalidArgument, UnsupportedEngine
-from kvtier.integrations._keys import kvtier_keys
+from kvtier.errors import UnsupportedEngine
+from kvtier.options.engines import VllmOptions
+from kvtier.options.fields import key_of
+from kvtier.options.surfaces import EngineConfig, engine_keys, parse_engine_config
 from kvtier.tiers.records import namespace_name
-from kvtier.units import to_bytes, to_capacity
 
 # Keys of kv_connector_extra_config that vLLM itself reads (never ours to reject).
 _VLLM_KEYS = {
     "spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout",
     "self_describing_kv_events", "offload_prompt_only", "sync_load_budget_bytes",
 }  # fmt: skip
-# kvtier's keys: name -> (type, what it is)
-CONFIG_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
-    "kvtier_host_bytes": ((int, str), "host tier size across all workers, e.g. 64GiB (required)"),
-    "kvtier_policy": (str, "host eviction policy: lru, arc or a dotted class path (default lru)"),
-    "kvtier_disk_policy": (
-        str,
-        "disk eviction policy (native): lru, clock, clock:N or plfu (default lru)",
-    ),
-    "kvtier_admit_after": (int, "store a block after it was offered N times (default 1)"),
-    "kvtier_lower_writes": (
-        str,
-        "when a block is written to the disk and Redis tiers: on_store (when stored in the host "
-        "tier, the default) or on_reuse (on its first reuse from the host tier: blocks nobody "
-        "comes back for are never written)",
-    ),
-    "kvtier_disk_path": (str, "directory of the disk tier (optional)"),
-    "kvtier_disk_bytes": (
-        (int, str),
-        "disk tier size, e.g. 100GiB, or a share of the free space, e.g. 80% (default 100GiB)",
-    ),
-    "kvtier_disk_reserve": (
-        (int, str),
-        "free space the disk tier never takes (default 5% of the file system, at most 4GiB)",
-    ),
-    "kvtier_disk_write_budget": (
-        (int, str),
-        "disk write budget in bytes per second (default none)",
-    ),
-    "kvtier_disk_timeout_s": (
-        (int, float),
-        "a disk job not done after this fails; its memory stays held until it ends (default 30)",
-    ),
-    "kvtier_remote_url": (
-        str,
-        "redis://[USER:PASS@]HOST:PORT or redis-cluster://H:P,H:P; rediss:// for TLS (optional)",
-    ),
-    "kvtier_remote_tls_ca_file": (str, "rediss: PEM CA file (default: the system's trust store)"),
-    "kvtier_remote_tls_cert_file": (str, "rediss: PEM client certificate (optional)"),
-    "kvtier_remote_tls_key_file": (str, "rediss: PEM key of the client certificate (optional)"),
-    "kvtier_remote_tls_server_name": (str, "rediss: name the server certificate must carry"),
-    "kvtier_remote_ttl_s": ((int, float), "expiry of remote values in seconds (default none)"),
-    "kvtier_pool_events": (
-        bool,
-        "append the stores Redis acknowledged to the pool's own event stream, which `kvtier "
-        "events URL` tails for every engine on the pool (default true)",
-    ),
-    "kvtier_pool_index": (
-        bool,
-        "answer Redis lookups from what the pool's event stream says the pool holds, with no "
-        "round trip (default: with kvtier_pool_events; turn it off on a pool shared with "
-        "writers whose stream is off)",
-    ),
-    "kvtier_engine_id": (
-        str,
-        "what names this engine in the pool's event stream (default host:pid)",
-    ),
-    "kvtier_namespace": (str, "extra namespace mixed into every key (default none)"),
-    "kvtier_num_slots": (int, "host slots per rank; required with pipeline parallelism"),
-    "kvtier_stats_path": (
-        str,
-        "write kvtier's counters and host occupancy here as JSON at shutdown",
-    ),
-    "kvtier_promote": (
-        bool,
-        "copy a disk hit into the host tier before loading it (default true; false: the worker "
-        "streams every disk hit into the engine's cache itself)",
-    ),
-    "kvtier_remote_probe": (
-        bool,
-        "keys the Redis tier does not know yet are read with one GET into a host slot (true) or "
-        "checked with EXISTS first (false; with kvtier_promote false the worker then streams "
-        "them); default true when kvtier_admit_after is 1",
-    ),
-    "kvtier_fenced_reads": (
-        bool,
-        "under KVTierConnector, a returning prefix read ahead from Redis is HIT before its "
-        "values arrive and the engine's copies wait for each block's value (the read and the "
-        "load overlap; default true); false: the lookup waits for every value first",
-    ),
-    "kvtier_layered_loads": (
-        bool,
-        "a hit loaded within the step is waited for layer by layer: each attention layer "
-        "waits only for its own KV, the copies of later layers (and a disk hit's reads, "
-        "record by record in layer order) overlap the compute of earlier ones (default true; "
-        "false: the forward pass waits for the whole load first)",
-    ),
-    "kvtier_stream_slots": (
-        int,
-        "staging slots per worker for blocks moved straight between the engine and the disk "
-        "or Redis tier when the host tier has no room (default 32, or with layered loads "
-        "enough for sync_load_budget_bytes; 0 turns streaming off)",
-    ),
-    "kvtier_scan_wait_ms": (
-        (int, float),
-        "a request's first lookup that misses the host tier reads its prefix from the lower "
-        "tiers and waits for it, at most this long per scheduler step (default 20; 0: never "
-        "wait, hits become readable a step later)",
-    ),
-    "kvtier_scan_bytes": (
-        (int, str),
-        "at most this much read per scheduler step by such waits (default 64MiB)",
-    ),
-}
-_GAUGES = ("host_usage_perc", "host_busy", "tier_jobs")
+# kvtier's keys: name -> (accepted types, what it is), from kvtier.options.
+CONFIG_KEYS = engine_keys("vllm")
+GAUGES = ("host_usage_perc", "host_busy", "tier_jobs")
 
 KVTIER_METRICS = {
     "vllm:kv_offload_kvtier_host_usage_perc": "Fraction of kvtier host slots in use.",
@@ -151,36 +51,11 @@ KVTIER_METRICS = {
 }
 
 
-def parse_extra_config(extra: dict[str, Any] | Any) -> dict[str, Any]:
-    """Validate kvtier's keys of ``kv_connector_extra_config``; clear errors for
-    unknown or mistyped ones. Returns the kvtier keys with sizes in bytes."""
-    if not isinstance(extra, Mapping):
-        raise InvalidArgument(
-            f"kv_connector_extra_config must be a mapping, got {type(extra).__name__}"
-        )
-    out = kvtier_keys(extra, CONFIG_KEYS, "kv_connector_extra_config")
-    for key in (
-        "kvtier_host_bytes", "kvtier_disk_reserve", "kvtier_disk_write_budget", "kvtier_scan_bytes",
-    ):  # fmt: skip
-        if key in out:
-            out[key] = to_bytes(key, out[key])
-    if "kvtier_disk_bytes" in out:
-        out["kvtier_disk_bytes"] = to_capacity("kvtier_disk_bytes", out["kvtier_disk_bytes"])
-    if out.get("kvtier_admit_after", 1) < 1:
-        raise InvalidArgument("kvtier_admit_after: must be >= 1")
-    if out.get("kvtier_lower_writes", "on_store") not in ("on_store", "on_reuse"):
-        raise InvalidArgument(
-            f"kvtier_lower_writes: must be on_store or on_reuse, got {out['kvtier_lower_writes']!r}"
-        )
-    if out.get("kvtier_scan_wait_ms", 0) < 0:
-        raise InvalidArgument("kvtier_scan_wait_ms: must be >= 0")
-    engine_id = out.get("kvtier_engine_id")
-    if engine_id is not None and (not engine_id.strip() or len(engine_id) > 256):
-        raise InvalidArgument(
-            f"kvtier_engine_id: must be a non-blank name of at most 256 characters, "
-            f"got {engine_id!r}"
-        )
-    return out
+def parse_extra_config(extra: dict[str, Any] | Any) -> EngineConfig:
+    """Validate kvtier's keys of ``kv_connector_extra_config`` (clear errors
+    for unknown, mistyped or out-of-range ones) into the tiers' and the
+    connector's options (:class:`~kvtier.options.VllmOptions` in ``engine``)."""
+    return parse_engine_config(extra, "vllm", "kv_connector_extra_config")
 
 
 def check_engine(vllm_config: Any) -> None:
@@ -239,7 +114,8 @@ def _check_recurrent_state(model: Any, cache: Any, transfer: Any) -> None:
         return
     extra = getattr(transfer, "kv_connector_extra_config", None)
     if isinstance(extra, dict):
-        for key, off in (("kvtier_layered_loads", False), ("sync_load_budget_bytes", 0)):
+        layered = key_of(VllmOptions, "layered_loads")
+        for key, off in ((layered, False), ("sync_load_budget_bytes", 0)):
             if key in extra and extra[key] not in (off, str(off)):
                 logging.getLogger("kvtier").warning(
                     "kvtier: %s -> %s for a model with recurrent layers: a hit loads a step "
@@ -258,7 +134,7 @@ def _check_recurrent_state(model: Any, cache: Any, transfer: Any) -> None:
         )
 
 
-def _check_current_engine() -> None:
+def check_current_engine() -> None:
     """:func:`check_engine` on the config vLLM is building, where the caller
     (a spec or secondary tier, handed only vLLM's OffloadingConfig) runs
     inside vLLM's config context; nothing outside one."""

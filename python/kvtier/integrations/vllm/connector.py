@@ -52,8 +52,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 
 from kvtier.errors import InvalidArgument
 from kvtier.integrations.vllm.config import check_engine
+from kvtier.integrations.vllm.host_spec import KVTierSpec
 from kvtier.integrations.vllm.scheduler import KVTierManager
-from kvtier.integrations.vllm.spec import KVTierSpec
 from kvtier.integrations.vllm.worker import KVTierWorker
 from kvtier.units import to_bytes
 

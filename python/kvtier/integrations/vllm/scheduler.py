@@ -31,7 +31,7 @@ from vllm.v1.kv_offload.base import (
 
 if TYPE_CHECKING:
     from kvtier.manager import TieredOffloadingManager
-from kvtier.integrations.vllm.spec import KVTierSpec
+from kvtier.integrations.vllm.host_spec import KVTierSpec
 
 GAUGE_PERIOD_S = 0.5  # the host tier's gauges are refreshed at most this often
 

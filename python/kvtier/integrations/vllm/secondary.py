@@ -25,11 +25,13 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from kvtier.units import to_capacity
+from kvtier.errors import InvalidArgument
+from kvtier.options.surfaces import secondary_options
+from kvtier.options.tiers import DiskOptions, RemoteOptions
 
 if TYPE_CHECKING:
     from kvtier.tiers.base import LowerTier
-from kvtier.integrations.vllm.config import _check_current_engine, engine_namespace
+from kvtier.integrations.vllm.config import check_current_engine, engine_namespace
 
 
 class _ViewPool:
@@ -53,11 +55,13 @@ class _ViewPool:
 class _KVTierSecondary(SecondaryTierManager):
     """A kvtier lower tier as one of vLLM's secondary tiers (scheduler side)."""
 
-    def _build(self, kind: str, locality: Locality, cfg: Any, namespace: str, name: str) -> None:
-        """Build this tier's kvtier tier from ``cfg`` and attach it to vLLM's primary region."""
+    def _build(
+        self, options: DiskOptions | RemoteOptions, locality: Locality, namespace: str, name: str
+    ) -> None:
+        """Build this tier's kvtier tier from ``options`` and attach it to vLLM's primary region."""
         from kvtier.tiers.factory import build_tier
 
-        _check_current_engine()
+        check_current_engine()
         self.locality = locality
         spec = self._offloading_spec
         c = spec.config
@@ -71,7 +75,7 @@ class _KVTierSecondary(SecondaryTierManager):
             canonical_layout=getattr(c, "canonical_layout", False),
             user_namespace=namespace, groups=c.groups,
         )  # fmt: skip
-        self._attach(build_tier(kind, cfg, self.block_size_bytes, ns, name=name))
+        self._attach(build_tier(options, self.block_size_bytes, ns, name=name))
 
     def _attach(self, tier: LowerTier) -> None:
         """Attach ``tier`` to vLLM's primary region; a tier that cannot be
@@ -175,7 +179,10 @@ class _KVTierSecondary(SecondaryTierManager):
 
 
 class KVTierDiskTier(_KVTierSecondary):
-    """kvtier's disk tier (io_uring, checksummed records, warm restart) as a vLLM secondary tier."""
+    """kvtier's disk tier (io_uring, checksummed records, warm restart) as a
+    vLLM secondary tier. Its arguments (beside vLLM's and ``namespace``) are
+    the fields of :class:`~kvtier.options.DiskOptions` a secondary tier takes
+    (``path`` required, ``capacity_bytes``, ``policy``, ...)."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
@@ -184,31 +191,22 @@ class KVTierDiskTier(_KVTierSecondary):
         offloading_spec: OffloadingSpec,
         primary_kv_view: memoryview,
         tier_type: str,
-        path: str,
-        capacity_bytes: int | str = "100GiB",
-        queue_depth: int = 32,
-        policy: str = "lru",
-        admit_after: int = 1,
-        write_budget_bps: float | None = None,
-        backend: str = "auto",
         namespace: str = "",
-        timeout_s: float = 30.0,
         backpressure_detector: Any = None,
+        **settings: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        from kvtier.tiers.factory import TierConfig
-
-        cfg = TierConfig(
-            disk_path=path, disk_bytes=to_capacity("capacity_bytes", capacity_bytes),
-            disk_policy=policy, disk_admit_after=admit_after,
-            disk_write_budget_bps=write_budget_bps, disk_backend=backend,
-            disk_queue_depth=queue_depth, disk_timeout_s=timeout_s,
-        )  # fmt: skip
-        self._build("disk", Locality.LOCAL, cfg, namespace, tier_type)
+        if "path" not in settings:
+            raise InvalidArgument(f"secondary tier {tier_type}: KVTierDiskTier needs a path")
+        opts = secondary_options(DiskOptions, settings, f"secondary tier {tier_type}")
+        self._build(opts, Locality.LOCAL, namespace, tier_type)
 
 
 class KVTierRedisTier(_KVTierSecondary):
-    """kvtier's remote tier (native pipelined RESP client, Redis/Valkey, cluster) as a vLLM secondary tier."""
+    """kvtier's remote tier (native pipelined RESP client, Redis/Valkey,
+    cluster) as a vLLM secondary tier. Its arguments (beside vLLM's and
+    ``namespace``) are the fields of :class:`~kvtier.options.RemoteOptions` a
+    secondary tier takes (``url`` required, ``ttl_s``, ``tls_ca_file``, ...)."""
 
     medium: ClassVar[Medium] = Medium.CPU
 
@@ -217,25 +215,12 @@ class KVTierRedisTier(_KVTierSecondary):
         offloading_spec: OffloadingSpec,
         primary_kv_view: memoryview,
         tier_type: str,
-        url: str,
-        ttl_s: float | None = None,
-        timeout_s: float = 2.0,
-        admit_after: int = 1,
         namespace: str = "",
-        degraded_ok: bool = False,
         backpressure_detector: Any = None,
-        tls_ca_file: str | None = None,
-        tls_cert_file: str | None = None,
-        tls_key_file: str | None = None,
-        tls_server_name: str | None = None,
+        **settings: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        from kvtier.tiers.factory import TierConfig
-
-        cfg = TierConfig(
-            remote_url=url, remote_ttl_s=ttl_s, remote_timeout_s=timeout_s,
-            remote_admit_after=admit_after, remote_degraded_ok=degraded_ok,
-            remote_tls_ca_file=tls_ca_file, remote_tls_cert_file=tls_cert_file,
-            remote_tls_key_file=tls_key_file, remote_tls_server_name=tls_server_name,
-        )  # fmt: skip
-        self._build("remote", Locality.REMOTE, cfg, namespace, tier_type)
+        if "url" not in settings:
+            raise InvalidArgument(f"secondary tier {tier_type}: KVTierRedisTier needs a url")
+        opts = secondary_options(RemoteOptions, settings, f"secondary tier {tier_type}")
+        self._build(opts, Locality.REMOTE, namespace, tier_type)

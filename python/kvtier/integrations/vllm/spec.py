@@ -4,7 +4,7 @@ vLLM builds the spec in its engine core (scheduler) and in every worker:
 ``get_manager`` runs in the scheduler process, ``get_worker`` in each
 worker. The host pool is one shared-memory region the first process creates
 and the others attach to (blocking up to a timeout). The spec's transfer
-format between them is :class:`KVTierSpec`.
+format between them is :class:`~kvtier.integrations.vllm.host_spec.KVTierSpec`.
 
 Who calls: vLLM's OffloadingConnector, once per process.
 """
@@ -12,15 +12,13 @@ Who calls: vLLM's OffloadingConnector, once per process.
 from __future__ import annotations
 
 import errno
-import os
 import re
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
-    LoadStoreSpec,
     OffloadingCounterMetadata,
     OffloadingGaugeMetadata,
     OffloadingManager,
@@ -30,45 +28,26 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.errors import InvalidArgument
-from kvtier.planner import host_pool_for_chunks
+from kvtier.options.engines import VllmOptions
+from kvtier.options.fields import key_of
+from kvtier.options.tiers import HostOptions
+from kvtier.planner import host_pool_for_chunks, stage_disks
 from kvtier.tiers.records import TRAILER_BYTES
-from kvtier.units import FreeFraction
 
 if TYPE_CHECKING:
-    from kvtier.manager import StreamSpec
     from kvtier.pool import HostPool
     from kvtier.tiers.base import LowerTier
+    from kvtier.tiers.factory import LowerOptions
 from kvtier.integrations.vllm.config import (
-    _GAUGES,
+    GAUGES,
     KVTIER_METRICS,
-    _check_current_engine,
+    check_current_engine,
     engine_namespace,
     parse_extra_config,
 )
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.scheduler import KVTierManager
-
-
-class KVTierSpec(LoadStoreSpec):
-    """Host pool slots, co-indexed with the keys of the manager call that
-    made it; -1 for keys the worker streams from a lower tier (``stream``);
-    ``fences``: armed fences of slots still being filled (see
-    :class:`~kvtier.manager.HostSpec`)."""
-
-    def __init__(
-        self,
-        slots: np.ndarray,
-        stream: StreamSpec | None = None,
-        fences: np.ndarray | None = None,
-    ) -> None:
-        self.slots = np.asarray(slots, np.int64)
-        self.block_ids = self.slots  # vLLM's BlockIDsLoadStoreSpec spelling
-        self.stream = stream
-        self.fences = fences
-
-    def __len__(self) -> int:
-        return len(self.slots)
 
 
 def _pool_name(engine_id: str, stage: int) -> str:
@@ -137,16 +116,17 @@ class KVTierOffloadingSpec(OffloadingSpec):
     ) -> dict[str, OffloadingMetricMetadata]:
         defs: dict[str, OffloadingMetricMetadata] = {}
         for name, doc in KVTIER_METRICS.items():
-            gauge = name.rsplit("kvtier_", 1)[1] in _GAUGES
+            gauge = name.rsplit("kvtier_", 1)[1] in GAUGES
             cls_ = OffloadingGaugeMetadata if gauge else OffloadingCounterMetadata
             defs[name] = cls_(documentation=doc)
         return defs
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        _check_current_engine()
+        check_current_engine()
         self.kvtier = parse_extra_config(self.extra_config)
-        if "kvtier_host_bytes" not in self.kvtier:
+        opts: VllmOptions = self.kvtier.engine
+        if self.kvtier.host.bytes is None:
             raise InvalidArgument(
                 "kv_connector_extra_config needs kvtier_host_bytes (e.g. '64GiB')"
             )
@@ -169,7 +149,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
         cells = (
             1 if self.replicated_layout else (self.tp_size if self.pp_size > 1 else self.world_size)
         )
-        if self.pp_size > 1 and "kvtier_num_slots" not in self.kvtier:
+        if self.pp_size > 1 and opts.num_slots is None:
             raise InvalidArgument(
                 "kvtier_num_slots: required with pipeline parallelism (every stage must agree; "
                 "see kvtier plan --host-memory)"
@@ -177,10 +157,10 @@ class KVTierOffloadingSpec(OffloadingSpec):
         self.num_slots, self.slot_bytes = host_pool_for_chunks(
             self.cell_bytes,
             cells,
-            self.kvtier["kvtier_host_bytes"],
-            trailer_bytes=TRAILER_BYTES if "kvtier_disk_path" in self.kvtier else 0,
-            num_slots=self.kvtier.get("kvtier_num_slots"),
-            setting="kvtier_host_bytes",
+            self.kvtier.host.bytes,
+            trailer_bytes=TRAILER_BYTES if self.kvtier.disk is not None else 0,
+            num_slots=opts.num_slots,
+            setting=key_of(HostOptions, "bytes"),
         )
         self.namespace = engine_namespace(
             model=config.model.name, dtype=config.model.dtype,
@@ -189,7 +169,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
             world_size=self.pp_size if self.replicated_layout else self.world_size,
             pp_size=self.pp_size, kv_cache_layout=getattr(config, "kv_cache_layout", None),
             canonical_layout=getattr(config, "canonical_layout", False),
-            user_namespace=self.kvtier.get("kvtier_namespace", ""), groups=config.groups,
+            user_namespace=opts.namespace, groups=config.groups,
         )  # fmt: skip
         # Sliding-window groups by key suffix (the group index, as vLLM makes
         # keys): vLLM 0.33 says here; under 0.32 KVTierConnector fills them in.
@@ -222,101 +202,55 @@ class KVTierOffloadingSpec(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            k = self.kvtier
+            from kvtier.tiers.factory import build_tiers, close_after_failure, kind_of
+
             # One pool per pipeline stage (just this one without PP); the
             # lower tiers move every stage's part of a block.
             pools = [
                 self.host_pool() if st == self.stage else _wait_pool(_pool_name(self.engine_id, st))
                 for st in range(self.pp_size)
             ]
-            from dataclasses import replace
-
-            from kvtier.tiers.factory import TierConfig, build_tiers, close_after_failure
-
-            trailer = TRAILER_BYTES if "kvtier_disk_path" in k else 0
+            disk, remote = self.kvtier.disk, self.kvtier.remote
+            trailer = TRAILER_BYTES if disk is not None else 0
             payloads = [p.slot_bytes - trailer for p in pools]
-            cfg = TierConfig(
-                disk_path=k.get("kvtier_disk_path"),
-                disk_bytes=k.get("kvtier_disk_bytes", 100 << 30),
-                disk_reserve_bytes=k.get("kvtier_disk_reserve"),
-                disk_policy=k.get("kvtier_disk_policy", "lru"),
-                disk_write_budget_bps=k.get("kvtier_disk_write_budget"),
-                disk_timeout_s=k.get("kvtier_disk_timeout_s", 30.0),
-                remote_url=k.get("kvtier_remote_url"),
-                remote_ttl_s=k.get("kvtier_remote_ttl_s"),
-                remote_tls_ca_file=k.get("kvtier_remote_tls_ca_file"),
-                remote_tls_cert_file=k.get("kvtier_remote_tls_cert_file"),
-                remote_tls_key_file=k.get("kvtier_remote_tls_key_file"),
-                remote_tls_server_name=k.get("kvtier_remote_tls_server_name"),
-                remote_worker_io=self.reports_load_errors,
-                remote_pool_events=k.get("kvtier_pool_events", True),
-                remote_pool_index=k.get("kvtier_pool_index"),
-                remote_engine_id=k.get("kvtier_engine_id"),
-                # on_reuse: lower tiers take a block on its second offer,
-                # the first being its store, the second its first reuse.
-                disk_admit_after=2 if k.get("kvtier_lower_writes") == "on_reuse" else 1,
-                remote_admit_after=2 if k.get("kvtier_lower_writes") == "on_reuse" else 1,
-            )
-            # (kind, config, block bytes, namespace) of each tier: per kind,
-            # one per pipeline stage, grouped below into a StagedTier.
-            wanted: list[tuple[str, TierConfig, int, str]] = []
-            disk_path = cfg.disk_path
-            if disk_path is not None:
-                # Each stage its own directory, and a share of the bytes in
-                # proportion to its part of a block.
-                if self.pp_size > 1 and isinstance(cfg.disk_bytes, FreeFraction):
-                    # One share of the free space for all stages, taken before
-                    # the first one allocates (their slabs count as free).
-                    from pathlib import Path
-
-                    from kvtier.tiers.disk import resolve_capacity
-
-                    root = Path(disk_path)
-                    root.mkdir(mode=0o700, parents=True, exist_ok=True)
-                    own = root.glob("stage*/kvtier-*/slab-*.dat")
-                    cfg = replace(cfg, disk_bytes=resolve_capacity(cfg.disk_bytes, root, own))
-                total = cfg.disk_bytes if isinstance(cfg.disk_bytes, int) else 0  # pp == 1
-                stage_cfgs = [
-                    cfg if self.pp_size == 1 else replace(
-                        cfg, disk_path=os.path.join(disk_path, f"stage{st}"),
-                        disk_bytes=total * payloads[st] // sum(payloads))
-                    for st in range(self.pp_size)
-                ]  # fmt: skip
-                wanted += [("disk", stage_cfgs[st], payloads[st], self._stage_ns(st))
-                           for st in range(self.pp_size)]  # fmt: skip
-            if cfg.remote_url is not None:
-                wanted += [("remote", cfg, payloads[st], self._stage_ns(st))
-                           for st in range(self.pp_size)]  # fmt: skip
+            # (options, block bytes, namespace) of each tier: per kind, one
+            # per pipeline stage, grouped below into a StagedTier.
+            wanted: list[tuple[LowerOptions, int, str]] = []
+            if disk is not None:
+                stages = stage_disks(disk, payloads)
+                wanted += [
+                    (stages[st], payloads[st], self._stage_ns(st)) for st in range(self.pp_size)
+                ]
+            if remote is not None:
+                remote = replace(remote, worker_io=self.reports_load_errors)
+                wanted += [(remote, payloads[st], self._stage_ns(st)) for st in range(self.pp_size)]
             # All or nothing: a tier that fails to build (Redis down) closes
             # those built before it (the disk tier's directory lock), and a
             # failure after them (a bad host policy) closes them all.
             built = build_tiers(wanted)
             try:
                 lower = [
-                    self._staged(built[i : i + self.pp_size], pools, wanted[i][0])
+                    self._staged(built[i : i + self.pp_size], pools, kind_of(wanted[i][0]))
                     for i in range(0, len(built), self.pp_size)
                 ]
-                self._manager = self._build_manager(k, lower)
+                self._manager = self._build_manager(lower)
             except BaseException:
                 close_after_failure(built)
                 raise
         return self._manager
 
-    def _build_manager(self, k: dict[str, Any], lower: list[LowerTier]) -> KVTierManager:
+    def _build_manager(self, lower: list[LowerTier]) -> KVTierManager:
         """The manager over kvtier's host tier and the lower tiers ``lower``."""
         from kvtier.integrations.vllm.scheduler import KVTierManager, LookupOrder
-        from kvtier.manager import TieredOffloadingManager
+        from kvtier.scheduler.manager import TieredOffloadingManager
         from kvtier.tiers.host import HostTier
 
-        host = HostTier(
-            self.host_pool(),
-            self.num_slots,
-            policy=k.get("kvtier_policy", "lru"),
-            admit_after=k.get("kvtier_admit_after", 1),
-        )
+        opts: VllmOptions = self.kvtier.engine
+        host = HostTier.from_options(self.host_pool(), self.num_slots, self.kvtier.host)
         # Streaming needs one tier per record (no pipeline stages), and
         # stores a worker holding whole blocks (no tensor parallelism).
-        streaming = self.pp_size == 1 and k.get("kvtier_stream_slots", 32) > 0
+        streaming = self.pp_size == 1 and (opts.stream_slots is None or opts.stream_slots > 0)
+        probe = opts.remote_probe
         return KVTierManager(
             TieredOffloadingManager(
                 host,
@@ -326,9 +260,9 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 # Measured (bench serve, host+disk): loading after a
                 # promotion beat streaming every hit, 1.24x against 1.43x
                 # of vLLM's prefix cache; streaming is for what has no room.
-                promote=k.get("kvtier_promote", True),
-                scan_wait_s=k.get("kvtier_scan_wait_ms", 20) / 1000,
-                scan_bytes=k.get("kvtier_scan_bytes", 64 << 20),
+                promote=opts.promote,
+                scan_wait_s=opts.scan_wait_ms / 1000,
+                scan_bytes=opts.scan_bytes,
                 key_order=LookupOrder(self.windows),
                 # One GET per key not known yet rather than EXISTS then
                 # GET: later turns 25.5 ms against 26.8 (bench serve,
@@ -337,13 +271,14 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 # to store that prompt moments later) come back at once;
                 # when blocks are stored only after several sightings
                 # that eviction would be wasted, so check first.
-                probe=k.get("kvtier_remote_probe", k.get("kvtier_admit_after", 1) == 1),
+                probe=self.kvtier.host.admit_after == 1 if probe is None else probe,
                 # A fenced read that fails fails the load waiting on it:
                 # only where the connector reports that to vLLM.
-                fenced=self.reports_load_errors and k.get("kvtier_fenced_reads", True),
-                cascade_on_hit=k.get("kvtier_lower_writes") == "on_reuse",
+                fenced=self.reports_load_errors and opts.fenced_reads,
+                cascade_on_hit=opts.lower_writes == "on_reuse",
+                partial_stores=opts.partial_stores,
             ),
-            stats_path=k.get("kvtier_stats_path"),
+            stats_path=opts.stats_path,
             shared_tiers=[t.name for t in lower],
         )
 

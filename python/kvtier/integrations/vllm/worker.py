@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from kvtier.pool import HostPool
     from kvtier.worker.streaming import StreamChunk, StreamLoader
     from kvtier.worker.transfer import DeviceTransfer
-from kvtier.integrations.vllm.spec import KVTierSpec
+from kvtier.integrations.vllm.host_spec import KVTierSpec
 from kvtier.jobs import Joined
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class KVTierWorker(OffloadingWorker):
         # the group's tensors do not map one run per layer, so its loads
         # are waited for whole), and each layer's (group, index).
         self._per_layer = [0] * len(self._groups)
-        self.layered_loads = bool(spec.kvtier.get("kvtier_layered_loads", True))
+        self.layered_loads = spec.kvtier.engine.layered_loads
         self.layers: dict[str, tuple[int, int]] = {}
         # Ours -> {(group, layer index): transfer job} of a load split by layer.
         self._layer_parts: dict[int, dict[tuple[int, int], int]] = {}
@@ -387,11 +387,11 @@ def _stream_slots(spec: KVTierOffloadingSpec) -> int:
     chunk's slot until its last layer arrived, so a smaller ring would
     read the later chunks' first layers only after the earlier chunks'
     last ones."""
-    given = spec.kvtier.get("kvtier_stream_slots")
-    if given is not None:
-        return int(given)
+    opts = spec.kvtier.engine
+    if opts.stream_slots is not None:
+        return int(opts.stream_slots)
     budget = spec.extra_config.get("sync_load_budget_bytes", 0)
-    if not spec.kvtier.get("kvtier_layered_loads", True) or not isinstance(budget, int):
+    if not opts.layered_loads or not isinstance(budget, int):
         return 32
     return max(32, -(-budget // spec.slot_bytes))
 

@@ -1,20 +1,18 @@
-"""The disk index's files: the journal and the checkpoint, the one owner of
-their format on the Python side.
+"""The disk index's files: the journal and the checkpoint.
 
-``index.journal`` is append-only, one :data:`JOURNAL_ENTRY` per record that
-became readable (:attr:`JournalOp.PUT`) or was dropped
-(:attr:`JournalOp.DROP`), with the record's event id (what names it in the
-tier's events once its key is gone). Python writes it; the native index parses it at a
-warm restart (``DiskIndex.replay_journal`` in ``csrc/bindings/disk_index.cc``,
-whose ``kJournal*`` constants name the same layout, and ``kJournalPut`` /
-``kJournalDrop`` in ``csrc/core/disk/index.h``). ``index.ckpt`` is a
-snapshot that bounds the journal: the index's readable records in bulk
-(record numbers, digests, event ids and groups, one crc32), written and read
-here. Files of the earlier formats (``KVJ1`` entries, ``KVC2``) are still
-read; their records have no event id. The record
-states the native index reports are :class:`RecordState` (``RecState`` in
-``index.h``). ``tests/integration/test_disk_index.py`` fails when the two
-sides drift.
+``index.journal`` is append-only, one entry per record that became readable
+(:attr:`JournalOp.PUT`) or was dropped (:attr:`JournalOp.DROP`), with the
+record's event id (what names it in the tier's events once its key is gone).
+``index.ckpt`` is a snapshot that bounds the journal: the index's readable
+records in bulk. Files of the earlier formats (``KVJ1`` entries, ``KVC2``)
+are still read; their records have no event id.
+
+Every byte of both is encoded and decoded natively, in one place
+(``csrc/core/disk/journal.h``, through ``kvtier._native``: ``disk_journal_entry``,
+``DiskIndex.replay_journal``, ``encode_checkpoint`` and ``apply_checkpoint``);
+this module opens, appends, fsyncs and renames the files. The record states
+the native index reports are :class:`RecordState` (``RecState`` in
+``csrc/core/disk/index.h``).
 
 Runs in the scheduler process. Who calls: :class:`~kvtier.tiers.disk.DiskTier`,
 under the manager's lock. :meth:`IndexJournal.recover`, :meth:`IndexJournal.flush`
@@ -28,21 +26,18 @@ import contextlib
 import enum
 import errno
 import os
-import struct
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from kvtier import _native
 from kvtier.errors import IoError
 from kvtier.tiers.disk.directory import os_call, write_all
 
 __all__ = [
-    "CHECKPOINT_HEAD",
+    "CHECKPOINT_ENTRY_BYTES",
+    "CHECKPOINT_HEAD_BYTES",
     "CHECKPOINT_MAGIC",
-    "JOURNAL_ENTRY",
     "JOURNAL_ENTRY_BYTES",
     "JOURNAL_MAGIC",
     "UNNAMED",
@@ -71,30 +66,15 @@ class JournalOp(enum.IntEnum):
     DROP = 2  # the record was dropped
 
 
-#: One journal entry: magic, op, event group (u8), 2 pad bytes, record (u64),
-#: key digest (16 bytes), block length (u64), sequence (u64), event id (8
-#: bytes as in the 12-byte event id: big-endian), then a zlib crc32 of all
-#: before it. Its offsets are ``kJournal*`` in
-#: ``csrc/bindings/disk_index.cc``.
-JOURNAL_ENTRY = struct.Struct("<4sBBxxQ16sQQ8sI")
-JOURNAL_ENTRY_BYTES = 60  # kJournalEntryBytes
-JOURNAL_MAGIC = b"KVJ2"  # kJournalMagic
+#: Bytes of one journal entry (the layout: ``csrc/core/disk/journal.h``).
+JOURNAL_ENTRY_BYTES: int = _native.DISK_JOURNAL_ENTRY_BYTES
+JOURNAL_MAGIC: bytes = _native.DISK_JOURNAL_MAGIC
+#: A checkpoint: a head, then this many bytes per record.
+CHECKPOINT_HEAD_BYTES: int = _native.DISK_CHECKPOINT_HEAD_BYTES
+CHECKPOINT_ENTRY_BYTES: int = _native.DISK_CHECKPOINT_ENTRY_BYTES
+CHECKPOINT_MAGIC: bytes = _native.DISK_CHECKPOINT_MAGIC
 #: The group of a record without an event id (``kUnnamed`` in ``index.h``).
-UNNAMED = 63
-_NO_ID = bytes(8)
-_J_BODY = struct.Struct(JOURNAL_ENTRY.format[:-1])  # all but the crc, which covers it
-_J_CRC = struct.Struct("<I")
-assert JOURNAL_ENTRY.size == JOURNAL_ENTRY_BYTES
-
-#: Checkpoint head: magic, format, block bytes, records of the tier, entries,
-#: seq, crc32 of the body; the body is the entries' record numbers (uint32),
-#: then their digests (16 bytes each), event ids (uint64) and event groups
-#: (uint8), least valuable first (LRU order). ``KVC2`` had no ids or groups.
-CHECKPOINT_HEAD = struct.Struct("<4sIQQQQI4x")
-CHECKPOINT_MAGIC = b"KVC3"
-_CKPT_V2_MAGIC = b"KVC2"
-_CKPT_ENTRY_BYTES = 4 + 16 + 8 + 1
-_CKPT_V2_ENTRY_BYTES = 4 + 16
+UNNAMED: int = _native.DISK_UNNAMED_GROUP
 
 JOURNAL_FILE = "index.journal"
 CHECKPOINT_FILE = "index.ckpt"
@@ -110,11 +90,10 @@ def journal_entry(
 ) -> bytes:
     """One whole journal entry, crc included. ``event_id``: 12 bytes (id,
     then group, big-endian; see :func:`kvtier.tiers.events.vllm_event_id`)
-    or None."""
-    # An event id's group is below UNNAMED: its last byte is all of it.
-    ident, group = (event_id[:8], event_id[11]) if event_id is not None else (_NO_ID, UNNAMED)
-    body = _J_BODY.pack(JOURNAL_MAGIC, op, group, record, digest, block_bytes, seq, ident)
-    return body + _J_CRC.pack(zlib.crc32(body))
+    or None. Raises InvalidArgument for a digest that is not 16 bytes or an
+    event id that is not one."""
+    entry: bytes = _native.disk_journal_entry(op, record, digest, block_bytes, seq, event_id)
+    return entry
 
 
 class IndexJournal:
@@ -156,8 +135,7 @@ class IndexJournal:
             if not p.exists():
                 continue
             data = os_call("read", p, p.read_bytes)
-            if fname == CHECKPOINT_FILE and data[:4] in (CHECKPOINT_MAGIC, _CKPT_V2_MAGIC):
-                self._apply_checkpoint(index, data)
+            if fname == CHECKPOINT_FILE and self._apply_checkpoint(index, data):
                 continue
             # A journal, or a checkpoint in the journal's format (before KVC2).
             good, seq, _ = index.replay_journal(data, self.block_bytes)
@@ -169,33 +147,17 @@ class IndexJournal:
         self.fd = os_call("open", jpath, os.open, jpath, flags, 0o600)
         self._size = os.fstat(self.fd).st_size
 
-    def _apply_checkpoint(self, index: Any, data: bytes) -> None:
-        where = self.dir / CHECKPOINT_FILE
-        if len(data) < CHECKPOINT_HEAD.size:
-            warnings.warn(f"kvtier disk tier: {where} is truncated: ignored", stacklevel=3)
-            return
-        magic, _fmt, block_bytes, _, count, seq, crc = CHECKPOINT_HEAD.unpack_from(data)
-        named = magic == CHECKPOINT_MAGIC
-        body = memoryview(data)[CHECKPOINT_HEAD.size :]
-        per = _CKPT_ENTRY_BYTES if named else _CKPT_V2_ENTRY_BYTES
-        if len(body) != per * count or zlib.crc32(body) != crc:
-            warnings.warn(f"kvtier disk tier: {where} is damaged: ignored", stacklevel=3)
-            return
-        self.seq = max(self.seq, seq)
-        if block_bytes != self.block_bytes:
-            return  # from a different configuration
-        recs = np.frombuffer(body, np.uint32, count)
-        digs = np.frombuffer(body, np.uint8, 16 * count, 4 * count).reshape(count, 16)
-        ids = groups = None
-        if named:
-            ids = np.frombuffer(body, "<u8", count, 20 * count).astype(np.uint64)
-            groups = np.frombuffer(body, np.uint8, count, 28 * count)
-        keep = recs < self.num_records  # from a larger configuration
-        if not keep.all():
-            recs, digs = recs[keep], digs[keep]
-            if ids is not None and groups is not None:
-                ids, groups = ids[keep], groups[keep]
-        index.apply(recs, digs, ids, groups)
+    def _apply_checkpoint(self, index: Any, data: bytes) -> bool:
+        """False when ``data`` is no checkpoint (the journal's format)."""
+        status, seq, _ = index.apply_checkpoint(data, self.block_bytes)
+        if status == "journal":
+            return False
+        if status in ("truncated", "damaged"):
+            where = self.dir / CHECKPOINT_FILE
+            warnings.warn(f"kvtier disk tier: {where} is {status}: ignored", stacklevel=3)
+        else:  # applied, or "foreign": another block size, whose sequence still counts
+            self.seq = max(self.seq, seq)
+        return True
 
     # -- appending -------------------------------------------------------------
     def append(
@@ -243,22 +205,12 @@ class IndexJournal:
         files as they were. Blocks while it writes and fsyncs about 29 bytes
         per record."""
         tmp = self.dir / "index.ckpt.tmp"
-        recs = index.ready_records()
-        ids, groups = index.event_ids(recs)
-        body = (
-            recs.tobytes() + index.digests(recs).tobytes() + ids.astype("<u8").tobytes()
-            + groups.tobytes()
-        )  # fmt: skip
-        head = CHECKPOINT_HEAD.pack(
-            CHECKPOINT_MAGIC, 1, self.block_bytes, self.num_records, len(recs), self.seq,
-            zlib.crc32(body),
-        )  # fmt: skip
+        data = index.encode_checkpoint(self.block_bytes, self.seq)
 
         def write() -> None:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                write_all(fd, head)
-                write_all(fd, body)
+                write_all(fd, data)
                 os.fsync(fd)
             finally:
                 os.close(fd)

