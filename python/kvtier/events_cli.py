@@ -1,7 +1,7 @@
 """``kvtier events URL``: what a shared Redis/Valkey pool holds and what
 changes in it, as JSON lines, for operators and routers.
 
-Tails the pool's event stream (:mod:`kvtier.tiers.pool_stream`): every block
+Tails the pool's event stream (:mod:`kvtier.tiers.remote.stream`): every block
 an engine stored there (once the server acknowledged it) and every block
 that left it. ``--format vllm`` prints vLLM's KV event shape (an
 ``EventBatch`` of ``BlockStored``/``BlockRemoved`` with ``block_hashes``,
@@ -26,7 +26,7 @@ from typing import Any, TextIO
 
 from kvtier.errors import InvalidArgument
 from kvtier.options.surfaces import add_tls_arguments, tls_settings
-from kvtier.tiers.pool_stream import STREAM_MAXLEN, PoolEvent
+from kvtier.tiers.remote.stream import STREAM_MAXLEN, PoolEvent
 
 __all__ = ["add_events_parser", "vllm_batch"]
 

@@ -1,4 +1,4 @@
-"""Reading a shared Redis/Valkey pool's event stream (:mod:`kvtier.tiers.pool_stream`)
+"""Reading a shared Redis/Valkey pool's event stream (:mod:`kvtier.tiers.remote.stream`)
 and watching the removals the server makes itself.
 
 :class:`PoolReader` tails the stream from a position, learns which event id
@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvtier.errors import InvalidArgument
-from kvtier.tiers.pool_stream import (
+from kvtier.tiers.remote.stream import (
     UNNAMED,
     PoolEvent,
     decode_entry,
@@ -38,7 +38,7 @@ from kvtier.tiers.pool_stream import (
     value_prefix,
     xadd_commands,
 )
-from kvtier.tiers.remote_url import parse_url, redact_url
+from kvtier.tiers.remote.url import parse_url, redact_url
 
 __all__ = ["BlockNames", "PoolReader", "Watcher", "connect", "find_streams", "primaries"]
 

@@ -25,9 +25,9 @@ from kvtier.events_cli import main_events, vllm_batch
 from kvtier.pool import HostPool
 from kvtier.pool_watch import BlockNames, PoolReader, Watcher, connect, find_streams
 from kvtier.tiers.events import vllm_event_id
-from kvtier.tiers.pool_stream import ENTRY_BLOCKS, PoolEvent, decode_entry, xadd_commands
 from kvtier.tiers.records import key_digest
 from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote.stream import ENTRY_BLOCKS, PoolEvent, decode_entry, xadd_commands
 
 BLOCK = 16384
 

@@ -1,4 +1,4 @@
-"""The remote tier's index of the pool (kvtier.tiers.pool_index) over a real
+"""The remote tier's index of the pool (kvtier.tiers.remote.index) over a real
 redis-server: lookups answered from the pool's event stream with no round
 trip, what another engine stored learnt from the stream, and every case
 where the index must not answer a miss (a trimmed stream, a flushed server)
@@ -22,9 +22,9 @@ from kvtier.bench.redis_server import RedisServer
 from kvtier.errors import InvalidArgument
 from kvtier.pool import HostPool
 from kvtier.tiers import LookupResult
-from kvtier.tiers.pool_stream import xadd_commands
 from kvtier.tiers.records import key_digest
 from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote.stream import xadd_commands
 
 BLOCK = 16384
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY

@@ -227,7 +227,7 @@ def test_tls_settings_are_spelled_in_the_options_and_their_uses_only() -> None:
     files = sorted(
         str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if "tls_server_name" in p.read_text()
     )
-    assert files == ["options/tiers.py", "tiers/remote.py", "tiers/remote_url.py"]
+    assert files == ["options/tiers.py", "tiers/remote/tier.py", "tiers/remote/url.py"]
 
 
 def test_options_are_frozen_and_replaceable() -> None:

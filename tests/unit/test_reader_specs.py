@@ -14,7 +14,7 @@ from kvtier.pool import HostPool
 from kvtier.tiers.base import ReaderSpec
 from kvtier.tiers.disk import DiskIO, DiskReaderSpec, DiskTier
 from kvtier.tiers.remote import RemoteConnection
-from kvtier.tiers.remote_worker import RemoteReaderSpec
+from kvtier.tiers.remote.worker import RemoteReaderSpec
 
 BLOCK = 4096
 

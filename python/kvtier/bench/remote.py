@@ -37,7 +37,8 @@ from kvtier.bench.peers import (
 from kvtier.errors import InvalidArgument
 from kvtier.options.tiers import RemoteOptions
 from kvtier.pool import HostPool
-from kvtier.tiers.remote import RemoteTier, parse_url
+from kvtier.tiers.remote.tier import RemoteTier
+from kvtier.tiers.remote.url import parse_url
 
 
 def _populate(host: str, port: int, password: str, size: int, keys: int) -> bool:

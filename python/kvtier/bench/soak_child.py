@@ -88,7 +88,7 @@ def _child_run(c: dict[str, Any], out: TextIO) -> int:
     from kvtier.replay import FakeKV, Replayer, synthetic_requests
     from kvtier.tiers.factory import TierConfig, build_lower_tiers, host_slot_bytes
     from kvtier.tiers.host import HostTier
-    from kvtier.tiers.remote import RemoteTier
+    from kvtier.tiers.remote.tier import RemoteTier
     from kvtier.worker.transfer import DeviceTransfer
 
     faulthandler.enable()

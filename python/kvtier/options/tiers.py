@@ -21,7 +21,7 @@ from typing import ClassVar
 from kvtier.errors import InvalidArgument
 from kvtier.options.fields import check_positive, opt
 from kvtier.tiers.events import EVENT_LOG_KEYS
-from kvtier.tiers.pool_stream import STREAM_MAXLEN
+from kvtier.tiers.remote.stream import STREAM_MAXLEN
 from kvtier.units import FreeFraction
 
 __all__ = [

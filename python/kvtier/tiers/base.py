@@ -97,7 +97,7 @@ class TierIO(Protocol):
     """A lower tier's medium opened by an engine worker (a process other than
     the scheduler that owns the tier), moving blocks between it and slots
     of the worker's own pool: :class:`kvtier.tiers.disk.DiskIO`,
-    :class:`kvtier.tiers.remote_worker.RemoteIO`.
+    :class:`kvtier.tiers.remote.worker.RemoteIO`.
 
     Who calls: the worker's stream loader, one thread. :meth:`submit` never
     blocks; its results come from ``engine.poll()``, one code per item;

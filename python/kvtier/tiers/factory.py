@@ -23,7 +23,7 @@ from kvtier.errors import InvalidArgument
 from kvtier.options.tiers import DiskOptions, RemoteOptions
 from kvtier.tiers.base import LowerTier
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote.tier import RemoteTier
 
 LowerOptions = DiskOptions | RemoteOptions
 """The options of one lower tier; its type says its kind."""

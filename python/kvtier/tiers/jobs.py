@@ -11,7 +11,7 @@ batches, Busy part way through a batch, cancelled and timed-out jobs, jobs
 still holding memory after their deadline, byte counters) lives here once.
 
 Who calls: :class:`kvtier.tiers.disk.DiskTier` and
-:class:`kvtier.tiers.remote.RemoteTier`, under the manager's lock. Nothing
+:class:`kvtier.tiers.remote.tier.RemoteTier`, under the manager's lock. Nothing
 here blocks except :meth:`TierJobs.close`.
 
 Process: the engine's scheduler.

@@ -397,8 +397,8 @@ def _delete_values(remote: RemoteOptions, prefix: bytes) -> int:
         log.warning("kvtier: clear: redis-py is not installed; Redis values stay until their TTL")
         return 0
     from kvtier.pool_watch import connect
-    from kvtier.tiers.pool_stream import stream_key
-    from kvtier.tiers.remote_url import TLS_FIELDS
+    from kvtier.tiers.remote.stream import stream_key
+    from kvtier.tiers.remote.url import TLS_FIELDS
 
     assert remote.url is not None
     client = connect(remote.url, {f: getattr(remote, f) for f in TLS_FIELDS})
@@ -415,7 +415,7 @@ def _delete_values(remote: RemoteOptions, prefix: bytes) -> int:
                 deleted += sum(pipe.execute())
                 batch = []
         # The namespace's event stream names the values just deleted: gone
-        # too, every reader's index (kvtier.tiers.pool_index) starts again.
+        # too, every reader's index (kvtier.tiers.remote.index) starts again.
         client.unlink(stream_key(prefix))
     finally:
         client.close()

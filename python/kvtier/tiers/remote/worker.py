@@ -1,4 +1,4 @@
-"""Remote I/O in an engine worker: a :class:`~kvtier.tiers.remote.RemoteTier`'s
+"""Remote I/O in an engine worker: a :class:`~kvtier.tiers.remote.tier.RemoteTier`'s
 values read and written by another process, and the spec that opens them.
 
 :class:`RemoteReaderSpec` is made in the scheduler process (by
@@ -18,7 +18,7 @@ import numpy as np
 
 from kvtier.errors import ClosedError
 from kvtier.tiers.base import ReaderSpec
-from kvtier.tiers.remote_url import RemoteConnection
+from kvtier.tiers.remote.url import RemoteConnection
 
 if TYPE_CHECKING:
     from kvtier import _native

@@ -18,16 +18,16 @@ the URL and OpenSSL's reason. A user and password in the URL authenticate every
 connection (``AUTH user password``, an ACL user), cluster redirects included.
 
 With ``pool_events`` (on by default) every store the server acknowledged is
-also appended to the pool's event stream (:mod:`kvtier.tiers.pool_stream`),
+also appended to the pool's event stream (:mod:`kvtier.tiers.remote.stream`),
 one ``XADD`` per batch of stores, so that one subscriber (``kvtier events``)
 learns what the whole pool holds, whichever engine wrote it; the tier reads
-it too (:mod:`kvtier.tiers.pool_index`) to answer lookups without asking.
+it too (:mod:`kvtier.tiers.remote.index`) to answer lookups without asking.
 
 Every value is a 64-byte header (magic, version, namespace and key digests,
 length, crc32c) followed by the block; a load that fails any check, or whose
 key vanished (the server's maxmemory eviction, a TTL), is a counted miss.
 
-Process: the engine's scheduler (the worker side: :mod:`kvtier.tiers.remote_worker`).
+Process: the engine's scheduler (the worker side: :mod:`kvtier.tiers.remote.worker`).
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ from kvtier.pool import HostPool
 from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
 from kvtier.tiers.events import vllm_event_id
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
-from kvtier.tiers.pool_index import PoolIndex
-from kvtier.tiers.pool_stream import UNNAMED, stream_key, xadd_commands
 from kvtier.tiers.records import key_digest, namespace_digest
-from kvtier.tiers.remote_url import (
+from kvtier.tiers.remote.index import PoolIndex
+from kvtier.tiers.remote.stream import UNNAMED, stream_key, xadd_commands
+from kvtier.tiers.remote.url import (
     TLS_FIELDS,
     RemoteConnection,
     check_tls_options,
@@ -65,9 +65,9 @@ from kvtier.tiers.remote_url import (
 )
 
 if TYPE_CHECKING:
-    from kvtier.tiers.remote_worker import RemoteReaderSpec
+    from kvtier.tiers.remote.worker import RemoteReaderSpec
 
-__all__ = ["RemoteConnection", "RemoteTier", "default_connections", "parse_url", "redact_url"]
+__all__ = ["STREAM_DELAY_S", "RemoteTier"]
 
 _RESETS = (errno.ECONNRESET, errno.EPIPE)
 _EXISTS_PER_JOB = 1024  # an EXISTS pipeline moves no payload: large jobs are cheap
@@ -93,11 +93,11 @@ class RemoteTier(JobTier):
     ``event_log_keys``: see :class:`~kvtier.tiers.events.EventLog`.
 
     ``pool_events``: the pool's event stream keeps about this many entries
-    (:data:`~kvtier.tiers.pool_stream.STREAM_MAXLEN`; 0: append nothing).
+    (:data:`~kvtier.tiers.remote.stream.STREAM_MAXLEN`; 0: append nothing).
     ``engine_id`` names this engine in it (default ``host:pid``);
     ``event_id`` names a block by its key there (12 bytes, or None:
     :func:`~kvtier.tiers.events.vllm_event_id`). ``pool_index`` (default:
-    with ``pool_events``): lookups answered by :class:`~kvtier.tiers.pool_index.PoolIndex`."""
+    with ``pool_events``): lookups answered by :class:`~kvtier.tiers.remote.index.PoolIndex`."""
 
     can_probe = True
 
@@ -341,11 +341,11 @@ class RemoteTier(JobTier):
 
     # -- I/O by another process (an engine worker streaming blocks) -------------
     def reader_spec(self) -> RemoteReaderSpec | None:
-        """What a :class:`~kvtier.tiers.remote_worker.RemoteIO` in another
+        """What a :class:`~kvtier.tiers.remote.worker.RemoteIO` in another
         process needs (None without data, or unless built with ``worker_io``)."""
         if not self.worker_io or getattr(self, "pool", None) is None:
             return None
-        from kvtier.tiers.remote_worker import RemoteReaderSpec
+        from kvtier.tiers.remote.worker import RemoteReaderSpec
 
         return RemoteReaderSpec(self.connection, self.block_bytes, self._prefix, self.timeout_s)
 
@@ -587,5 +587,5 @@ class RemoteTier(JobTier):
 
 # RemoteIO moved to remote_worker (which imports this module): the old names resolve.
 __getattr__ = lazy_getattr(
-    __name__, dict.fromkeys(("RemoteIO", "RemoteReaderSpec"), "kvtier.tiers.remote_worker")
+    __name__, dict.fromkeys(("RemoteIO", "RemoteReaderSpec"), "kvtier.tiers.remote.worker")
 )

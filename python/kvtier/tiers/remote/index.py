@@ -7,7 +7,7 @@ request back until the answer: 0.13 ms on an idle machine, 0.97 ms p50 in a
 loaded engine, on every new prompt that misses the host tier (session 17's
 timing of every connector call in `vllm serve`). Every engine sharing the pool
 appends what it stored to the namespace's stream
-(:mod:`kvtier.tiers.pool_stream`), and a watcher appends what the server
+(:mod:`kvtier.tiers.remote.stream`), and a watcher appends what the server
 evicted or expired; reading that stream from its first entry rebuilds the set
 of blocks the pool holds.
 
@@ -20,12 +20,12 @@ before. A present answer can be stale (a value evicted with no watcher
 running): the load then fails and counts as a miss, as a value evicted
 between an EXISTS and its GET always did. What the index cannot see: a
 block another engine stored in the last few milliseconds (its entry is
-appended :data:`~kvtier.tiers.remote.STREAM_DELAY_S` after the SET, then
+appended :data:`~kvtier.tiers.remote.tier.STREAM_DELAY_S` after the SET, then
 read), and blocks written by engines whose stream is off
 (``kvtier_pool_events`` false): turn the index off (``kvtier_pool_index``)
 on a pool shared with such writers.
 
-Process: the engine's scheduler. Who calls: :class:`~kvtier.tiers.remote.RemoteTier`
+Process: the engine's scheduler. Who calls: :class:`~kvtier.tiers.remote.tier.RemoteTier`
 (``in``, :meth:`PoolIndex.learn` under the manager's lock, never blocking);
 the reader is this module's own daemon thread, which blocks on the server
 (``XREAD BLOCK``) on its own connection with the GIL released.
@@ -38,7 +38,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from kvtier.tiers.pool_stream import decode_entry
+from kvtier.tiers.remote.stream import decode_entry
 
 __all__ = ["CAPACITY", "STALE_S", "PoolIndex"]
 

@@ -132,7 +132,7 @@ def redact_url(url: str) -> str:
 class RemoteConnection:
     """How to open a native client to one Redis/Valkey pool: the URL's parts
     (:func:`parse_url`), timeouts, pipelining, TTL, namespace, TLS files.
-    Plain values: it travels in a :class:`~kvtier.tiers.remote_worker.RemoteReaderSpec`
+    Plain values: it travels in a :class:`~kvtier.tiers.remote.worker.RemoteReaderSpec`
     to engine workers, which open their own client to the same pool.
     ``lazy``: start even when the servers do not answer yet (``degraded_ok``)."""
 
