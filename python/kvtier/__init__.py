@@ -34,15 +34,16 @@ _LAZY = {
     "Engine": "kvtier.engine",
     "JobResult": "kvtier.engine",
     "crc32c": "kvtier.engine",
-    "TieredOffloadingManager": "kvtier.manager",
-    "LookupResult": "kvtier.manager",
+    "TieredOffloadingManager": "kvtier.scheduler.manager",
+    "LookupResult": "kvtier.tiers.base",
     "DeviceTransfer": "kvtier.worker.transfer",
 }
 
 if TYPE_CHECKING:
     from kvtier.engine import Engine, JobResult, crc32c
-    from kvtier.manager import LookupResult, TieredOffloadingManager
     from kvtier.pool import HostPool
+    from kvtier.scheduler.manager import TieredOffloadingManager
+    from kvtier.tiers.base import LookupResult
     from kvtier.worker.transfer import DeviceTransfer
 
 

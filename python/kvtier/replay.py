@@ -36,8 +36,8 @@ from kvtier.bench.traces import read_trace as read_trace
 from kvtier.bench.traces import synthetic_requests as synthetic_requests
 from kvtier.bench.traces import synthetic_trace as synthetic_trace
 from kvtier.errors import InvalidArgument, IoError
-from kvtier.manager import TieredOffloadingManager
 from kvtier.options.tiers import HostOptions
+from kvtier.scheduler.manager import TieredOffloadingManager
 from kvtier.tiers.base import LookupResult
 from kvtier.tiers.factory import TierConfig, build_lower_tiers, host_slot_bytes
 from kvtier.tiers.host import HostTier

@@ -150,3 +150,18 @@ def test_no_tool_imports_a_private_name_of_another_module() -> None:
                     and node.module != "kvtier"  # kvtier._native, the extension
                 ]  # fmt: skip
     assert offenders == []
+
+
+# Public paths kept for users; the package itself imports the modules they re-export.
+REEXPORTS = {"kvtier.manager", "kvtier.transfer", "kvtier.streaming"}
+
+
+def test_the_package_imports_canonical_paths_not_its_re_exports() -> None:
+    names = {_module_name(p) for p in MODULES}
+    offenders = [
+        f"{_rel(p)} imports {m}"
+        for p in MODULES
+        if _module_name(p) not in REEXPORTS
+        for m in sorted(_imports(p, names) & REEXPORTS)
+    ]
+    assert offenders == []

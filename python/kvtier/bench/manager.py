@@ -13,7 +13,7 @@ import statistics
 import time
 from typing import Any
 
-from kvtier.manager import TieredOffloadingManager
+from kvtier.scheduler.manager import TieredOffloadingManager
 from kvtier.tiers.host import HostTier
 
 

@@ -1,5 +1,5 @@
 """The simulated fleet of ``kvtier bench route``: N engines, each a
-:class:`~kvtier.manager.TieredOffloadingManager` over its own host tier and
+:class:`~kvtier.scheduler.manager.TieredOffloadingManager` over its own host tier and
 disk tier, all sharing one pool.
 
 The model (no data: indexes only, no bytes move):
@@ -36,8 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.manager import TieredOffloadingManager
 from kvtier.replay import Replayer
+from kvtier.scheduler.manager import TieredOffloadingManager
 from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent, check_slots
 from kvtier.tiers.events import EventLog
 from kvtier.tiers.host import HostTier

@@ -11,7 +11,7 @@ records corrupted inside the slab files and inside Redis values, the child
 killed with SIGKILL and restarted on the same disk directory. The child
 (:mod:`kvtier.bench.soak_child`, ``python -m kvtier.bench.soak CONFIG``)
 replays an endless synthetic multi-turn workload through
-:class:`~kvtier.manager.TieredOffloadingManager` with real bytes (each block
+:class:`~kvtier.scheduler.manager.TieredOffloadingManager` with real bytes (each block
 derived from its key, each loaded block compared byte for byte) and appends
 one JSON line per sample interval: requests, hits per tier, wrong blocks
 served, its slowest step, RSS, open fds, threads, locked and pinned memory,

@@ -82,10 +82,10 @@ def _child_run(c: dict[str, Any], out: TextIO) -> int:
     import numpy as np
 
     from kvtier.errors import KvtierError
-    from kvtier.manager import TieredOffloadingManager
     from kvtier.options.tiers import DiskOptions, RemoteOptions
     from kvtier.pool import HostPool
     from kvtier.replay import FakeKV, Replayer, synthetic_requests
+    from kvtier.scheduler.manager import TieredOffloadingManager
     from kvtier.tiers.factory import TierConfig, build_lower_tiers, host_slot_bytes
     from kvtier.tiers.host import HostTier
     from kvtier.tiers.remote.tier import RemoteTier

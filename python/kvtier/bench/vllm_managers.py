@@ -67,7 +67,7 @@ def bench_managers(num_keys: int = 200_000, repeats: int = 3) -> dict[str, Any]:
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
     from kvtier.integrations.vllm import KVTierManager
-    from kvtier.manager import TieredOffloadingManager
+    from kvtier.scheduler.manager import TieredOffloadingManager
     from kvtier.tiers.host import HostTier
 
     keys = [_key(i) for i in range(num_keys)]
@@ -211,8 +211,8 @@ def bench_replay(
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
     from kvtier.integrations.vllm import KVTierManager
-    from kvtier.manager import TieredOffloadingManager
     from kvtier.replay import read_trace, synthetic_trace
+    from kvtier.scheduler.manager import TieredOffloadingManager
     from kvtier.tiers.host import HostTier
 
     n = max_requests or 4000

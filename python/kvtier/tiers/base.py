@@ -1,6 +1,6 @@
 """The interface between the manager and a lower tier (disk, remote, memory).
 
-Who calls: :class:`kvtier.manager.TieredOffloadingManager`, under its lock,
+Who calls: :class:`kvtier.scheduler.manager.TieredOffloadingManager`, under its lock,
 from the scheduler thread. No method blocks but :meth:`LowerTier.wait` (and
 ``close``): stores and loads are submitted and their completions drained by
 :meth:`LowerTier.poll` once per step, or after a bounded :meth:`LowerTier.wait`.

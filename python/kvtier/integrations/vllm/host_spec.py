@@ -24,7 +24,7 @@ class KVTierSpec(LoadStoreSpec):
     """Host pool slots, co-indexed with the keys of the manager call that
     made it; -1 for keys the worker streams from a lower tier (``stream``);
     ``fences``: armed fences of slots still being filled (see
-    :class:`~kvtier.manager.HostSpec`)."""
+    :class:`~kvtier.scheduler.specs.HostSpec`)."""
 
     def __init__(
         self,

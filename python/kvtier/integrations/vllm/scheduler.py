@@ -1,5 +1,5 @@
 """vLLM shim, scheduler process: vLLM's ``OffloadingManager`` over
-kvtier's :class:`~kvtier.manager.TieredOffloadingManager`, its metrics and
+kvtier's :class:`~kvtier.scheduler.manager.TieredOffloadingManager`, its metrics and
 events.
 
 Who calls: vLLM's offloading connector in the engine core, from the
@@ -30,7 +30,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 if TYPE_CHECKING:
-    from kvtier.manager import TieredOffloadingManager
+    from kvtier.scheduler.manager import TieredOffloadingManager
 from kvtier.integrations.vllm.host_spec import KVTierSpec
 
 GAUGE_PERIOD_S = 0.5  # the host tier's gauges are refreshed at most this often
@@ -164,7 +164,7 @@ class KVTierManager(OffloadingManager):
     def load_failed(self, spec: KVTierSpec) -> None:
         """See :meth:`TieredOffloadingManager.load_failed` (KVTierConnector
         calls it, holding the lock, after the load's complete_load)."""
-        from kvtier.manager import HostSpec
+        from kvtier.scheduler.specs import HostSpec
 
         self.m.load_failed(HostSpec(spec.slots, spec.stream))
 

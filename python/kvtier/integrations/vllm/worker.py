@@ -26,8 +26,8 @@ from vllm.v1.kv_offload.base import (
 )
 
 if TYPE_CHECKING:
-    from kvtier.manager import StreamSpec
     from kvtier.pool import HostPool
+    from kvtier.scheduler.specs import StreamSpec
     from kvtier.worker.streaming import StreamChunk, StreamLoader
     from kvtier.worker.transfer import DeviceTransfer
 from kvtier.integrations.vllm.host_spec import KVTierSpec

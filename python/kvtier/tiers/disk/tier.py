@@ -39,9 +39,9 @@ from kvtier.errors import InvalidArgument, IoError, NoSpace
 from kvtier.options.tiers import DISK_POLICIES, DiskOptions, parse_disk_policy
 from kvtier.policy.admission import WriteGate
 from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
-from kvtier.tiers.disk import shared
 from kvtier.tiers.disk.directory import SlabFiles, check_directory
 from kvtier.tiers.disk.journal import IndexJournal, JournalOp, RecordState
+from kvtier.tiers.disk.shared import SharedRecords
 from kvtier.tiers.events import vllm_event_id
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
 from kvtier.tiers.records import key_digest, namespace_digest, record_bytes
@@ -50,7 +50,7 @@ from kvtier.units import FreeFraction, to_capacity
 __all__ = ["DISK_POLICIES", "DiskTier"]
 
 
-class DiskTier(JobTier):
+class DiskTier(SharedRecords, JobTier):
     """Disk tier over ``capacity_bytes`` of preallocated slab files in ``path``.
 
     ``capacity_bytes``: bytes, a size string (``"100GiB"``) or a share of the
@@ -445,14 +445,6 @@ class DiskTier(JobTier):
         if not self.can_fence:
             return None
         return self.submit_load(keys, slots, armed)
-
-    # Reads and writes by another process (an engine worker streaming a hit).
-    reader_spec = shared.reader_spec
-    pin_for_read = shared.pin_for_read
-    unpin_read = shared.unpin_read
-    read_failed = shared.read_failed
-    reserve_for_write = shared.reserve_for_write
-    commit_write = shared.commit_write
 
     def _drop_unreadable(self, rec: int, dig: bytes, key: bytes | None = None) -> None:
         """A read of ``rec`` (holding ``dig``: ``key``, when known) failed:
