@@ -45,19 +45,40 @@ def add_events_parser(sub: Any) -> None:
     g = e.add_mutually_exclusive_group()
     g.add_argument("--from-start", action="store_true", help="replay what the stream holds")
     g.add_argument("--from", dest="position", help="the entries after this stream position")
-    e.add_argument("--snapshot", action="store_true",
-                   help="first list what the pool holds now (SCAN), then tail from there")  # fmt: skip
+    e.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="first list what the pool holds now (SCAN), then tail from there",
+    )
     e.add_argument("--format", choices=["json", "vllm"], default="json")
-    e.add_argument("--watch", action="store_true",
-                   help="also append the server's own removals (eviction, expiry) to the stream")  # fmt: skip
-    e.add_argument("--enable-notifications", action="store_true",
-                   help="with --watch: turn on keyspace notifications where they are off")  # fmt: skip
-    e.add_argument("--reconcile-s", type=float, default=10.0,
-                   help="with --watch: check every block named stored this often (seconds)")  # fmt: skip
-    e.add_argument("--maxlen", type=int, default=STREAM_MAXLEN,
-                   help="with --watch: the stream's bound in entries (as the tiers')")  # fmt: skip
-    e.add_argument("--max-keys", type=int, default=262_144,
-                   help="blocks whose event ids are remembered to name removals")  # fmt: skip
+    e.add_argument(
+        "--watch",
+        action="store_true",
+        help="also append the server's own removals (eviction, expiry) to the stream",
+    )
+    e.add_argument(
+        "--enable-notifications",
+        action="store_true",
+        help="with --watch: turn on keyspace notifications where they are off",
+    )
+    e.add_argument(
+        "--reconcile-s",
+        type=float,
+        default=10.0,
+        help="with --watch: check every block named stored this often (seconds)",
+    )
+    e.add_argument(
+        "--maxlen",
+        type=int,
+        default=STREAM_MAXLEN,
+        help="with --watch: the stream's bound in entries (as the tiers')",
+    )
+    e.add_argument(
+        "--max-keys",
+        type=int,
+        default=262_144,
+        help="blocks whose event ids are remembered to name removals",
+    )
     e.add_argument("--count", type=int, help="exit after printing this many entries")
     e.add_argument("--idle-exit", type=float, help="exit when nothing came for this long (s)")
     add_tls_arguments(e)
@@ -70,8 +91,13 @@ def _hash_and_group(event_id: bytes) -> tuple[int, int]:
 
 def json_line(ev: PoolEvent) -> dict[str, Any]:
     """kvtier's own shape of an entry: key digests and event ids in hex."""
-    out: dict[str, Any] = {"position": ev.position, "op": ev.op, "engine": ev.engine,
-                           "tier": ev.tier, "ts_ms": ev.ts_ms}  # fmt: skip
+    out: dict[str, Any] = {
+        "position": ev.position,
+        "op": ev.op,
+        "engine": ev.engine,
+        "tier": ev.tier,
+        "ts_ms": ev.ts_ms,
+    }
     if ev.reason:
         out["reason"] = ev.reason
     out["keys"] = [d.hex() for d in ev.digests]
@@ -91,16 +117,34 @@ def vllm_batch(ev: PoolEvent) -> dict[str, Any] | None:
         return None
     events = []
     for grp, hashes in by_group.items():
-        common = {"block_hashes": hashes, "medium": _MEDIUM, "group_idx": grp,
-                  "locality": _LOCALITY, "ownership": ev.tier or "remote"}  # fmt: skip
+        common = {
+            "block_hashes": hashes,
+            "medium": _MEDIUM,
+            "group_idx": grp,
+            "locality": _LOCALITY,
+            "ownership": ev.tier or "remote",
+        }
         if ev.removed:
             events.append({"type": "BlockRemoved", **common})
         else:
-            events.append({"type": "BlockStored", **common, "parent_block_hash": None,
-                           "token_ids": [], "block_size": 0, "lora_id": None,
-                           "lora_name": None})  # fmt: skip
-    return {"ts": ev.ts_ms / 1000, "events": events, "data_parallel_rank": None,
-            "position": ev.position, "engine": ev.engine}  # fmt: skip
+            events.append(
+                {
+                    "type": "BlockStored",
+                    **common,
+                    "parent_block_hash": None,
+                    "token_ids": [],
+                    "block_size": 0,
+                    "lora_id": None,
+                    "lora_name": None,
+                }
+            )
+    return {
+        "ts": ev.ts_ms / 1000,
+        "events": events,
+        "data_parallel_rank": None,
+        "position": ev.position,
+        "engine": ev.engine,
+    }
 
 
 class _Printer:
@@ -130,8 +174,16 @@ def _snapshot(reader: Any, printer: _Printer, position: str) -> None:
     for chunk in reader.snapshot():
         n += len(chunk)
         ids = [i for _, i in chunk]
-        ev = PoolEvent(position, "stored", "", "remote", int(time.time() * 1000),
-                       [d for d, _ in chunk], ids, "snapshot")  # fmt: skip
+        ev = PoolEvent(
+            position,
+            "stored",
+            "",
+            "remote",
+            int(time.time() * 1000),
+            [d for d, _ in chunk],
+            ids,
+            "snapshot",
+        )
         if printer.fmt == "json":
             printer.line({**json_line(ev), "op": "snapshot"})
         elif (b := vllm_batch(ev)) is not None:
@@ -148,8 +200,9 @@ def main_events(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         found = find_streams(client)
         if len(found) != 1:
             names = ", ".join(s.decode() for s in found) or "none"
-            raise InvalidArgument(f"the pool holds {len(found)} event streams ({names}): "
-                                  "name one with --stream")  # fmt: skip
+            raise InvalidArgument(
+                f"the pool holds {len(found)} event streams ({names}): name one with --stream"
+            )
         stream = found[0]
     reader = PoolReader(client, stream, args.max_keys)
     printer = _Printer(args.format, out, args.count)
@@ -169,11 +222,20 @@ def main_events(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         _snapshot(reader, printer, position)
     watcher = None
     if args.watch:
-        watcher = Watcher(client, stream, maxlen=args.maxlen, reconcile_s=args.reconcile_s,
-                          enable=args.enable_notifications, max_keys=args.max_keys)  # fmt: skip
+        watcher = Watcher(
+            client,
+            stream,
+            maxlen=args.maxlen,
+            reconcile_s=args.reconcile_s,
+            enable=args.enable_notifications,
+            max_keys=args.max_keys,
+        )
         if not watcher.notifying:
-            print(f"kvtier events: keyspace notifications are off: removals found by a check "
-                  f"every {args.reconcile_s:g} s", file=sys.stderr)  # fmt: skip
+            print(
+                f"kvtier events: keyspace notifications are off: removals found by a check "
+                f"every {args.reconcile_s:g} s",
+                file=sys.stderr,
+            )
     idle_since = time.monotonic()
     try:
         while not printer.done:

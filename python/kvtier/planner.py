@@ -25,11 +25,23 @@ from kvtier.options.tiers import DiskOptions
 from kvtier.units import FreeFraction
 
 DTYPE_BYTES = {
-    "float32": 4, "fp32": 4, "float": 4,
-    "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2,
-    "float8": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1,
-    "float8_e5m2": 1, "int8": 1, "uint8": 1,
-}  # fmt: skip
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float8": 1,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
 
 
 @dataclass(frozen=True)
@@ -324,10 +336,13 @@ def stage_disks(disk: DiskOptions, payloads: Sequence[int]) -> list[DiskOptions]
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         capacity = resolve_capacity(capacity, root, root.glob("stage*/kvtier-*/slab-*.dat"))
     return [
-        replace(disk, path=str(Path(disk.path) / f"stage{st}"),
-                capacity_bytes=capacity * p // sum(payloads))
+        replace(
+            disk,
+            path=str(Path(disk.path) / f"stage{st}"),
+            capacity_bytes=capacity * p // sum(payloads),
+        )
         for st, p in enumerate(payloads)
-    ]  # fmt: skip
+    ]
 
 
 def recommend_partition(

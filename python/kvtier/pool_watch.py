@@ -63,8 +63,12 @@ def connect(url: str, tls: dict[str, str | None] | None = None) -> Any:
     kw: dict[str, Any] = {"password": cfg["password"] or None, "username": cfg["user"] or None}
     if cfg["tls"]:
         tls = tls or {}
-        kw.update(ssl=True, ssl_ca_certs=tls.get("tls_ca_file"),
-                  ssl_certfile=tls.get("tls_cert_file"), ssl_keyfile=tls.get("tls_key_file"))  # fmt: skip
+        kw.update(
+            ssl=True,
+            ssl_ca_certs=tls.get("tls_ca_file"),
+            ssl_certfile=tls.get("tls_cert_file"),
+            ssl_keyfile=tls.get("tls_key_file"),
+        )
     try:
         if cfg["cluster"]:
             nodes = [ClusterNode(h, p) for h, p in cfg["seeds"]]  # type: ignore[no-untyped-call]
@@ -122,9 +126,15 @@ class BlockNames:
             for d in event.digests:
                 ids.pop(d, None)
             return PoolEvent(
-                event.position, event.op, event.engine, event.tier, event.ts_ms,
-                event.digests, named, event.reason,
-            )  # fmt: skip
+                event.position,
+                event.op,
+                event.engine,
+                event.tier,
+                event.ts_ms,
+                event.digests,
+                named,
+                event.reason,
+            )
         for d, i in zip(event.digests, event.ids):
             ids[d] = i if i is not None else ids.get(d)
             ids.move_to_end(d)
@@ -329,8 +339,9 @@ class Watcher:
                 continue
             ids = [names.name(d) or UNNAMED for d in digs]
             self.counters["unnamed"] += ids.count(UNNAMED)
-            for cmd in xadd_commands(self.stream, self.maxlen, "removed", self.engine_id,
-                                     "remote", digs, ids, reason):  # fmt: skip
+            for cmd in xadd_commands(
+                self.stream, self.maxlen, "removed", self.engine_id, "remote", digs, ids, reason
+            ):
                 self.client.execute_command(cmd[0].decode(), *cmd[1:])
             n += len(digs)
         self.counters["removed"] += n

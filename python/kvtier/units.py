@@ -16,12 +16,21 @@ from dataclasses import dataclass
 from kvtier.errors import InvalidArgument
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1024, "kb": 1000, "kib": 1024,
-    "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-    "g": 1 << 30, "gb": 10**9, "gib": 1 << 30,
-    "t": 1 << 40, "tb": 10**12, "tib": 1 << 40,
-}  # fmt: skip
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
 
 _SECONDS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0}
 

@@ -183,11 +183,17 @@ def _cmd_bench_route(args: argparse.Namespace) -> int:
     if not args.time_scale > 0 or args.seed < 0:
         raise InvalidArgument("--time-scale must be > 0 and --seed >= 0")
     result = run_route(
-        read_records(trace, args.max_requests), args.engines, args.host_blocks,
-        args.disk_blocks, args.pool_blocks, parse_size(args.block_bytes or "160MiB"),
-        seed=args.seed, load=LoadModel(time_scale=args.time_scale), source=str(trace),
+        read_records(trace, args.max_requests),
+        args.engines,
+        args.host_blocks,
+        args.disk_blocks,
+        args.pool_blocks,
+        parse_size(args.block_bytes or "160MiB"),
+        seed=args.seed,
+        load=LoadModel(time_scale=args.time_scale),
+        source=str(trace),
         progress=None if args.json == "-" else (lambda m: print(f"  {m}", flush=True)),
-    )  # fmt: skip
+    )
     out = output_dir(args.out, "bench-route")
     saved = None
     text = table(result)
@@ -270,17 +276,29 @@ def _cmd_bench_serve_load(args: argparse.Namespace) -> int:
     check_engine_python(python)  # after the flags: a typo is refused before vLLM is imported
     model_dir = out / f"model-{args.model_kind}"
     subprocess.run(
-        [python, "-m", "kvtier.bench.vllm_engine", "make-model", str(model_dir),
-         args.model_kind], check=True, capture_output=True, timeout=600,
-    )  # fmt: skip
+        [python, "-m", "kvtier.bench.vllm_engine", "make-model", str(model_dir), args.model_kind],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     result = run_load(
-        out, python, str(model_dir), configs=configs, repeats=args.repeats or 3,
+        out,
+        python,
+        str(model_dir),
+        configs=configs,
+        repeats=args.repeats or 3,
         settings=EngineSettings(lower_writes=args.lower_writes),
-        workloads=Workloads(trace=trace, trace_cut=args.trace_cut, time_scale=args.time_scale,
-                            max_requests=args.max_requests, concurrencies=conc, rates=rates,
-                            names=names),
+        workloads=Workloads(
+            trace=trace,
+            trace_cut=args.trace_cut,
+            time_scale=args.time_scale,
+            max_requests=args.max_requests,
+            concurrencies=conc,
+            rates=rates,
+            names=names,
+        ),
         progress=None if args.json else (lambda m: print(f"  {m}", flush=True)),
-    )  # fmt: skip
+    )
     base = out / f"serve-load-{time.strftime('%Y%m%dT%H%M%S')}"
     report = base.with_name(base.name + "-report.json")
     report.write_text(json.dumps(report_json(result), indent=2) + "\n")
@@ -480,32 +498,44 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "host+disk, host+redis, host+disk+redis, second-server)",
     )
     o.add_argument(
-        "--model-kind", default="llama", choices=["llama", "gemma3", "mla", "hybrid"],
+        "--model-kind",
+        default="llama",
+        choices=["llama", "gemma3", "mla", "hybrid"],
         help="the generated model (default llama; mla runs in bfloat16 on vLLM's AMX backend; "
         "hybrid: Qwen3-Next-shaped, Gated DeltaNet and attention layers, bfloat16, 544-token "
         "blocks, one request at a time only)",
-    )  # fmt: skip
+    )
     o.add_argument(
-        "--time-scale", type=float, default=1.0,
+        "--time-scale",
+        type=float,
+        default=1.0,
         help="--server, route: the trace's inter-arrival times multiplied by this (default 1)",
-    )  # fmt: skip
+    )
     o.add_argument(
-        "--max-requests", type=int,
+        "--max-requests",
+        type=int,
         help="--server: trace requests (default 60); route: the first M (default: all)",
-    )  # fmt: skip
+    )
     o.add_argument(
-        "--trace-cut", default="sessions", choices=["sessions", "head"],
+        "--trace-cut",
+        default="sessions",
+        choices=["sessions", "head"],
         help="--server: every turn of every k-th conversation that returns within the trace's "
         "first 10 minutes, arriving at 1 request/s at time scale 1 (sessions, default), or the "
         "trace's first requests on its own clock (head)",
-    )  # fmt: skip
+    )
     o.add_argument("--concurrencies", default="1,4", help="--server: prefix and random load levels")
-    o.add_argument("--rates", default="4",
-                   help="--server: prefix-rate's load levels, requests per second (default 4)")  # fmt: skip
     o.add_argument(
-        "--lower-writes", default="on_store", choices=["on_store", "on_reuse"],
+        "--rates",
+        default="4",
+        help="--server: prefix-rate's load levels, requests per second (default 4)",
+    )
+    o.add_argument(
+        "--lower-writes",
+        default="on_store",
+        choices=["on_store", "on_reuse"],
         help="--server: kvtier_lower_writes of every kvtier configuration (default on_store)",
-    )  # fmt: skip
+    )
     o.add_argument(
         "--workloads", help="--server: comma-separated: trace, prefix, prefix-rate, random"
     )
@@ -516,14 +546,31 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=2.0,
         help="soak: minutes of replay under faults (default 2; the README quotes 30)",
     )
-    o.add_argument("--seed", type=int, default=0, help="soak: workload and fault seed; route: "
-                   "the engine round robin and new sessions start at")  # fmt: skip
+    o.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="soak: workload and fault seed; route: "
+        "the engine round robin and new sessions start at",
+    )
     o = b.add_argument_group("route (sizes in blocks of 512 tokens; --block-bytes default 160MiB)")
     o.add_argument("--engines", type=int, default=4, help="route: simulated engines (default 4)")
-    o.add_argument("--host-blocks", type=int, default=3200,
-                   help="route: each engine's host tier (default 3,200: 500 GiB)")  # fmt: skip
-    o.add_argument("--disk-blocks", type=int, default=22000,
-                   help="route: each engine's disk tier (default 22,000: 3.4 TiB)")  # fmt: skip
-    o.add_argument("--pool-blocks", type=int, default=6400,
-                   help="route: the shared pool (default 6,400: 1 TiB)")  # fmt: skip
+    o.add_argument(
+        "--host-blocks",
+        type=int,
+        default=3200,
+        help="route: each engine's host tier (default 3,200: 500 GiB)",
+    )
+    o.add_argument(
+        "--disk-blocks",
+        type=int,
+        default=22000,
+        help="route: each engine's disk tier (default 22,000: 3.4 TiB)",
+    )
+    o.add_argument(
+        "--pool-blocks",
+        type=int,
+        default=6400,
+        help="route: the shared pool (default 6,400: 1 TiB)",
+    )
     b.set_defaults(func=_cmd_bench)

@@ -76,14 +76,22 @@ def _loop_beside_fio(directory: Path, bs: int, qd: int, size: int, rounds: int) 
         idle = loop_rate(0.4)
         p = subprocess.Popen(
             [
-                "fio", "--name=kvtier-probe", f"--filename={directory / 'fio-bench.dat'}",
-                f"--size={size}", f"--rw={'write' if r % 2 else 'read'}", f"--bs={bs}",
-                "--ioengine=io_uring", "--direct=1", f"--iodepth={qd}",
-                "--time_based", "--runtime=1", "--output-format=terse",
+                "fio",
+                "--name=kvtier-probe",
+                f"--filename={directory / 'fio-bench.dat'}",
+                f"--size={size}",
+                f"--rw={'write' if r % 2 else 'read'}",
+                f"--bs={bs}",
+                "--ioengine=io_uring",
+                "--direct=1",
+                f"--iodepth={qd}",
+                "--time_based",
+                "--runtime=1",
+                "--output-format=terse",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         try:
             time.sleep(0.3)  # fio starts its job and fills its queue
             ratios.append(loop_rate(0.4) / idle)

@@ -44,10 +44,21 @@ def lmcache_redis(cache: Path) -> tuple[Any, str]:
         if not wheels:
             cache.mkdir(parents=True, exist_ok=True)
             r = subprocess.run(
-                [sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                 f"lmcache=={LMCACHE_VERSION}", "-d", str(cache)],
-                capture_output=True, text=True, timeout=600,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "-q",
+                    "--no-deps",
+                    f"lmcache=={LMCACHE_VERSION}",
+                    "-d",
+                    str(cache),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             wheels = sorted(cache.glob(f"lmcache-{LMCACHE_VERSION}-*.whl"))
             if not wheels:
                 why = (r.stderr.strip().splitlines() or ["no wheel for this Python"])[-1]

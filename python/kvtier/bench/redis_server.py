@@ -55,8 +55,19 @@ def make_certificates(where: Path, days: int = 2) -> Certificates:
         subprocess.run(["openssl", *args], cwd=where, check=True, capture_output=True, timeout=60)
 
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", str(days),
-        "-subj", "/CN=kvtier test CA")  # fmt: skip
+    run(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        str(days),
+        "-subj",
+        "/CN=kvtier test CA",
+    )
     for name, ext in (
         # Cluster nodes present their server certificate as clients of each other.
         (
@@ -66,15 +77,40 @@ def make_certificates(where: Path, days: int = 2) -> Certificates:
         ("client", "extendedKeyUsage=clientAuth"),
     ):
         (where / f"{name}.ext").write_text(ext + "\n")
-        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-            "-subj", f"/CN=kvtier test {name}")  # fmt: skip
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", f"{name}.pem", "-days", str(days),
-            "-extfile", f"{name}.ext")  # fmt: skip
+        run(
+            "req",
+            *ec,
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN=kvtier test {name}",
+        )
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            str(days),
+            "-extfile",
+            f"{name}.ext",
+        )
     return Certificates(
-        where / "ca.pem", where / "server.pem", where / "server.key",
-        where / "client.pem", where / "client.key",
-    )  # fmt: skip
+        where / "ca.pem",
+        where / "server.pem",
+        where / "server.key",
+        where / "client.pem",
+        where / "client.key",
+    )
 
 
 def free_port(need_bus: bool = False) -> int:
@@ -164,12 +200,17 @@ class RedisServer:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
         if self.tls:
             args += [
-                "--tls-port", str(self.tls_port),
-                "--tls-cert-file", str(self.tls.server_cert),
-                "--tls-key-file", str(self.tls.server_key),
-                "--tls-ca-cert-file", str(self.tls.ca),
-                "--tls-auth-clients", "yes" if self.tls_auth_clients else "no",
-            ]  # fmt: skip
+                "--tls-port",
+                str(self.tls_port),
+                "--tls-cert-file",
+                str(self.tls.server_cert),
+                "--tls-key-file",
+                str(self.tls.server_key),
+                "--tls-ca-cert-file",
+                str(self.tls.ca),
+                "--tls-auth-clients",
+                "yes" if self.tls_auth_clients else "no",
+            ]
             if self.cluster:
                 args += ["--tls-cluster", "yes"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -236,8 +277,15 @@ class RedisCluster:
         cli = ["redis-cli"]
         if tls:  # with tls-cluster the nodes meet on their TLS ports
             addrs = [f"127.0.0.1:{n.tls_port}" for n in self.nodes]
-            cli += ["--tls", "--cacert", str(tls.ca), "--cert", str(tls.client_cert),
-                    "--key", str(tls.client_key)]  # fmt: skip
+            cli += [
+                "--tls",
+                "--cacert",
+                str(tls.ca),
+                "--cert",
+                str(tls.client_cert),
+                "--key",
+                str(tls.client_key),
+            ]
         out = subprocess.run(
             [*cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
             capture_output=True,

@@ -97,8 +97,24 @@ def _redis_benchmark(
     best: dict[str, float] = {"store_gbps": 0.0, "load_gbps": 0.0}
     for pipeline in (1, 16):
         for test, what in (("set", "store"), ("get", "load")):
-            cmd = ["redis-benchmark", "-h", host, "-p", str(port), "-t", test, "-d", str(size),
-                   "-c", str(conns), "-P", str(pipeline), "-n", str(n), "--csv"]  # fmt: skip
+            cmd = [
+                "redis-benchmark",
+                "-h",
+                host,
+                "-p",
+                str(port),
+                "-t",
+                test,
+                "-d",
+                str(size),
+                "-c",
+                str(conns),
+                "-P",
+                str(pipeline),
+                "-n",
+                str(n),
+                "--csv",
+            ]
             if keyspace:
                 cmd += ["-r", str(keyspace)]
             if password:
@@ -268,8 +284,9 @@ def run_remote(
     bench: dict[str, tuple[list[float], list[float]]] = {}
 
     def baseline(name: str, keyspace: int) -> None:
-        b = _redis_benchmark(host, port, password, block_bytes, t.num_threads,
-                             max(64, n // 2), keyspace, cpu)  # fmt: skip
+        b = _redis_benchmark(
+            host, port, password, block_bytes, t.num_threads, max(64, n // 2), keyspace, cpu
+        )
         out = bench.setdefault(name, ([], []))
         out[0].append(b["store_gbps"])
         out[1].append(b["load_gbps"])
@@ -364,8 +381,12 @@ def run_remote(
     for c in clients[1:]:
         r = runs[c.name]
         vs = {w: paired_ratio(runs["kvtier"][w], r[w]) for w in ("store", "load")}
-        summary = {"name": c.name, "store_gbps": round(med(r["store"]), 3),
-                   "load_gbps": round(med(r["load"]), 3), "runs": r}  # fmt: skip
+        summary = {
+            "name": c.name,
+            "store_gbps": round(med(r["store"]), 3),
+            "load_gbps": round(med(r["load"]), 3),
+            "runs": r,
+        }
         if isinstance(c, RedisPyPeer):
             out["redis_py"], out["vs_redis_py"] = summary, vs
         else:
@@ -375,8 +396,11 @@ def run_remote(
     if skipped:
         out["peers_left_out"] = skipped
     if any(isinstance(c, LMCachePeer) for c in clients):
-        out["lmcache"] = {"version": LMCACHE_VERSION, "workers": LMCACHE_WORKERS,
-                          "batch": LMCACHE_BATCH}  # fmt: skip
+        out["lmcache"] = {
+            "version": LMCACHE_VERSION,
+            "workers": LMCACHE_WORKERS,
+            "batch": LMCACHE_BATCH,
+        }
     return out
 
 
@@ -414,9 +438,13 @@ def run_remote_tls(
     try:
         tiers["plain"] = RemoteTier(server.url, block_bytes, **common)
         tiers["tls"] = RemoteTier(
-            server.tls_url, block_bytes, tls_ca_file=str(certs.ca),
-            tls_cert_file=str(certs.client_cert), tls_key_file=str(certs.client_key), **common,
-        )  # fmt: skip
+            server.tls_url,
+            block_bytes,
+            tls_ca_file=str(certs.ca),
+            tls_cert_file=str(certs.client_cert),
+            tls_key_file=str(certs.client_key),
+            **common,
+        )
         for t in tiers.values():
             t.attach(pool)
         keys = [b"bench-tls-%d" % i for i in range(n)]

@@ -193,9 +193,12 @@ def bound_blocks(traces: Sequence[Sequence[int]]) -> int:
 
 
 def replay_routing(
-    name: str, records: Sequence[dict[str, Any]], fleet: Fleet, seed: int = 0,
+    name: str,
+    records: Sequence[dict[str, Any]],
+    fleet: Fleet,
+    seed: int = 0,
     session_of: Sequence[int] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """One routing over ``fleet`` (fresh); its counts, and for the events
     router whether its view equals what the tiers hold at the end."""
     t0 = time.perf_counter()
@@ -239,10 +242,17 @@ def replay_routing(
 
 
 def run_route(
-    records: Sequence[dict[str, Any]], engines: int, host_blocks: int, disk_blocks: int,
-    pool_blocks: int, block_bytes: int, seed: int = 0, load: LoadModel | None = None,
-    source: str = "", progress: Callable[[str], None] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    records: Sequence[dict[str, Any]],
+    engines: int,
+    host_blocks: int,
+    disk_blocks: int,
+    pool_blocks: int,
+    block_bytes: int,
+    seed: int = 0,
+    load: LoadModel | None = None,
+    source: str = "",
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """The three routings over the same trace and fleet sizes: the result
     object (``routings`` maps each to its ``saved_tokens`` and ``hit_rate``)."""
     if engines < 1 or host_blocks < 1 or min(disk_blocks, pool_blocks) < 0:
@@ -328,13 +338,20 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     rs = [result["routings"][n] for n in names]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
     a.bar(names, [r["saved_tokens"] / 1e6 for r in rs], color=["#999999", "#6baed6", "#2171b5"])
-    a.axhline(result["bound_saved_tokens"] / 1e6, color="black", ls="--", lw=1,
-              label="one infinite cache")  # fmt: skip
+    a.axhline(
+        result["bound_saved_tokens"] / 1e6, color="black", ls="--", lw=1, label="one infinite cache"
+    )
     for i, n in enumerate(names):
         ratio = result["vs_round_robin"][n]
         if ratio is not None:
-            a.text(i, rs[i]["saved_tokens"] / 1e6, f"{ratio:.2f}x\nof round robin",
-                   ha="center", va="top", color="white")  # fmt: skip
+            a.text(
+                i,
+                rs[i]["saved_tokens"] / 1e6,
+                f"{ratio:.2f}x\nof round robin",
+                ha="center",
+                va="top",
+                color="white",
+            )
     a.set_ylabel("prefill tokens saved (millions)")
     a.legend(loc="lower right")
     bottom = [0.0] * len(rs)

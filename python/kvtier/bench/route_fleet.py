@@ -190,9 +190,13 @@ class Fleet:
     request on one engine and returns the blocks it hit per tier."""
 
     def __init__(
-        self, engines: int, host_blocks: int, disk_blocks: int, pool_blocks: int,
+        self,
+        engines: int,
+        host_blocks: int,
+        disk_blocks: int,
+        pool_blocks: int,
         load: LoadModel | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.pool = SharedPool(pool_blocks) if pool_blocks > 0 else None
         self.load_model = load or LoadModel()
         self.engines: list[Engine] = []

@@ -63,10 +63,21 @@ from kvtier.bench.vllm_engine import Sessions
 from kvtier.errors import InvalidArgument
 
 CONFIGS = (
-    "none", "prefix", "host", "host+disk", "host+redis", "host+redis-wait", "host+redis-stream",
-    "host+disk+redis", "small-host+disk", "second-engine", "vllm-cpu-offload", "host-whole-loads",
-    "host+disk-stream", "host+disk-stream-whole-loads",
-)  # fmt: skip
+    "none",
+    "prefix",
+    "host",
+    "host+disk",
+    "host+redis",
+    "host+redis-wait",
+    "host+redis-stream",
+    "host+disk+redis",
+    "small-host+disk",
+    "second-engine",
+    "vllm-cpu-offload",
+    "host-whole-loads",
+    "host+disk-stream",
+    "host+disk-stream-whole-loads",
+)
 TOKENS_PER_BLOCK = 32
 # The hybrid model's block: vLLM sizes it so one attention page holds a
 # Gated DeltaNet layer's state (align mode keeps one state per block).
@@ -212,8 +223,11 @@ def _run_child(python: str, spec: dict[str, Any], workdir: Path, name: str) -> d
     with open(log, "w") as f:
         p = subprocess.run(
             [python, "-m", "kvtier.bench.vllm_engine", "run", str(spec_path), str(out_path)],
-            stdout=f, stderr=subprocess.STDOUT, timeout=1800, check=False,
-        )  # fmt: skip
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=1800,
+            check=False,
+        )
     text = log.read_text()
     if p.returncode != 0 or not out_path.exists():
         raise RuntimeError(f"engine run {name} failed (exit {p.returncode}):\n{text[-3000:]}")
@@ -233,8 +247,10 @@ def check_engine_python(python: str) -> None:
     """Raise InvalidArgument unless ``python`` can import vLLM and kvtier."""
     p = subprocess.run(
         [python, "-c", "import vllm, kvtier.bench.vllm_engine"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if p.returncode != 0:
         raise InvalidArgument(
             f"{python} cannot run a vLLM engine with kvtier ({p.stderr.strip().splitlines()[-1:]}):"
@@ -275,9 +291,10 @@ def run_serve(
     out_dir.mkdir(parents=True, exist_ok=True)
     model_dir = out_dir / f"model-{model_kind}"
     subprocess.run(
-        [python, "-m", "kvtier.bench.vllm_engine", "make-model", str(model_dir),
-         model_kind], check=True, capture_output=True,
-    )  # fmt: skip
+        [python, "-m", "kvtier.bench.vllm_engine", "make-model", str(model_dir), model_kind],
+        check=True,
+        capture_output=True,
+    )
     model = model_config(model_kind)
     # vLLM's CPU MLA backend (float32) cannot take a cached prefix (kvtier
     # refuses it); its AMX backend (bfloat16, CPUs with AMX) can. vLLM's CPU
@@ -293,9 +310,13 @@ def run_serve(
     one_request = per_token * w.system_tokens
     sizes = {"large": max(2 * working, 64 << 20), "small": working // 3, "tiny": one_request // 2}
     base = {
-        "model": str(model_dir), "requests": requests, "max_tokens": max_tokens,
-        "warmup_requests": 2, "dtype": dtype, "block_size": block,
-    }  # fmt: skip
+        "model": str(model_dir),
+        "requests": requests,
+        "max_tokens": max_tokens,
+        "warmup_requests": 2,
+        "dtype": dtype,
+        "block_size": block,
+    }
 
     from tqdm import tqdm
 
@@ -356,9 +377,15 @@ def _medians(runs: list[dict[str, Any]], configs: tuple[str, ...]) -> dict[str, 
             out[name] = {"refused": refused[0]}
             continue
         m: dict[str, Any] = {}
-        for key in ("ttft_first_p50_ms", "ttft_first_p99_ms", "ttft_later_p50_ms",
-                    "ttft_later_p99_ms", "tokens_per_s", "computed_tokens",
-                    "read_ahead_wait_ms"):  # fmt: skip
+        for key in (
+            "ttft_first_p50_ms",
+            "ttft_first_p99_ms",
+            "ttft_later_p50_ms",
+            "ttft_later_p99_ms",
+            "tokens_per_s",
+            "computed_tokens",
+            "read_ahead_wait_ms",
+        ):
             m[key] = statistics.median(r[key] for r in rs)
         for key in ("ttft_first_p50_ms", "ttft_later_p50_ms"):
             for ref in ("none", "prefix"):
@@ -392,9 +419,12 @@ def _medians(runs: list[dict[str, Any]], configs: tuple[str, ...]) -> dict[str, 
 
 
 def _loaded_bytes(
-    medians: dict[str, Any], runs: list[dict[str, Any]], per_token: int, groups: int,
+    medians: dict[str, Any],
+    runs: list[dict[str, Any]],
+    per_token: int,
+    groups: int,
     block_tokens: int = TOKENS_PER_BLOCK,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Add, per kvtier configuration, the KV bytes loaded per request that
     loaded (median over runs) and the same for the full-attention equivalent
     (every layer over every token taken from kvtier): on a sliding-window

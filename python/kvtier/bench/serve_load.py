@@ -53,11 +53,30 @@ from kvtier.bench.serve_load_report import plot, report_json, summarize, table
 from kvtier.errors import InvalidArgument
 
 __all__ = [
-    "CONFIGS", "KVTIER_COUNTERS", "METRICS", "TRACE_BLOCK", "WORKLOADS", "EngineSettings", "Run",
-    "Server", "Workloads", "client_args", "cut_trace", "default_trace", "kvtier_extra", "levels",
-    "parse_metrics", "plot", "report_json", "run_client", "run_load", "scrape", "server_command",
-    "summarize", "table",
-]  # fmt: skip
+    "CONFIGS",
+    "KVTIER_COUNTERS",
+    "METRICS",
+    "TRACE_BLOCK",
+    "WORKLOADS",
+    "EngineSettings",
+    "Run",
+    "Server",
+    "Workloads",
+    "client_args",
+    "cut_trace",
+    "default_trace",
+    "kvtier_extra",
+    "levels",
+    "parse_metrics",
+    "plot",
+    "report_json",
+    "run_client",
+    "run_load",
+    "scrape",
+    "server_command",
+    "summarize",
+    "table",
+]
 
 
 @dataclass
@@ -122,14 +141,16 @@ class Server:
     Blocks in ``__init__`` until the server answers ``/health`` (or fails:
     the log's tail is in the error)."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], log: Path, port: int,
-                 timeout_s: float = 300.0) -> None:  # fmt: skip
+    def __init__(
+        self, cmd: list[str], env: dict[str, str], log: Path, port: int, timeout_s: float = 300.0
+    ) -> None:
         self.base_url = f"http://127.0.0.1:{port}"
         self.log = log
         t0 = time.perf_counter()
         self._f = open(log, "w")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(cmd, stdout=self._f, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
             while True:
                 if self.proc.poll() is not None:
@@ -172,19 +193,22 @@ def _free_port() -> int:
     return free_port()
 
 
-def run_client(python: str, args: list[str], env: dict[str, str], result: Path,
-               timeout_s: float = 1800.0) -> dict[str, Any]:  # fmt: skip
+def run_client(
+    python: str, args: list[str], env: dict[str, str], result: Path, timeout_s: float = 1800.0
+) -> dict[str, Any]:
     """Run vLLM's benchmark client to the end; its saved result."""
-    p = subprocess.run([python, "-c", _CLIENT, *args], env=env, capture_output=True, text=True,
-                       timeout=timeout_s)  # fmt: skip
+    p = subprocess.run(
+        [python, "-c", _CLIENT, *args], env=env, capture_output=True, text=True, timeout=timeout_s
+    )
     if p.returncode != 0 or not result.exists():
         raise RuntimeError(f"vllm bench serve failed ({p.returncode}): {p.stderr[-3000:]}")
     data: dict[str, Any] = json.loads(result.read_text())
     return data
 
 
-def _row(config: str, workload: str, level: float, client: dict[str, Any],
-         counters: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+def _row(
+    config: str, workload: str, level: float, client: dict[str, Any], counters: dict[str, float]
+) -> dict[str, Any]:
     row: dict[str, Any] = {"config": config, "workload": workload, "level": level}
     for key, src, scale in METRICS:
         v = client.get(src)
@@ -248,11 +272,13 @@ def run_load(
         w = replace(w, max_requests=trace_info["requests"])
     block_bytes = kv_bytes_per_block(model_dir, settings.block_size)
     env = {k: v for k, v in os.environ.items()}
-    env.update({
-        "PYTHONHASHSEED": "0",  # the trace's token expansion hashes strings
-        "VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_space_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": settings.omp_threads_bind,
-    })  # fmt: skip
+    env.update(
+        {
+            "PYTHONHASHSEED": "0",  # the trace's token expansion hashes strings
+            "VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_space_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": settings.omp_threads_bind,
+        }
+    )
     runs: list[dict[str, Any]] = []
     redis = None
     try:
@@ -277,8 +303,9 @@ def run_load(
                         for level in levels(workload, w):
                             before = scrape(server.base_url)
                             res = work / f"client-{config}-{workload}-{level}-r{rep}.json"
-                            args = client_args(workload, level, server.base_url, model_dir, w,
-                                               trace_file, res)  # fmt: skip
+                            args = client_args(
+                                workload, level, server.base_url, model_dir, w, trace_file, res
+                            )
                             say(f"repeat {rep + 1}/{repeats}: {config}: {workload} at {level:g}")
                             client = run_client(python, args, env, res)
                             time.sleep(1.0)  # the last step's metrics reach the front end

@@ -53,9 +53,15 @@ from typing import Any
 from kvtier.errors import InvalidArgument
 
 CONFIGS = (
-    "baseline", "ideal", "connector-floor", "host", "host+disk", "host+redis", "host+disk+redis",
+    "baseline",
+    "ideal",
+    "connector-floor",
+    "host",
+    "host+disk",
+    "host+redis",
+    "host+disk+redis",
     "second-server",
-)  # fmt: skip
+)
 # The baseline's engine with a KV connector that moves nothing
 # (kvtier.bench.null_connector): what any connector costs.
 FLOOR_CONNECTOR = {
@@ -79,9 +85,15 @@ METRICS = (
 )
 # kvtier's counters read from /metrics (vllm:kv_offload_kvtier_<name>).
 KVTIER_COUNTERS = (
-    "loaded_host", "loaded_disk", "loaded_remote", "cascades", "cascades_dropped",
-    "allocation_failures", "promotions", "load_failures",
-)  # fmt: skip
+    "loaded_host",
+    "loaded_disk",
+    "loaded_remote",
+    "cascades",
+    "cascades_dropped",
+    "allocation_failures",
+    "promotions",
+    "load_failures",
+)
 
 
 @dataclass(frozen=True)
@@ -151,11 +163,14 @@ def _read_trace(src: Path, limit: int | None = None) -> list[dict[str, Any]]:
                 continue
             try:
                 r = json.loads(line)
-                out.append({
-                    "timestamp": float(r["timestamp"]), "input_length": int(r["input_length"]),
-                    "output_length": int(r["output_length"]),
-                    "hash_ids": [int(h) for h in r["hash_ids"]],
-                })  # fmt: skip
+                out.append(
+                    {
+                        "timestamp": float(r["timestamp"]),
+                        "input_length": int(r["input_length"]),
+                        "output_length": int(r["output_length"]),
+                        "hash_ids": [int(h) for h in r["hash_ids"]],
+                    }
+                )
             except (ValueError, KeyError, TypeError) as e:
                 raise InvalidArgument(
                     f"{src}:{n}: not a Mooncake-format trace line (timestamp, input_length, "
@@ -202,9 +217,15 @@ def _returning_sessions(
 
 
 def cut_trace(
-    src: Path, dst: Path, max_requests: int, max_input: int, max_output: int,
-    mode: str = "sessions", rate: float = 1.0, window_s: float = 600.0,
-) -> dict[str, Any]:  # fmt: skip
+    src: Path,
+    dst: Path,
+    max_requests: int,
+    max_input: int,
+    max_output: int,
+    mode: str = "sessions",
+    rate: float = 1.0,
+    window_s: float = 600.0,
+) -> dict[str, Any]:
     """Write a cut of a Mooncake-format trace to ``dst``: prompts capped to
     ``max_input`` tokens (their hash ids cut to match), outputs to
     ``max_output``, timestamps rebased to the first.
@@ -243,9 +264,14 @@ def cut_trace(
     for r in cut:
         inp = min(r["input_length"], max_input)
         ids = r["hash_ids"][: max(1, math.ceil(inp / TRACE_BLOCK))]
-        out.append({"timestamp": round((r["timestamp"] - t0) * scale, 3), "input_length": inp,
-                    "output_length": max(1, min(r["output_length"], max_output)),
-                    "hash_ids": ids})  # fmt: skip
+        out.append(
+            {
+                "timestamp": round((r["timestamp"] - t0) * scale, 3),
+                "input_length": inp,
+                "output_length": max(1, min(r["output_length"], max_output)),
+                "hash_ids": ids,
+            }
+        )
         prefix_ok = True
         for i in range(len(ids)):
             key = tuple(ids[: i + 1])
@@ -255,14 +281,16 @@ def cut_trace(
             seen.add(key)
     dst.write_text("".join(json.dumps(r) + "\n" for r in out))
     return {
-        "mode": mode, "requests": len(out),
+        "mode": mode,
+        "requests": len(out),
         "sessions": len({_conversation(r, i) for i, r in enumerate(cut)})
         if mode == "sessions"
         else None,
-        "span_s": out[-1]["timestamp"] / 1000, "trace_span_s": trace_span_ms / 1000,
+        "span_s": out[-1]["timestamp"] / 1000,
+        "trace_span_s": trace_span_ms / 1000,
         "input_tokens": sum(r["input_length"] for r in out),
         "reusable_block_share": hit / total if total else 0.0,
-    }  # fmt: skip
+    }
 
 
 def kv_bytes_per_block(model_dir: str, block_size: int) -> int:
@@ -297,86 +325,163 @@ def kvtier_extra(
 
 
 def server_command(
-    python: str, model_dir: str, port: int, config: str, settings: EngineSettings,
+    python: str,
+    model_dir: str,
+    port: int,
+    config: str,
+    settings: EngineSettings,
     extra: dict[str, Any] | None,
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """The ``vllm serve`` command line of a configuration (the CPU build's
     console script cannot start; its module does)."""
     blocks = settings.large_blocks if config == "ideal" else settings.small_blocks
     cmd = [
-        python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--block-size", str(settings.block_size), "--enforce-eager", "--seed", "0",
-        "--max-model-len", str(settings.max_model_len),
-        "--max-num-seqs", str(settings.max_num_seqs),
-        "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
-        "--enable-chunked-prefill", "--enable-prefix-caching",
-        "--num-gpu-blocks-override", str(blocks),
-    ]  # fmt: skip
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--block-size",
+        str(settings.block_size),
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--max-model-len",
+        str(settings.max_model_len),
+        "--max-num-seqs",
+        str(settings.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(settings.max_num_batched_tokens),
+        "--enable-chunked-prefill",
+        "--enable-prefix-caching",
+        "--num-gpu-blocks-override",
+        str(blocks),
+    ]
     if config == "connector-floor":
         cmd += ["--kv-transfer-config", json.dumps(FLOOR_CONNECTOR)]
     elif extra is not None:
-        cmd += ["--kv-transfer-config", json.dumps({
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.integrations.vllm_connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": extra,
-        })]  # fmt: skip
+        cmd += [
+            "--kv-transfer-config",
+            json.dumps(
+                {
+                    "kv_connector": "KVTierConnector",
+                    "kv_connector_module_path": "kvtier.integrations.vllm_connector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": extra,
+                }
+            ),
+        ]
     return cmd
 
 
 def client_args(
-    workload: str, level: int | float, base_url: str, model_dir: str, w: Workloads,
-    trace_file: Path | None, result: Path,
-) -> list[str]:  # fmt: skip
+    workload: str,
+    level: int | float,
+    base_url: str,
+    model_dir: str,
+    w: Workloads,
+    trace_file: Path | None,
+    result: Path,
+) -> list[str]:
     """``vllm bench serve`` flags of one workload at one level (concurrency;
     for the trace, the time scale)."""
     args = [
-        "--backend", "vllm", "--base-url", base_url, "--model", model_dir,
+        "--backend",
+        "vllm",
+        "--base-url",
+        base_url,
+        "--model",
+        model_dir,
         # Each workload and level its own prompts: the client's datasets draw
         # their token offsets from the same generator, so equal seeds would
         # make a random prompt repeat a prefix_repetition one, and a level hit
         # what an earlier level left cached.
-        "--tokenizer", model_dir, "--seed", str(_SEEDS.get(workload, 0) + int(level * 1000)),
-        "--percentile-metrics", "ttft,tpot,itl,e2el",
-        "--metric-percentiles", "50,99", "--disable-tqdm",
-    ]  # fmt: skip
+        "--tokenizer",
+        model_dir,
+        "--seed",
+        str(_SEEDS.get(workload, 0) + int(level * 1000)),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--disable-tqdm",
+    ]
     if workload == "trace":
         assert trace_file is not None
         args += [
-            "--dataset-name", "timed_trace", "--dataset-path", str(trace_file),
-            "--num-prompts", str(w.max_requests), "--timed-trace-chunk-hash-size", str(TRACE_BLOCK),
-            "--timed-trace-sec-multiplier", str(0.001 * float(level)),
-            "--timed-trace-label-timestamp", "timestamp",
-            "--timed-trace-label-input-length", "input_length",
-            "--timed-trace-label-output-length", "output_length",
-            "--timed-trace-label-hash-ids", "hash_ids",
-        ]  # fmt: skip
+            "--dataset-name",
+            "timed_trace",
+            "--dataset-path",
+            str(trace_file),
+            "--num-prompts",
+            str(w.max_requests),
+            "--timed-trace-chunk-hash-size",
+            str(TRACE_BLOCK),
+            "--timed-trace-sec-multiplier",
+            str(0.001 * float(level)),
+            "--timed-trace-label-timestamp",
+            "timestamp",
+            "--timed-trace-label-input-length",
+            "input_length",
+            "--timed-trace-label-output-length",
+            "output_length",
+            "--timed-trace-label-hash-ids",
+            "hash_ids",
+        ]
     elif workload in ("prefix", "prefix-rate"):
         closed = workload == "prefix"
         args += [
-            "--dataset-name", "prefix_repetition",
-            "--num-prompts", str(w.prefix_prompts if closed else w.rate_prompts),
-            "--prefix-repetition-prefix-len", str(w.prefix_len),
-            "--prefix-repetition-suffix-len", str(w.prefix_suffix_len),
-            "--prefix-repetition-num-prefixes", str(w.prefix_count if closed else w.rate_prefix_count),
-            "--prefix-repetition-output-len", str(w.output_len), "--ignore-eos",
-        ]  # fmt: skip
+            "--dataset-name",
+            "prefix_repetition",
+            "--num-prompts",
+            str(w.prefix_prompts if closed else w.rate_prompts),
+            "--prefix-repetition-prefix-len",
+            str(w.prefix_len),
+            "--prefix-repetition-suffix-len",
+            str(w.prefix_suffix_len),
+            "--prefix-repetition-num-prefixes",
+            str(w.prefix_count if closed else w.rate_prefix_count),
+            "--prefix-repetition-output-len",
+            str(w.output_len),
+            "--ignore-eos",
+        ]
         # Open loop: the client seeds its arrival draws with --seed, so
         # the same instants in every configuration.
         args += (
-            ["--max-concurrency", str(int(level))] if closed
+            ["--max-concurrency", str(int(level))]
+            if closed
             else ["--request-rate", f"{float(level):g}", "--burstiness", "1"]
-        )  # fmt: skip
+        )
     elif workload == "random":
         args += [
-            "--dataset-name", "random", "--num-prompts", str(w.random_prompts),
-            "--random-input-len", str(w.random_input), "--random-output-len", str(w.output_len),
-            "--random-range-ratio", "0", "--max-concurrency", str(int(level)),
-        ]  # fmt: skip
+            "--dataset-name",
+            "random",
+            "--num-prompts",
+            str(w.random_prompts),
+            "--random-input-len",
+            str(w.random_input),
+            "--random-output-len",
+            str(w.output_len),
+            "--random-range-ratio",
+            "0",
+            "--max-concurrency",
+            str(int(level)),
+        ]
     else:
         raise InvalidArgument(f"unknown workload {workload!r}: one of {', '.join(WORKLOADS)}")
-    return args + ["--save-result", "--result-dir", str(result.parent),
-                   "--result-filename", result.name]  # fmt: skip
+    return args + [
+        "--save-result",
+        "--result-dir",
+        str(result.parent),
+        "--result-filename",
+        result.name,
+    ]
 
 
 _SEEDS = {"trace": 0, "prefix": 5_000_000, "prefix-rate": 6_000_000, "random": 7_000_000}

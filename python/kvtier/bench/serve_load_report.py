@@ -53,9 +53,11 @@ def median_interval(values: list[float], confidence: float = 0.95) -> dict[str, 
 
 
 def _paired(
-    mine: list[dict[str, Any]], refs: list[dict[str, Any]], ref_med: dict[str, Any],
+    mine: list[dict[str, Any]],
+    refs: list[dict[str, Any]],
+    ref_med: dict[str, Any],
     my_med: dict[str, Any],
-) -> tuple[dict[str, float], dict[str, dict[str, float]]]:  # fmt: skip
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """Each metric's ratio to a reference configuration: the median over
     repeats of the ratio within each repeat (both servers ran back to back),
     which cancels the drift between repeats (the baseline alone moved 32% in
@@ -70,7 +72,7 @@ def _paired(
             r[name] / by_rep[r["repeat"]][name]
             for r in mine
             if r.get("repeat") in by_rep and by_rep[r["repeat"]][name]
-        ]  # fmt: skip
+        ]
         if pairs:
             out[name] = _median(pairs)
             spread[name] = median_interval(pairs)
@@ -104,9 +106,10 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for ref in ("baseline", "ideal"):
             base = med.get((ref, workload, level))
             m[f"vs_{ref}"], m[f"vs_{ref}_interval"] = (
-                (None, None) if base is None
+                (None, None)
+                if base is None
                 else _paired(mine, groups[(ref, workload, level)], base, m)
-            )  # fmt: skip
+            )
         b, i = med.get(("baseline", workload, level)), med.get(("ideal", workload, level))
         if b is not None and i is not None:
             # How much the ideal cuts at all: where it is a few percent, the
@@ -205,8 +208,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     rows = result["rows"]
     names = [w for w in WORKLOADS if any(r["workload"] == w for r in rows)]
-    fig, axes = plt.subplots(2, max(1, len(names)), figsize=(5 * max(1, len(names)), 7),
-                             squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        2, max(1, len(names)), figsize=(5 * max(1, len(names)), 7), squeeze=False
+    )
     for col, wl in enumerate(names):
         for config in CONFIGS:
             pts = sorted(
@@ -231,8 +235,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     axes[0][0].legend(fontsize=7)
     # One column is 5 inches wide: the title takes two lines there.
     sep = "\n" if len(names) < 2 else " "
-    fig.suptitle(f"kvtier under load: vLLM server + vllm bench serve,{sep}medians of "
-                 f"{result['repeats']} runs", fontsize=10)  # fmt: skip
+    fig.suptitle(
+        f"kvtier under load: vLLM server + vllm bench serve,{sep}medians of "
+        f"{result['repeats']} runs",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

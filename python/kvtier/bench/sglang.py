@@ -183,10 +183,13 @@ def run_shape(
     # kvtier's memory tier holds a run's pages (twice over), as the page
     # cache holds HiCacheFile's: both read back from memory.
     host_disk = open_storage(
-        {"kvtier_disk_path": str(work / "host+disk"), "kvtier_disk_bytes": cap,
-         "kvtier_host_bytes": 2 * num_pages * record_bytes(nbytes)},
+        {
+            "kvtier_disk_path": str(work / "host+disk"),
+            "kvtier_disk_bytes": cap,
+            "kvtier_host_bytes": 2 * num_pages * record_bytes(nbytes),
+        },
         pool,
-    )  # fmt: skip
+    )
     remote = open_storage({"kvtier_remote_url": url}, pool)
     hfile = hicache_file({"file_storage_path": str(work)}, layout=layout)
     pyredis = RedisPyPages(url)
@@ -223,16 +226,22 @@ def run_shape(
         shutil.rmtree(work, ignore_errors=True)
     med = statistics.median
     out: dict[str, Any] = {
-        "shape": name, "layout": layout, "page_bytes": nbytes, "pages_per_run": num_pages,
-        "batch_pages": storage_batch_pages(), "host_disk_get_from_memory": round(from_memory, 3),
-    }  # fmt: skip
+        "shape": name,
+        "layout": layout,
+        "page_bytes": nbytes,
+        "pages_per_run": num_pages,
+        "batch_pages": storage_batch_pages(),
+        "host_disk_get_from_memory": round(from_memory, 3),
+    }
     for c, ops in runs.items():
         out[c] = {
-            op: {"pages_per_s": round(med(v), 1),
-                 **({"gbps": round(med(v) * nbytes / 1e9, 3)} if op != "exists" else {}),
-                 "runs_pages_per_s": [round(x, 1) for x in v]}
+            op: {
+                "pages_per_s": round(med(v), 1),
+                **({"gbps": round(med(v) * nbytes / 1e9, 3)} if op != "exists" else {}),
+                "runs_pages_per_s": [round(x, 1) for x in v],
+            }
             for op, v in ops.items()
-        }  # fmt: skip
+        }
     out["vs_hicache_file"] = {
         op: paired_ratio(runs["kvtier_host_disk"][op], runs["hicache_file"][op]) for op in OPS
     }
@@ -323,9 +332,13 @@ def table(result: dict[str, Any]) -> str:
             f"{r['shape']} ({r['page_bytes']} B, {r['layout']}, batches of {r['batch_pages']})"
         )
         for c in (
-            "kvtier_host_disk", "kvtier_disk", "hicache_file", "hicache_file_device",
-            "kvtier_redis", "redis_py",
-        ):  # fmt: skip
+            "kvtier_host_disk",
+            "kvtier_disk",
+            "hicache_file",
+            "hicache_file_device",
+            "kvtier_redis",
+            "redis_py",
+        ):
             cells = "  ".join(
                 f"{op} {r[c][op]['pages_per_s']:>9.0f} p/s"
                 + (f" {r[c][op]['gbps']:6.3f} GB/s" if op != "exists" else "")

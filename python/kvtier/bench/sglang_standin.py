@@ -34,24 +34,70 @@ import torch
 
 #: Methods and properties taken from SGLang's classes, per pool kind.
 METHODS = {
-    "mha": ("init_kv_buffer", "get_data_page", "get_dummy_flat_data_page",
-            "set_from_flat_data_page", "get_page_buffer_meta", "get_size_per_token",
-            "k_buffer", "v_buffer"),
-    "mla": ("init_kv_buffer", "get_data_page", "get_dummy_flat_data_page",
-            "set_from_flat_data_page", "_storage_page_index"),
-}  # fmt: skip
+    "mha": (
+        "init_kv_buffer",
+        "get_data_page",
+        "get_dummy_flat_data_page",
+        "set_from_flat_data_page",
+        "get_page_buffer_meta",
+        "get_size_per_token",
+        "k_buffer",
+        "v_buffer",
+    ),
+    "mla": (
+        "init_kv_buffer",
+        "get_data_page",
+        "get_dummy_flat_data_page",
+        "set_from_flat_data_page",
+        "_storage_page_index",
+    ),
+}
 BASE_METHODS = ("logical_size", "logical_page_size")
 CLASSES = {"mha": ("mha.py", "MHATokenToKVPoolHost"), "mla": ("mla.py", "MLATokenToKVPoolHost")}
 #: Attributes the stand-in sets, as SGLang's constructors do (a test checks
 #: each is set or defined by the real class or its base).
 STANDIN_ATTRIBUTES = {
-    "mha": ("layer_num", "head_num", "head_dim", "v_head_dim", "dtype", "page_size", "size",
-            "page_num", "layout", "device", "pin_memory", "allocator", "_transfer_device",
-            "dcp_size", "dcp_rank", "kv_buffer", "start_layer", "end_layer"),
-    "mla": ("layer_num", "kv_lora_rank", "qk_rope_head_dim", "kv_cache_dim", "dtype",
-            "page_size", "size", "page_num", "layout", "device", "pin_memory", "allocator",
-            "_transfer_device", "dcp_size", "dcp_rank", "kv_buffer", "start_layer", "end_layer"),
-}  # fmt: skip
+    "mha": (
+        "layer_num",
+        "head_num",
+        "head_dim",
+        "v_head_dim",
+        "dtype",
+        "page_size",
+        "size",
+        "page_num",
+        "layout",
+        "device",
+        "pin_memory",
+        "allocator",
+        "_transfer_device",
+        "dcp_size",
+        "dcp_rank",
+        "kv_buffer",
+        "start_layer",
+        "end_layer",
+    ),
+    "mla": (
+        "layer_num",
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "kv_cache_dim",
+        "dtype",
+        "page_size",
+        "size",
+        "page_num",
+        "layout",
+        "device",
+        "pin_memory",
+        "allocator",
+        "_transfer_device",
+        "dcp_size",
+        "dcp_rank",
+        "kv_buffer",
+        "start_layer",
+        "end_layer",
+    ),
+}
 
 
 def pool_host_dir() -> Path:
@@ -130,18 +176,29 @@ def host_pool(
     standin = type(f"StandIn{name}", (), methods)
     pool = standin()
     attrs: dict[str, Any] = dict(
-        layer_num=layers, dtype=dtype, page_size=page_size, page_num=pages + 1,
-        size=(pages + 1) * page_size, layout=layout, device="cpu", pin_memory=False,
-        allocator=None, _transfer_device=SimpleNamespace(type="cpu"), dcp_size=1, dcp_rank=0,
-        start_layer=0, end_layer=layers,
-    )  # fmt: skip
+        layer_num=layers,
+        dtype=dtype,
+        page_size=page_size,
+        page_num=pages + 1,
+        size=(pages + 1) * page_size,
+        layout=layout,
+        device="cpu",
+        pin_memory=False,
+        allocator=None,
+        _transfer_device=SimpleNamespace(type="cpu"),
+        dcp_size=1,
+        dcp_rank=0,
+        start_layer=0,
+        end_layer=layers,
+    )
     if kind == "mha":
         attrs.update(head_num=heads, head_dim=head_dim, v_head_dim=head_dim)
     else:
         attrs.update(
-            kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
             kv_cache_dim=kv_lora_rank + qk_rope_head_dim,
-        )  # fmt: skip
+        )
     for k, v in attrs.items():
         setattr(pool, k, v)
     pool.kv_buffer = pool.init_kv_buffer()
@@ -162,10 +219,18 @@ def storage_config(
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
     return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=mla, enable_storage_metrics=False,
-        is_page_first_layout=layout != "layer_first", model_name=model, extra_config=extra,
-    )  # fmt: skip
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=layout != "layer_first",
+        model_name=model,
+        extra_config=extra,
+    )
 
 
 def open_storage(extra: dict[str, Any], pool: Any, **config: Any) -> Any:
@@ -204,9 +269,15 @@ def token_indices(pool: Any, first: int, n: int) -> torch.Tensor:
 #: transfer and the backup (zero-copy and generic page calls).
 CONTROLLER_CLASSES = ("StorageOperation", "PrefetchOperation", "PrefetchAck")
 CONTROLLER_METHODS = (
-    "_storage_hit_query", "_page_transfer", "_page_transfer_kv_batch", "_page_get_zero_copy",
-    "_generic_page_get", "_page_set_zero_copy", "_generic_page_set", "_page_backup",
-)  # fmt: skip
+    "_storage_hit_query",
+    "_page_transfer",
+    "_page_transfer_kv_batch",
+    "_page_get_zero_copy",
+    "_generic_page_get",
+    "_page_set_zero_copy",
+    "_generic_page_set",
+    "_page_backup",
+)
 
 
 def controller(backend: Any, host_pool: Any, zero_copy: bool = True) -> Any:
@@ -237,15 +308,30 @@ def controller(backend: Any, host_pool: Any, zero_copy: bool = True) -> Any:
         n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "HiCacheController"
     )
     env: dict[str, Any] = {
-        "torch": torch, "dataclass": dataclasses.dataclass, "threading": threading,
+        "torch": torch,
+        "dataclass": dataclasses.dataclass,
+        "threading": threading,
         "time": time,
         "logger": logging.getLogger("sglang.cache_controller"),
         "get_storage_hash_str": get_storage_hash_str,
-        **{k: getattr(hs, k) for k in ("STORAGE_BATCH_SIZE", "HiCacheStorageExtraInfo",
-                                        "PoolName", "PoolTransfer", "count_pool_hits")},
-    }  # fmt: skip
-    code = compile(ast.Module(body=nodes, type_ignores=[]), "<sglang cache_controller>", "exec",
-                   flags=__future__.annotations.compiler_flag, dont_inherit=True)  # fmt: skip
+        **{
+            k: getattr(hs, k)
+            for k in (
+                "STORAGE_BATCH_SIZE",
+                "HiCacheStorageExtraInfo",
+                "PoolName",
+                "PoolTransfer",
+                "count_pool_hits",
+            )
+        },
+    }
+    code = compile(
+        ast.Module(body=nodes, type_ignores=[]),
+        "<sglang cache_controller>",
+        "exec",
+        flags=__future__.annotations.compiler_flag,
+        dont_inherit=True,
+    )
     exec(code, env)  # SGLang's own classes
     methods = _compile(ctl, CONTROLLER_METHODS, env)
     standin = type("StandInHiCacheController", (), methods)()

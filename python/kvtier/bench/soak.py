@@ -78,12 +78,35 @@ from kvtier.bench.soak_verdict import (
 )
 
 __all__ = [
-    "FAULT_KINDS", "FLAT_METRICS", "FLAT_TOLERANCE", "HANG_S", "KNOWN_CAPACITY", "RECOVERY_SHARE",
-    "SETTLE_S", "TIER_TIMEOUT_S", "WARMUP_SHARE", "Criterion", "Fault", "Recorder", "SoakConfig",
-    "Tmpfs", "child_main", "corrupt_files", "fault_schedule", "fill_disk", "flatness",
-    "format_row", "hit_rate", "judge_recovery", "minute_rows", "plot", "proc_status", "report",
-    "run_soak", "verdict",
-]  # fmt: skip
+    "FAULT_KINDS",
+    "FLAT_METRICS",
+    "FLAT_TOLERANCE",
+    "HANG_S",
+    "KNOWN_CAPACITY",
+    "RECOVERY_SHARE",
+    "SETTLE_S",
+    "TIER_TIMEOUT_S",
+    "WARMUP_SHARE",
+    "Criterion",
+    "Fault",
+    "Recorder",
+    "SoakConfig",
+    "Tmpfs",
+    "child_main",
+    "corrupt_files",
+    "fault_schedule",
+    "fill_disk",
+    "flatness",
+    "format_row",
+    "hit_rate",
+    "judge_recovery",
+    "minute_rows",
+    "plot",
+    "proc_status",
+    "report",
+    "run_soak",
+    "verdict",
+]
 
 WARMUP_SHARE = 0.2  # the first fifth of the run fills the tiers; flatness is judged after it
 
@@ -215,11 +238,17 @@ def run_soak(
     def launch() -> subprocess.Popen[bytes]:
         inc = len(starts)
         conf = {
-            "samples": str(work / "samples.jsonl"), "inc": inc, "tag": tag,
-            "disk_dir": str(disk_root), "disk_bytes": cfg.disk_bytes,
-            "block_bytes": cfg.block_bytes, "host_blocks": cfg.host_blocks,
-            "redis_url": redis.url, "seed": cfg.seed, "sample_s": cfg.sample_s,
-        }  # fmt: skip
+            "samples": str(work / "samples.jsonl"),
+            "inc": inc,
+            "tag": tag,
+            "disk_dir": str(disk_root),
+            "disk_bytes": cfg.disk_bytes,
+            "block_bytes": cfg.block_bytes,
+            "host_blocks": cfg.host_blocks,
+            "redis_url": redis.url,
+            "seed": cfg.seed,
+            "sample_s": cfg.sample_s,
+        }
         logs.append(work / f"child-{inc}.log")
         starts.append(time.time())
         with logs[-1].open("wb") as err:

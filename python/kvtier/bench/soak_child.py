@@ -44,10 +44,25 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
     (``iou-wrk-*``, counted in ``io_workers``): the kernel starts them while
     buffered I/O is punted to it and ends them after they idle, so they come
     and go with the load without anything leaking. Never blocks."""
-    out = {"rss_kib": 0, "anon_kib": 0, "file_kib": 0, "shmem_kib": 0, "lck_kib": 0,
-           "pin_kib": 0, "threads": 0, "io_workers": 0, "fds": 0}  # fmt: skip
-    names = {"VmRSS": "rss_kib", "RssAnon": "anon_kib", "RssFile": "file_kib",
-             "RssShmem": "shmem_kib", "VmLck": "lck_kib", "VmPin": "pin_kib"}  # fmt: skip
+    out = {
+        "rss_kib": 0,
+        "anon_kib": 0,
+        "file_kib": 0,
+        "shmem_kib": 0,
+        "lck_kib": 0,
+        "pin_kib": 0,
+        "threads": 0,
+        "io_workers": 0,
+        "fds": 0,
+    }
+    names = {
+        "VmRSS": "rss_kib",
+        "RssAnon": "anon_kib",
+        "RssFile": "file_kib",
+        "RssShmem": "shmem_kib",
+        "VmLck": "lck_kib",
+        "VmPin": "pin_kib",
+    }
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             k, _, v = line.partition(":")
@@ -100,11 +115,16 @@ def _child_run(c: dict[str, Any], out: TextIO) -> int:
 
     block = int(c["block_bytes"])
     tier_cfg = TierConfig(
-        DiskOptions(c["disk_dir"], int(c["disk_bytes"]), reserve_bytes=0,
-                    timeout_s=TIER_TIMEOUT_S["disk"]),
-        RemoteOptions(c["redis_url"], timeout_s=TIER_TIMEOUT_S["remote"], degraded_ok=True,
-                      known_capacity=KNOWN_CAPACITY),
-    )  # fmt: skip
+        DiskOptions(
+            c["disk_dir"], int(c["disk_bytes"]), reserve_bytes=0, timeout_s=TIER_TIMEOUT_S["disk"]
+        ),
+        RemoteOptions(
+            c["redis_url"],
+            timeout_s=TIER_TIMEOUT_S["remote"],
+            degraded_ok=True,
+            known_capacity=KNOWN_CAPACITY,
+        ),
+    )
     t_start = time.monotonic()
     lower = build_lower_tiers(tier_cfg, block, namespace=f"soak-{block}")
     for t in lower:

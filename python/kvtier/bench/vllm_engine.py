@@ -61,34 +61,66 @@ TINY_MODEL = {
 #   recurrent state) and, with prefix caching, a state per block.
 MODEL_KINDS = ("llama", "gemma3", "mla", "hybrid")
 GEMMA3_MODEL: dict[str, Any] = {
-    "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 6,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-    "max_position_embeddings": 8192, "sliding_window": 512, "sliding_window_pattern": 3,
-}  # fmt: skip
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "sliding_window": 512,
+    "sliding_window_pattern": 3,
+}
 MLA_MODEL: dict[str, Any] = {
-    "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512,
-    "moe_intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-    "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1,
-    "num_experts_per_tok": 2, "first_k_dense_replace": 4, "kv_lora_rank": 512,
-    "q_lora_rank": 128, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
-    "max_position_embeddings": 8192, "n_group": 1, "topk_group": 1,
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 4,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 128,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "max_position_embeddings": 8192,
+    "n_group": 1,
+    "topk_group": 1,
     # Random weights at the default scale (0.02) give one token over and over,
     # which hides a wrong KV cache; at 0.2 outputs vary token to token.
     "initializer_range": 0.2,
-}  # fmt: skip
+}
 
 
 HYBRID_MODEL: dict[str, Any] = {
-    "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-    "full_attention_interval": 2, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
-    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
-    "shared_expert_intermediate_size": 128, "max_position_embeddings": 8192,
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "full_attention_interval": 2,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "max_position_embeddings": 8192,
     # As for MLA: at the default scale a random model repeats one token,
     # which would hide a wrong recurrent state.
     "initializer_range": 0.2,
-}  # fmt: skip
+}
 
 
 def model_config(kind: str) -> dict[str, Any]:
@@ -159,9 +191,12 @@ def _save_tokenizer(out: Path, vocab_size: int) -> None:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
         pad_token="<pad>",
-    )  # fmt: skip
+    )
     fast.save_pretrained(out)
 
 
@@ -236,9 +271,11 @@ def _llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         "enable_prefix_caching": spec.get("enable_prefix_caching", True),
     }
     for key in (
-        "num_gpu_blocks_override", "max_num_batched_tokens", "max_num_seqs",
+        "num_gpu_blocks_override",
+        "max_num_batched_tokens",
+        "max_num_seqs",
         "prefix_caching_hash_algo",
-    ):  # fmt: skip
+    ):
         if spec.get(key):
             kw[key] = spec[key]
     if spec.get("attention_backend"):
@@ -309,12 +346,18 @@ def _serve(llm: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
         o = out[0]
         metrics = getattr(o, "metrics", None)
         ttft = getattr(metrics, "first_token_latency", 0.0) or wall
-        done.append({
-            "id": req["id"], "session": req.get("session"), "turn": req.get("turn"),
-            "prompt_tokens": len(req["prompt"]), "ttft_s": ttft, "e2e_s": wall,
-            "cached_tokens": int(o.num_cached_tokens or 0),
-            "output": list(o.outputs[0].token_ids),
-        })  # fmt: skip
+        done.append(
+            {
+                "id": req["id"],
+                "session": req.get("session"),
+                "turn": req.get("turn"),
+                "prompt_tokens": len(req["prompt"]),
+                "ttft_s": ttft,
+                "e2e_s": wall,
+                "cached_tokens": int(o.num_cached_tokens or 0),
+                "output": list(o.outputs[0].token_ids),
+            }
+        )
         if reset:
             # Only vLLM's own (GPU-side) cache: kvtier keeps its tiers.
             llm.reset_prefix_cache()
@@ -344,13 +387,17 @@ def _abort(llm: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
         for o in engine.step():
             outputs[o.request_id] = o
         to_abort = [
-            rid for rid, at in when.items()
+            rid
+            for rid, at in when.items()
             if rid not in aborted and rid not in outputs and at == "prefill" and steps >= 1
         ] + [
-            rid for rid, o in outputs.items()
-            if rid not in aborted and when.get(rid) == "decode" and o.outputs[0].token_ids
+            rid
+            for rid, o in outputs.items()
+            if rid not in aborted
+            and when.get(rid) == "decode"
+            and o.outputs[0].token_ids
             and not o.finished
-        ]  # fmt: skip
+        ]
         if to_abort:
             engine.abort_request(to_abort)
             aborted.update(to_abort)
@@ -359,10 +406,15 @@ def _abort(llm: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
     # No idle steps here (a step with nothing to do would wait forever): the
     # engine core keeps stepping by itself while the connector has jobs.
     return [
-        {"id": rid, "aborted": rid in aborted, "finished": bool(o.finished),
-         "output": list(o.outputs[0].token_ids), "cached_tokens": int(o.num_cached_tokens or 0)}
+        {
+            "id": rid,
+            "aborted": rid in aborted,
+            "finished": bool(o.finished),
+            "output": list(o.outputs[0].token_ids),
+            "cached_tokens": int(o.num_cached_tokens or 0),
+        }
         for rid, o in outputs.items()
-    ]  # fmt: skip
+    ]
 
 
 def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
@@ -406,8 +458,11 @@ def main(argv: list[str]) -> int:
         return 0
     if len(argv) != 3 or argv[0] != "run":
         print(__doc__, file=sys.stderr)
-        print("usage: python -m kvtier.bench.vllm_engine run SPEC.json OUT.json | "
-              "make-model DIR [KIND]", file=sys.stderr)  # fmt: skip
+        print(
+            "usage: python -m kvtier.bench.vllm_engine run SPEC.json OUT.json | "
+            "make-model DIR [KIND]",
+            file=sys.stderr,
+        )
         return 2
     spec = json.loads(Path(argv[1]).read_text())
     result = run_engine(spec)

@@ -34,15 +34,25 @@ def _config(extra: dict[str, Any], page: int) -> Any:
 
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
-        worker_kv_bytes_per_block=page, enable_kv_cache_events=False, extra_config=extra,
+        worker_kv_bytes_per_block=page,
+        enable_kv_cache_events=False,
+        extra_config=extra,
         engine_id=f"bench-{uuid.uuid4().hex[:8]}",
         model=OffloadingModelConfig(name="bench", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1,
-                                          dcp_size=1, data_parallel_index=0, data_parallel_size=1,
-                                          data_parallel_rank_local=None,
-                                          is_parallelism_agnostic=False),
-    )  # fmt: skip
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
 
 
 def _key(i: int) -> Any:

@@ -152,8 +152,16 @@ def _build(
 _DISK_SPEC = "--disk"  # DIR:SIZE, the disk tier's path and capacity in one flag
 
 
-_METAVARS = {"str": "TEXT", "int": "N", "seconds": "SECONDS", "milliseconds": "MS",
-             "bytes": "SIZE", "capacity": "SIZE", "rate": "BYTES_PER_S", "entries": "N"}  # fmt: skip
+_METAVARS = {
+    "str": "TEXT",
+    "int": "N",
+    "seconds": "SECONDS",
+    "milliseconds": "MS",
+    "bytes": "SIZE",
+    "capacity": "SIZE",
+    "rate": "BYTES_PER_S",
+    "entries": "N",
+}
 
 
 def _cli_options() -> list[Option]:
@@ -170,10 +178,15 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     count = Counter(f for o in opts for f in o.flags)
     for flag in sorted(f for f, n in count.items() if n > 1 and f != _DISK_SPEC):
         o = next(o for o in opts if flag in o.flags)
-        owners = " and ".join(sorted({p.owner.removesuffix("Options").lower() for p in opts
-                                      if flag in p.flags}))  # fmt: skip
-        parser.add_argument(flag, dest=_dest(flag), metavar=_METAVARS.get(o.kind, "VALUE"),
-                            help=f"{owners} tiers: {o.doc}")  # fmt: skip
+        owners = " and ".join(
+            sorted({p.owner.removesuffix("Options").lower() for p in opts if flag in p.flags})
+        )
+        parser.add_argument(
+            flag,
+            dest=_dest(flag),
+            metavar=_METAVARS.get(o.kind, "VALUE"),
+            help=f"{owners} tiers: {o.doc}",
+        )
     parser.add_argument(
         _DISK_SPEC,
         metavar="DIR:SIZE",

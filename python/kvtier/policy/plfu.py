@@ -87,9 +87,14 @@ class _Ranking:
     its miniature caches keep. Bursts are given by the caller."""
 
     def __init__(
-        self, capacity: int, beta: float, weights: list[float], last_weight: float,
-        ghost_cap: int, alpha: float,
-    ) -> None:  # fmt: skip
+        self,
+        capacity: int,
+        beta: float,
+        weights: list[float],
+        last_weight: float,
+        ghost_cap: int,
+        alpha: float,
+    ) -> None:
         self.capacity = capacity
         self.beta = beta
         self.weights = weights

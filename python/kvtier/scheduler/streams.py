@@ -64,8 +64,9 @@ class Streams:
             locs.append(loc)
             digs.append(dig)
         core.stats.streamed += len(index)
-        return StreamSpec(np.asarray(index, np.int64), tiers, np.concatenate(locs), b"".join(digs),
-                          readers)  # fmt: skip
+        return StreamSpec(
+            np.asarray(index, np.int64), tiers, np.concatenate(locs), b"".join(digs), readers
+        )
 
     def unpin(self, key: bytes, req: Any) -> bool:
         """End request ``req``'s streamed load of ``key``; False when that
@@ -97,10 +98,12 @@ class Streams:
             if not out:
                 return [], None
             return out, StreamSpec(
-                np.arange(first, first + len(out), dtype=np.int64), [tier.name] * len(out),
-                np.stack([loc for _, loc, _ in got]), b"".join(d for _, _, d in got),
+                np.arange(first, first + len(out), dtype=np.int64),
+                [tier.name] * len(out),
+                np.stack([loc for _, loc, _ in got]),
+                b"".join(d for _, _, d in got),
                 {tier.name: spec},
-            )  # fmt: skip
+            )
         return [], None
 
     def commit(self, key: bytes, success: bool) -> bool:

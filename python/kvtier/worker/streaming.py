@@ -138,10 +138,16 @@ class StreamLoader:
             raise InvalidArgument(f"stream staging slots must be >= 1, got {num_slots}")
         self.pool = HostPool(num_slots, slot_bytes)
         self.transfers = [
-            DeviceTransfer(tensors, self.pool, blocks_per_chunk=blocks_per_chunk,
-                           page_bytes=list(pages), slot_offset=slot_offset, num_threads=1)
+            DeviceTransfer(
+                tensors,
+                self.pool,
+                blocks_per_chunk=blocks_per_chunk,
+                page_bytes=list(pages),
+                slot_offset=slot_offset,
+                num_threads=1,
+            )
             for tensors, pages in groups
-        ]  # fmt: skip
+        ]
         self._readers: dict[str, TierIO] = {}
         # Reads go in jobs of a quarter of the ring, so the first copies
         # overlap the later reads (measured, 62 chunks of 128 KiB from this
@@ -264,8 +270,9 @@ class StreamLoader:
     def _end(self, job: _Job) -> None:
         """Under the lock: report ``job``."""
         self._jobs.pop(job.job_id, None)
-        self._finished.append(TransferResult(
-            job.job_id, job.ok, job.nbytes, time.monotonic() - job.start, job.error))  # fmt: skip
+        self._finished.append(
+            TransferResult(job.job_id, job.ok, job.nbytes, time.monotonic() - job.start, job.error)
+        )
         job.done.set()
         self._cv.notify_all()
 
@@ -288,8 +295,11 @@ class StreamLoader:
         """Under the lock: chunk ``c`` of ``job`` has its layers up to
         ``layer`` in the KV cache (None: it is done, copied or failed)."""
         first = job.next_layer[id(c)]
-        last = layer if layer is not None else len(self.transfers[c.group].layout.bases) // (
-            job.per_layer[c.group]) - 1  # fmt: skip
+        last = (
+            layer
+            if layer is not None
+            else len(self.transfers[c.group].layout.bases) // (job.per_layer[c.group]) - 1
+        )
         for i in range(first, last + 1):
             job.layer_left[(c.group, i)] -= 1
         job.next_layer[id(c)] = max(first, last + 1)
@@ -311,8 +321,15 @@ class StreamLoader:
         held: Joined[tuple[str, int], tuple[str, int], list[int]] = Joined()
         while True:
             with self._cv:
-                while not (self._incoming or pending or ios or self._ranges or held.held
-                           or self._held_ranges or self._closing):  # fmt: skip
+                while not (
+                    self._incoming
+                    or pending
+                    or ios
+                    or self._ranges
+                    or held.held
+                    or self._held_ranges
+                    or self._closing
+                ):
                     self._cv.wait()
                 if self._closing and not (self._incoming or pending or ios or self._ranges):
                     return

@@ -361,8 +361,13 @@ class DeviceTransfer:
             lo, hi = tensors
             if not 0 <= lo < hi <= len(lay.bases):
                 raise InvalidArgument(f"tensors [{lo}, {hi}) not within [0, {len(lay.bases)})")
-            lay = KVLayout(lay.bases[lo:hi], lay.page_bytes[lo:hi], lay.strides[lo:hi],
-                           lay.num_blocks, lay.chunk_offsets[lo:hi])  # fmt: skip
+            lay = KVLayout(
+                lay.bases[lo:hi],
+                lay.page_bytes[lo:hi],
+                lay.strides[lo:hi],
+                lay.num_blocks,
+                lay.chunk_offsets[lo:hi],
+            )
         if b.ndim != 1 or s.ndim != 1:
             raise InvalidArgument("block ids and slots must be 1-D")
         if b.size and (b.min() < 0 or b.max() >= lay.num_blocks):
@@ -431,8 +436,9 @@ class DeviceTransfer:
         copies wait for that write, slot by slot, and the job fails if the
         write failed. ``tensors``: only those KV tensors (see
         :meth:`descriptors`)."""
-        d = self.descriptors(gpu_block_ids, host_slots, first_block_index, to_host=False,
-                             tensors=tensors)  # fmt: skip
+        d = self.descriptors(
+            gpu_block_ids, host_slots, first_block_index, to_host=False, tensors=tensors
+        )
         f = None
         if fences is not None:
             armed = np.asarray(fences, np.int64)

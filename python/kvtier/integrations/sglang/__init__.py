@@ -28,8 +28,12 @@ if TYPE_CHECKING:
     from kvtier.integrations.sglang.storage import SUPPORTED_SGLANG, KVTierStorage
 
 __all__ = [
-    "CONFIG_KEYS", "SUPPORTED_SGLANG", "KVTierStorage", "parse_extra_config", "storage_namespace",
-]  # fmt: skip
+    "CONFIG_KEYS",
+    "SUPPORTED_SGLANG",
+    "KVTierStorage",
+    "parse_extra_config",
+    "storage_namespace",
+]
 
 
 def __getattr__(name: str) -> Any:

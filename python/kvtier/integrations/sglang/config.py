@@ -97,8 +97,22 @@ def storage_namespace(
     even where every other part agreed. Pure.
     """
     tp = ("all", tp_size if dcp_size > 1 else None) if shared_across_tp else (tp_rank, tp_size)
-    return namespace_name((
-        "sglang-hicache", model or "", dtype, layout, int(page_tokens), int(page_bytes), pool,
-        tp, int(pp_rank), int(pp_size), int(cp_rank), int(cp_size), int(dcp_rank),
-        int(dcp_size), user_namespace,
-    ))  # fmt: skip
+    return namespace_name(
+        (
+            "sglang-hicache",
+            model or "",
+            dtype,
+            layout,
+            int(page_tokens),
+            int(page_bytes),
+            pool,
+            tp,
+            int(pp_rank),
+            int(pp_size),
+            int(cp_rank),
+            int(cp_size),
+            int(dcp_rank),
+            int(dcp_size),
+            user_namespace,
+        )
+    )

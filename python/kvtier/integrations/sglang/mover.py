@@ -305,9 +305,13 @@ class PageMover:
         return todo
 
     def _store_part(
-        self, keys: Sequence[bytes], pages: np.ndarray, part: list[int], slots: list[int],
+        self,
+        keys: Sequence[bytes],
+        pages: np.ndarray,
+        part: list[int],
+        slots: list[int],
         ok: list[bool],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Gather ``pages[part]`` into ``slots`` and write them, piece by
         piece: a piece's writes run while the next piece is gathered."""
         pending: list[tuple[JobTier, int | None, list[int], list[int]]] = []
@@ -380,9 +384,10 @@ class PageMover:
             for tier in self.tiers:
                 with self._lock:
                     want = [
-                        i for i, k in enumerate(keys)
+                        i
+                        for i, k in enumerate(keys)
                         if not ok[i] and tier.lookup(k) != LookupResult.MISS
-                    ]  # fmt: skip
+                    ]
                 while want:
                     slots = self._take_slots("load", len(want))
                     if not slots:

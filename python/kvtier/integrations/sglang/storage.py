@@ -89,8 +89,11 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         # Appended by SGLang's storage threads, taken by its metrics logger.
         self._metrics_lock = threading.Lock()
         self.metrics: dict[str, list[float]] = {
-            "prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": [],
-        }  # fmt: skip
+            "prefetch_pgs": [],
+            "backup_pgs": [],
+            "prefetch_bandwidth": [],
+            "backup_bandwidth": [],
+        }
 
     # -- host pools ----------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -115,14 +118,24 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
 
         def namespace(shared: bool) -> str:
             return storage_namespace(
-                model=c.model_name, dtype=plan.dtype, layout=plan.layout,
-                page_tokens=plan.page_tokens, page_bytes=plan.page_bytes, pool=name,
-                is_mla=self.is_mla, shared_across_tp=shared, tp_rank=c.tp_rank,
-                tp_size=c.tp_size, pp_rank=c.pp_rank, pp_size=c.pp_size,
-                cp_rank=c.attn_cp_rank, cp_size=c.attn_cp_size,
-                dcp_rank=getattr(c, "dcp_rank", 0), dcp_size=getattr(c, "dcp_size", 1),
+                model=c.model_name,
+                dtype=plan.dtype,
+                layout=plan.layout,
+                page_tokens=plan.page_tokens,
+                page_bytes=plan.page_bytes,
+                pool=name,
+                is_mla=self.is_mla,
+                shared_across_tp=shared,
+                tp_rank=c.tp_rank,
+                tp_size=c.tp_size,
+                pp_rank=c.pp_rank,
+                pp_size=c.pp_size,
+                cp_rank=c.attn_cp_rank,
+                cp_size=c.attn_cp_size,
+                dcp_rank=getattr(c, "dcp_rank", 0),
+                dcp_size=getattr(c, "dcp_size", 1),
                 user_namespace=self.settings.namespace,
-            )  # fmt: skip
+            )
 
         cfg = self.settings.tier_config()
         host_bytes = self.settings.host_bytes
@@ -151,16 +164,22 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         )
         try:
             self.movers[name] = PageMover(
-                plan, tiers, self.settings.staging_bytes, writes,
+                plan,
+                tiers,
+                self.settings.staging_bytes,
+                writes,
                 host_bytes=host_bytes or None,
-            )  # fmt: skip
+            )
         except BaseException:
             close_after_failure(tiers)
             raise
         log.info(
             "kvtier: SGLang pool %s (%s, %d B pages) on %s",
-            name, plan.layout, plan.page_bytes, ", ".join(t.name for t in tiers),
-        )  # fmt: skip
+            name,
+            plan.layout,
+            plan.page_bytes,
+            ", ".join(t.name for t in tiers),
+        )
 
     def _mover(self, name: str = PoolName.KV) -> PageMover:
         mover = self.movers.get(str(name))

@@ -38,7 +38,17 @@ from kvtier.integrations.vllm.spec import KVTierOffloadingSpec, KVTierReportingS
 from kvtier.integrations.vllm.worker import KVTierWorker
 
 __all__ = [
-    "CONFIG_KEYS", "KVTIER_METRICS", "KVTierDiskTier", "KVTierManager", "KVTierOffloadingSpec",
-    "KVTierRedisTier", "KVTierReportingSpec", "KVTierSpec", "KVTierWorker", "check_engine",
-    "engine_namespace", "following_keys", "parse_extra_config",
-]  # fmt: skip
+    "CONFIG_KEYS",
+    "KVTIER_METRICS",
+    "KVTierDiskTier",
+    "KVTierManager",
+    "KVTierOffloadingSpec",
+    "KVTierRedisTier",
+    "KVTierReportingSpec",
+    "KVTierSpec",
+    "KVTierWorker",
+    "check_engine",
+    "engine_namespace",
+    "following_keys",
+    "parse_extra_config",
+]

@@ -21,9 +21,15 @@ from kvtier.tiers.records import namespace_name
 
 # Keys of kv_connector_extra_config that vLLM itself reads (never ours to reject).
 _VLLM_KEYS = {
-    "spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout",
-    "self_describing_kv_events", "offload_prompt_only", "sync_load_budget_bytes",
-}  # fmt: skip
+    "spec_name",
+    "spec_module_path",
+    "block_size",
+    "blocks_per_chunk",
+    "canonical_layout",
+    "self_describing_kv_events",
+    "offload_prompt_only",
+    "sync_load_budget_bytes",
+}
 # kvtier's keys: name -> (accepted types, what it is), from kvtier.options.
 CONFIG_KEYS = engine_keys("vllm")
 GAUGES = ("host_usage_perc", "host_busy", "tier_jobs")
@@ -119,8 +125,10 @@ def _check_recurrent_state(model: Any, cache: Any, transfer: Any) -> None:
             if key in extra and extra[key] not in (off, str(off)):
                 logging.getLogger("kvtier").warning(
                     "kvtier: %s -> %s for a model with recurrent layers: a hit loads a step "
-                    "ahead of its prefill, whole", key, off,
-                )  # fmt: skip
+                    "ahead of its prefill, whole",
+                    key,
+                    off,
+                )
             extra[key] = off
     mode = getattr(cache, "mamba_cache_mode", "none")
     if mode != "align":
@@ -181,7 +189,17 @@ def engine_namespace(
         )
         for g in groups
     )
-    return namespace_name((
-        model, dtype, int(worker_kv_bytes_per_block), int(blocks_per_chunk), int(world_size),
-        int(pp_size), kv_cache_layout, bool(canonical_layout), structure, user_namespace,
-    ))  # fmt: skip
+    return namespace_name(
+        (
+            model,
+            dtype,
+            int(worker_kv_bytes_per_block),
+            int(blocks_per_chunk),
+            int(world_size),
+            int(pp_size),
+            kv_cache_layout,
+            bool(canonical_layout),
+            structure,
+            user_namespace,
+        )
+    )

@@ -82,8 +82,9 @@ class KVTierConnector(OffloadingConnector):
             # after building its connector, so this one setting wins.
             logging.getLogger("kvtier").info(
                 "kvtier: kv_load_failure_policy %r -> 'recompute' (a failed load from a "
-                "cache is recomputed, not an error)", ktc.kv_load_failure_policy,
-            )  # fmt: skip
+                "cache is recomputed, not an error)",
+                ktc.kv_load_failure_policy,
+            )
             ktc.kv_load_failure_policy = "recompute"
         extra = ktc.kv_connector_extra_config
         extra["sync_load_budget_bytes"] = sync_load_budget(extra)

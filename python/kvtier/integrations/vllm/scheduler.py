@@ -39,8 +39,11 @@ GAUGE_PERIOD_S = 0.5  # the host tier's gauges are refreshed at most this often
 # nothing); 0.32's has not.
 _METADATA_ONLY = "metadata_only" in getattr(OffloadingEvent, "__dataclass_fields__", {})
 
-_SOURCE_MEDIUM = {"host": (Medium.CPU, None), "disk": (Medium.STORAGE, Locality.LOCAL),
-                  "remote": (Medium.CPU, Locality.REMOTE)}  # fmt: skip
+_SOURCE_MEDIUM = {
+    "host": (Medium.CPU, None),
+    "disk": (Medium.STORAGE, Locality.LOCAL),
+    "remote": (Medium.CPU, Locality.REMOTE),
+}
 
 
 class _PrefixOrder:
@@ -149,7 +152,8 @@ class KVTierManager(OffloadingManager):
 
         source = self.m.get_load_source(bytes(key), req_context)
         return {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}.get(
-            source, CacheHitSource.EXTERNAL_UNSPECIFIED)  # fmt: skip
+            source, CacheHitSource.EXTERNAL_UNSPECIFIED
+        )
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = self.m.prepare_load([bytes(k) for k in keys], req_context)
@@ -252,9 +256,19 @@ class KVTierManager(OffloadingManager):
         # Every reported counter moves one of these: a step that moved none
         # (most decode steps) returns at once. Building the counters each
         # step cost 6-8 us of the engine core's step (zero reuse, c=1).
-        sig = (s.promotions, s.cascades, s.cascades_dropped, s.allocation_failures,
-               s.scan_reads, s.fenced_reads, s.fenced_failures, s.scan_timeouts,
-               s.scan_waits, s.load_failures, s.loads)  # fmt: skip
+        sig = (
+            s.promotions,
+            s.cascades,
+            s.cascades_dropped,
+            s.allocation_failures,
+            s.scan_reads,
+            s.fenced_reads,
+            s.fenced_failures,
+            s.scan_timeouts,
+            s.scan_waits,
+            s.load_failures,
+            s.loads,
+        )
         if sig == self._sig and now < self._gauges_due:
             return None
         self._sig = sig
@@ -304,8 +318,11 @@ class KVTierManager(OffloadingManager):
             import dataclasses
             import json
 
-            report = {"stats": dataclasses.asdict(self.m.stats), "occupancy": self.m.occupancy(),
-                      "pending_work": self.m.has_pending_work()}  # fmt: skip
+            report = {
+                "stats": dataclasses.asdict(self.m.stats),
+                "occupancy": self.m.occupancy(),
+                "pending_work": self.m.has_pending_work(),
+            }
         self.m.shutdown()
         if self._stats_path:
             report["closed_occupancy"] = self.m.occupancy()

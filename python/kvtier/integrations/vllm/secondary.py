@@ -66,15 +66,21 @@ class _KVTierSecondary(SecondaryTierManager):
         spec = self._offloading_spec
         c = spec.config
         ns = engine_namespace(
-            model=c.model.name, dtype=c.model.dtype,
+            model=c.model.name,
+            dtype=c.model.dtype,
             worker_kv_bytes_per_block=c.worker_kv_bytes_per_block,
             blocks_per_chunk=spec.blocks_per_chunk,
-            world_size=(c.parallel.pp_size if getattr(spec, "replicated_layout", False)
-                        else c.parallel.world_size),
-            pp_size=c.parallel.pp_size, kv_cache_layout=getattr(c, "kv_cache_layout", None),
+            world_size=(
+                c.parallel.pp_size
+                if getattr(spec, "replicated_layout", False)
+                else c.parallel.world_size
+            ),
+            pp_size=c.parallel.pp_size,
+            kv_cache_layout=getattr(c, "kv_cache_layout", None),
             canonical_layout=getattr(c, "canonical_layout", False),
-            user_namespace=namespace, groups=c.groups,
-        )  # fmt: skip
+            user_namespace=namespace,
+            groups=c.groups,
+        )
         self._attach(build_tier(options, self.block_size_bytes, ns, name=name))
 
     def _attach(self, tier: LowerTier) -> None:
@@ -122,9 +128,12 @@ class _KVTierSecondary(SecondaryTierManager):
                 continue
             good = [k for k, ok in zip(job.keys, c.key_ok or [c.ok] * len(c.keys)) if ok]
             r = JobResult(
-                job_id=job.job_id, success=c.ok, successful_keys=None if c.ok else good,
+                job_id=job.job_id,
+                success=c.ok,
+                successful_keys=None if c.ok else good,
                 transfer_time=time.monotonic() - job.submit_time,
-                transfer_bytes=len(good) * self.block_size_bytes)  # fmt: skip
+                transfer_bytes=len(good) * self.block_size_bytes,
+            )
             if c.held:
                 rows = [int(s) for s, h in zip(job.chunk_ids, c.held) if h]
                 self._deferred.append((rows, r))

@@ -163,14 +163,17 @@ class KVTierOffloadingSpec(OffloadingSpec):
             setting=key_of(HostOptions, "bytes"),
         )
         self.namespace = engine_namespace(
-            model=config.model.name, dtype=config.model.dtype,
+            model=config.model.name,
+            dtype=config.model.dtype,
             worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
             blocks_per_chunk=self.blocks_per_chunk,
             world_size=self.pp_size if self.replicated_layout else self.world_size,
-            pp_size=self.pp_size, kv_cache_layout=getattr(config, "kv_cache_layout", None),
+            pp_size=self.pp_size,
+            kv_cache_layout=getattr(config, "kv_cache_layout", None),
             canonical_layout=getattr(config, "canonical_layout", False),
-            user_namespace=opts.namespace, groups=config.groups,
-        )  # fmt: skip
+            user_namespace=opts.namespace,
+            groups=config.groups,
+        )
         # Sliding-window groups by key suffix (the group index, as vLLM makes
         # keys): vLLM 0.33 says here; under 0.32 KVTierConnector fills them in.
         self.windows: dict[bytes, int] = {

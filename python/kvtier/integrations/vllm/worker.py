@@ -97,9 +97,16 @@ class KVTierWorker(OffloadingWorker):
             tensors = [kv_caches.tensors[i].tensor for i in seen]
             self._groups.append((tensors, list(seen.values())))
             self._aliased.append(len(seen) != len(refs))
-            self.transfers.append(DeviceTransfer(
-                tensors, pool, blocks_per_chunk=spec.blocks_per_chunk, page_bytes=list(seen.values()),
-                is_writer=spec.is_writer, slot_offset=offset))  # fmt: skip
+            self.transfers.append(
+                DeviceTransfer(
+                    tensors,
+                    pool,
+                    blocks_per_chunk=spec.blocks_per_chunk,
+                    page_bytes=list(seen.values()),
+                    is_writer=spec.is_writer,
+                    slot_offset=offset,
+                )
+            )
 
     def _split(
         self, gpu: GPULoadStoreSpec, slots: np.ndarray
@@ -156,8 +163,15 @@ class KVTierWorker(OffloadingWorker):
                 parts = self._layer_parts.setdefault(ours, {})
                 for i in range(len(t.layout.bases) // k):
                     self._next += 1
-                    if not t.submit_load(self._next, slots, blocks, True, first_block_index=first,
-                                         fences=armed, tensors=(i * k, (i + 1) * k)):  # fmt: skip
+                    if not t.submit_load(
+                        self._next,
+                        slots,
+                        blocks,
+                        True,
+                        first_block_index=first,
+                        fences=armed,
+                        tensors=(i * k, (i + 1) * k),
+                    ):
                         return False
                     self._jobs.add(ours, (g, self._next))
                     parts[(g, i)] = self._next
@@ -166,9 +180,10 @@ class KVTierWorker(OffloadingWorker):
             ok = (
                 t.submit_store(self._next, blocks, slots, first_block_index=first)
                 if store
-                else t.submit_load(self._next, slots, blocks, expedited, first_block_index=first,
-                                   fences=armed)
-            )  # fmt: skip
+                else t.submit_load(
+                    self._next, slots, blocks, expedited, first_block_index=first, fences=armed
+                )
+            )
             if not ok:
                 return False
             self._jobs.add(ours, (g, self._next))
@@ -195,15 +210,25 @@ class KVTierWorker(OffloadingWorker):
         for n_g, (g, blocks, slots, first) in enumerate(self._split(gpu, host.slots)):
             armed = None if fences is None else fences[n_g][2]
             skip = first % self.bpc
-            bounds = [(max(0, c * self.bpc - skip), min(len(blocks), (c + 1) * self.bpc - skip))
-                      for c in range(len(slots))]  # fmt: skip
+            bounds = [
+                (max(0, c * self.bpc - skip), min(len(blocks), (c + 1) * self.bpc - skip))
+                for c in range(len(slots))
+            ]
             c = 0
             while c < len(slots):
                 if slots[c] < 0:
                     n = row[pos0 + c]
                     lo, hi = bounds[c]
-                    chunks.append(StreamChunk(g, blocks[lo:hi], first + lo, st.tiers[n],
-                                              st.locations[n], st.digests[16 * n : 16 * n + 16]))  # fmt: skip
+                    chunks.append(
+                        StreamChunk(
+                            g,
+                            blocks[lo:hi],
+                            first + lo,
+                            st.tiers[n],
+                            st.locations[n],
+                            st.digests[16 * n : 16 * n + 16],
+                        )
+                    )
                     c += 1
                     continue
                 end = c
@@ -213,12 +238,19 @@ class KVTierWorker(OffloadingWorker):
                 self._next += 1
                 t = self.transfers[g]
                 if not (
-                    t.submit_store(self._next, blocks[lo:hi], slots[c:end], first_block_index=first + lo)
+                    t.submit_store(
+                        self._next, blocks[lo:hi], slots[c:end], first_block_index=first + lo
+                    )
                     if store
-                    else t.submit_load(self._next, slots[c:end], blocks[lo:hi], expedited,
-                                       first_block_index=first + lo,
-                                       fences=None if armed is None else armed[c:end])
-                ):  # fmt: skip
+                    else t.submit_load(
+                        self._next,
+                        slots[c:end],
+                        blocks[lo:hi],
+                        expedited,
+                        first_block_index=first + lo,
+                        fences=None if armed is None else armed[c:end],
+                    )
+                ):
                     return False
                 self._jobs.add(ours, (g, self._next))
                 c = end
@@ -228,9 +260,13 @@ class KVTierWorker(OffloadingWorker):
 
             slot_bytes, offset, num = self._stream_args
             with off_compute_cpus():
-                self._stream = StreamLoader(self._groups, blocks_per_chunk=self.bpc,
-                                            slot_bytes=slot_bytes, slot_offset=offset,
-                                            num_slots=num)  # fmt: skip
+                self._stream = StreamLoader(
+                    self._groups,
+                    blocks_per_chunk=self.bpc,
+                    slot_bytes=slot_bytes,
+                    slot_offset=offset,
+                    num_slots=num,
+                )
         self._next += 1
         # The forward pass waits for it layer by layer (as _submit_host's).
         layers = self._per_layer if not store and expedited and any(self._per_layer) else None
@@ -290,12 +326,18 @@ class KVTierWorker(OffloadingWorker):
                 # into host slots that failed still fails: those bytes are
                 # not checked when loaded, so they must never count as stored.
                 why = "; ".join(sorted({r.error for r in rs if not r.success and r.error}))
-                what = (f"its {len(blocks)} blocks are recomputed" if blocks is not None
-                        else "a later read of it fails its check and is recomputed")  # fmt: skip
+                what = (
+                    f"its {len(blocks)} blocks are recomputed"
+                    if blocks is not None
+                    else "a later read of it fails its check and is recomputed"
+                )
                 logging.getLogger("kvtier").warning(
                     "kvtier: %s job %d failed (%s): %s",
-                    "load" if blocks is not None else "store", job, why or "no reason given", what,
-                )  # fmt: skip
+                    "load" if blocks is not None else "store",
+                    job,
+                    why or "no reason given",
+                    what,
+                )
                 if blocks is not None:
                     self._load_errors.update(int(b) for b in blocks)
                 ok = True

@@ -81,9 +81,13 @@ class SharedRecords:
             return None
         o = self.options
         return DiskReaderSpec(
-            tuple(self.paths), self.file_bytes, self.ns, self.block_bytes, o.backend,
+            tuple(self.paths),
+            self.file_bytes,
+            self.ns,
+            self.block_bytes,
+            o.backend,
             o.timeout_s,
-        )  # fmt: skip
+        )
 
     def pin_for_read(self, keys: Sequence[bytes]) -> tuple[np.ndarray, bytes]:
         """Locations of ``keys`` (all HIT) as ``(n, 3)`` int64 of record,

@@ -121,10 +121,18 @@ class DiskTier(SharedRecords, JobTier):
             raise InvalidArgument(f"block_bytes must be > 0, got {block_bytes}")
         self.options = o
         self._tier_init(
-            name, "load_failures", "corrupt", "io_errors", "evictions", "budget_skips",
-            "not_admitted", "nospace", "recovered", "unnamed_removals",
+            name,
+            "load_failures",
+            "corrupt",
+            "io_errors",
+            "evictions",
+            "budget_skips",
+            "not_admitted",
+            "nospace",
+            "recovered",
+            "unnamed_removals",
             event_log_keys=o.event_log_keys,
-        )  # fmt: skip
+        )
         self.block_bytes = block_bytes
         self.record_bytes = record_bytes(block_bytes)
         root = Path(path)
@@ -343,11 +351,18 @@ class DiskTier(SharedRecords, JobTier):
         is no I/O. None when the engine was busy: nothing queued, the caller
         undoes its bookkeeping."""
         batch = self.jobs.batch(
-            kind, 0 if self.no_data else len(io_idx),
-            keys=list(keys), digs=digs, recs=recs, slots=list(slots), ok=ok, io_idx=io_idx,
-            io_recs=[recs[i] for i in io_idx], io_slots=[slots[i] for i in io_idx],
+            kind,
+            0 if self.no_data else len(io_idx),
+            keys=list(keys),
+            digs=digs,
+            recs=recs,
+            slots=list(slots),
+            ok=ok,
+            io_idx=io_idx,
+            io_recs=[recs[i] for i in io_idx],
+            io_slots=[slots[i] for i in io_idx],
             io_fences=fences,
-        )  # fmt: skip
+        )
         if batch.n == 0:
             self.jobs.end_now(batch)
             return batch

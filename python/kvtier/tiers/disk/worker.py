@@ -52,9 +52,17 @@ class DiskIO:
         self.block_bytes = spec.block_bytes
         self.pool = pool
         self.store: _native.DiskStore | None = _native.DiskStore(
-            list(spec.paths), spec.file_bytes, spec.backend, 32, 1 << 20,
-            True, False, spec.ns, [(pool.address, pool.nbytes)], True,
-        )  # fmt: skip
+            list(spec.paths),
+            spec.file_bytes,
+            spec.backend,
+            32,
+            1 << 20,
+            True,
+            False,
+            spec.ns,
+            [(pool.address, pool.nbytes)],
+            True,
+        )
         # Queue 1 is serial: the byte ranges of a record read range by range
         # (submit_range) arrive in submission order, the last one checking
         # the record whole.

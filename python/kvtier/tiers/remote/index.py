@@ -189,9 +189,15 @@ class PoolIndex:
                     self._start()
                     pos = b"0-0"
                 reply = self._call(
-                    b"XREAD", b"COUNT", str(_COUNT).encode(), b"BLOCK", str(_BLOCK_MS).encode(),
-                    b"STREAMS", self._stream, pos,
-                )  # fmt: skip
+                    b"XREAD",
+                    b"COUNT",
+                    str(_COUNT).encode(),
+                    b"BLOCK",
+                    str(_BLOCK_MS).encode(),
+                    b"STREAMS",
+                    self._stream,
+                    pos,
+                )
                 now = time.monotonic()
                 if reply:
                     entries = reply[0][1]

@@ -99,10 +99,18 @@ def xadd_commands(
     out = []
     for first in range(0, len(digests), ENTRY_BLOCKS):
         end = first + ENTRY_BLOCKS
-        out.append([
-            *head, *common, b"ts", ts,
-            b"keys", b"".join(digests[first:end]), b"ids", b"".join(ids[first:end]),
-        ])  # fmt: skip
+        out.append(
+            [
+                *head,
+                *common,
+                b"ts",
+                ts,
+                b"keys",
+                b"".join(digests[first:end]),
+                b"ids",
+                b"".join(ids[first:end]),
+            ]
+        )
     return out
 
 
@@ -147,9 +155,15 @@ def decode_entry(position: bytes | str, fields: Mapping[bytes, bytes]) -> PoolEv
     except ValueError:
         ts = 0
     return PoolEvent(
-        _text(position), op, _text(fields.get(b"engine")), _text(fields.get(b"tier")), ts,
-        [keys[16 * i : 16 * i + 16] for i in range(n)], named, _text(fields.get(b"reason")),
-    )  # fmt: skip
+        _text(position),
+        op,
+        _text(fields.get(b"engine")),
+        _text(fields.get(b"tier")),
+        ts,
+        [keys[16 * i : 16 * i + 16] for i in range(n)],
+        named,
+        _text(fields.get(b"reason")),
+    )
 
 
 def digest_of(server_key: bytes, prefix: bytes) -> bytes | None:

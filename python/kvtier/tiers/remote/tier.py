@@ -36,7 +36,6 @@ import errno
 import os
 import socket
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -54,6 +53,7 @@ from kvtier.tiers.events import vllm_event_id
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
 from kvtier.tiers.records import key_digest, namespace_digest
 from kvtier.tiers.remote.index import PoolIndex
+from kvtier.tiers.remote.known import KnownKeys
 from kvtier.tiers.remote.stream import UNNAMED, stream_key, xadd_commands
 from kvtier.tiers.remote.url import (
     TLS_FIELDS,
@@ -79,6 +79,11 @@ _STREAM_PENDING = 65_536
 # thread per batch and cost 5% of the store throughput at 16 KiB blocks
 # (bench/pool_events_cost.py). What a subscriber hears is late by this much.
 STREAM_DELAY_S = 0.01
+# The tier's own counters (stats()), beside every job tier's.
+_COUNTERS = (
+    "load_failures vanished corrupt io_errors server_errors exists_checks budget_skips "
+    "not_admitted probes probe_misses pool_events pool_event_failures pool_events_dropped"
+).split()
 
 
 class RemoteTier(JobTier):
@@ -138,12 +143,7 @@ class RemoteTier(JobTier):
         cfg = parse_url(url)
         tls = {f: getattr(o, f) for f in TLS_FIELDS}
         check_tls_options(url, cfg, tls)
-        self._tier_init(
-            name, "load_failures", "vanished", "corrupt", "io_errors", "server_errors",
-            "exists_checks", "budget_skips", "not_admitted", "probes", "probe_misses",
-            "pool_events", "pool_event_failures", "pool_events_dropped",
-            event_log_keys=o.event_log_keys,
-        )  # fmt: skip
+        self._tier_init(name, *_COUNTERS, event_log_keys=o.event_log_keys)
         self.url = redact_url(url)
         self.block_bytes = block_bytes
         self.ns = namespace_digest(namespace, block_bytes)
@@ -160,10 +160,21 @@ class RemoteTier(JobTier):
         # that streams blocks itself (RemoteIO).
         ms = int(o.timeout_s * 1000)
         self.connection = RemoteConnection(
-            tuple(cfg["seeds"]), cfg["cluster"], cfg["user"], cfg["password"], cfg["db"],
-            ms, ms, o.pipeline, int((o.ttl_s or 0) * 1000), o.degraded_ok, self.ns, o.window_bytes,
-            cfg["tls"], tuple(v or "" for v in tls.values()),
-        )  # fmt: skip
+            tuple(cfg["seeds"]),
+            cfg["cluster"],
+            cfg["user"],
+            cfg["password"],
+            cfg["db"],
+            ms,
+            ms,
+            o.pipeline,
+            int((o.ttl_s or 0) * 1000),
+            o.degraded_ok,
+            self.ns,
+            o.window_bytes,
+            cfg["tls"],
+            tuple(v or "" for v in tls.values()),
+        )
         self.timeout_s = o.timeout_s
         try:
             self.store = self.connection.open_store()
@@ -173,10 +184,13 @@ class RemoteTier(JobTier):
             # rather than as the server's alert (which one comes first is a race).
             if not cfg["tls"] or isinstance(e, TlsError) or e.errno not in _RESETS:
                 raise
-            raise TlsError(e.errno, (
-                f"TLS with {self.url} failed: the server closed the connection right after "
-                f"the handshake (it wants a client certificate, or refused this one): {e.strerror}"
-            )) from None  # fmt: skip
+            raise TlsError(
+                e.errno,
+                (
+                    f"TLS with {self.url} failed: the server closed the connection right after "
+                    f"the handshake (it wants a client certificate, or refused this one): {e.strerror}"
+                ),
+            ) from None
         self.num_threads = o.num_threads or default_connections()
         # Background I/O yields the CPU to the engine's threads and to a
         # server on the same machine (see Engine).
@@ -184,18 +198,12 @@ class RemoteTier(JobTier):
         self._value_bytes = block_bytes + int(_native.REMOTE_HEADER_BYTES)
         self.job_items = o.job_items
         self.gate = WriteGate(o.admit_after, o.write_budget_bps)
-        self.negative_ttl_s = o.negative_ttl_s
-        self.known_ttl_s = o.known_ttl_s
-        self.known_capacity = o.known_capacity
         # Off unless the engine survives a failed read (the vLLM shim's
         # connector recomputes; vLLM's own worker asserts success): a value
         # can vanish between the existence check and a worker's read, or a
         # write meet a server gone. Promotion checks bytes before HIT.
         self.worker_io = o.worker_io
-        # digest -> (exists, when), oldest first: what live requests learnt (an
-        # EXISTS answer, a store or load that just ended), kept known_ttl_s
-        # (absent: negative_ttl_s), at most known_capacity entries.
-        self.known: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
+        self.known = KnownKeys(o.known_ttl_s, o.negative_ttl_s, o.known_capacity)
         self._exists_queue: dict[bytes, bytes] = {}  # digest -> server key
         self._exists_inflight: set[bytes] = set()
         self.jobs.engine = self.engine
@@ -206,25 +214,6 @@ class RemoteTier(JobTier):
     def server_key(self, key: bytes) -> bytes:
         """The key this tier uses on the server for an engine key."""
         return self._prefix + key_digest(key).hex().encode()
-
-    def _remember(self, dig: bytes, exists: bool) -> None:
-        self._remember_all([dig], exists)
-
-    def _remember_all(self, digs: list[bytes], exists: bool) -> None:
-        now, known = time.monotonic(), self.known
-        for dig in digs:
-            known[dig] = (exists, now)
-            known.move_to_end(dig)
-        self._expire(now)
-
-    def _expire(self, now: float) -> None:
-        """Drop what no live request needs any more (entries are in time order)."""
-        known = self.known
-        horizon = now - max(self.known_ttl_s, self.negative_ttl_s)
-        while known and (
-            len(known) > self.known_capacity or next(iter(known.values()))[1] < horizon
-        ):
-            known.popitem(last=False)
 
     def attach(self, pool: Any) -> None:
         self.pool = pool
@@ -238,14 +227,9 @@ class RemoteTier(JobTier):
     # -- tier interface --------------------------------------------------------
     def lookup(self, key: bytes) -> LookupResult:
         dig = key_digest(key)
-        hit = self.known.get(dig)
-        if hit is not None:
-            exists, when = hit
-            age = time.monotonic() - when
-            if exists and age < self.known_ttl_s:
-                return LookupResult.HIT
-            if not exists and age < self.negative_ttl_s:
-                return LookupResult.MISS
+        learnt = self.known.answer(dig)
+        if learnt is not None:
+            return learnt
         index = self.index
         if index is not None and ((found := dig in index) or index.authoritative()):
             return LookupResult.HIT if found else LookupResult.MISS
@@ -274,9 +258,14 @@ class RemoteTier(JobTier):
         def submit_one(first: int, count: int) -> int:
             end = first + count
             return engine.submit_remote(
-                self.store, kind, skeys[first:end], addr[first:end], self.block_bytes,
-                dig_arr[first:end], fences=None if fences is None else fences[first:end],
-            )  # fmt: skip
+                self.store,
+                kind,
+                skeys[first:end],
+                addr[first:end],
+                self.block_bytes,
+                dig_arr[first:end],
+                fences=None if fences is None else fences[first:end],
+            )
 
         return self.jobs.submit(batch, per_job, submit_one, self._value_bytes)
 
@@ -362,7 +351,7 @@ class RemoteTier(JobTier):
         (the value may have been written anew meanwhile)."""
         digs = [digests[i : i + 16] for i in range(0, len(digests), 16)]
         self.counters["load_failures"] += len(digs)
-        self._remember_all(digs, False)
+        self.known.remember(digs, False)
 
     def reserve_for_write(self, keys: Sequence[bytes]) -> list[tuple[int, np.ndarray, bytes]]:
         """Every admitted key: the worker writes it under its digest."""
@@ -372,7 +361,7 @@ class RemoteTier(JobTier):
     def commit_write(self, key: bytes, record: int, ok: bool) -> None:
         if ok:
             dig = key_digest(key)
-            self._remember(dig, True)
+            self.known.remember([dig], True)
             count_moved(self.counters, "store", 1, self.block_bytes)
             self._events.append(TierEvent([key], self.name, removed=False))
             self._note_stored([key], [dig])
@@ -401,8 +390,7 @@ class RemoteTier(JobTier):
         return batch.token
 
     def poll(self) -> list[TierCompletion]:
-        if self.known:
-            self._expire(time.monotonic())
+        self.known.expire()
         # Called on every engine step; most steps have nothing in flight.
         if not (self._exists_queue or self._stream_pending or self.jobs.busy()):
             return []
@@ -461,9 +449,14 @@ class RemoteTier(JobTier):
 
         def submit_one(first: int, count: int) -> int:
             return self.engine.submit_remote(
-                self.store, "command", [stream] * count, np.zeros(count, np.int64), 0,
-                np.zeros((count, 16), np.uint8), commands=cmds[first : first + count],
-            )  # fmt: skip
+                self.store,
+                "command",
+                [stream] * count,
+                np.zeros(count, np.int64),
+                0,
+                np.zeros((count, 16), np.uint8),
+                commands=cmds[first : first + count],
+            )
 
         if self.jobs.submit(batch, n, submit_one):
             pending.clear()
@@ -476,25 +469,27 @@ class RemoteTier(JobTier):
 
     def _finish_exists(self, b: Batch) -> None:
         known, issued = self.known, b.data["issued"]
+        answered: tuple[list[bytes], list[bytes]] = ([], [])  # absent, present
         for d, skey, code in zip(b.data["digs"], b.data["skeys"], b.items):
             self._exists_inflight.discard(d)
             if code == ItemStatus.BUSY:  # never sent: ask again at the next step
                 self._exists_queue[d] = skey
                 continue
-            seen = known.get(d)
-            if seen is not None and seen[1] > issued:
+            if known.learnt_after(d, issued):
                 # A store or load that ended after this check was sent
                 # knows better (the check may have run before its SET).
                 continue
             # A failed check (server down) counts as absent for a while.
-            self._remember(d, code == 0)
+            answered[code == 0].append(d)
+        known.remember(answered[0], False)
+        known.remember(answered[1], True)
 
     def _finish(self, b: Batch) -> TierCompletion:
         kind, keys, digs = b.kind, b.data["keys"], b.data["digs"]
         items = b.items if b.n else [0] * len(keys)  # no-data mode: every key as asked
         ok = [code == 0 for code in items]
         if all(ok):  # the common case, kept cheap: it runs for every block moved
-            self._remember_all(digs, True)
+            self.known.remember(digs, True)
             count_moved(self.counters, kind, len(keys), self.block_bytes)
             if kind == "store":
                 self._events.append(TierEvent(list(keys), self.name, removed=False))
@@ -505,13 +500,13 @@ class RemoteTier(JobTier):
         missing = [kind == "probe" and code == ItemStatus.MISSING for code in items]
         for key, dig, code, absent in zip(keys, digs, items, missing):
             if code == 0:
-                self._remember(dig, True)
+                self.known.remember([dig], True)
                 done.append(key)
                 done_digs.append(dig)
                 continue
             if absent:  # a probe of a key never stored (or gone): a plain miss
                 self.counters["probe_misses"] += 1
-                self._remember(dig, False)
+                self.known.remember([dig], False)
                 continue
             if kind == "probe" and code > 0:
                 # The server did not answer: absent for a while, as a failed
@@ -520,7 +515,7 @@ class RemoteTier(JobTier):
                 if code == ItemStatus.BUSY:
                     self.known.pop(dig, None)
                 else:
-                    self._remember(dig, False)
+                    self.known.remember([dig], False)
             elif kind != "store":
                 self.counters["load_failures"] += 1
                 if code == ItemStatus.MISSING:  # evicted by the server, expired
@@ -528,7 +523,7 @@ class RemoteTier(JobTier):
                 elif code < 0 and code != ItemStatus.SERVER_ERROR:
                     self.counters["corrupt"] += 1
                 if code < 0:
-                    self._remember(dig, False)  # gone or not ours: a miss from now on
+                    self.known.remember([dig], False)  # gone or not ours: a miss from now on
                     if self.index is not None:
                         self.index.learn((dig,), False)
                     self._events.append(TierEvent([key], self.name, removed=True))
@@ -548,9 +543,14 @@ class RemoteTier(JobTier):
             for c in sorted({int(c) for c in items if c > 0})
         )
         return TierCompletion(
-            b.token, all(ok), kind, keys, error=error, key_ok=ok,
+            b.token,
+            all(ok),
+            kind,
+            keys,
+            error=error,
+            key_ok=ok,
             missing=missing if any(missing) else None,
-        )  # fmt: skip
+        )
 
     def has_pending_work(self) -> bool:
         return self.jobs.busy() or bool(self._exists_queue) or bool(self._stream_pending)

@@ -157,7 +157,18 @@ class RemoteConnection:
         from kvtier import _native
 
         return _native.RemoteStore(
-            list(self.seeds), self.cluster, self.user, self.password, self.db,
-            self.connect_timeout_ms, self.io_timeout_ms, self.pipeline, self.ttl_ms, self.lazy,
-            self.ns, self.window_bytes, self.tls, *self.tls_settings,
-        )  # fmt: skip
+            list(self.seeds),
+            self.cluster,
+            self.user,
+            self.password,
+            self.db,
+            self.connect_timeout_ms,
+            self.io_timeout_ms,
+            self.pipeline,
+            self.ttl_ms,
+            self.lazy,
+            self.ns,
+            self.window_bytes,
+            self.tls,
+            *self.tls_settings,
+        )
