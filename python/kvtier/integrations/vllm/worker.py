@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from kvtier.worker.transfer import DeviceTransfer
 from kvtier.integrations.vllm.host_spec import KVTierSpec
 from kvtier.jobs import Joined
+from kvtier.worker.chunks import GroupPart, chunk_bounds, layer_ranges, runs, split_groups
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
@@ -108,18 +109,17 @@ class KVTierWorker(OffloadingWorker):
                 )
             )
 
-    def _split(
-        self, gpu: GPULoadStoreSpec, slots: np.ndarray
-    ) -> list[tuple[int, np.ndarray, np.ndarray, int]]:
+    def _split(self, gpu: GPULoadStoreSpec, slots: np.ndarray) -> list[GroupPart]:
+        """vLLM's GPU spec (its block ids, and per group their count and first
+        index: vLLM 0.33's ``group_sizes`` and ``block_indices``) per group."""
         blocks = np.asarray(gpu.block_ids, np.int64)
-        sizes = list(getattr(gpu, "group_sizes", None) or [len(blocks)])
-        firsts = list(getattr(gpu, "block_indices", None) or [0] * len(sizes))
-        out, b0, s0 = [], 0, 0
-        for g, (n, first) in enumerate(zip(sizes, firsts)):
-            chunks = -(-((first % self.bpc) + n) // self.bpc) if n else 0
-            out.append((g, blocks[b0 : b0 + n], slots[s0 : s0 + chunks], int(first)))
-            b0, s0 = b0 + n, s0 + chunks
-        return out
+        return split_groups(
+            blocks,
+            slots,
+            self.bpc,
+            getattr(gpu, "group_sizes", None),
+            getattr(gpu, "block_indices", None),
+        )
 
     def _submit(
         self,
@@ -161,7 +161,7 @@ class KVTierWorker(OffloadingWorker):
                 # The forward pass waits for it layer by layer: one transfer
                 # job per layer, in layer order, so layer 0 is ready first.
                 parts = self._layer_parts.setdefault(ours, {})
-                for i in range(len(t.layout.bases) // k):
+                for i, tensors in enumerate(layer_ranges(len(t.layout.bases), k)):
                     self._next += 1
                     if not t.submit_load(
                         self._next,
@@ -170,7 +170,7 @@ class KVTierWorker(OffloadingWorker):
                         True,
                         first_block_index=first,
                         fences=armed,
-                        tensors=(i * k, (i + 1) * k),
+                        tensors=tensors,
                     ):
                         return False
                     self._jobs.add(ours, (g, self._next))
@@ -209,14 +209,9 @@ class KVTierWorker(OffloadingWorker):
         fences = None if store or host.fences is None else self._split(gpu, host.fences)
         for n_g, (g, blocks, slots, first) in enumerate(self._split(gpu, host.slots)):
             armed = None if fences is None else fences[n_g][2]
-            skip = first % self.bpc
-            bounds = [
-                (max(0, c * self.bpc - skip), min(len(blocks), (c + 1) * self.bpc - skip))
-                for c in range(len(slots))
-            ]
-            c = 0
-            while c < len(slots):
-                if slots[c] < 0:
+            bounds = chunk_bounds(first, len(blocks), len(slots), self.bpc)
+            for in_host, c, end in runs(slots):
+                if not in_host:
                     n = row[pos0 + c]
                     lo, hi = bounds[c]
                     chunks.append(
@@ -229,11 +224,7 @@ class KVTierWorker(OffloadingWorker):
                             st.digests[16 * n : 16 * n + 16],
                         )
                     )
-                    c += 1
                     continue
-                end = c
-                while end < len(slots) and slots[end] >= 0:
-                    end += 1
                 lo, hi = bounds[c][0], bounds[end - 1][1]
                 self._next += 1
                 t = self.transfers[g]
@@ -253,7 +244,6 @@ class KVTierWorker(OffloadingWorker):
                 ):
                     return False
                 self._jobs.add(ours, (g, self._next))
-                c = end
             pos0 += len(slots)
         if self._stream is None:
             from kvtier.affinity import off_compute_cpus

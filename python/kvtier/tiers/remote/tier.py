@@ -81,9 +81,10 @@ _STREAM_PENDING = 65_536
 STREAM_DELAY_S = 0.01
 # The tier's own counters (stats()), beside every job tier's.
 _COUNTERS = (
-    "load_failures vanished corrupt io_errors server_errors exists_checks budget_skips "
-    "not_admitted probes probe_misses pool_events pool_event_failures pool_events_dropped"
-).split()
+    ("load_failures", "vanished", "corrupt", "io_errors", "server_errors", "exists_checks")
+    + ("budget_skips", "not_admitted", "probes", "probe_misses")
+    + ("pool_events", "pool_event_failures", "pool_events_dropped")
+)
 
 
 class RemoteTier(JobTier):
