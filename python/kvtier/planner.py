@@ -315,6 +315,35 @@ def host_pool_for_chunks(
     return n, slot_bytes
 
 
+@dataclass(frozen=True)
+class RankCells:
+    """Where one engine rank's KV goes in a host slot: a slot holds one chunk
+    of every rank of its pipeline stage, each rank's cell back to back (each
+    stage has its own pool: with uneven layer splits their cells differ). A
+    replicated layout (MLA: every TP rank holds the same latent) keeps one
+    cell a slot, written by the stage's first rank and read by all, so the
+    latent is stored once and its blocks do not depend on the TP size."""
+
+    tp_size: int
+    stage: int
+    cell_index: int
+    cells: int
+    is_writer: bool
+
+    @classmethod
+    def of(cls, world_size: int, rank: int, pp_size: int, replicated: bool) -> RankCells:
+        """Who calls: the vLLM shim's spec, in every process. Pure."""
+        _positive("world_size", world_size)
+        _positive("pp_size", pp_size)
+        if not 0 <= rank < world_size:
+            raise InvalidArgument(f"rank {rank} outside a world of {world_size}")
+        tp = max(1, world_size // pp_size)
+        in_stage = rank % tp if pp_size > 1 else rank
+        cells = 1 if replicated else (tp if pp_size > 1 else world_size)
+        stage = rank // tp if pp_size > 1 else 0
+        return cls(tp, stage, 0 if replicated else in_stage, cells, not replicated or in_stage == 0)
+
+
 def stage_disks(disk: DiskOptions, payloads: Sequence[int]) -> list[DiskOptions]:
     """One disk tier's options per pipeline stage (``payloads``: each stage's
     bytes of a block): its own directory ``stage<i>`` under ``disk.path`` and a

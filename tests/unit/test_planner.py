@@ -196,3 +196,23 @@ def test_cli_bad_partition_exit_code() -> None:
     out = _kvtier_plan("--partition", "40,16", "--kv-memory", "20GiB")
     assert out.returncode == 2
     assert "partition: [40, 16] sums to 56" in out.stderr
+
+
+def test_rank_cells_place_each_rank_in_its_stage_slot() -> None:
+    from kvtier.planner import RankCells
+
+    # TP=2 x PP=2: ranks 0,1 in stage 0 and 2,3 in stage 1, two cells a slot.
+    got = [RankCells.of(4, r, 2, False) for r in range(4)]
+    assert [(c.stage, c.cell_index, c.cells, c.is_writer) for c in got] == [
+        (0, 0, 2, True),
+        (0, 1, 2, True),
+        (1, 0, 2, True),
+        (1, 1, 2, True),
+    ]
+    # TP=4 without PP: one stage, four cells.
+    assert RankCells.of(4, 3, 1, False) == RankCells(4, 0, 3, 4, True)
+    # Replicated (MLA): one cell a slot, written by each stage's first rank only.
+    assert [RankCells.of(4, r, 2, True).is_writer for r in range(4)] == [True, False, True, False]
+    assert RankCells.of(4, 3, 2, True).cells == 1
+    with pytest.raises(kvtier.InvalidArgument, match="rank 4 outside a world of 4"):
+        RankCells.of(4, 4, 1, False)

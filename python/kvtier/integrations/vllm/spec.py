@@ -31,7 +31,7 @@ from kvtier.errors import InvalidArgument
 from kvtier.options.engines import VllmOptions
 from kvtier.options.fields import key_of
 from kvtier.options.tiers import HostOptions
-from kvtier.planner import host_pool_for_chunks, stage_disks
+from kvtier.planner import RankCells, host_pool_for_chunks, stage_disks
 from kvtier.tiers.records import TRAILER_BYTES
 
 if TYPE_CHECKING:
@@ -134,21 +134,12 @@ class KVTierOffloadingSpec(OffloadingSpec):
         self.world_size = int(par.world_size)
         self.rank = int(par.rank)
         self.pp_size = int(par.pp_size)
-        self.tp_size = max(1, self.world_size // max(1, self.pp_size))
-        self.stage = self.rank // self.tp_size if self.pp_size > 1 else 0
-        # A slot holds one chunk of every rank of this stage, rank cells back to back
-        # (each stage has its own pool: with uneven layer splits their cells differ).
-        # vLLM's replicated layout (MLA: every TP rank holds the same latent)
-        # keeps one cell a slot: rank 0 writes it and every rank reads it, so
-        # the latent is stored once, and its blocks do not depend on the TP size.
+        # vLLM's replicated layout: see RankCells.
         self.replicated_layout = bool(getattr(config, "replicated_layout", False))
+        rc = RankCells.of(self.world_size, self.rank, self.pp_size, self.replicated_layout)
+        self.tp_size, self.stage = rc.tp_size, rc.stage
+        self.cell_index, self.is_writer, cells = rc.cell_index, rc.is_writer, rc.cells
         self.cell_bytes = int(config.worker_kv_bytes_per_block) * int(self.blocks_per_chunk)
-        rank_in_stage = self.rank % self.tp_size if self.pp_size > 1 else self.rank
-        self.cell_index = 0 if self.replicated_layout else rank_in_stage
-        self.is_writer = not self.replicated_layout or rank_in_stage == 0
-        cells = (
-            1 if self.replicated_layout else (self.tp_size if self.pp_size > 1 else self.world_size)
-        )
         if self.pp_size > 1 and opts.num_slots is None:
             raise InvalidArgument(
                 "kvtier_num_slots: required with pipeline parallelism (every stage must agree; "
