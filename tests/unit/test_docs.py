@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -149,6 +150,44 @@ def test_the_one_line_vllm_enable_is_the_same_everywhere_and_valid() -> None:
     extra = cfg["kv_connector_extra_config"]
     assert isinstance(extra, dict) and "kvtier_host_bytes" in extra
     assert set(extra) <= set(keys)
+
+
+def _config_snippets() -> list[tuple[str, str, dict[str, Any]]]:
+    """Every engine configuration the docs show whole (an elided one, with
+    ``...``, is an excerpt): (page, flag, its JSON)."""
+    flags = ("--kv-transfer-config", "--hicache-storage-backend-extra-config")
+    out = []
+    for page in [README, *sorted(DOCS.rglob("*.md"))]:
+        text = page.read_text()
+        for flag in flags:
+            found = re.finditer(re.escape(flag) + r"\s*\\?\s*'(\{.*?\})'", text, re.S)
+            rel = str(page.relative_to(ROOT))
+            out += [(rel, flag, json.loads(m[1])) for m in found if "..." not in m[1]]
+    return out
+
+
+def test_every_configuration_snippet_is_valid_against_the_options() -> None:
+    """The vLLM and SGLang configurations the pages show parse, and their
+    kvtier keys (and secondary tiers' arguments) pass kvtier's own checks."""
+    from kvtier.options import DiskOptions, RemoteOptions
+    from kvtier.options.surfaces import parse_engine_config, secondary_options
+
+    snippets = _config_snippets()
+    assert len(snippets) >= 5
+    kinds = {"KVTierDiskTier": DiskOptions, "KVTierRedisTier": RemoteOptions}
+    for page, flag, cfg in snippets:
+        if flag == "--hicache-storage-backend-extra-config":
+            got = parse_engine_config(cfg, "sglang", page)
+            assert got.disk is not None or got.remote is not None, page
+            continue
+        extra = cfg["kv_connector_extra_config"]
+        for tier in extra.get("secondary_tiers", []):
+            if tier["type"] in kinds:
+                args = {
+                    k: v for k, v in tier.items() if k not in ("type", "module_path", "namespace")
+                }
+                secondary_options(kinds[tier["type"]], args, page)
+        parse_engine_config(extra, "vllm", page)
 
 
 def test_readme_links_point_at_pages_that_exist() -> None:
