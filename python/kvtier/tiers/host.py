@@ -154,6 +154,10 @@ class HostTier:
         # Slots a timed-out device job may still read or write.
         self._held = SlotHolds(self._free)
         self.prefix_aware = prefix_aware
+        # Resident blocks written with a resident parent: with none, no chain
+        # exists and eviction takes the policy's order as it is (the walk
+        # for tails costs 3% of a plain caller's store, callgrind).
+        self._links = 0
 
     # -- queries ---------------------------------------------------------
     def get(self, key: bytes) -> HostEntry | None:
@@ -208,7 +212,7 @@ class HostTier:
         policy nor the index changes."""
         victims: list[bytes] = []
         entries, held = self.entries, self._held
-        if not self.prefix_aware:
+        if not self._links:
             for key in self.policy.victims():
                 e = entries.get(key)
                 # A held slot would not come free: keep its block instead.
@@ -326,6 +330,7 @@ class HostTier:
             pe = self.entries.get(parent)
             if pe is not None and parent != key:
                 e.parent = parent
+                self._links += 1
                 if pe.kids is None:
                     pe.kids = {key}
                 else:
@@ -336,6 +341,7 @@ class HostTier:
         """``key`` (entry ``e``) left: its parent has one resident child fewer."""
         p = e.parent
         if p is not None:
+            self._links -= 1
             pe = self.entries.get(p)
             if pe is not None and pe.kids is not None:
                 pe.kids.discard(key)
