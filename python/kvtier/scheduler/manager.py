@@ -304,11 +304,18 @@ class TieredOffloadingManager:
         else:
             got = self._allocate(len(to_store), seen)
         slots, evicted = got if got is not None else ([], [])
-        parents = self._parents(keys, _req_id(req_context))
+        if req_context is None and len(keys) == 1 and not self._miss_prev:
+            parents = _NO_PARENTS  # a plain caller's one-key offer: no chain to learn
+        else:
+            parents = self._parents(keys, _req_id(req_context))
         if len(slots) == len(to_store):  # all fit (the common case: no copies of lists)
             add = host.add_writing
-            for k, s in zip(to_store, slots):
-                add(k, s, "host", parents.get(k))
+            if parents:
+                for k, s in zip(to_store, slots):
+                    add(k, s, "host", parents.get(k))
+            else:
+                for k, s in zip(to_store, slots):
+                    add(k, s)
             self._core.removed(evicted)
             return PrepareStoreResult(to_store, HostSpec(np.asarray(slots, np.int64)), evicted)
         host_keys, rest = to_store[: len(slots)], to_store[len(slots) :]

@@ -381,12 +381,8 @@ class HostTier:
 
     def drop(self, key: bytes) -> HostEntry | None:
         """Remove ``key`` and free its slot now (caller made sure nobody uses it)."""
-        e = self.entries.pop(key, None)
+        e = self.detach(key)
         if e is not None:
-            self.policy.remove(key)
-            self._owner.pop(e.slot, None)
-            if e.parent is not None:
-                self._unlink(key, e)
             self.release_slot(e.slot)
         return e
 

@@ -53,16 +53,35 @@ class _ViewPool:
 
 
 class _KVTierSecondary(SecondaryTierManager):
-    """A kvtier lower tier as one of vLLM's secondary tiers (scheduler side)."""
+    """A kvtier lower tier as one of vLLM's secondary tiers (scheduler side):
+    vLLM passes its own arguments, ``namespace`` and the entry's other keys,
+    which are the fields of ``options_class`` (``required`` among them)."""
 
-    def _build(
-        self, options: DiskOptions | RemoteOptions, locality: Locality, namespace: str, name: str
+    options_class: ClassVar[type[DiskOptions] | type[RemoteOptions]]
+    required: ClassVar[str]
+    where: ClassVar[Locality]
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        namespace: str = "",
+        backpressure_detector: Any = None,
+        **settings: Any,
     ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        where = f"secondary tier {tier_type}"
+        if self.required not in settings:
+            raise InvalidArgument(f"{where}: {type(self).__name__} needs a {self.required}")
+        self._build(secondary_options(self.options_class, settings, where), namespace, tier_type)
+
+    def _build(self, options: DiskOptions | RemoteOptions, namespace: str, name: str) -> None:
         """Build this tier's kvtier tier from ``options`` and attach it to vLLM's primary region."""
         from kvtier.tiers.factory import build_tier
 
         check_current_engine()
-        self.locality = locality
+        self.locality = self.where
         spec = self._offloading_spec
         c = spec.config
         ns = engine_namespace(
@@ -194,21 +213,9 @@ class KVTierDiskTier(_KVTierSecondary):
     (``path`` required, ``capacity_bytes``, ``policy``, ...)."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
-
-    def __init__(
-        self,
-        offloading_spec: OffloadingSpec,
-        primary_kv_view: memoryview,
-        tier_type: str,
-        namespace: str = "",
-        backpressure_detector: Any = None,
-        **settings: Any,
-    ) -> None:
-        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        if "path" not in settings:
-            raise InvalidArgument(f"secondary tier {tier_type}: KVTierDiskTier needs a path")
-        opts = secondary_options(DiskOptions, settings, f"secondary tier {tier_type}")
-        self._build(opts, Locality.LOCAL, namespace, tier_type)
+    options_class = DiskOptions
+    required = "path"
+    where = Locality.LOCAL
 
 
 class KVTierRedisTier(_KVTierSecondary):
@@ -218,18 +225,6 @@ class KVTierRedisTier(_KVTierSecondary):
     secondary tier takes (``url`` required, ``ttl_s``, ``tls_ca_file``, ...)."""
 
     medium: ClassVar[Medium] = Medium.CPU
-
-    def __init__(
-        self,
-        offloading_spec: OffloadingSpec,
-        primary_kv_view: memoryview,
-        tier_type: str,
-        namespace: str = "",
-        backpressure_detector: Any = None,
-        **settings: Any,
-    ) -> None:
-        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        if "url" not in settings:
-            raise InvalidArgument(f"secondary tier {tier_type}: KVTierRedisTier needs a url")
-        opts = secondary_options(RemoteOptions, settings, f"secondary tier {tier_type}")
-        self._build(opts, Locality.REMOTE, namespace, tier_type)
+    options_class = RemoteOptions
+    required = "url"
+    where = Locality.REMOTE
