@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,44 @@ def test_the_python_quickstart_runs(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert "loaded back from disk: {'disk': 4}" in r.stdout, r.stdout
     assert "It prints `loaded back from disk: {'disk': 4}`" in QUICKSTART.read_text()
+
+
+def _replay_commands(text: str) -> list[list[str]]:
+    """The ``kvtier replay`` command lines of a page's shell blocks, each
+    joined across ``\\`` continuations, comments cut, as argv after ``kvtier``."""
+    out = []
+    for block in re.findall(r"```sh\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            argv = shlex.split(line, comments=True)
+            if len(argv) > 1 and argv[0].endswith("kvtier") and argv[1] == "replay":
+                out.append(argv[1:])
+    return out
+
+
+def test_the_quickstart_commands_are_valid_and_the_demo_runs(tmp_path: Path) -> None:
+    """Every ``kvtier replay`` line of the quickstart parses, flags and
+    values alike; the demo's line is the Makefile's, and runs (shortened)."""
+    from kvtier.cli import build_parser
+    from kvtier.options.surfaces import tier_options_from_args
+
+    commands = _replay_commands(QUICKSTART.read_text())
+    assert len(commands) == 4
+    for argv in commands:
+        tier_options_from_args(build_parser().parse_args(argv))
+    demo = commands[0]
+    make = (ROOT / "Makefile").read_text().split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    assert " ".join(demo) in " ".join(make.replace("\\\n", " ").split())
+    short = [a.replace("build/", f"{tmp_path}/") for a in demo]
+    short[short.index("--max-requests") + 1] = "300"
+    r = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", *short, "--no-progress"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((tmp_path / "demo-replay.json").read_text())["verify_failures"] == 0
 
 
 def _vllm_line(text: str) -> dict[str, object]:
