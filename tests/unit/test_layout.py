@@ -165,3 +165,9 @@ def test_the_package_imports_canonical_paths_not_its_re_exports() -> None:
         for m in sorted(_imports(p, names) & REEXPORTS)
     ]
     assert offenders == []
+
+
+def test_no_formatter_opt_outs_in_the_package() -> None:
+    """ruff formats every line (issue 50: 177 '# fmt: skip' markers were crutches)."""
+    marker = "# fmt: " + "skip"
+    assert [_rel(p) for p in MODULES if marker in p.read_text()] == []

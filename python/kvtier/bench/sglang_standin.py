@@ -32,6 +32,23 @@ from typing import Any
 
 import torch
 
+#: Attributes both pool kinds' stand-ins set (see STANDIN_ATTRIBUTES).
+_POOL_ATTRS = (
+    "dtype",
+    "page_size",
+    "size",
+    "page_num",
+    "layout",
+    "device",
+    "pin_memory",
+    "allocator",
+    "_transfer_device",
+    "dcp_size",
+    "dcp_rank",
+    "kv_buffer",
+    "start_layer",
+    "end_layer",
+)
 #: Methods and properties taken from SGLang's classes, per pool kind.
 METHODS = {
     "mha": (
@@ -62,41 +79,15 @@ STANDIN_ATTRIBUTES = {
         "head_num",
         "head_dim",
         "v_head_dim",
-        "dtype",
-        "page_size",
-        "size",
-        "page_num",
-        "layout",
-        "device",
-        "pin_memory",
-        "allocator",
-        "_transfer_device",
-        "dcp_size",
-        "dcp_rank",
-        "kv_buffer",
-        "start_layer",
-        "end_layer",
-    ),
+    )
+    + _POOL_ATTRS,
     "mla": (
         "layer_num",
         "kv_lora_rank",
         "qk_rope_head_dim",
         "kv_cache_dim",
-        "dtype",
-        "page_size",
-        "size",
-        "page_num",
-        "layout",
-        "device",
-        "pin_memory",
-        "allocator",
-        "_transfer_device",
-        "dcp_size",
-        "dcp_rank",
-        "kv_buffer",
-        "start_layer",
-        "end_layer",
-    ),
+    )
+    + _POOL_ATTRS,
 }
 
 
