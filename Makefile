@@ -8,7 +8,7 @@ SYS_PACKAGES := liburing-dev libisal-dev libssl-dev openssl zlib1g-dev libgtest-
 TORCH_SPEC := torch==2.13.0
 JOBS ?= 2
 
-.PHONY: all sysdeps venv engine-venv install demo test test-py test-cpp wheel wheel-all bench bench-serve soak lint format clean gpu-check docs docs-serve docs-check
+.PHONY: all sysdeps venv engine-venv install demo test test-py test-cpp wheel wheel-all bench bench-serve soak soak-server lint format clean gpu-check docs docs-serve docs-check
 
 all: install
 
@@ -140,6 +140,13 @@ docs-serve: $(VENV)/.docs
 # `kvtier bench soak`: 30 minutes of replay under faults (make test runs 2 minutes of it).
 soak: install
 	$(VENV)/bin/kvtier bench soak --minutes 30
+
+# `kvtier bench soak --server`: vLLM's OpenAI server with kvtier (host, disk,
+# Redis) under open-loop requests and faults for 30 minutes, then every prompt
+# on a reference server without kvtier (about 45 minutes in all; make test
+# runs 2 minutes of it in tests/engine/test_vllm_soak_server.py).
+soak-server: install engine-venv
+	$(VENV)/bin/kvtier bench soak --server --minutes 30 --python $(EPY) --out bench/results/soak-server
 
 # `kvtier bench serve`: a live vLLM engine per configuration (about 5 minutes a
 # run), then `--server`: vLLM's OpenAI server per configuration under vLLM's

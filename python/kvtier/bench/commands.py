@@ -360,6 +360,8 @@ def _cmd_bench_soak(args: argparse.Namespace) -> int:
 
     if not 1 <= args.minutes <= 24 * 60:  # (NaN fails too) a minute holds one round of faults
         raise InvalidArgument(f"--minutes must be in [1, 1440], got {args.minutes}")
+    if args.server:
+        return _cmd_bench_soak_server(args)
     result = run_soak(
         SoakConfig(minutes=args.minutes, seed=args.seed),
         output_dir(args.out, "bench/soak"),
@@ -373,6 +375,12 @@ def _cmd_bench_soak(args: argparse.Namespace) -> int:
         if "json_path" in result:
             print(f"  saved {result['json_path']}\n  plot  {result['plot_path']}")
     return 0 if result["passed"] else 1
+
+
+def _cmd_bench_soak_server(args: argparse.Namespace) -> int:
+    from kvtier.bench.soak_server import main_soak_server
+
+    return main_soak_server(args)
 
 
 def _print_human(r: dict[str, Any]) -> None:
@@ -493,9 +501,11 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     o.add_argument(
         "--server",
         action="store_true",
-        help="concurrent load: vLLM's OpenAI server per configuration, driven by vLLM's own "
-        "`vllm bench serve` client (configurations baseline, ideal, connector-floor, host, "
-        "host+disk, host+redis, host+disk+redis, second-server)",
+        help="serve: concurrent load: vLLM's OpenAI server per configuration, driven by vLLM's "
+        "own `vllm bench serve` client (configurations baseline, ideal, connector-floor, host, "
+        "host+disk, host+redis, host+disk+redis, second-server); soak: a live vLLM server with "
+        "kvtier (host, disk, Redis) under open-loop requests and faults for --minutes, its tokens "
+        "checked against a reference server without kvtier (needs --python's vLLM)",
     )
     o.add_argument(
         "--model-kind",
@@ -544,7 +554,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--minutes",
         type=float,
         default=2.0,
-        help="soak: minutes of replay under faults (default 2; the README quotes 30)",
+        help="soak: minutes of replay (--server: of serving) under faults (default 2; the "
+        "docs quote 30)",
     )
     o.add_argument(
         "--seed",

@@ -71,7 +71,8 @@ class KVTierConnector(OffloadingConnector):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         # Scheduler side, per load job in flight: [the manager's spec for it,
-        # its engine blocks, workers yet to report it, whether one failed it]
+        # its engine blocks, workers yet to report it, whether one failed it,
+        # its request]
         self._loads: dict[int, list[Any]] = {}
         check_engine(vllm_config)
         _use_kvtier_spec(vllm_config)
@@ -159,7 +160,13 @@ class KVTierConnector(OffloadingConnector):
         workers = int(getattr(self.scheduler.config, "num_workers", 1))
         for job_id, job in getattr(meta, "load_jobs", {}).items():
             if isinstance(job.src_spec, KVTierSpec):
-                self._loads[job_id] = [job.src_spec, job.dst_spec.block_ids, workers, False]
+                self._loads[job_id] = [
+                    job.src_spec,
+                    job.dst_spec.block_ids,
+                    workers,
+                    False,
+                    job.req_id,
+                ]
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -186,20 +193,39 @@ class KVTierConnector(OffloadingConnector):
         super().update_connector_output(connector_output)
         bad = connector_output.invalid_block_ids
         failed = []
+        computed_on_failed: set[str] = set()
         for job_id, count in done.items():
             load = self._loads.get(job_id)
             if load is None:
                 continue
-            load[3] = load[3] or bool(bad and not bad.isdisjoint(load[1]))
+            if bad and not bad.isdisjoint(load[1]):
+                load[3] = True
+                computed_on_failed.add(load[4])
             load[2] -= count
             if load[2] <= 0:
                 del self._loads[job_id]
                 if load[3]:
                     failed.append(load[0])
-        if failed:
+        if failed or computed_on_failed:
             manager = self.scheduler.manager
             assert isinstance(manager, KVTierManager)
+            # A synchronous load that failed left its engine blocks unfilled,
+            # and the step computed the rest of its request on top of them:
+            # vLLM recomputes the request, but the stores that step built
+            # (still pending: submitted a step later) hold KV derived from
+            # those blocks. Measured by the serving soak (issue 52): stored,
+            # they gave later turns wrong tokens (4-6 of 245 requests in two
+            # minutes while Redis evicted). Those stores are dropped.
+            jobs: Any = getattr(self.connector_scheduler, "_jobs", {})
+            poisoned = [
+                k
+                for st in jobs.values()
+                if st.is_store and st.req_id in computed_on_failed
+                for k in st.keys
+            ]
             with manager.lock:
+                if poisoned:
+                    manager.poison_stores(poisoned)
                 for spec in failed:
                     manager.load_failed(spec)
 

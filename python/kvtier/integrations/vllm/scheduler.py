@@ -139,6 +139,9 @@ class KVTierManager(OffloadingManager):
         # step ends later (one more with asynchronous scheduling).
         self._flush_hook = callable(getattr(OffloadingManager, "on_reset_flushed", None))
         self._steps_since_reset: int | None = None
+        # Keys of store jobs whose KV was computed on top of a load that
+        # failed in the same step: dropped when their store completes.
+        self._poisoned: set[bytes] = set()
 
     @property
     def lock(self) -> threading.Lock:
@@ -187,7 +190,22 @@ class KVTierManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        self.m.complete_store([bytes(k) for k in keys], req_context, success)
+        ks = [bytes(k) for k in keys]
+        if self._poisoned and success:
+            bad = [k for k in ks if k in self._poisoned]
+            if bad:
+                self._poisoned.difference_update(bad)
+                self.m.complete_store(bad, req_context, False)
+                ks = [k for k in ks if k not in bad]
+        self.m.complete_store(ks, req_context, success)
+
+    def poison_stores(self, keys: Collection[OffloadKey]) -> None:
+        """Drop these keys when their store job completes, whatever the
+        workers report: their KV was computed in a step whose load of the
+        same request failed, on top of engine blocks the load never filled
+        (vLLM recomputes the request, but the step's stores were already
+        built). KVTierConnector calls it, holding the lock. Non-blocking."""
+        self._poisoned.update(bytes(k) for k in keys)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self.m.on_new_request(req_context)
@@ -235,6 +253,7 @@ class KVTierManager(OffloadingManager):
         return self.m.has_pending_work()
 
     def reset_cache(self) -> None:
+        self._poisoned.clear()
         self.m.reset_cache()
         if not self._flush_hook:
             self._steps_since_reset = 0
@@ -322,6 +341,9 @@ class KVTierManager(OffloadingManager):
                 "stats": dataclasses.asdict(self.m.stats),
                 "occupancy": self.m.occupancy(),
                 "pending_work": self.m.has_pending_work(),
+                # Each lower tier's own counters (corrupt records caught, I/O
+                # and server errors, refused writes): nowhere else to read them.
+                "tiers": {t.name: t.stats() for t in self.m.lower},
             }
         self.m.shutdown()
         if self._stats_path:
