@@ -284,6 +284,7 @@ def test_enospc_on_the_disk_tier_announces_the_victim_not_the_failed_write(
                        ("disk", "removed", [0]), ("remote", "stored", [2])]  # fmt: skip
         history += got
         assert disk.stats()["io_errors"] == 1 and disk.lookup(V(2)) is LookupResult.MISS
+        assert disk.stats()["io_error_codes"] == {"ENOSPC": 1}  # a full disk, not a failing one
         hog.unlink()
         while not disk.admit(V(3)):  # the tier stops taking blocks for a while after ENOSPC
             time.sleep(0.05)

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.soak_faults import Fault, Tmpfs
-from kvtier.bench.soak_server_client import OpenLoop, Request, Workload, replay
+from kvtier.bench.soak_server_client import OpenLoop, Request, Workload, replay, top_logprobs
 from kvtier.bench.soak_server_faults import Faults
 
 SERVER_FAULT_KINDS = (
@@ -75,9 +75,7 @@ class ServerSoakConfig:
     disk_fs_bytes: int = 24 << 20  # the tmpfs under the disk tier
     disk_bytes: int = 16 << 20
     redis_maxmemory: str = "48mb"
-    corrupt_records: int = (
-        48  # per corruption fault (of about 124 records: most are rewritten soon)
-    )
+    corrupt_records: int = 48  # per pass of a corruption fault (of about 124 records)
     aborts: int = 2  # requests hung up on per abort fault
     # vLLM admits a prompt only when all of it fits (scheduler_reserve_full_isl):
     # prompts that fit together, then outgrow the cache as they decode.
@@ -283,7 +281,11 @@ def _batched_check(
     answer: its prompt sent to the reference again, ``rounds`` times, in a
     batch of 8 with other prompts of the run, as the soak's server batched
     it. Whether batching alone changes the reference's tokens (greedy
-    decoding on CPU is exact per batch, not across batch shapes)."""
+    decoding on CPU is exact per batch, not across batch shapes). And how
+    close the first differing token was: the reference's log probabilities
+    of its own token and of the soak's there, given the tokens before (a
+    gap of a few thousandths is a near tie that rounding can flip; wrong KV
+    moves the distribution far more)."""
     bad = [
         r
         for r in wanted
@@ -297,9 +299,24 @@ def _batched_check(
             batch = [r, *rng.sample(wanted, min(7, len(wanted)))]
             got = replay("127.0.0.1", port, model, batch, len(batch))[r.id]
             seen.append(got)
+        ref = reference[r.id]
+        d = next((i for i, (a, b) in enumerate(zip(r.tokens, ref, strict=False)) if a != b), None)
+        tie: dict[str, Any] = {}
+        if d is not None:
+            top = top_logprobs("127.0.0.1", port, model, r.prompt + ref[:d], k=20)
+            floor = min(top.values())
+            tie = {
+                "first_diff": d,
+                "reference_token_logprob": round(top.get(ref[d], float("nan")), 6),
+                # Not among the 20 likeliest: at most the 20th's.
+                "soak_token_logprob": round(top.get(r.tokens[d], floor), 6),
+                "soak_token_in_top20": r.tokens[d] in top,
+            }
+            tie["gap"] = round(tie["reference_token_logprob"] - tie["soak_token_logprob"], 6)
         out[str(r.id)] = {
-            "batched_differs_from_serial": any(g != reference[r.id] for g in seen),
+            "batched_differs_from_serial": any(g != ref for g in seen),
             "batched_gave_soak_tokens": any(g[: len(r.tokens)] == r.tokens for g in seen),
+            **tie,
         }
     return out
 

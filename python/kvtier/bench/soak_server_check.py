@@ -18,6 +18,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.plots import pyplot, save_figure
 from kvtier.bench.soak_verdict import FLAT_TOLERANCE, flatness
 
 FLAT = ("rss_kib", "fds", "threads", "shm", "shm_mib")
@@ -285,6 +286,7 @@ def _counters(result: dict[str, Any]) -> tuple[bool, str]:
         "disk_corrupt": disk.get("corrupt", 0),
         "disk_nospace": disk.get("nospace", 0),
         "disk_io_errors": disk.get("io_errors", 0),
+        "disk_io_error_codes": disk.get("io_error_codes", {}),
         "disk_load_failures": disk.get("load_failures", 0),
         "remote_errors": sum(remote.get(k, 0) for k in ("io_errors", "server_errors")),
         "remote_load_failures": remote.get("load_failures", 0),
@@ -298,8 +300,14 @@ def _counters(result: dict[str, Any]) -> tuple[bool, str]:
     }
     result["counters"] = facts
     bad = []
+    # Caught in service: by the scheduler's own reads (``corrupt``), or by a
+    # worker reading the record itself, which reports the read failed
+    # without its reason (``load_failures``: no other fault of this soak
+    # fails a disk read).
     if "corrupt_disk" in kinds and not (
-        facts["disk_corrupt"] or result["disk_reopen"]["injected_still_bad"]
+        facts["disk_corrupt"]
+        or facts["disk_load_failures"]
+        or result["disk_reopen"]["injected_still_bad"]
     ):
         bad.append("corrupt records neither caught in service nor found on reopen")
     if "disk_full" in kinds and not facts["disk_nospace"]:
@@ -338,10 +346,7 @@ def report(result: dict[str, Any]) -> str:
 def plot(result: dict[str, Any], path: Path) -> None:
     """Throughput, TTFT and the server's memory, fds and threads over time,
     one labelled vertical line per fault. Needs matplotlib."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     t0 = result["t0"]
     rs = [r for r in result["requests"] if r["done"]]
@@ -409,6 +414,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
         f"kvtier bench soak --server, {result['config']['minutes']:g} min: "
         + ("PASSED" if result["passed"] else "FAILED")
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)

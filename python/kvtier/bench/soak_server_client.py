@@ -242,6 +242,35 @@ def complete(host: str, port: int, model: str, r: Request, timeout_s: float = 30
         conn.close()
 
 
+def top_logprobs(
+    host: str, port: int, model: str, prompt: list[int], k: int = 5, timeout_s: float = 300.0
+) -> dict[int, float]:
+    """The ``k`` likeliest next tokens after ``prompt`` and their log
+    probabilities, by token id (one greedy step). Blocks; raises on failure."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "logprobs": k,
+        "return_tokens_as_token_ids": True,
+    }
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"logprobs request: HTTP {resp.status}: {data[:300]!r}")
+        top = json.loads(data)["choices"][0]["logprobs"]["top_logprobs"][0]
+        # "token_id:123" keys with return_tokens_as_token_ids.
+        return {int(t.rsplit(":", 1)[1]): float(lp) for t, lp in top.items()}
+    finally:
+        conn.close()
+
+
 def replay(
     host: str, port: int, model: str, reqs: list[Request], concurrency: int = 1
 ) -> dict[int, list[int]]:

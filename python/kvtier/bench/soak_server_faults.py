@@ -86,10 +86,9 @@ class Faults:
             f.detail = f"{n >> 20} MiB ballast filled the tmpfs for {hold:.1f} s"
             self.undo_later(f, hold, ballast.unlink)
         elif kind == "corrupt_disk":
-            hits = self._corrupt()
-            self.corrupted += hits
-            f.detail = f"16 random bytes overwritten in the payload of {len(hits)} written records"
-            f.end = f.start
+            # Longer than the other faults: reads of the disk tier come a
+            # few a second, and each must find its record still corrupt.
+            self._corrupt_for(f, max(hold, min(0.9 * gap, 20.0)))
         elif kind == "disk_readonly":
             self._readonly(f, hold)
         elif kind in ("abort_prefill", "abort_decode"):
@@ -116,6 +115,30 @@ class Faults:
             )
             f.end = f.start
         return f
+
+    def _corrupt_for(self, f: Fault, hold: float) -> None:
+        """Corruption passes every half second for ``hold`` seconds. One pass
+        alone can go unread: the soak's small disk tier rewrites every record
+        within seconds, and a 2-minute CI run once saw all 48 flipped records
+        rewritten before any load reached one (disk counters: 0 corrupt)."""
+        end = f.start + hold
+        passes, hit = [0], [0]
+
+        def again() -> None:
+            hits = self._corrupt()
+            self.corrupted += hits
+            passes[0] += 1
+            hit[0] += len(hits)
+            f.detail = (
+                f"16 random bytes overwritten in the payload of {hit[0]} written records, "
+                f"{passes[0]} passes over {hold:.1f} s"
+            )
+            if time.time() + 0.5 < end:
+                self.pending.append((time.time() + 0.5, again, f))
+            else:
+                f.end = time.time()
+
+        again()
 
     def _corrupt(self) -> list[tuple[str, int]]:
         """Flip bytes in the payload of random records that hold a trailer (written)."""

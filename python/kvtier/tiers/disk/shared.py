@@ -74,6 +74,9 @@ class SharedRecords:
     def admit(self, key: bytes) -> bool:
         raise NotImplementedError
 
+    def count_io_error(self, code: int | None) -> None:
+        raise NotImplementedError
+
     def reader_spec(self) -> DiskReaderSpec | None:
         """What a :class:`DiskIO` in another process needs to read and write
         this tier's records (None without data: nothing to read)."""
@@ -146,5 +149,5 @@ class SharedRecords:
             count_moved(self.counters, "store", 1, self.record_bytes)
             self._events.append(TierEvent([key], self.name, removed=False))
         else:
-            self.counters["io_errors"] += 1
+            self.count_io_error(None)
             self._forget(d, record)

@@ -24,6 +24,7 @@ here; admission stays a Python decision per offered key (:class:`WriteGate`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import time
 import warnings
@@ -120,6 +121,8 @@ class DiskTier(SharedRecords, JobTier):
         if block_bytes <= 0:
             raise InvalidArgument(f"block_bytes must be > 0, got {block_bytes}")
         self.options = o
+        # io_errors by errno name: a full file system told from a failing disk.
+        self.io_error_codes: dict[str, int] = {}
         self._tier_init(
             name,
             "load_failures",
@@ -517,7 +520,7 @@ class DiskTier(SharedRecords, JobTier):
                 else:
                     if code == ItemStatus.NO_SPACE:  # stop admitting for a while
                         self._nospace_until = time.monotonic() + 1.0
-                    self.counters["io_errors"] += 1
+                    self.count_io_error(code)
                     hold = held[i] and rec not in self._ended_early  # freed when the job ends
                     self._ended_early.discard(rec)
                     self._forget(dig, rec, hold=hold)
@@ -529,7 +532,10 @@ class DiskTier(SharedRecords, JobTier):
                     loaded += 1
                 else:
                     # Torn, foreign or unreadable: a miss, counted, and dropped.
-                    self.counters["corrupt" if code < 0 else "io_errors"] += 1
+                    if code < 0:
+                        self.counters["corrupt"] += 1
+                    else:
+                        self.count_io_error(code)
                     self._drop_unreadable(rec, dig, keys[i])
         count_moved(self.counters, "store", len(stored), self.record_bytes)
         count_moved(self.counters, "load", loaded, self.record_bytes)
@@ -571,6 +577,14 @@ class DiskTier(SharedRecords, JobTier):
         self.store = None
         self._files.release()  # after the files: the next owner may start now
 
+    def count_io_error(self, code: int | None) -> None:
+        """One record's read or write failed with errno ``code`` (None: a
+        worker's own write, whose errno it keeps): counted in ``io_errors``
+        and by name in ``io_error_codes``."""
+        self.counters["io_errors"] += 1
+        name = "worker write" if code is None else errno.errorcode.get(code, str(code))
+        self.io_error_codes[name] = self.io_error_codes.get(name, 0) + 1
+
     def stats(self) -> dict[str, Any]:
         return {
             "backend": self.backend,
@@ -580,4 +594,5 @@ class DiskTier(SharedRecords, JobTier):
             "held_jobs": self.jobs.held_jobs,
             "events_dropped": self._events.dropped,
             **self.counters,
+            "io_error_codes": dict(self.io_error_codes),
         }
