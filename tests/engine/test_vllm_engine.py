@@ -471,8 +471,9 @@ def test_sliding_window_model_loads_only_the_windows_like_vllms_prefix_cache(
     KV-cache groups of 2 layers): kvtier's hits are exactly those of vLLM's
     own prefix cache, outputs are those of recomputing, and a sliding-window
     group loads only its window (16 chunks of 32 tokens), not the whole
-    prefix. Loaded within the prefill's step (the default) or a step ahead
-    (``sync_load_budget_bytes: 0``), the same tokens and hits."""
+    prefix. Loaded a step ahead (``sync_load_budget_bytes: 0``) from the host
+    tier, or within the prefill's step (the default) from host and disk,
+    the same tokens and hits."""
     base = {"model": gemma3_model, "requests": REQUESTS}
     none = run_engine(engine_python, tmp_path / "none", {**base, "mode": "none"})
     prefix = run_engine(engine_python, tmp_path / "prefix", {**base, "mode": "prefix"})
@@ -486,8 +487,7 @@ def test_sliding_window_model_loads_only_the_windows_like_vllms_prefix_cache(
     # read ahead a window at a time for the sliding-window groups.
     disk = {"kvtier_host_bytes": 80 * (64 + 4) * 1024, "kvtier_disk_path": str(tmp_path / "d"),
             "kvtier_disk_bytes": "64MiB"}  # fmt: skip
-    runs = (("sync", {"kvtier_host_bytes": "256MiB"}),
-            ("async", {"kvtier_host_bytes": "256MiB", "sync_load_budget_bytes": 0}),
+    runs = (("async", {"kvtier_host_bytes": "256MiB", "sync_load_budget_bytes": 0}),
             ("disk", disk))  # fmt: skip
     for name, kv in runs:
         e = run_engine(engine_python, tmp_path / name, {**_kvtier_spec(gemma3_model, **kv)})

@@ -11,9 +11,11 @@ only and its align-mode prefill checkpoint indexes chunk states (IndexError
 in mamba_mixer2); Mamba1 (Jamba) has no CPU selective scan at all.
 
 kvtier's hits and outputs must equal vLLM's own prefix cache and
-recomputing; with prefix caching off kvtier refuses to start. Runs in the
-engine's Python like test_vllm_engine.py (skipped without
-``KVTIER_ENGINE_PYTHON``)."""
+recomputing. With prefix caching off kvtier refuses to start:
+tests/integration/test_vllm_hybrid.py checks that against vLLM's own
+configuration (both versions), and the MLA refusal in test_vllm_engine.py
+that a live engine's start-up runs the check. Runs in the engine's Python
+like test_vllm_engine.py (skipped without ``KVTIER_ENGINE_PYTHON``)."""
 
 from __future__ import annotations
 
@@ -69,17 +71,3 @@ def test_hybrid_model_loads_prefixes_token_identical_to_recomputing(
     chunks = sum(h // BLOCK + (1 if h else 0) for h in hits.values())
     assert e.counters["kvtier"]["loaded_host"] == chunks
     _assert_clean(e)
-
-
-def test_hybrid_model_without_prefix_caching_is_refused_at_start_up(
-    engine_python: str,  # noqa: F811
-    hybrid_model: str,
-    tmp_path: Path,
-) -> None:
-    spec = {
-        **BASE, "mode": "kvtier", "model": hybrid_model, "requests": REQUESTS[:1],
-        "enable_prefix_caching": False, "kvtier": {"kvtier_host_bytes": "64MiB"},
-        "expect_refusal": True,
-    }  # fmt: skip
-    e = run_engine(engine_python, tmp_path, spec)
-    assert "Mamba or linear-attention layers" in e.log

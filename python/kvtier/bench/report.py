@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.plots import pyplot, save_figure
+
 
 def _size(n: int | None) -> str:
     if not n:
@@ -113,10 +115,7 @@ def write_summary(results_dir: Path) -> tuple[Path, Path | None]:
     lines += [f"| {w} | {b} | {r:.2f} |" for w, r, b in rows]
     md.write_text("\n".join(lines) + "\n")
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         return md, None
     fig, ax = plt.subplots(figsize=(9, 0.32 * len(rows) + 1.2))
@@ -127,8 +126,6 @@ def write_summary(results_dir: Path) -> tuple[Path, Path | None]:
     ax.set_xlabel("kvtier / baseline (same run)")
     ax.set_title(f"kvtier benchmarks {when}")
     ax.tick_params(axis="y", labelsize=8)
-    fig.tight_layout()
     png = results_dir / "summary.png"
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
     return md, png

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.plots import pyplot, save_figure
 from kvtier.bench.route_fleet import BLOCK_TOKENS, TIERS, Fleet, LoadModel
 from kvtier.errors import InvalidArgument
 from kvtier.replay import key_of
@@ -329,10 +330,7 @@ def table(result: dict[str, Any]) -> str:
 def plot(result: dict[str, Any], path: str | Path) -> None:
     """Prefill tokens saved per routing (with the infinite-cache bound) and
     hit rate per tier, stacked, per routing."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(result["routings"])
     rs = [result["routings"][n] for n in names]
@@ -369,6 +367,4 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
         f"{result['disk_blocks']:,} blocks each), pool {result['pool_blocks']:,} blocks",
         fontsize=11,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

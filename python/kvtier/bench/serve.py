@@ -59,6 +59,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.plots import pyplot, save_figure
 from kvtier.bench.vllm_engine import Sessions
 from kvtier.errors import InvalidArgument
 
@@ -490,10 +491,7 @@ def table(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """TTFT by turn, one line per configuration (medians over sessions and runs)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for name, m in result["medians"].items():
@@ -507,6 +505,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_title("vLLM (CPU) serving multi-turn sessions: TTFT by turn")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

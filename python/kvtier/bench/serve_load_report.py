@@ -22,6 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.plots import pyplot, save_figure
 from kvtier.bench.serve_load_plan import CONFIGS, KVTIER_COUNTERS, METRICS, WORKLOADS
 
 
@@ -201,10 +202,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     """TTFT p50 and output throughput against load, one line per
     configuration, one column per workload (a workload with one level is
     drawn as points)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = result["rows"]
     names = [w for w in WORKLOADS if any(r["workload"] == w for r in rows)]
@@ -240,6 +238,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
         f"{result['repeats']} runs",
         fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

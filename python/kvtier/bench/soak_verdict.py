@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.plots import pyplot, save_figure
 from kvtier.bench.soak_child import HANG_S
 from kvtier.bench.soak_faults import FAULT_KINDS, Fault
 
@@ -211,10 +212,7 @@ def report(result: dict[str, Any]) -> str:
 def plot(result: dict[str, Any], path: Path) -> None:
     """RSS, fds and threads, hit rate and /dev/shm entries over time, one
     vertical line per fault. Needs matplotlib."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ss = result["samples"]
     xs = [s["at_s"] / 60 for s in ss]
@@ -259,6 +257,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
         f"kvtier bench soak, {result['config']['minutes']:g} min: "
         + ("PASSED" if result["passed"] else "FAILED")
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)

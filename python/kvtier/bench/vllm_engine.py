@@ -99,12 +99,7 @@ MLA_MODEL: dict[str, Any] = {
 
 
 HYBRID_MODEL: dict[str, Any] = {
-    "vocab_size": 2048,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    **TINY_MODEL,
     "head_dim": 64,
     "full_attention_interval": 2,
     "linear_num_value_heads": 4,
@@ -116,7 +111,6 @@ HYBRID_MODEL: dict[str, Any] = {
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 128,
     "shared_expert_intermediate_size": 128,
-    "max_position_embeddings": 8192,
     # As for MLA: at the default scale a random model repeats one token,
     # which would hide a wrong recurrent state.
     "initializer_range": 0.2,

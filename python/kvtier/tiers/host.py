@@ -197,13 +197,19 @@ class HostTier:
                 if not partial or len(self._free) + len(victims) == 0:
                     return None
                 n = len(self._free) + len(victims)
+            remove, entries, owner, free = self.policy.remove, self.entries, self._owner, self._free
             for key in victims:
-                self.policy.remove(key, evicted=True)
-                e = self.entries.pop(key)
-                del self._owner[e.slot]
-                if e.parent is not None:
-                    self._unlink(key, e)
-                self._free.append(e.slot)
+                remove(key, evicted=True)
+                e = entries.pop(key)
+                del owner[e.slot]
+                if e.parent is not None:  # _unlink, inlined: once per evicted block
+                    self._links -= 1
+                    pe = entries.get(e.parent)
+                    if pe is not None and pe.kids is not None:
+                        pe.kids.discard(key)
+                        if not pe.kids:
+                            pe.kids = None
+                free.append(e.slot)
         return [self._free.pop() for _ in range(n)], victims
 
     def _victims(self, need: int, prot: Container[bytes]) -> list[bytes]:
@@ -266,19 +272,26 @@ class HostTier:
         thousands of blocks deep. Returns the blocks walked."""
         entries, held = self.entries, self._held
         # A plain chain (one block after each): walk down, take from the end.
-        path = [root]
-        kids = entries[root].kids
+        path, path_entries = [root], [entries[root]]
+        kids = path_entries[0].kids
         while kids is not None and len(kids) == 1:
             (child,) = kids
             ce = entries.get(child)
             if ce is None or child in taken or child in blocked:
                 break
             path.append(child)
+            path_entries.append(ce)
             kids = ce.kids
         if kids is None:
-            for node in reversed(path):
-                e = entries[node]
-                if not e.evictable or node in prot or e.slot in held:
+            for node, e in zip(reversed(path), reversed(path_entries)):
+                # HostEntry.evictable, inlined: once per block of the chain.
+                if (
+                    e.ref != 0
+                    or e.cascading != 0
+                    or e.fill is not Fill.NONE
+                    or node in prot
+                    or e.slot in held
+                ):
                     blocked.update(path[: path.index(node) + 1])
                     return len(path)
                 victims.append(node)

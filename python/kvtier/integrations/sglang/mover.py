@@ -29,6 +29,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,6 +49,17 @@ _WAIT_SLICE_S = 5.0
 STAGING_PAGES = 128
 #: The most staging memory a pool gets by default (large pages: fewer slots).
 STAGING_MAX_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One :meth:`PageMover.store` or :meth:`PageMover.load` call: its keys,
+    their pages' addresses, and per key whether it succeeded so far (the
+    parts of the call fill ``ok`` in)."""
+
+    keys: Sequence[bytes]
+    pages: np.ndarray
+    ok: list[bool]
 
 
 class PageMover:
@@ -277,7 +289,8 @@ class PageMover:
         already, or this write succeeded). Blocks until written."""
         if not self.writable:  # another rank writes these pages
             return [True] * len(keys)
-        ok = [False] * len(keys)
+        call = _Call(keys, pages, [False] * len(keys))
+        ok = call.ok
         with self._dir_locks["store"]:
             todo = self._to_store(keys, ok)
             while todo:
@@ -285,7 +298,7 @@ class PageMover:
                 if not slots:  # every slot held by a timed-out job
                     break
                 part, todo = todo[: len(slots)], todo[len(slots) :]
-                self._store_part(keys, pages, part, slots[: len(part)], ok)
+                self._store_part(call, part, slots[: len(part)])
         self._count("pages_stored", sum(ok), "store_failures", len(ok) - sum(ok))
         return ok
 
@@ -304,16 +317,10 @@ class PageMover:
                     todo.append(i)
         return todo
 
-    def _store_part(
-        self,
-        keys: Sequence[bytes],
-        pages: np.ndarray,
-        part: list[int],
-        slots: list[int],
-        ok: list[bool],
-    ) -> None:
-        """Gather ``pages[part]`` into ``slots`` and write them, piece by
+    def _store_part(self, call: _Call, part: list[int], slots: list[int]) -> None:
+        """Gather ``call.pages[part]`` into ``slots`` and write them, piece by
         piece: a piece's writes run while the next piece is gathered."""
+        keys, pages = call.keys, call.pages
         pending: list[tuple[JobTier, int | None, list[int], list[int]]] = []
         kept_keys: list[bytes] = []
         step = self._step(len(part), self.writable)
@@ -332,7 +339,7 @@ class PageMover:
             with self._lock:
                 pending += [(t, t.submit_store(pkeys, ps), pp, ps) for t in self.writable]
             kept_keys += [pkeys[j] for j, _ in kept]
-        self._end_stores(pending, ok)
+        self._end_stores(pending, call.ok)
         self._end_host(kept_keys, True)
 
     def _reserve_host(self, keys: list[bytes]) -> list[tuple[int, int]]:
@@ -378,7 +385,8 @@ class PageMover:
         holds, or whose record fails a check, is False and its page in the
         pool untouched. Tiers are tried in order (a page the disk lost
         comes from Redis). Blocks until read."""
-        ok = [False] * len(keys)
+        call = _Call(keys, pages, [False] * len(keys))
+        ok = call.ok
         with self._dir_locks["load"]:
             self._load_host(keys, pages, ok)
             for tier in self.tiers:
@@ -393,7 +401,7 @@ class PageMover:
                     if not slots:
                         break
                     part, want = want[: len(slots)], want[len(slots) :]
-                    self._load_part(tier, keys, pages, part, slots[: len(part)], ok)
+                    self._load_part(tier, call, part, slots[: len(part)])
         self._count("pages_loaded", sum(ok), "load_failures", len(ok) - sum(ok))
         return ok
 
@@ -421,15 +429,10 @@ class PageMover:
             for i, _ in found:
                 ok[i] = True
 
-    def _load_part(
-        self,
-        tier: JobTier,
-        keys: Sequence[bytes],
-        pages: np.ndarray,
-        part: list[int],
-        slots: list[int],
-        ok: list[bool],
-    ) -> None:
+    def _load_part(self, tier: JobTier, call: _Call, part: list[int], slots: list[int]) -> None:
+        """Read ``call.keys[part]`` from ``tier`` into ``slots`` and scatter
+        each piece into its pages while the later pieces are read."""
+        keys, pages, ok = call.keys, call.pages, call.ok
         step = self._step(len(part), [tier])
         reads = []
         with self._lock:
