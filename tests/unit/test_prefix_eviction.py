@@ -244,3 +244,155 @@ def test_an_interleaved_replay_strands_fewer_blocks_and_hits_more() -> None:
         got[aware] = run_interleaved(Replayer(m), trace, 16)
     assert got[True].hits > got[False].hits
     assert got[True].stranded_mean["host"] < got[False].stranded_mean["host"]
+
+
+# -- the walk's hint -------------------------------------------------------------
+class _NoHints(HostTier):
+    """The host tier walking every chain from the block the policy names, as
+    it did before the hint: the reference the hinted walk must agree with."""
+
+    def _hint(self, root: bytes, deepest: bytes, entry: object) -> None:
+        pass
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=st.sampled_from(POLICIES),
+    ops=st.lists(
+        st.tuples(
+            st.integers(0, 5),  # which request: its chain grows offer by offer
+            st.integers(1, 4),  # blocks it offers now
+            st.sampled_from(["none", "pin", "finish", "drop"]),
+        ),
+        min_size=1,
+        max_size=60,
+    ),
+)
+def test_the_hint_changes_the_work_never_the_victims(
+    policy: str, ops: list[tuple[int, int, str]]
+) -> None:
+    """Requests growing their chains over many offers (a hint per chain),
+    with pins, finished requests and dropped blocks (chains cut) between:
+    every allocation evicts exactly what the walk from the policy's block
+    evicts, in the same order."""
+    a = TieredOffloadingManager(HostTier(None, 10, policy=policy))
+    b = TieredOffloadingManager(_NoHints(None, 10, policy=policy))
+    grown = [0] * 6
+    pinned: list[bytes] = []
+    for req, n, what in ops:
+        ctx = SimpleNamespace(req_id=f"r{req}")
+        keys = [K(req * 1000 + grown[req] + j) for j in range(n)]
+        grown[req] += n
+        outs = [m.prepare_store(keys, ctx) for m in (a, b)]
+        assert [o and (o.keys_to_store, o.evicted_keys) for o in outs] == [
+            o and (o.keys_to_store, o.evicted_keys) for o in outs[::-1]
+        ]
+        for m, o in zip((a, b), outs, strict=True):
+            if o is not None:
+                m.complete_store(o.keys_to_store, ctx)
+            m.on_schedule_end()
+        if what == "pin" and keys[0] in a.host.entries and a.host.entries[keys[0]].ref == 0:
+            for m in (a, b):
+                m.prepare_load([keys[0]])
+            pinned.append(keys[0])
+        elif what == "finish":
+            for m in (a, b):
+                m.on_request_finished(ctx)
+        elif what == "drop" and keys[-1] in a.host.entries and a.host.entries[keys[-1]].ref == 0:
+            # The middle of a chain leaves (a failed load drops it): a cut.
+            for m in (a, b):
+                m.host.drop(keys[-1] if n == 1 else keys[0])
+        if len(pinned) > 2:
+            k = pinned.pop(0)
+            for m in (a, b):
+                m.complete_load([k])
+        assert a.host.entries.keys() == b.host.entries.keys()
+
+
+def test_one_long_chain_walks_a_bounded_number_of_blocks_per_allocation() -> None:
+    """One request offering 5,000 blocks one at a time into 2,500 slots (as
+    `kvtier bench vllm` does): each allocation takes the chain's tail, found
+    from where the last walk ended, not by walking the chain from its oldest
+    block (2,500 blocks a time before the hint)."""
+    m = make(2500, "lru")
+    host = m.host
+    walks: list[int] = []
+    take = host._take_chain
+
+    def counted(*args: object) -> int:
+        n = take(*args)  # type: ignore[arg-type]
+        walks.append(n)
+        return n
+
+    host._take_chain = counted  # type: ignore[method-assign]
+    ctx = SimpleNamespace(req_id="long")
+    for i in range(5000):
+        evicted = store(m, [K(i)], ctx)
+        if i >= 2500:
+            assert evicted == [K(4999 - i)]  # the tail of the chain left behind
+    # The first walk goes down from the oldest block; each later one starts
+    # where the last ended (the last allocation takes K(0), a chain of one).
+    assert walks[0] == 2500 and len(walks) == 2499
+    assert max(walks[1:]) == 1
+
+
+@pytest.mark.parametrize("cut", ["drop", "evicted in the policy's order"])
+def test_a_cut_chain_is_walked_again_from_the_block_the_policy_names(cut: str) -> None:
+    """A hint left below a block that leaves with blocks after it (a failed
+    load drops it, or too few tails could go) no longer lies on the named
+    block's chain: the walk starts from that block again."""
+
+    def run(tier: HostTier) -> list[bytes]:
+        for i in range(7):  # K0 <- K1 <- ... <- K6, K0 the oldest
+            got = tier.allocate(1)
+            assert got is not None
+            tier.add_writing(K(i), got[0][0], parent=K(i - 1) if i else None)
+            tier.mark_ready(K(i))
+
+        def evict(n: int, protected: set[bytes] | None = None) -> list[bytes]:
+            got = tier.allocate(n, protected or set())
+            assert got is not None
+            return got[1]
+
+        gone = evict(1)  # the tail, K6; the walk from K0 ended at K5
+        if cut == "drop":
+            tier.drop(K(3))
+            gone += evict(2)  # K3's slot and one evicted
+        else:
+            # K5 cannot go, so K3 <- K4 <- K5 cannot: K3 is taken in the
+            # policy's order (K0-K2 offered), leaving K0 <- K1 <- K2.
+            gone += evict(1, {K(0), K(1), K(2), K(5)})
+            gone += evict(1)
+        return gone
+
+    hinted, walked = run(HostTier(None, 7)), run(_NoHints(None, 7))
+    assert walked == [K(6), K(2)] if cut == "drop" else [K(6), K(3), K(2)]
+    assert hinted == walked
+
+
+def test_a_branch_below_the_named_block_is_walked_whole() -> None:
+    """A second block after one between the named block and the hint (a
+    request that shared part of the prefix): the walk covers both branches
+    again, and a block still followed by the other branch never goes first."""
+
+    def run(tier: HostTier) -> list[bytes]:
+        def put(key: bytes, parent: bytes | None) -> None:
+            got = tier.allocate(1)
+            assert got is not None
+            tier.add_writing(key, got[0][0], parent=parent)
+            tier.mark_ready(key)
+
+        for i in range(6):  # K0 <- ... <- K5
+            put(K(i), K(i - 1) if i else None)
+        got = tier.allocate(1)  # K5 goes; the walk from K0 ended at K4
+        assert got is not None
+        (slot,), gone = got
+        tier.add_writing(K(99), slot, parent=K(2))  # K2 <- K99 beside K2 <- K3 <- K4
+        tier.mark_ready(K(99))
+        got = tier.allocate(3)
+        assert got is not None
+        return gone + got[1]
+
+    hinted, walked = run(HostTier(None, 6)), run(_NoHints(None, 6))
+    assert set(walked[1:]) == {K(3), K(4), K(99)}  # K2 stays while a block after it does
+    assert hinted == walked
