@@ -51,6 +51,20 @@ class HostEntry:
         return self.ref == 0 and self.cascading == 0 and self.fill is Fill.NONE
 
 
+@dataclass(slots=True)
+class _Taking:
+    """One allocation's search for victims (:meth:`HostTier._victims`): how
+    many it needs, those taken so far (in order and as a set), the blocks
+    that cannot go because they or a block after them cannot, and the
+    protected keys."""
+
+    need: int
+    victims: list[bytes]
+    taken: set[bytes]
+    blocked: set[bytes]
+    prot: Container[bytes]
+
+
 class SlotHolds:
     """Slots a timed-out job may still read or write: a slot released while
     held goes back to ``free`` (the owner's free list) only when its last
@@ -239,8 +253,8 @@ class HostTier:
                     if len(victims) == need:
                         break
             return victims
-        taken: set[bytes] = set()
-        blocked: set[bytes] = set()  # cannot go: itself or a block after it cannot
+        t = _Taking(need, victims, set(), set(), prot)
+        taken, blocked = t.taken, t.blocked
         # Work bound: a chain whose tail cannot go (pinned, being written,
         # offered) is walked once per allocation; past this many blocks
         # walked the policy's order alone decides the rest.
@@ -254,7 +268,7 @@ class HostTier:
                     victims.append(key)
                     taken.add(key)
             elif key not in taken and key not in blocked:
-                budget -= self._take_chain(key, need, victims, taken, blocked, prot)
+                budget -= self._take_chain(key, t)
             if len(victims) == need or budget <= 0:
                 break
         if len(victims) < need:
@@ -269,20 +283,13 @@ class HostTier:
                         break
         return victims
 
-    def _take_chain(
-        self,
-        root: bytes,
-        need: int,
-        victims: list[bytes],
-        taken: set[bytes],
-        blocked: set[bytes],
-        prot: Container[bytes],
-    ) -> int:
+    def _take_chain(self, root: bytes, t: _Taking) -> int:
         """Takes the blocks after ``root`` (all its resident descendants),
-        deepest first, then ``root``, into ``victims`` until ``need``; a block
-        with a descendant that cannot go is ``blocked``. Iterative: chains run
-        thousands of blocks deep. Returns the blocks walked."""
+        deepest first, then ``root``, into ``t.victims`` until ``t.need``; a
+        block with a descendant that cannot go is ``t.blocked``. Iterative:
+        chains run thousands of blocks deep. Returns the blocks walked."""
         entries, held = self.entries, self._held
+        need, victims, taken, blocked, prot = t.need, t.victims, t.taken, t.blocked, t.prot
         # A plain chain (one block after each): walk down, take from the end.
         root_e = start_e = entries[root]
         start = root
@@ -308,7 +315,7 @@ class HostTier:
             path_entries.append(ce)
             kids = ce.kids
         if kids is None:
-            return self._take_tail(root, path, path_entries, need, victims, taken, blocked, prot)
+            return self._take_tail(root, path, path_entries, t)
         walked = 0
         stack: list[tuple[bytes, Iterator[bytes]]] = [(root, iter(entries[root].kids or ()))]
         while stack:
@@ -338,15 +345,7 @@ class HostTier:
         return walked + 1
 
     def _take_tail(
-        self,
-        root: bytes,
-        path: list[bytes],
-        path_entries: list[HostEntry],
-        need: int,
-        victims: list[bytes],
-        taken: set[bytes],
-        blocked: set[bytes],
-        prot: Container[bytes],
+        self, root: bytes, path: list[bytes], path_entries: list[HostEntry], t: _Taking
     ) -> int:
         """:meth:`_take_chain` of a plain chain walked down to its tail along
         ``path`` (from ``root``, or from a hint below it): takes from the tail
@@ -355,6 +354,7 @@ class HostTier:
         ``blocked``. Leaves the hint for the next walk. Returns the blocks
         walked."""
         entries, held = self.entries, self._held
+        need, victims, taken, blocked, prot = t.need, t.victims, t.taken, t.blocked, t.prot
         walked = len(path)
         i = walked - 1
         node, e = path[i], path_entries[i]
