@@ -28,6 +28,7 @@ from engine.test_vllm_engine import (  # noqa: F401  (engine_python: a fixture)
     _outputs,
     engine_python,
     run_engine,
+    run_none_and_prefix,
 )
 from kvtier.bench.serve import HYBRID_BLOCK_TOKENS
 from kvtier.bench.vllm_engine import Sessions
@@ -56,8 +57,7 @@ def test_hybrid_model_loads_prefixes_token_identical_to_recomputing(
     every chunk loaded came from kvtier's host tier: the attention group's
     chunks of the prefix and the linear-attention group's last one."""
     base = {**BASE, "model": hybrid_model}
-    none = run_engine(engine_python, tmp_path / "none", {**base, "mode": "none"})
-    prefix = run_engine(engine_python, tmp_path / "prefix", {**base, "mode": "prefix"})
+    none, prefix = run_none_and_prefix(engine_python, tmp_path / "refs", base)
     hits = {r["id"]: r["cached_tokens"] for r in prefix.requests}
     assert sum(hits.values()) > 0, hits
     assert len({tuple(o) for o in _outputs(none).values()}) > 1

@@ -16,7 +16,11 @@ request: everything recomputed), ``prefix`` (vLLM's
 own prefix cache, never reset: the reference), ``kvtier`` (kvtier's spec,
 vLLM's prefix cache reset after every request so a returning prefix can only
 come from offloading) and ``vllm-cpu-offload`` (vLLM's own CPU offloading,
-where the platform allows it).
+where the platform allows it). ``none`` and ``prefix`` start the same engine
+(prefix caching on), so a spec may ask for both of them from one engine with
+``"passes": ["none", "prefix"]``: the result then holds one result per pass
+under ``"passes"``, each with that pass's counters (an engine start is ~30 s
+here, most of an engine test's time).
 
 A command-line tool's child process: never imported by the library.
 """
@@ -251,6 +255,11 @@ def _llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import KVTransferConfig
 
     mode = spec["mode"]
+    passes = spec.get("passes")
+    if passes and not set(passes) <= {"none", "prefix"}:
+        raise ValueError(f"passes {passes!r}: only 'none' and 'prefix' share an engine")
+    if passes:
+        mode = "prefix"
     kw: dict[str, Any] = {
         "model": spec["model"],
         "skip_tokenizer_init": True,
@@ -314,6 +323,17 @@ def _counters(llm: Any) -> dict[str, Any]:
         elif m.name.startswith("vllm:kv_offload_kvtier_"):
             key = m.name[len("vllm:kv_offload_kvtier_") :]
             out.setdefault("kvtier", {})[key] = out.get("kvtier", {}).get(key, 0) + value
+    return out
+
+
+def _since(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """Counters ``now`` less ``before`` (both from :func:`_counters`), key by key."""
+    out: dict[str, Any] = {}
+    for k, v in now.items():
+        if isinstance(v, dict):
+            out[k] = _since(v, before.get(k, {}))
+        else:
+            out[k] = v - before.get(k, 0)
     return out
 
 
@@ -429,20 +449,25 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     except Exception as e:
         return {"mode": spec["mode"], "refused": f"{type(e).__name__}: {e}"}
     started = time.perf_counter() - t0
-    t1 = time.perf_counter()
     scenario = _abort if spec.get("scenario", "sessions") == "abort" else _serve
-    reqs = scenario(llm, spec)
-    elapsed = time.perf_counter() - t1
-    result = {
-        "mode": spec["mode"],
-        "block_size": spec.get("block_size", 32),
-        "startup_s": started,
-        "workload_s": elapsed,
-        "requests": reqs,
-        "counters": _counters(llm),
-    }
+    results: dict[str, Any] = {}
+    before: dict[str, Any] = {}
+    for mode in spec.get("passes") or [spec["mode"]]:
+        t1 = time.perf_counter()
+        reqs = scenario(llm, {**spec, "mode": mode})
+        elapsed = time.perf_counter() - t1
+        counters = _counters(llm)
+        results[mode] = {
+            "mode": mode,
+            "block_size": spec.get("block_size", 32),
+            "startup_s": started,
+            "workload_s": elapsed,
+            "requests": reqs,
+            "counters": _since(counters, before),
+        }
+        before = counters
     llm.llm_engine.engine_core.shutdown()
-    return result
+    return {"passes": results} if spec.get("passes") else results[spec["mode"]]
 
 
 def main(argv: list[str]) -> int:

@@ -424,6 +424,36 @@ class HostTier:
                     self._cuts += 1
         return e
 
+    def add_writing_many(
+        self, keys: list[bytes], slots: list[int], parents: list[bytes | None] | None = None
+    ) -> None:
+        """:meth:`add_writing` of each key into its slot (with its parent,
+        ``parents`` in the same order), for a store's offer in one call: the
+        store path's per-key calls were 3% of kvtier bench manager's cycle
+        (callgrind, 16-key offers)."""
+        entries, owner = self.entries, self._owner
+        if parents is None or not self.prefix_aware:
+            for k, s in zip(keys, slots):
+                entries[k] = HostEntry(s)
+                owner[s] = k
+            return
+        links = cuts = 0
+        for k, s, p in zip(keys, slots, parents):
+            e = entries[k] = HostEntry(s)
+            owner[s] = k
+            if p is not None and p != k:
+                pe = entries.get(p)  # only a resident parent, as in add_writing
+                if pe is not None:
+                    e.parent = p
+                    links += 1
+                    if pe.kids is None:
+                        pe.kids = {k}
+                    else:
+                        pe.kids.add(k)
+                        cuts += 1
+        self._links += links
+        self._cuts += cuts
+
     def _unlink(self, key: bytes, e: HostEntry) -> None:
         """``key`` (entry ``e``) left: its parent has one resident child fewer."""
         p = e.parent
