@@ -175,7 +175,16 @@ def tree_resources(pid: int) -> dict[str, Any]:
             continue  # the process ended meanwhile
         rss, fds, threads = rss + r, fds + len(links), threads + t
         name = fields.get("Name", "?").strip()
-        procs[f"{name}-{p}"] = {"rss_kib": r, "fds": len(links), "threads": t}
+        procs[f"{name}-{p}"] = {
+            "rss_kib": r,
+            # RSS split: private (heap), file-backed, shared memory (kvtier's pools).
+            **{
+                f"{k[3:].lower()}_kib": int(fields.get(k, "0 kB").split()[0])
+                for k in ("RssAnon", "RssFile", "RssShmem")
+            },
+            "fds": len(links),
+            "threads": t,
+        }
     return {
         "rss_kib": rss,
         "fds": fds,
