@@ -226,7 +226,7 @@ def scrape_all(base_url: str) -> dict[str, float]:
     return out
 
 
-def _server(
+def start_soak_server(
     python: str,
     model: str,
     cfg: ServerSoakConfig,
@@ -234,6 +234,9 @@ def _server(
     log: Path,
     env: dict[str, str],
 ) -> Any:
+    """vLLM's OpenAI server with the soak's sizes, with kvtier (``extra``: its
+    ``kv_connector_extra_config``) or without (None: the reference). Who
+    calls: the soak, ``bench/soak_rss_control.py``. Blocks until it answers."""
     from kvtier.bench.redis_server import free_port
     from kvtier.bench.serve_load import EngineSettings, Server, server_command
 
@@ -392,7 +395,9 @@ def run_server_soak(
             )
             + f"; {redis.url}"
         )
-        server = _server(python, str(model), cfg, extra, logs / f"server-{stamp}.log", env)
+        server = start_soak_server(
+            python, str(model), cfg, extra, logs / f"server-{stamp}.log", env
+        )
         log(f"  server up in {server.startup_s:.0f} s")
         port = int(server.base_url.rsplit(":", 1)[1])
         client = OpenLoop("127.0.0.1", port, str(model))
@@ -458,7 +463,7 @@ def run_server_soak(
             f"replaying on the reference server"
         )
         ref_t = time.perf_counter()
-        ref = _server(python, str(model), cfg, None, logs / f"reference-{stamp}.log", env)
+        ref = start_soak_server(python, str(model), cfg, None, logs / f"reference-{stamp}.log", env)
         try:
             rport = int(ref.base_url.rsplit(":", 1)[1])
             wanted = [r for r in reqs if r.status == "answered" or r.tokens]
