@@ -467,7 +467,12 @@ def run_server_soak(
         try:
             rport = int(ref.base_url.rsplit(":", 1)[1])
             wanted = [r for r in reqs if r.status == "answered" or r.tokens]
+            # The reference's memory before and after the same prompts: vLLM's
+            # own growth without kvtier (its worker grows under this load;
+            # bench/results/soak-server/rss-control/).
+            ref_memory = {"start": tree_resources(ref.proc.pid)}
             reference = replay("127.0.0.1", rport, str(model), wanted, cfg.reference_concurrency)
+            ref_memory["end"] = tree_resources(ref.proc.pid)
             batched = _batched_check(rport, str(model), wanted, reference, arrivals)
         finally:
             ref.stop()
@@ -490,6 +495,7 @@ def run_server_soak(
         "server_stop_s": round(stop_s, 1),
         "server_exit": server_rc,
         "reference_s": round(reference_s, 1),
+        "reference_memory": ref_memory,
         "redis_keys_at_end": int(redis_keys or 0),
         "crashes": crashes,
         "kvtier_stats": stats,

@@ -361,6 +361,7 @@ def report(result: dict[str, Any]) -> str:
             f"{e.get('ttft_max_ms')} ms, {e.get('failed', 0)} failed); {e.get('metrics_grew', {})}"
         )
     lines.append(f"TTFT p50 outside faults: {result.get('ttft_p50_outside_faults_ms')} ms")
+    lines += _worker_memory(result)
     lines.append("verdict:")
     lines += [
         f"  {'PASS' if c['passed'] else 'FAIL'}  {c['name']}: {c['detail']}"
@@ -368,6 +369,28 @@ def report(result: dict[str, Any]) -> str:
     ]
     lines.append(f"soak --server {'PASSED' if result['passed'] else 'FAILED'}")
     return "\n".join(lines)
+
+
+def _worker_memory(result: dict[str, Any]) -> list[str]:
+    """vLLM's worker's anonymous memory (MiB) from the first to the last
+    sample, on the soak's server and on the reference over the same prompts:
+    the reference says how much of a growth is vLLM's own."""
+
+    def anon(sample: dict[str, Any]) -> int:
+        procs = sample.get("processes", {})
+        return int(sum(v.get("anon_kib", 0) for k, v in procs.items() if "Worker" in k)) >> 10
+
+    out = []
+    live = [s for s in result["samples"] if s.get("event") != "final"]
+    if live and anon(live[-1]):  # runs before the RSS split have no anon_kib
+        out.append(f"vLLM worker anonymous memory: {anon(live[0])} -> {anon(live[-1])} MiB")
+    ref = result.get("reference_memory")
+    if ref:
+        out.append(
+            f"  on the reference (no kvtier, the same prompts): "
+            f"{anon(ref['start'])} -> {anon(ref['end'])} MiB"
+        )
+    return out
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
