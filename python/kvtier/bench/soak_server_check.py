@@ -371,15 +371,18 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _anon_mib(sample: dict[str, Any]) -> int:
+    """vLLM's worker's anonymous memory in a sample (MiB; 0 before the split)."""
+    procs = sample.get("processes", {})
+    return int(sum(v.get("anon_kib", 0) for k, v in procs.items() if "Worker" in k)) >> 10
+
+
 def _worker_memory(result: dict[str, Any]) -> list[str]:
     """vLLM's worker's anonymous memory (MiB) from the first to the last
     sample, on the soak's server and on the reference over the same prompts:
     the reference says how much of a growth is vLLM's own."""
 
-    def anon(sample: dict[str, Any]) -> int:
-        procs = sample.get("processes", {})
-        return int(sum(v.get("anon_kib", 0) for k, v in procs.items() if "Worker" in k)) >> 10
-
+    anon = _anon_mib
     out = []
     live = [s for s in result["samples"] if s.get("event") != "final"]
     if live and anon(live[-1]):  # runs before the RSS split have no anon_kib
@@ -431,6 +434,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     sx = [(s["t"] - t0) / 60 for s in ss]
     ax[2].plot(sx, [s["rss_kib"] / 1024 for s in ss], ".-", label="RSS, all server processes")
     ax[2].plot(sx, [s["shm_mib"] for s in ss], ".-", label="shared memory mapped")
+    if ss and _anon_mib(ss[-1]):
+        ax[2].plot(sx, [_anon_mib(s) for s in ss], ".-", label="vLLM worker, anonymous")
     ax[2].set_ylabel("MiB")
     ax[2].legend(loc="center right", fontsize=8)
     ax[3].plot(sx, [s["fds"] for s in ss], ".-", label="open fds")
