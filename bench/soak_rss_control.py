@@ -4,12 +4,13 @@ grew from 679 MiB to 1,470 MiB over the 30-minute serving soak.)
 A command-line tool (its own process; blocks for ``--minutes`` plus a server
 start); run by hand from the repository root with kvtier's venv:
 
-    .venv/bin/python bench/soak_rss_control.py kvtier --minutes 6
-    .venv/bin/python bench/soak_rss_control.py baseline --minutes 6
-    .venv/bin/python bench/soak_rss_control.py baseline --env MALLOC_MMAP_THRESHOLD_=131072
+    .venv/bin/python bench/soak_rss_control.py kvtier --minutes 6 --cpu-defaults
+    .venv/bin/python bench/soak_rss_control.py baseline --minutes 6 --cpu-defaults
+    .venv/bin/python bench/soak_rss_control.py baseline --minutes 5
 
 It starts the serving soak's server (``kvtier bench soak --server``'s model,
-sizes and settings) with kvtier on host + disk + Redis (``kvtier``), on the
+sizes and settings, its ``CPU_MEMORY_ENV`` included unless
+``--cpu-defaults``) with kvtier on host + disk + Redis (``kvtier``), on the
 host tier alone (``host``), or without kvtier (``baseline``: vLLM's prefix
 cache only), drives it with the soak's open-loop client and workload (the
 same seed: the same requests at the same rate) and no fault, and samples the
@@ -35,7 +36,13 @@ from typing import Any
 
 from kvtier.bench.redis_server import RedisServer
 from kvtier.bench.serve_load_plan import kv_bytes_per_block
-from kvtier.bench.soak_server import ServerSoakConfig, process_tree, start_soak_server
+from kvtier.bench.soak_server import (
+    CPU_MEMORY_ENV,
+    ServerSoakConfig,
+    process_tree,
+    server_env,
+    start_soak_server,
+)
 from kvtier.bench.soak_server_client import OpenLoop, Workload
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=6.0)
     ap.add_argument("--python", default=str(REPO / ".venv-engine" / "bin" / "python"))
     ap.add_argument("--env", action="append", default=[], help="K=V for the server (repeatable)")
+    ap.add_argument(
+        "--cpu-defaults",
+        action="store_true",
+        help="without the soak's CPU_MEMORY_ENV (oneDNN's and glibc's defaults, as before 28 Nov)",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "build" / "soak-rss-control")
     args = ap.parse_args(argv)
     cfg = ServerSoakConfig(minutes=args.minutes, kinds=())
@@ -78,13 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             "kvtier_disk_bytes": cfg.disk_bytes,
             "kvtier_remote_url": redis.url,
         }
-    env = {
-        **os.environ,
-        "PYTHONHASHSEED": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "0",
-        **dict(kv.split("=", 1) for kv in args.env),
-    }
+    env = server_env()
+    if args.cpu_defaults:
+        for k in CPU_MEMORY_ENV:
+            if k not in os.environ:
+                env.pop(k)
+    env.update(kv.split("=", 1) for kv in args.env)
     server = start_soak_server(args.python, str(model), cfg, extra, work / "server.log", env)
     samples: list[dict[str, Any]] = []
     try:

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvtier.bench.soak_server import SERVER_FAULT_KINDS, ServerSoakConfig, server_fault_schedule
+import pytest
+from kvtier.bench.soak_server import (
+    SERVER_FAULT_KINDS,
+    ServerSoakConfig,
+    server_env,
+    server_fault_schedule,
+)
 from kvtier.bench.soak_server_client import Workload
 
 
@@ -35,3 +41,16 @@ def test_a_conversations_turns_extend_its_prompt_and_fresh_prompts_are_new() -> 
     assert w.next(set(w.convs)).kind == "fresh"  # every conversation in flight: a fresh prompt
     assert all(r.max_tokens == w.max_tokens for r in again)
     assert Workload(seed=3).next(set()).prompt == Workload(seed=3).next(set()).prompt
+
+
+def test_the_servers_bound_the_cpu_builds_memory_unless_the_caller_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    env = server_env()
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"
+    assert env["MALLOC_MMAP_THRESHOLD_"] == "131072"
+    assert env["PYTHONHASHSEED"] == "0"
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
+    assert server_env()["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"

@@ -226,6 +226,35 @@ def scrape_all(base_url: str) -> dict[str, float]:
     return out
 
 
+#: The CPU build's settings that bound its own memory (both servers, the
+#: caller's environment first). oneDNN compiles a GEMM primitive per shape
+#: and caches up to 1,024 of them; batches of 1-1,024 tokens keep making new
+#: ones, so vLLM's worker grew by 438 MiB in 345 s without kvtier as with it
+#: (bench/results/soak-server/rss-control/, 464 -> 902 MiB, still rising).
+#: Capped at 16 primitives and with blocks of 128 KiB and more mapped on
+#: their own (glibc, so a freed primitive's memory goes back rather than
+#: fragmenting the heap), the same load holds the worker flat within a
+#: minute (496-503 MiB from 30 s to 195 s).
+CPU_MEMORY_ENV = {
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16",
+    "MALLOC_MMAP_THRESHOLD_": "131072",
+}
+
+
+def server_env() -> dict[str, str]:
+    """The environment of the soak's servers (kvtier's and the reference):
+    deterministic hashing, vLLM's CPU KV cache and threads, and
+    :data:`CPU_MEMORY_ENV` unless the caller's environment sets them. Who
+    calls: the soak, ``bench/soak_rss_control.py``."""
+    return {
+        **CPU_MEMORY_ENV,
+        **os.environ,
+        "PYTHONHASHSEED": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "0",
+    }
+
+
 def start_soak_server(
     python: str,
     model: str,
@@ -371,12 +400,7 @@ def run_server_soak(
         "kvtier_remote_url": redis.url,
         "kvtier_stats_path": str(stats_path),
     }
-    env = {
-        **os.environ,
-        "PYTHONHASHSEED": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "0",
-    }
+    env = server_env()
     workload = Workload(seed=cfg.seed, max_tokens=cfg.max_tokens)
     arrivals = random.Random(cfg.seed + 2)
     samples: list[dict[str, Any]] = []
@@ -488,6 +512,7 @@ def run_server_soak(
     result: dict[str, Any] = {
         "component": "soak-server",
         "config": {**dataclasses.asdict(cfg), "warmup_s": cfg.warmup_s, "sample_s": cfg.sample_s},
+        "server_env": {k: env[k] for k in CPU_MEMORY_ENV},
         "machine": machine_facts(),
         "t0": t0,
         "disk_on_tmpfs": fs.reason == "",
