@@ -232,6 +232,7 @@ def test_read_ahead_checks_past_a_key_the_worker_streams(redis_standalone: Any) 
             keys = [K(i) for i in range(7)]
             assert [m.lookup(k, Ctx(keys)) for k in keys] == [HIT] * 6 + [MISS]
             assert m.stats.scan_waits == 1 and m.stats.scan_reads == 0 and len(m.host) == 0
+            assert all(m.may_fail_to_load(k) for k in keys[:6])  # the worker streams them
             assert tier.stats()["loads"] == 0
             spec = m.prepare_load(keys[:6], Ctx(keys))
             assert list(spec.slots) == [-1] * 6 and spec.stream is not None
@@ -292,6 +293,7 @@ def test_a_fenced_read_ahead_is_hit_before_its_values_and_the_copy_waits(fenced:
         assert [m.lookup(k, Ctx(keys)) for k in keys] == [HIT] * 4
         assert m.stats.scan_waits == 0 and m.stats.fenced_reads == 4
         assert m.occupancy()["writing"] == 4 and m.host.free_slots == 12
+        assert all(m.may_fail_to_load(k) for k in keys)  # HIT before the bytes
         spec = m.prepare_load(keys, Ctx(keys))
         assert spec.fences is not None and all(spec.fences)
         kv = np.zeros((8, BLOCK), np.uint8)
@@ -310,6 +312,7 @@ def test_a_fenced_read_ahead_is_hit_before_its_values_and_the_copy_waits(fenced:
     m.complete_load(keys, Ctx(keys))
     assert m.occupancy()["writing"] == 0 and m.occupancy()["pinned"] == 0
     assert all(m.host.entries[k].evictable for k in keys)
+    assert not any(m.may_fail_to_load(k) for k in keys)  # in ready host slots now
 
 
 def test_a_fenced_read_that_fails_fails_its_copy_and_is_dropped(fenced: Fenced) -> None:

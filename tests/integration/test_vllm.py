@@ -1005,6 +1005,7 @@ def test_sync_loads_budget_and_fresh_blocks() -> None:
     assert s.reserve(req("a", 400), 0, 300)  # 600 bytes
     assert not s.reserve(req("b", 400), 0, 300)  # 1,200 would pass the budget
     assert not s.reserve(req("c", 300), 0, 300)  # nothing left to compute
+    assert not s.reserve(req("e", 400), 0, 10, may_fail=True)  # a fenced fill or a stream
     assert s.reserve(req("d", 300), 32, 150)  # 300 more: 900
     assert s.requests == {"a", "d"}
     s.jobs.update({7, 9})

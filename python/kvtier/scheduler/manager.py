@@ -150,6 +150,17 @@ class TieredOffloadingManager:
                 self._miss_prev[key] = prev
         return r
 
+    def may_fail_to_load(self, key: bytes) -> bool:
+        """Whether a load of ``key``, a HIT now, can still fail: its bytes are
+        not in a ready host slot yet (a fenced fill under way) or the engine's
+        worker reads them from a lower tier itself (a stream). Who calls: the
+        vLLM shim, right after the lookup (its synchronous loads must be ones
+        that cannot fail). Non-blocking."""
+        e = self._core.host.get(key)
+        if e is None:
+            return self._streams.tier_of(key) is not None
+        return e.fill is not Fill.NONE
+
     def _scan_parent(self, key: bytes) -> bytes | None:
         """The key a scan looked up just before ``key``, of its chain."""
         p = self._scan_prev

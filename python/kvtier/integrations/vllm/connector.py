@@ -111,16 +111,23 @@ class KVTierConnector(OffloadingConnector):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         """OffloadingConnector's; under vLLM 0.32 a hit that fits the step's
-        budget is reported synchronous (loaded before this step's forward
-        pass). Called by vLLM's scheduler for each waiting request it
+        budget and cannot fail to load (no fenced fill, no stream: see
+        KVTierManager.risky_hits) is reported synchronous (loaded before
+        this step's forward pass). Called by vLLM's scheduler for each waiting request it
         considers; non-blocking beyond the manager's lookup."""
-        hit, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         sync = self._sync
+        manager: Any = self.scheduler.manager if sync is not None else None
+        risky: set[Any] = getattr(manager, "risky_hits", set())
+        if manager is not None and hasattr(manager, "track_risky"):
+            manager.track_risky = True
+        hit, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        may_fail = request.request_id in risky
+        risky.discard(request.request_id)
         if (
             sync is not None
             and hit
             and load_async
-            and sync.reserve(request, num_computed_tokens, hit)
+            and sync.reserve(request, num_computed_tokens, hit, may_fail)
         ):
             return hit, False
         return hit, load_async
@@ -325,14 +332,22 @@ class _SyncLoads:
         # Sync load job -> its request, until the job's completion is processed.
         self.pending: dict[int, str] = {}
 
-    def reserve(self, request: Any, num_computed_tokens: int, hit: int) -> bool:
-        """Whether ``hit`` tokens of ``request`` load this step: one token at
-        least is left to compute (or nothing would be scheduled), and the
-        step's budget holds them (sliding-window groups, which load only
-        their window, are counted whole, as vLLM 0.33 does)."""
+    def reserve(
+        self, request: Any, num_computed_tokens: int, hit: int, may_fail: bool = False
+    ) -> bool:
+        """Whether ``hit`` tokens of ``request`` load this step: the load
+        cannot fail (``may_fail``: a fenced fill or a stream among them; see
+        KVTierManager.risky_hits), one token at least is left to compute (or
+        nothing would be scheduled), and the step's budget holds them
+        (sliding-window groups, which load only their window, are counted
+        whole, as vLLM 0.33 does)."""
         self.requests.discard(request.request_id)
         size = hit * self.bytes_per_token
-        if num_computed_tokens + hit >= request.num_tokens or self.used + size > self.budget:
+        if (
+            may_fail
+            or num_computed_tokens + hit >= request.num_tokens
+            or self.used + size > self.budget
+        ):
             return False
         self.used += size
         self.requests.add(request.request_id)
