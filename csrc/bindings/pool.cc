@@ -95,6 +95,7 @@ void bind_pool(py::module_& m) {
             return __atomic_load_n(open_pool(p).fence(slot), __ATOMIC_ACQUIRE);
           },
           py::arg("slot"))
+      .def("disown", &HostPool::disown)
       .def("close", &HostPool::close);
 }
 

@@ -41,6 +41,9 @@ class HostPool {
   // stays until destruction so that views handed out earlier stay valid.
   void close() noexcept;
   bool closed() const noexcept { return closed_; }
+  // Keeps the name past close and destruction: the node's pools outlive the
+  // node, so engines that map them go on when a new node adopts them.
+  void disown() noexcept { owner_ = false; }
 
   const std::string& name() const noexcept { return name_; }
   std::size_t num_slots() const noexcept { return num_slots_; }

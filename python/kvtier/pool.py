@@ -141,6 +141,13 @@ class HostPool:
 
         return torch.from_numpy(self.view(slot, count))
 
+    def disown(self) -> None:
+        """Keep the name when this creator closes or exits: the pool then
+        outlives its creator (a node's pool, adopted by the next node so the
+        engines that map it go on). Who removes it then: whoever knows that
+        no process maps it any more (``os.unlink`` of ``/dev/shm/<name>``)."""
+        self._pool.disown()
+
     def close(self) -> None:
         """Remove the name (creator) and refuse further use. Idempotent."""
         self._pool.close()

@@ -1,0 +1,103 @@
+"""``kvtier node [serve] | status``: run the node, or ask a running one.
+
+A command-line tool: runs in its own process (the ``kvtier`` console
+script); the library never imports it. ``serve`` blocks until SIGTERM or
+SIGINT; ``status`` blocks for one round trip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+from typing import Any
+
+from kvtier.options.surfaces import add_tier_arguments
+
+
+def add_node_parser(sub: Any) -> None:
+    """Add ``kvtier node`` to the top-level subparsers ``sub``."""
+    from kvtier.node.server import DEFAULT_SOCKET
+
+    n = sub.add_parser(
+        "node",
+        help="one kvtier per machine: serve every engine on it (or ask a running node)",
+        description="Run the node cache that every engine on this machine shares "
+        "(action serve, the default), or print a running node's status.",
+    )
+    n.add_argument("action", nargs="?", choices=["serve", "status"], default="serve")
+    n.add_argument(
+        "--socket", default=DEFAULT_SOCKET, help=f"Unix socket (default {DEFAULT_SOCKET})"
+    )
+    n.add_argument("--socket-group", help="group owning the socket and pools (0660)")
+    n.add_argument(
+        "--allow-uid", type=int, action="append", default=[], help="a uid that may attach (repeat)"
+    )
+    n.add_argument(
+        "--allow-gid", type=int, action="append", default=[], help="a gid that may attach (repeat)"
+    )
+    n.add_argument(
+        "--max-classes",
+        type=int,
+        default=1,
+        help="block sizes served at once (each gets an equal share of --host-bytes); default 1",
+    )
+    n.add_argument("--name", default="node", help="names this node's pools (default node)")
+    n.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    n.add_argument("--json", action="store_true", help="status: print JSON")
+    add_tier_arguments(n)
+    n.set_defaults(func=_cmd_node)
+
+
+def _cmd_node(args: argparse.Namespace) -> int:
+    if args.action == "status":
+        return _status(args)
+    from kvtier.node.server import NodeConfig, NodeServer
+    from kvtier.options.surfaces import tier_options_from_args
+
+    host, disk, remote = tier_options_from_args(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    server = NodeServer(
+        NodeConfig(
+            host=host,
+            disk=disk,
+            remote=remote,
+            socket_path=args.socket,
+            socket_group=args.socket_group,
+            allow_uids=args.allow_uid,
+            allow_gids=args.allow_gid,
+            max_classes=args.max_classes,
+            name=args.name,
+            metrics_port=args.metrics_port,
+        )
+    )
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.stop())
+    logging.getLogger("kvtier.node").info("kvtier node: serving %s", args.socket)
+    server.serve_forever()
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from kvtier.node.client import node_status
+
+    st = node_status(args.socket)
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    print(f"node {st['node']} at {st['socket']}, up {st['uptime_s']} s, host {st['host_bytes']} B")
+    print(f"engines attached: {len(st['engines'])}")
+    for e in st["engines"]:
+        print(
+            f"  {e['engine']} pid {e['pid']} uid {e['uid']} namespace {e['namespace'][:12]} "
+            f"class {e['class']} B calls {e['calls']} leases {e['leases']}"
+        )
+    for b, c in st["classes"].items():
+        o = c["occupancy"]
+        print(
+            f"class {b} B: pool {c['pool']}, {o['blocks']}/{o['capacity']} blocks, "
+            f"pinned {o['pinned']}, writing {o['writing']}; stats {c['stats']}"
+        )
+    print(f"counters: {st['counters']}")
+    return 0

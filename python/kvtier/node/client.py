@@ -1,0 +1,432 @@
+"""The engine's side of the node: a connection (:class:`NodeClient`) and the
+offloading manager that forwards to it (:class:`NodeManager`).
+
+Process: the engine's scheduler (the manager) and its workers (a one-shot
+:func:`pool_info` to learn which pool to map). Who calls: the vLLM shim's
+:class:`~kvtier.integrations.vllm.scheduler.KVTierManager` (in place of an
+in-process :class:`~kvtier.scheduler.manager.TieredOffloadingManager`),
+tests and ``kvtier bench manager --node``. Each manager call is one request
+and blocks for its reply (a Unix-socket round trip), at most ``timeout_s``.
+
+A node that is gone (killed, restarting) is the same degradation as a
+failed Redis: lookups miss, offers are not stored, both counted; the
+client tries to reattach at most once a second, at a step end, and goes on
+as before once the node answers with the same pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import ClosedError, InvalidArgument, IoError, KvtierError
+from kvtier.node import protocol as P
+from kvtier.node.protocol import Op
+from kvtier.scheduler.specs import HostSpec, PrepareStoreResult
+from kvtier.scheduler.stats import ManagerStats
+from kvtier.tiers.base import LookupResult, TierEvent
+
+log = logging.getLogger("kvtier.node")
+
+_ANSWER = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY)
+# Keys of a request's scan sent with its first lookup: the node answers up to
+# the first MISS, so a long prompt is one round trip, not one per key.
+SCAN_KEYS = 4096
+REATTACH_PERIOD_S = 1.0
+
+
+class NodeUnavailable(IoError):
+    """The node did not answer (not running, restarting, or too slow)."""
+
+
+class NodeError(KvtierError):
+    """The node refused a request (its error kind and message)."""
+
+
+class NodeClient:
+    """One connection to the node. ``call`` sends a request and blocks for
+    its reply; not thread-safe (one per scheduler, used under its lock)."""
+
+    def __init__(self, path: str, timeout_s: float = 5.0) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._reader = P.FrameReader()
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout_s)
+        try:
+            s.connect(self.path)
+        except OSError as e:
+            s.close()
+            raise NodeUnavailable(
+                e.errno or 0, f"no kvtier node at {self.path}: {e.strerror or e}"
+            ) from None
+        self._sock = s
+        self._reader = P.FrameReader()
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def call(self, op: Op, *args: Any) -> Any:
+        """The result of one request; NodeUnavailable when the connection
+        fails (it is closed then), NodeError when the node refuses."""
+        if self._sock is None:
+            self.connect()
+        assert self._sock is not None
+        try:
+            self._sock.sendall(P.pack([int(op), *args]))
+            while True:
+                frames = self._reader.feed(self._recv())
+                if frames:
+                    break
+        except (OSError, P.ProtocolError) as e:
+            self.close()
+            raise NodeUnavailable(0, f"kvtier node at {self.path}: {e}") from None
+        reply = P.unpack(frames[0])
+        if not isinstance(reply, list) or not reply:
+            self.close()
+            raise NodeUnavailable(0, "kvtier node sent a malformed reply")
+        if reply[0] is True:
+            return reply[1]
+        kind, msg = (reply + ["?", "?"])[1:3]
+        if kind in ("ProtocolError", "PermissionDenied"):
+            self.close()
+        if kind == "InvalidArgument":
+            raise InvalidArgument(msg)
+        raise NodeError(f"kvtier node: {kind}: {msg}")
+
+    def _recv(self) -> bytes:
+        assert self._sock is not None
+        data = self._sock.recv(1 << 20)
+        if not data:
+            raise ConnectionResetError("the node closed the connection")
+        return data
+
+
+def pool_info(path: str, payload_bytes: int, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Which pool the node keeps for blocks of ``payload_bytes`` (its name,
+    slots, slot size): what an engine's worker maps. Blocks for one round trip."""
+    c = NodeClient(path, timeout_s)
+    try:
+        return dict(c.call(Op.POOL, payload_bytes))
+    finally:
+        c.close()
+
+
+def node_status(path: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The node's status (``kvtier node status``). Blocks for one round trip."""
+    c = NodeClient(path, timeout_s)
+    try:
+        return dict(c.call(Op.STATUS))
+    finally:
+        c.close()
+
+
+@dataclass
+class _HostView:
+    """What the shim's gauges read of the host tier: its size and use."""
+
+    capacity: int
+    used: int = 0
+
+    def __len__(self) -> int:
+        return self.used
+
+
+@dataclass
+class NodeClientStats:
+    """The client's own counters (the node keeps the tiers')."""
+
+    node_down_lookups: int = 0
+    node_dropped_stores: int = 0
+    node_failures: int = 0
+    reattaches: int = 0
+    round_trips: int = 0
+    pool_changed: bool = False
+    by_op: dict[str, int] = field(default_factory=dict)
+
+
+class NodeManager:
+    """The offloading manager of an engine attached to a node: the interface
+    of :class:`~kvtier.scheduler.manager.TieredOffloadingManager`, each call
+    one request to the node. ``namespace`` (32 hex digits) and
+    ``payload_bytes`` choose what this engine shares; ``key_order`` (as the
+    in-process manager's) lists the keys a request looks up after a key."""
+
+    def __init__(
+        self,
+        path: str,
+        namespace: str,
+        payload_bytes: int,
+        engine: str = "engine",
+        key_order: Any = None,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self.path = path
+        self.namespace = namespace
+        self.payload_bytes = payload_bytes
+        self.engine = engine
+        self.key_order = key_order
+        self._client = NodeClient(path, timeout_s)
+        self._lock = threading.Lock()
+        self.stats = ManagerStats()
+        self.client_stats = NodeClientStats()
+        self.lower: list[Any] = []
+        self._answers: dict[bytes, tuple[LookupResult, int]] = {}
+        self._events: list[TierEvent] = []
+        self._pending = False
+        self._closed = False
+        self._next_attach = 0.0
+        self.pool: dict[str, Any] = self._attach()  # raises when no node answers at start
+        self.host = _HostView(int(self.pool["num_slots"]))
+
+    # -- connection ----------------------------------------------------------
+    def _attach(self) -> dict[str, Any]:
+        info = dict(
+            self._client.call(Op.HELLO, P.VERSION, self.namespace, self.payload_bytes, self.engine)
+        )
+        return info
+
+    def _down(self, e: Exception) -> None:
+        if self._client.connected:
+            self._client.close()
+        self.client_stats.node_failures += 1
+        log.warning("kvtier: node at %s unavailable (%s): serving without it", self.path, e)
+        self._next_attach = time.monotonic() + REATTACH_PERIOD_S
+
+    @property
+    def attached(self) -> bool:
+        return self._client.connected and not self.client_stats.pool_changed
+
+    def _reattach(self) -> None:
+        if self.client_stats.pool_changed or time.monotonic() < self._next_attach:
+            return
+        self._next_attach = time.monotonic() + REATTACH_PERIOD_S
+        try:
+            info = self._attach()
+        except KvtierError:
+            self._client.close()
+            return
+        if (info["pool"], info["pool_id"]) != (self.pool["pool"], self.pool["pool_id"]):
+            # The workers map the old pool: copying into the new one needs
+            # them to map it again, which only an engine restart does.
+            self.client_stats.pool_changed = True
+            self._client.close()
+            log.error(
+                "kvtier: the node at %s came back with another pool (%s, not %s): "
+                "this engine serves without it until restarted",
+                self.path,
+                info["pool"],
+                self.pool["pool"],
+            )
+            return
+        self.client_stats.reattaches += 1
+        log.warning("kvtier: reattached to the node at %s", self.path)
+
+    def _call(self, op: Op, *args: Any) -> Any:
+        self.client_stats.round_trips += 1
+        return self._client.call(op, *args)
+
+    # -- the manager interface -----------------------------------------------
+    @property
+    def lock(self) -> threading.Lock:
+        return self._lock
+
+    def lookup(self, key: bytes, req_context: Any = None) -> LookupResult:
+        """One key's answer; the first lookup of a scan asks the node for the
+        request's following keys too (one round trip), the rest are
+        answered from that reply within the step."""
+        if self._closed:
+            raise ClosedError("manager is shut down")
+        got = self._answers.get(key)
+        if got is None:
+            got = self._scan(key, req_context)
+        r = got[0]
+        self.stats.lookups[r.name.lower()] += 1
+        return r
+
+    def _scan(self, key: bytes, req_context: Any) -> tuple[LookupResult, int]:
+        if not self.attached:
+            self.client_stats.node_down_lookups += 1
+            return (LookupResult.MISS, -1)
+        keys = [key]
+        if self.key_order is not None:
+            keys += self.key_order(key, req_context)[: SCAN_KEYS - 1]
+        try:
+            out = self._call(Op.LOOKUP, keys, getattr(req_context, "req_id", None))
+        except NodeUnavailable as e:
+            self._down(e)
+            self.client_stats.node_down_lookups += 1
+            return (LookupResult.MISS, -1)
+        answers = self._answers
+        for k, (code, slot) in zip(keys, out):
+            answers[k] = (_ANSWER[code], slot)
+        return answers[key]
+
+    def may_fail_to_load(self, key: bytes) -> bool:
+        """False: a HIT is a host block the node pinned for this engine."""
+        return False
+
+    def get_load_source(self, key: bytes, req_context: Any = None) -> str:
+        return "host"
+
+    def prepare_load(self, keys: Collection[bytes], req_context: Any = None) -> HostSpec:
+        keys = list(keys)
+        self.stats.loads += len(keys)
+        self.stats.loaded_from["host"] = self.stats.loaded_from.get("host", 0) + len(keys)
+        if self.attached:
+            try:
+                slots = self._call(Op.PREPARE_LOAD, keys, getattr(req_context, "req_id", None))
+                return HostSpec(np.asarray(slots, np.int64))
+            except NodeUnavailable as e:
+                self._down(e)
+        # The node went away after this step's lookup: its pins went with
+        # it, but nothing has reused the slots it named yet.
+        slots = [self._answers.get(k, (None, -1))[1] for k in keys]
+        if any(s < 0 for s in slots):
+            raise InvalidArgument("prepare_load of a key that is not a HIT")
+        return HostSpec(np.asarray(slots, np.int64))
+
+    def complete_load(self, keys: Collection[bytes], req_context: Any = None) -> None:
+        self._send(Op.COMPLETE_LOAD, list(keys), getattr(req_context, "req_id", None))
+
+    def load_failed(self, spec: HostSpec) -> None:
+        self.stats.load_failures += len(spec.slots)
+        self._send(Op.LOAD_FAILED, [int(s) for s in spec.slots.tolist()])
+
+    def touch(self, keys: Collection[bytes], req_context: Any = None) -> None:
+        self._send(Op.TOUCH, list(keys))
+
+    def prepare_store(
+        self, keys: Collection[bytes], req_context: Any = None
+    ) -> PrepareStoreResult | None:
+        keys = list(keys)
+        for k in keys:
+            if not isinstance(k, (bytes, bytearray)):
+                raise InvalidArgument(f"keys must be bytes, got {type(k).__name__}")
+        if not self.attached:
+            self.client_stats.node_dropped_stores += len(keys)
+            return None
+        try:
+            out = self._call(
+                Op.PREPARE_STORE, [bytes(k) for k in keys], getattr(req_context, "req_id", None)
+            )
+        except NodeUnavailable as e:
+            self._down(e)
+            self.client_stats.node_dropped_stores += len(keys)
+            return None
+        if out is None:
+            self.stats.allocation_failures += 1
+            return None
+        stored, slots, evicted = out
+        if len(stored) < len(keys):
+            self.stats.not_admitted += len(keys) - len(stored)
+        return PrepareStoreResult(stored, HostSpec(np.asarray(slots, np.int64)), evicted)
+
+    def complete_store(
+        self, keys: Collection[bytes], req_context: Any = None, success: bool = True
+    ) -> None:
+        keys = list(keys)
+        if not keys:
+            return
+        if success:
+            self.stats.stores += len(keys)
+        else:
+            self.stats.store_failures += len(keys)
+        self._send(Op.COMPLETE_STORE, keys, getattr(req_context, "req_id", None), bool(success))
+
+    def _send(self, op: Op, *args: Any) -> None:
+        """A call whose effect dies with the node anyway (its leases): when
+        the node is gone there is nothing to give back."""
+        if not self.attached:
+            return
+        try:
+            self._call(op, *args)
+        except NodeUnavailable as e:
+            self._down(e)
+
+    def on_new_request(self, req_context: Any = None) -> None:
+        return None
+
+    def on_request_finished(self, req_context: Any = None) -> None:
+        self._send(Op.REQUEST_FINISHED, getattr(req_context, "req_id", None))
+
+    def on_schedule_end(self, context: Any = None) -> None:
+        """Ends the step at the node: this step's lookup pins are released
+        and the events since the last step end come back."""
+        if self._closed:
+            raise ClosedError("manager is shut down")
+        self._answers.clear()
+        if not self.attached:
+            self._reattach()
+            if not self.attached:
+                self._pending = False
+                return
+        try:
+            events, self._pending = self._call(Op.STEP_END)
+        except NodeUnavailable as e:
+            self._down(e)
+            self._pending = False
+            return
+        for tier, removed, keys, ids, meta in events:
+            self._events.append(TierEvent(keys, tier, removed, ids=ids, metadata_only=meta))
+
+    def take_events(self) -> list[TierEvent]:
+        ev, self._events = self._events, []
+        return ev
+
+    def has_pending_work(self) -> bool:
+        return self._pending
+
+    def reset_cache(self) -> None:
+        """Drop this namespace's blocks that no engine holds, at the node."""
+        self._answers.clear()
+        self._send(Op.RESET)
+
+    def on_reset_flushed(self) -> None:
+        return None
+
+    def occupancy(self) -> dict[str, int]:
+        """This engine's view: nothing of the node's is held here (its leases
+        are the node's to count: ``kvtier node status``)."""
+        return {
+            "blocks": len(self.host),
+            "pinned": 0,
+            "writing": 0,
+            "cascading": 0,
+            "held": 0,
+            "stale": 0,
+            "streaming": 0,
+            "tier_jobs": 0,
+        }
+
+    def status(self) -> dict[str, Any]:
+        """The node's status (one round trip)."""
+        return dict(self._call(Op.STATUS))
+
+    def shutdown(self) -> None:
+        """Close the connection: the node releases whatever it still leases
+        to this engine. Idempotent."""
+        self._closed = True
+        self._client.close()
+
+    def __enter__(self) -> NodeManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,139 @@
+"""The node's wire protocol: length-prefixed msgpack frames over a Unix socket.
+
+Any process: the node (:mod:`kvtier.node.server`) and its clients
+(:mod:`kvtier.node.client`). Pure functions and constants; nothing blocks.
+
+A frame is a 4-byte little-endian length, then that many bytes of one
+msgpack array. A request is ``[op, *args]`` (``op`` a small int of
+:class:`Op`); a reply is ``[True, result]`` or ``[False, kind, message]``.
+One request per manager call: a lookup carries the request's keys from the
+one asked about on (the node answers up to the first MISS), a store or a
+load all of its keys.
+
+msgpack (a C extension) rather than a hand-written codec: it bounds every
+length it decodes (``max_*_len`` below), so garbage from a peer is an
+exception, never an allocation the size of a claimed length.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import Any
+
+import msgpack
+
+from kvtier.errors import InvalidArgument
+
+VERSION = 1
+HEADER = struct.Struct("<I")
+# The largest frame either side accepts: a 128k-token prompt at 16 tokens a
+# block is 8,192 keys of 36-40 bytes (about 0.4 MB with framing); 16 MiB
+# leaves room for a status reply of many engines and refuses a peer that
+# claims gigabytes.
+MAX_FRAME = 16 << 20
+MAX_KEYS = 1 << 17  # keys in one call
+MAX_KEY_BYTES = 256
+
+
+class Op(enum.IntEnum):
+    """What a request asks; the node dispatches on it."""
+
+    HELLO = 1
+    LOOKUP = 2
+    PREPARE_LOAD = 3
+    COMPLETE_LOAD = 4
+    LOAD_FAILED = 5
+    TOUCH = 6
+    PREPARE_STORE = 7
+    COMPLETE_STORE = 8
+    REQUEST_FINISHED = 9
+    STEP_END = 10
+    RESET = 11
+    STATUS = 12
+    POOL = 13
+
+
+# Lookup answers on the wire (kvtier.tiers.base.LookupResult by name).
+ANSWERS = ("MISS", "HIT", "HIT_PENDING", "RETRY")
+
+
+class ProtocolError(InvalidArgument):
+    """A frame that is not a valid request or reply: the connection that sent
+    it is closed (the node and its other clients go on)."""
+
+
+def pack(obj: Any) -> bytes:
+    """One frame holding ``obj`` (header included)."""
+    body: bytes = msgpack.packb(obj, use_bin_type=True)
+    if len(body) > MAX_FRAME:
+        raise InvalidArgument(f"frame of {len(body)} bytes exceeds the limit of {MAX_FRAME}")
+    return HEADER.pack(len(body)) + body
+
+
+def unpack(body: bytes) -> Any:
+    """The object of one frame's body; :class:`ProtocolError` when it is not
+    exactly one msgpack value within the limits."""
+    try:
+        return msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=MAX_FRAME,
+            max_str_len=1 << 16,
+            max_array_len=MAX_KEYS,
+            max_map_len=1 << 12,
+            max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises several types for bad input
+        raise ProtocolError(f"undecodable frame: {type(e).__name__}") from None
+
+
+class FrameReader:
+    """Frames out of a byte stream fed in arbitrary pieces (the node reads
+    non-blocking sockets). ``feed`` returns the complete frames' bodies."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        out = []
+        while len(self._buf) >= HEADER.size:
+            (n,) = HEADER.unpack_from(self._buf)
+            if n > MAX_FRAME:
+                raise ProtocolError(f"frame of {n} bytes exceeds the limit of {MAX_FRAME}")
+            if len(self._buf) < HEADER.size + n:
+                break
+            out.append(bytes(self._buf[HEADER.size : HEADER.size + n]))
+            del self._buf[: HEADER.size + n]
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete frame held."""
+        return len(self._buf)
+
+
+def keys_arg(v: Any) -> list[bytes]:
+    """A request's list of keys, checked: bytes of at most MAX_KEY_BYTES each."""
+    if not isinstance(v, list) or len(v) > MAX_KEYS:
+        raise ProtocolError(f"keys must be a list of at most {MAX_KEYS} bytes values")
+    for k in v:
+        if not isinstance(k, bytes) or not 0 < len(k) <= MAX_KEY_BYTES:
+            raise ProtocolError(f"a key must be 1-{MAX_KEY_BYTES} bytes")
+    return v
+
+
+def int_list_arg(v: Any) -> list[int]:
+    """A list of ints (slots) of at most MAX_KEYS items."""
+    if not isinstance(v, list) or len(v) > MAX_KEYS or any(type(x) is not int for x in v):
+        raise ProtocolError("expected a list of ints")
+    return v
+
+
+def req_arg(v: Any) -> str | int | None:
+    """A request id as the engine names it (vLLM: a str)."""
+    if v is None or type(v) is int or (isinstance(v, str) and len(v) <= 1024):
+        return v
+    raise ProtocolError("a request id must be a str, an int or None")

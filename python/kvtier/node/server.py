@@ -1,0 +1,510 @@
+"""``kvtier node``: one process per machine that owns the host pool, index,
+policy and lower tiers for every engine on it, serving them over a Unix socket.
+
+Process: the node. Who calls: the ``kvtier node`` command (:func:`serve`),
+tests (:class:`NodeServer` in a thread). :meth:`NodeServer.serve_forever`
+blocks; every request is served on its one event-loop thread, in arrival
+order per connection, so the tier code runs exactly as in an engine (one
+caller at a time, no lock). Lower-tier I/O runs on the native engine's
+threads, never this one.
+
+Who may attach: the socket is created 0660 (group ``socket_group``) and
+each connection's peer credentials (SO_PEERCRED) are checked against the
+allowed uids/gids; a refused client gets an error reply and a log line.
+A connection that sends anything but valid requests (garbage, an oversized
+frame, a claim on slots it does not lease) is closed and its leases
+released; the node and the other engines go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import logging
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.errors import InvalidArgument, KvtierError
+from kvtier.node import protocol as P
+from kvtier.node.protocol import Op, ProtocolError
+from kvtier.node.state import Session, SlotClass, build_class
+from kvtier.options.tiers import DiskOptions, HostOptions, RemoteOptions
+
+log = logging.getLogger("kvtier.node")
+
+DEFAULT_SOCKET = "/run/kvtier/node.sock"
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+@dataclass
+class NodeConfig:
+    """What ``kvtier node`` is started with. ``host`` sizes the host tier of
+    every slot class together: ``max_classes`` block sizes at most, each
+    getting an equal share of ``host.bytes`` when its first engine attaches."""
+
+    host: HostOptions
+    disk: DiskOptions | None = None
+    remote: RemoteOptions | None = None
+    socket_path: str = DEFAULT_SOCKET
+    socket_group: str | None = None
+    allow_uids: list[int] = field(default_factory=list)
+    allow_gids: list[int] = field(default_factory=list)
+    max_classes: int = 1
+    name: str = "node"
+    metrics_port: int | None = None
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    pid: int
+    uid: int
+    gid: int
+    reader: P.FrameReader = field(default_factory=P.FrameReader)
+    out: bytearray = field(default_factory=bytearray)
+    session: Session | None = None
+    closing: bool = False
+
+
+class NodeServer:
+    """The node: its socket, its slot classes and the engines' sessions."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        if config.host.bytes is None:
+            raise InvalidArgument("kvtier node needs --host-bytes (e.g. 64GiB)")
+        if config.max_classes < 1:
+            raise InvalidArgument(f"max_classes must be >= 1, got {config.max_classes}")
+        self.config = config
+        self.classes: dict[int, SlotClass] = {}
+        self.conns: dict[int, _Conn] = {}
+        self.counters = {
+            "attached": 0,
+            "refused": 0,
+            "protocol_errors": 0,
+            "disconnects": 0,
+            "leases_released": 0,
+            "requests": 0,
+        }
+        self.started = time.time()
+        self._stop = threading.Event()
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._listen = self._bind(config)
+        self._sel.register(self._listen, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._allowed_uids = {os.getuid(), 0, *config.allow_uids}
+        self._allowed_gids = set(config.allow_gids)
+        if config.socket_group is not None:
+            self._allowed_gids.add(_gid(config.socket_group))
+        self.metrics = None
+        if config.metrics_port is not None:
+            from kvtier.node.metrics import NodeMetrics
+
+            self.metrics = NodeMetrics(self, config.metrics_port)
+
+    # -- socket ------------------------------------------------------------
+    @staticmethod
+    def _bind(config: NodeConfig) -> socket.socket:
+        path = config.socket_path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+            raise InvalidArgument(f"a node is already serving {path}")
+        except (FileNotFoundError, ConnectionRefusedError):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a socket left by a node that died
+        finally:
+            probe.close()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o117)  # born 0660: no window in which others may connect
+        try:
+            s.bind(path)
+        finally:
+            os.umask(old)
+        if config.socket_group is not None:
+            os.chown(path, -1, _gid(config.socket_group))
+        os.chmod(path, 0o660)
+        s.listen(128)
+        s.setblocking(False)
+        return s
+
+    def stop(self) -> None:
+        """Ask :meth:`serve_forever` to return (any thread; non-blocking)."""
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def serve_forever(self, poll_s: float = 0.005) -> None:
+        """Serve until :meth:`stop`. Blocks. Between requests it drives the
+        lower tiers' completions (promotions, cascades) every ``poll_s``
+        while any class has work in flight."""
+        metrics_due = 0.0
+        try:
+            while not self._stop.is_set():
+                busy = any(c.manager.has_pending_work() for c in self.classes.values())
+                for key, mask in self._sel.select(poll_s if busy else 0.5):
+                    if key.fileobj is self._listen:
+                        self._accept()
+                    elif key.fileobj is self._wake_r:
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(64)
+                    else:
+                        conn = key.data
+                        if mask & selectors.EVENT_READ:
+                            self._read(conn)
+                        if mask & selectors.EVENT_WRITE and not conn.closing:
+                            self._flush(conn)
+                if busy:
+                    for c in self.classes.values():
+                        c.manager.on_schedule_end()
+                        c.distribute_events()
+                if self.metrics is not None and time.monotonic() >= metrics_due:
+                    metrics_due = time.monotonic() + 1.0
+                    self.metrics.refresh()
+        finally:
+            self._close_all()
+
+    def _close_all(self) -> None:
+        for conn in list(self.conns.values()):
+            self._drop(conn, "node stopping")
+        self._sel.close()
+        self._listen.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.config.socket_path)
+        for c in self.classes.values():
+            c.manager.shutdown()
+            # The pool's name stays: engines' workers keep it mapped, and a
+            # node started again serves them from it (build_class).
+            c.pool.disown()
+            c.pool.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+    def _accept(self) -> None:
+        try:
+            s, _ = self._listen.accept()
+        except BlockingIOError:
+            return
+        pid, uid, gid = _PEERCRED.unpack(
+            s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        )
+        if uid not in self._allowed_uids and gid not in self._allowed_gids:
+            self.counters["refused"] += 1
+            log.warning("kvtier node: refused pid %d (uid %d, gid %d): not allowed", pid, uid, gid)
+            with contextlib.suppress(OSError):
+                s.sendall(
+                    P.pack(
+                        [
+                            False,
+                            "PermissionDenied",
+                            f"uid {uid} / gid {gid} may not attach to this node "
+                            "(its --allow-uid / --allow-gid / --socket-group)",
+                        ]
+                    )
+                )
+            s.close()
+            return
+        s.setblocking(False)
+        conn = _Conn(s, pid, uid, gid)
+        self.conns[s.fileno()] = conn
+        self._sel.register(s, selectors.EVENT_READ, conn)
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(1 << 20)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.counters["disconnects"] += 1
+            self._drop(conn, "disconnected")
+            return
+        try:
+            frames = conn.reader.feed(data)
+            for body in frames:
+                conn.out += P.pack(self._dispatch(conn, P.unpack(body)))
+        except ProtocolError as e:
+            self.counters["protocol_errors"] += 1
+            log.warning("kvtier node: closing pid %d: %s", conn.pid, e)
+            with contextlib.suppress(OSError):
+                conn.sock.send(P.pack([False, "ProtocolError", str(e)]))
+            self._drop(conn, "protocol error")
+            return
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        if conn.out:
+            try:
+                n = conn.sock.send(conn.out)
+                del conn.out[:n]
+            except BlockingIOError:
+                pass
+            except OSError:
+                self._drop(conn, "send failed")
+                return
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+        self._sel.modify(conn.sock, want, conn)
+
+    def _drop(self, conn: _Conn, why: str) -> None:
+        if conn.closing:
+            return
+        conn.closing = True
+        self.conns.pop(conn.sock.fileno(), None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(conn.sock)
+        conn.sock.close()
+        if conn.session is not None:
+            released = conn.session.release_all()
+            n = sum(released.values())
+            self.counters["leases_released"] += n
+            log.info(
+                "kvtier node: engine %s (pid %d) %s; released %s",
+                conn.session.engine,
+                conn.pid,
+                why,
+                released,
+            )
+
+    # -- requests ----------------------------------------------------------
+    def _dispatch(self, conn: _Conn, msg: Any) -> list[Any]:
+        if not isinstance(msg, list) or not msg or type(msg[0]) is not int:
+            raise ProtocolError("a request is [op, args...]")
+        try:
+            op = Op(msg[0])
+        except ValueError:
+            raise ProtocolError(f"unknown op {msg[0]}") from None
+        args = msg[1:]
+        self.counters["requests"] += 1
+        s = conn.session
+        try:
+            if op is Op.HELLO:
+                return [True, self._hello(conn, *args)]
+            if op is Op.STATUS:
+                _nargs(args, 0)
+                return [True, self.status()]
+            if op is Op.POOL:
+                _nargs(args, 1)
+                return [True, self._pool_info(_int(args[0], "payload_bytes"))]
+            if s is None:
+                raise ProtocolError(f"{op.name} before HELLO")
+            s.calls += 1
+            if op is Op.LOOKUP:
+                _nargs(args, 2)
+                return [True, s.lookup(P.keys_arg(args[0]), P.req_arg(args[1]))]
+            if op is Op.PREPARE_LOAD:
+                _nargs(args, 2)
+                return [True, s.prepare_load(P.keys_arg(args[0]), P.req_arg(args[1]))]
+            if op is Op.COMPLETE_LOAD:
+                _nargs(args, 2)
+                s.complete_load(P.keys_arg(args[0]), P.req_arg(args[1]))
+                return [True, None]
+            if op is Op.LOAD_FAILED:
+                _nargs(args, 1)
+                s.load_failed(P.int_list_arg(args[0]))
+                return [True, None]
+            if op is Op.TOUCH:
+                _nargs(args, 1)
+                s.touch(P.keys_arg(args[0]))
+                return [True, None]
+            if op is Op.PREPARE_STORE:
+                _nargs(args, 2)
+                return [True, s.prepare_store(P.keys_arg(args[0]), P.req_arg(args[1]))]
+            if op is Op.COMPLETE_STORE:
+                _nargs(args, 3)
+                if type(args[2]) is not bool:
+                    raise ProtocolError("success must be a bool")
+                s.complete_store(P.keys_arg(args[0]), P.req_arg(args[1]), args[2])
+                return [True, None]
+            if op is Op.REQUEST_FINISHED:
+                _nargs(args, 1)
+                s.request_finished(P.req_arg(args[0]))
+                return [True, None]
+            if op is Op.STEP_END:
+                _nargs(args, 0)
+                return [True, s.step_end()]
+            if op is Op.RESET:
+                _nargs(args, 0)
+                return [True, s.reset()]
+        except ProtocolError:
+            raise
+        except KvtierError as e:
+            # The tier code refused the call (a key that is not a HIT, ...):
+            # the engine sees the same error it would see in-process.
+            return [False, type(e).__name__, str(e)]
+        raise ProtocolError(f"op {op.name} not served")
+
+    def _class_for(self, payload_bytes: int) -> SlotClass:
+        c = self.classes.get(payload_bytes)
+        if c is not None:
+            return c
+        if len(self.classes) >= self.config.max_classes:
+            raise InvalidArgument(
+                f"this node serves {self.config.max_classes} block size(s) "
+                f"({sorted(self.classes)} B) and an engine asked for {payload_bytes} B: "
+                "start it with a larger --max-classes"
+            )
+        from kvtier.tiers.factory import TierConfig, build_lower_tiers, host_slot_bytes
+
+        cfg = TierConfig(self.config.disk, self.config.remote)
+        slot_bytes = -(-host_slot_bytes(payload_bytes, cfg) // 64) * 64
+        assert self.config.host.bytes is not None
+        share = int(self.config.host.bytes) // self.config.max_classes
+        num_slots = share // slot_bytes
+        if num_slots < 1:
+            raise InvalidArgument(
+                f"--host-bytes gives each block size {share} B, less than one block of {slot_bytes} B"
+            )
+        if cfg.disk is not None:
+            sub = os.path.join(str(cfg.disk.path), f"class-{payload_bytes}")
+            import dataclasses
+
+            disk = dataclasses.replace(
+                cfg.disk, path=sub, capacity_bytes=_share(cfg.disk, self.config.max_classes)
+            )
+            cfg = TierConfig(disk, cfg.remote)
+        lower = build_lower_tiers(cfg, payload_bytes, f"kvtier-node-{payload_bytes}")
+        name = f"kvnode-{_safe(self.config.name)}-{payload_bytes}"
+        c = build_class(payload_bytes, slot_bytes, num_slots, name, self.config.host, lower)
+        self._share_pool(c)
+        self.classes[payload_bytes] = c
+        log.info("kvtier node: class %d B: pool %s, %d slots", payload_bytes, name, num_slots)
+        return c
+
+    def _share_pool(self, c: SlotClass) -> None:
+        """The pool file as the socket: readable and writable by the group
+        allowed to attach (engines of other users map it)."""
+        path = f"/dev/shm/{c.pool.name}"
+        with contextlib.suppress(OSError):
+            if self.config.socket_group is not None:
+                os.chown(path, -1, _gid(self.config.socket_group))
+            os.chmod(path, 0o660)
+
+    def _pool_info(self, payload_bytes: int) -> dict[str, Any]:
+        c = self._class_for(payload_bytes)
+        return {
+            "pool": c.pool.name,
+            "num_slots": c.pool.num_slots,
+            "slot_bytes": c.pool.slot_bytes,
+            "pool_id": _pool_id(c.pool.name),
+            "node": self.config.name,
+        }
+
+    def _hello(self, conn: _Conn, *args: Any) -> dict[str, Any]:
+        _nargs(list(args), 4)
+        version, namespace, payload_bytes, engine = args
+        if version != P.VERSION:
+            raise ProtocolError(f"protocol version {version!r}, this node speaks {P.VERSION}")
+        if not isinstance(namespace, str) or len(namespace) != 32:
+            raise ProtocolError("namespace must be 32 hex digits")
+        try:
+            bytes.fromhex(namespace)
+        except ValueError:
+            raise ProtocolError("namespace must be 32 hex digits") from None
+        if not isinstance(engine, str) or len(engine) > 256:
+            raise ProtocolError("engine must be a str")
+        if conn.session is not None:
+            raise ProtocolError("HELLO twice")
+        info = self._pool_info(_int(payload_bytes, "payload_bytes"))
+        c = self.classes[payload_bytes]
+        conn.session = Session(c, namespace, engine, conn.pid, conn.uid)
+        self.counters["attached"] += 1
+        log.info(
+            "kvtier node: engine %s (pid %d, uid %d) attached, namespace %s, class %d B",
+            engine,
+            conn.pid,
+            conn.uid,
+            namespace[:12],
+            payload_bytes,
+        )
+        return info
+
+    def status(self) -> dict[str, Any]:
+        """What ``kvtier node status`` prints: engines, namespaces,
+        occupancy, leases, tier counters. Non-blocking."""
+        engines = []
+        namespaces: dict[str, int] = {}
+        for conn in self.conns.values():
+            s = conn.session
+            if s is None:
+                continue
+            namespaces[s.namespace] = namespaces.get(s.namespace, 0) + 1
+            engines.append(
+                {
+                    "engine": s.engine,
+                    "pid": conn.pid,
+                    "uid": conn.uid,
+                    "namespace": s.namespace,
+                    "class": s.cls.payload_bytes,
+                    "calls": s.calls,
+                    "leases": s.leases(),
+                    "events_dropped": s.events_dropped,
+                }
+            )
+        classes = {}
+        for b, c in self.classes.items():
+            classes[str(b)] = {
+                "pool": c.pool.name,
+                "slot_bytes": c.pool.slot_bytes,
+                "occupancy": c.occupancy(),
+                "stats": {
+                    "stores": c.manager.stats.stores,
+                    "loads": c.manager.stats.loads,
+                    "lookups": dict(c.manager.stats.lookups),
+                    "promotions": c.manager.stats.promotions,
+                    "cascades": c.manager.stats.cascades,
+                },
+                "tiers": {t.name: t.stats() for t in c.manager.lower},
+            }
+        return {
+            "node": self.config.name,
+            "socket": self.config.socket_path,
+            "uptime_s": round(time.time() - self.started, 1),
+            "host_bytes": self.config.host.bytes,
+            "engines": engines,
+            "namespaces": namespaces,
+            "classes": classes,
+            "counters": dict(self.counters),
+        }
+
+
+def _nargs(args: list[Any], n: int) -> None:
+    if len(args) != n:
+        raise ProtocolError(f"expected {n} arguments, got {len(args)}")
+
+
+def _int(v: Any, what: str) -> int:
+    if type(v) is not int or not 0 < v <= (1 << 40):
+        raise ProtocolError(f"{what} must be a positive int")
+    return v
+
+
+def _gid(group: str) -> int:
+    return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64] or "node"
+
+
+def _share(disk: DiskOptions, n: int) -> Any:
+    cap = disk.capacity_bytes
+    return cap // n if isinstance(cap, int) else cap
+
+
+def _pool_id(name: str) -> int:
+    """The pool file's identity (its inode): an engine that mapped it checks,
+    on reattaching to a restarted node, that it is still the same memory."""
+    try:
+        return os.stat(f"/dev/shm/{name}").st_ino
+    except OSError:
+        return 0

@@ -1,0 +1,290 @@
+"""The node's state: one slot class per block size, the engines' sessions
+and what each one leases.
+
+Process: the node (``kvtier node``). Who calls: :mod:`kvtier.node.server`,
+from its one event-loop thread, one request at a time; nothing here blocks
+(lower-tier I/O is the native engine's). Engines of every namespace share a
+class's host tier; a key is stored under its namespace's 8-byte prefix, so
+two namespaces never share a block.
+
+Leases: a session holds what the node handed it until it gives it back or
+its connection closes (:meth:`Session.release_all`): the HIT keys of this
+step's lookups (pinned until its step ends, so another engine cannot evict
+them between the lookup and the load), the keys of its loads (until
+complete_load) and its writes (until complete_store; a write never
+completed is dropped, so a half-written slot never becomes readable).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtier.node.protocol import ProtocolError
+from kvtier.pool import HostPool
+from kvtier.scheduler.manager import TieredOffloadingManager
+from kvtier.tiers.base import LookupResult, LowerTier
+from kvtier.tiers.host import HostTier
+
+log = logging.getLogger("kvtier.node")
+
+# Events a session keeps for its engine between two step ends: an engine
+# that stops asking loses the oldest (counted), never the node's memory.
+MAX_EVENTS = 1 << 16
+_CODE = {LookupResult.MISS: 0, LookupResult.HIT: 1, LookupResult.HIT_PENDING: 2}
+
+
+@dataclass
+class _Ctx:
+    """The request context the class's manager sees: request ids of
+    different engines never collide (its chains are kept per request)."""
+
+    req_id: Any
+
+
+@dataclass
+class SlotClass:
+    """The pool, host tier and lower tiers of one block size."""
+
+    payload_bytes: int
+    pool: HostPool
+    manager: TieredOffloadingManager
+    sessions: set[Session] = field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        return f"class-{self.payload_bytes}"
+
+    def distribute_events(self) -> None:
+        """Hand the manager's events to the sessions of the namespace each
+        key belongs to (prefix stripped); removals named only by event id
+        (the disk tier's) go to every session of the class."""
+        events = self.manager.take_events()
+        if not events or not self.sessions:
+            return
+        for e in events:
+            if e.ids:
+                for s in self.sessions:
+                    s.add_event(e.tier, e.removed, [], list(e.ids), e.metadata_only)
+            if not e.keys:
+                continue
+            by_ns: dict[bytes, list[bytes]] = {}
+            for k in e.keys:
+                by_ns.setdefault(k[:8], []).append(k[8:])
+            for s in self.sessions:
+                keys = by_ns.get(s.prefix)
+                if keys:
+                    s.add_event(e.tier, e.removed, keys, [], e.metadata_only)
+
+    def occupancy(self) -> dict[str, int]:
+        occ = self.manager.occupancy()
+        occ["capacity"] = int(self.manager.host.capacity or 0)
+        return occ
+
+
+_session_ids = itertools.count(1)
+
+
+class Session:
+    """One attached engine (its scheduler process's connection)."""
+
+    def __init__(self, cls: SlotClass, namespace: str, engine: str, pid: int, uid: int) -> None:
+        self.id = next(_session_ids)
+        self.cls = cls
+        self.namespace = namespace
+        self.prefix = bytes.fromhex(namespace)[:8]
+        self.engine = engine
+        self.pid = pid
+        self.uid = uid
+        self.scan_pins: list[bytes] = []  # node keys pinned by this step's lookups
+        self.load_pins: Counter[bytes] = Counter()
+        self.writes: set[bytes] = set()
+        self.events: list[list[Any]] = []
+        self.events_dropped = 0
+        self.calls = 0
+        cls.sessions.add(self)
+
+    # -- keys ----------------------------------------------------------
+    def _node_keys(self, keys: list[bytes]) -> list[bytes]:
+        p = self.prefix
+        return [p + k for k in keys]
+
+    def _ctx(self, req: Any) -> _Ctx | None:
+        return None if req is None else _Ctx((self.id, req))
+
+    def add_event(
+        self, tier: str, removed: bool, keys: list[bytes], ids: list[bytes], meta: bool
+    ) -> None:
+        if len(self.events) >= MAX_EVENTS:
+            self.events_dropped += 1
+            del self.events[0]
+        self.events.append([tier, removed, keys, ids, meta])
+
+    # -- the manager's calls, one request each --------------------------
+    def lookup(self, keys: list[bytes], req: Any) -> list[list[int]]:
+        """Each key's answer and host slot (-1 unless HIT), in order, up to
+        and including the first MISS (the engine stops there). A HIT is
+        pinned for this session until its step ends."""
+        m = self.cls.manager
+        host = m.host
+        ctx = self._ctx(req)
+        out: list[list[int]] = []
+        for nk in self._node_keys(keys):
+            r = m.lookup(nk, ctx)
+            if r is LookupResult.HIT:
+                e = host.entries.get(nk)
+                if e is None or e.ref < 0:  # not readable as a host block: ask again
+                    out.append([2, -1])
+                    continue
+                host.pin(nk)
+                self.scan_pins.append(nk)
+                out.append([1, e.slot])
+                continue
+            out.append([_CODE.get(r, 3), -1])
+            if r is LookupResult.MISS:
+                break
+        return out
+
+    def prepare_load(self, keys: list[bytes], req: Any) -> list[int]:
+        nks = self._node_keys(keys)
+        spec = self.cls.manager.prepare_load(nks, self._ctx(req))
+        self.load_pins.update(nks)
+        return [int(s) for s in spec.slots.tolist()]
+
+    def complete_load(self, keys: list[bytes], req: Any) -> None:
+        nks = self._node_keys(keys)
+        need = Counter(nks)
+        if any(self.load_pins[k] < n for k, n in need.items()):
+            raise ProtocolError("complete_load of keys this engine does not hold")
+        self.load_pins.subtract(need)
+        self.load_pins += Counter()  # drop zero counts
+        self.cls.manager.complete_load(nks, self._ctx(req))
+
+    def load_failed(self, slots: list[int]) -> None:
+        from kvtier.scheduler.specs import HostSpec
+
+        cap = self.cls.pool.num_slots
+        if any(not -1 <= s < cap for s in slots):
+            raise ProtocolError("load_failed names slots outside the pool")
+        self.cls.manager.load_failed(HostSpec(np.asarray(slots, np.int64)))
+
+    def touch(self, keys: list[bytes]) -> None:
+        self.cls.manager.touch(self._node_keys(keys))
+
+    def prepare_store(
+        self, keys: list[bytes], req: Any
+    ) -> tuple[list[bytes], list[int], list[bytes]] | None:
+        """(keys to store, their slots, evicted keys of this namespace) or None."""
+        out = self.cls.manager.prepare_store(self._node_keys(keys), self._ctx(req))
+        if out is None:
+            return None
+        self.writes.update(out.keys_to_store)
+        p = self.prefix
+        evicted = [k[8:] for k in out.evicted_keys if k[:8] == p]
+        return [k[8:] for k in out.keys_to_store], out.store_spec.slots.tolist(), evicted
+
+    def complete_store(self, keys: list[bytes], req: Any, success: bool) -> None:
+        nks = self._node_keys(keys)
+        if any(k not in self.writes for k in nks):
+            raise ProtocolError("complete_store of keys this engine is not writing")
+        self.writes.difference_update(nks)
+        self.cls.manager.complete_store(nks, self._ctx(req), success)
+
+    def request_finished(self, req: Any) -> None:
+        self.cls.manager.on_request_finished(self._ctx(req))
+
+    def step_end(self) -> list[Any]:
+        """Release this step's lookup pins, run the class's step end, and
+        hand over the events kept for this engine (oldest first)."""
+        self._release_scan()
+        self.cls.manager.on_schedule_end()
+        self.cls.distribute_events()
+        ev, self.events = self.events, []
+        return [ev, self.cls.manager.has_pending_work()]
+
+    def reset(self) -> int:
+        """Drop every block of this namespace that no engine holds (vLLM's
+        reset_prefix_cache: e.g. after new weights). Returns how many."""
+        self._release_scan()
+        host = self.cls.manager.host
+        gone = [k for k, e in host.entries.items() if k[:8] == self.prefix and e.evictable]
+        for k in gone:
+            host.drop(k)
+        self.cls.manager._core.removed(gone)
+        self.cls.distribute_events()
+        return len(gone)
+
+    # -- leases ----------------------------------------------------------
+    def _release_scan(self) -> None:
+        if self.scan_pins:
+            self.cls.manager.complete_load(self.scan_pins)
+            self.scan_pins = []
+
+    def release_all(self) -> dict[str, int]:
+        """Give back everything this session holds (its connection closed:
+        an engine that exited or was killed). Writes it never completed are
+        dropped, never made readable. Returns what was released."""
+        released = {
+            "scan_pins": len(self.scan_pins),
+            "load_pins": sum(self.load_pins.values()),
+            "writes": len(self.writes),
+        }
+        m = self.cls.manager
+        self._release_scan()
+        if self.load_pins:
+            m.complete_load(list(self.load_pins.elements()))
+            self.load_pins.clear()
+        if self.writes:
+            m.complete_store(list(self.writes), None, False)
+            self.writes.clear()
+        self.cls.sessions.discard(self)
+        m.on_schedule_end()
+        self.cls.distribute_events()
+        return released
+
+    def leases(self) -> dict[str, int]:
+        return {
+            "scan_pins": len(self.scan_pins),
+            "load_pins": sum(self.load_pins.values()),
+            "writes": len(self.writes),
+        }
+
+
+def build_class(
+    payload_bytes: int,
+    slot_bytes: int,
+    num_slots: int,
+    pool_name: str,
+    host_options: Any,
+    lower: list[LowerTier],
+) -> SlotClass:
+    """A slot class: its pool (created, or reattached when a node before this
+    one left it: engines' workers keep their mapping of it across a node
+    restart), its host tier and a manager over them. Blocks while the pool
+    is created and pre-faulted."""
+    from kvtier.errors import IoError
+
+    try:
+        pool = HostPool(num_slots, slot_bytes, name=pool_name)
+    except IoError as e:
+        import errno
+
+        if e.errno != errno.EEXIST:
+            raise
+        pool = HostPool.attach(pool_name)
+        if (pool.num_slots, pool.slot_bytes) != (num_slots, slot_bytes):
+            got = (pool.num_slots, pool.slot_bytes)
+            pool.close()
+            raise ProtocolError(
+                f"pool {pool_name} left by an earlier node is {got[0]} x {got[1]} B, this node "
+                f"wants {num_slots} x {slot_bytes} B: remove /dev/shm/{pool_name} "
+                "once no engine uses it"
+            ) from None
+    host = HostTier.from_options(pool, num_slots, host_options)
+    manager = TieredOffloadingManager(host, lower, promote=True)
+    return SlotClass(payload_bytes, pool, manager)
