@@ -1,4 +1,4 @@
-"""``kvtier replay | bench | plan | doctor | events`` — the command-line front end.
+"""``kvtier replay | bench | plan | doctor | events | node`` — the command-line front end.
 
 A command-line tool: runs in its own process (the ``kvtier`` console script,
 ``python -m kvtier.cli``, ``bench/run.py``); the library never imports it.
@@ -190,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     from kvtier.events_cli import add_events_parser
 
     add_events_parser(sub)
+
+    from kvtier.node.cli import add_node_parser
+
+    add_node_parser(sub)
     return p
 
 
