@@ -27,6 +27,7 @@ def add_node_parser(sub: Any) -> None:
         "(action serve, the default), or print a running node's status.",
     )
     n.add_argument("action", nargs="?", choices=["serve", "status"], default="serve")
+    n.add_argument("--host-bytes", help="host memory for every engine's blocks, e.g. 64GiB")
     n.add_argument(
         "--socket", default=DEFAULT_SOCKET, help=f"Unix socket (default {DEFAULT_SOCKET})"
     )
@@ -53,10 +54,17 @@ def add_node_parser(sub: Any) -> None:
 def _cmd_node(args: argparse.Namespace) -> int:
     if args.action == "status":
         return _status(args)
+    import dataclasses
+
+    from kvtier.errors import InvalidArgument
     from kvtier.node.server import NodeConfig, NodeServer
     from kvtier.options.surfaces import tier_options_from_args
+    from kvtier.units import parse_size
 
+    if not args.host_bytes:
+        raise InvalidArgument("kvtier node needs --host-bytes (e.g. 64GiB)")
     host, disk, remote = tier_options_from_args(args)
+    host = dataclasses.replace(host, bytes=parse_size(args.host_bytes))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server = NodeServer(
         NodeConfig(

@@ -1,0 +1,370 @@
+"""The node cache (kvtier.node): engines sharing blocks through one node,
+namespaces, leases released when an engine dies, who may attach, hostile
+frames, and an engine that outlives its node.
+
+The node runs in a thread of the test (in-process cases) or as
+``kvtier node`` in a child process (kill cases); engines are NodeManagers,
+in this process or in a child that is SIGKILLed."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvtier.errors import InvalidArgument
+from kvtier.node import client as node_client
+from kvtier.node import protocol as P
+from kvtier.node.client import NodeError, NodeManager, NodeUnavailable, node_status
+from kvtier.node.server import NodeConfig, NodeServer
+from kvtier.options.tiers import HostOptions
+from kvtier.pool import HostPool
+from kvtier.tiers.base import LookupResult
+
+BLOCK = 4096
+NS_A = "a1" * 16
+NS_B = "b2" * 16
+
+
+def key(i: int, group: int = 0) -> bytes:
+    return i.to_bytes(32, "big") + group.to_bytes(4, "big")
+
+
+def content(i: int, salt: int = 0) -> np.ndarray:
+    return ((np.arange(BLOCK, dtype=np.uint32) * 2654435761 + i * 97 + salt) >> 7).astype(np.uint8)
+
+
+def _remove_pools(name: str) -> None:
+    for f in Path("/dev/shm").glob(f"kvnode-{name}-*"):
+        f.unlink()
+
+
+class Node:
+    """A node in a thread of this process, stopped and its pools removed at exit."""
+
+    def __init__(self, tmp: Path, blocks: int = 64, **kw: object) -> None:
+        self.name = f"t{os.getpid()}-{random.randrange(1 << 30)}"
+        self.path = str(tmp / "node.sock")
+        self.config = NodeConfig(
+            host=HostOptions(bytes=blocks * BLOCK * int(kw.get("max_classes", 1))),  # type: ignore[call-overload]
+            socket_path=self.path,
+            name=self.name,
+            **kw,  # type: ignore[arg-type]
+        )
+        self.server = NodeServer(self.config)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def engine(self, ns: str = NS_A, engine: str = "e", payload: int = BLOCK) -> NodeManager:
+        return NodeManager(self.path, ns, payload, engine=engine)
+
+    def status(self) -> dict:
+        return node_status(self.path)
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    n = Node(tmp_path)
+    yield n
+    n.stop()
+    _remove_pools(n.name)
+
+
+def store(m: NodeManager, pool: HostPool, ids: list[int], salt: int = 0) -> list[bytes]:
+    keys = [key(i) for i in ids]
+    out = m.prepare_store(keys)
+    assert out is not None and out.keys_to_store == keys
+    for i, s in zip(ids, out.store_spec.slots.tolist()):
+        pool.view(s)[:] = content(i, salt)
+    m.complete_store(keys)
+    m.on_schedule_end()
+    return keys
+
+
+def test_engine_b_loads_what_engine_a_stored_byte_for_byte(node: Node) -> None:
+    a, b = node.engine(engine="a"), node.engine(engine="b")
+    pool = HostPool.attach(a.pool["pool"])
+    assert a.pool == b.pool
+    keys = store(a, pool, list(range(8)))
+    assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 8
+    spec = b.prepare_load(keys)
+    for i, s in zip(range(8), spec.slots.tolist()):
+        assert np.array_equal(pool.view(s), content(i))
+    b.complete_load(keys)
+    b.on_schedule_end()
+    ev = a.take_events()
+    assert [e.keys for e in ev if not e.removed] == [keys]
+    st = node.status()
+    assert st["classes"][str(BLOCK)]["occupancy"]["blocks"] == 8
+    assert st["classes"][str(BLOCK)]["occupancy"]["pinned"] == 0
+    assert {e["engine"] for e in st["engines"]} == {"a", "b"}
+    a.shutdown()
+    b.shutdown()
+
+
+def test_a_scan_is_one_round_trip(node: Node) -> None:
+    a = node.engine()
+    pool = HostPool.attach(a.pool["pool"])
+    keys = store(a, pool, list(range(16)))
+    b = NodeManager(node.path, NS_A, BLOCK, key_order=lambda k, ctx: keys[keys.index(k) + 1 :])
+    before = b.client_stats.round_trips
+    assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 16
+    assert b.client_stats.round_trips - before == 1
+
+
+def test_two_models_never_share_a_key(node: Node) -> None:
+    """The same key bytes from two namespaces: two blocks, each engine its own."""
+    a, b = node.engine(NS_A), node.engine(NS_B)
+    pool = HostPool.attach(a.pool["pool"])
+    store(a, pool, [1, 2], salt=0)
+    assert b.lookup(key(1)) is LookupResult.MISS
+    store(b, pool, [1, 2], salt=5)
+    la, lb = a.prepare_load([key(1)]), b.prepare_load([key(1)])
+    assert la.slots[0] != lb.slots[0]
+    assert np.array_equal(pool.view(int(la.slots[0])), content(1, 0))
+    assert np.array_equal(pool.view(int(lb.slots[0])), content(1, 5))
+    a.complete_load([key(1)])
+    b.complete_load([key(1)])
+    # b's events name only b's blocks
+    b.on_schedule_end()
+    assert all(k in (key(1), key(2)) for e in b.take_events() for k in e.keys)
+
+
+def test_block_sizes_get_their_own_pools(tmp_path: Path) -> None:
+    n = Node(tmp_path, max_classes=2)
+    try:
+        a = n.engine(NS_A, payload=BLOCK)
+        b = n.engine(NS_B, payload=2 * BLOCK)
+        assert a.pool["pool"] != b.pool["pool"]
+        assert b.pool["slot_bytes"] == 2 * BLOCK
+        with pytest.raises(InvalidArgument, match="max-classes"):
+            n.engine(NS_B, payload=3 * BLOCK)
+    finally:
+        n.stop()
+        _remove_pools(n.name)
+
+
+def test_lookup_hits_stay_pinned_until_the_step_ends(node: Node) -> None:
+    """Another engine's offers cannot evict a block between this engine's
+    lookup and its load: a full node refuses rather than evict it."""
+    a, b = node.engine(engine="a"), node.engine(engine="b")
+    pool = HostPool.attach(a.pool["pool"])
+    store(a, pool, list(range(64)))  # the node is full
+    assert b.lookup(key(0)) is LookupResult.HIT
+    out = a.prepare_store([key(i) for i in range(100, 164)])
+    assert out is not None and key(0) not in out.evicted_keys and len(out.keys_to_store) == 63
+    spec = b.prepare_load([key(0)])
+    assert np.array_equal(pool.view(int(spec.slots[0])), content(0))
+    b.complete_load([key(0)])
+    b.on_schedule_end()
+    a.complete_store(out.keys_to_store, success=False)
+
+
+_CHILD = """
+import os, sys, time
+from kvtier.node.client import NodeManager
+from kvtier.pool import HostPool
+import numpy as np
+m = NodeManager(sys.argv[1], sys.argv[2], int(sys.argv[3]), engine="doomed")
+pool = HostPool.attach(m.pool["pool"])
+k = lambda i: i.to_bytes(32, "big") + bytes(4)
+done = [k(i) for i in range(4)]
+out = m.prepare_store(done)
+m.complete_store(done); m.on_schedule_end()
+assert m.lookup(k(0)).name == "HIT"       # a lookup pin
+m.prepare_load([k(1), k(2)])               # load pins
+half = [k(i) for i in range(10, 14)]
+out = m.prepare_store(half)                # writes never completed
+for s in out.store_spec.slots.tolist():
+    pool.view(s)[: 100] = 7                # half written
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_engine_releases_its_leases_at_once(node: Node) -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, node.path, NS_A, str(BLOCK)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        st = node.status()
+        (e,) = st["engines"]
+        assert e["leases"] == {"scan_pins": 1, "load_pins": 2, "writes": 4}
+        t0 = time.monotonic()
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        while node.status()["engines"]:
+            assert time.monotonic() - t0 < 1.0, "leases still held 1 s after the engine died"
+            time.sleep(0.01)
+    finally:
+        child.kill()
+    occ = node.status()["classes"][str(BLOCK)]["occupancy"]
+    assert (occ["blocks"], occ["pinned"], occ["writing"]) == (4, 0, 0)
+    b = node.engine(engine="b")
+    assert [b.lookup(key(i)) for i in range(10, 14)] == [LookupResult.MISS] * 4
+    assert [b.lookup(key(i)) for i in range(4)] == [LookupResult.HIT] * 4
+
+
+def test_claims_on_slots_not_leased_close_only_that_connection(node: Node) -> None:
+    a, b = node.engine(engine="a"), node.engine(engine="b")
+    pool = HostPool.attach(a.pool["pool"])
+    store(a, pool, [1])
+    with pytest.raises(NodeError, match="does not hold"):
+        b._client.call(P.Op.COMPLETE_LOAD, [key(1)], None)  # b never loaded it
+    assert not b._client.connected
+    c = node.engine(engine="c")
+    with pytest.raises(NodeError, match="not writing"):
+        c._client.call(P.Op.COMPLETE_STORE, [key(1)], None, True)  # nor wrote it
+    assert a.lookup(key(1)) is LookupResult.HIT
+    assert node.status()["counters"]["protocol_errors"] == 2
+
+
+def test_socket_is_0660_and_strangers_are_refused(node: Node) -> None:
+    assert stat.S_IMODE(os.stat(node.path).st_mode) == 0o660
+    node.server._allowed_uids = set()  # as if this process's uid were not allowed
+    node.server._allowed_gids = set()
+    with pytest.raises(NodeError, match="PermissionDenied"):
+        node.engine()
+    node.server._allowed_uids = {os.getuid()}
+    assert node.status()["counters"]["refused"] == 1
+
+
+def _fuzz_frames(n: int, rng: random.Random) -> Iterator[bytes]:
+    good = [
+        P.pack([int(P.Op.HELLO), P.VERSION, NS_A, BLOCK, "f"]),
+        P.pack([int(P.Op.LOOKUP), [key(1)], None]),
+        P.pack([int(P.Op.PREPARE_STORE), [key(2), key(3)], "r"]),
+        P.pack([int(P.Op.COMPLETE_STORE), [key(2)], "r", True]),
+        P.pack([int(P.Op.PREPARE_LOAD), [key(1)], None]),
+        P.pack([int(P.Op.STEP_END)]),
+    ]
+    for _ in range(n):
+        kind = rng.randrange(5)
+        if kind == 0:  # random bytes
+            yield rng.randbytes(rng.randrange(1, 64))
+        elif kind == 1:  # a valid frame with bytes flipped
+            f = bytearray(rng.choice(good))
+            for _ in range(rng.randrange(1, 4)):
+                f[rng.randrange(len(f))] = rng.randrange(256)
+            yield bytes(f)
+        elif kind == 2:  # an oversized length
+            yield P.HEADER.pack(P.MAX_FRAME + rng.randrange(1, 1 << 20)) + b"x"
+        elif kind == 3:  # valid msgpack, wrong shapes
+            obj = rng.choice(
+                [
+                    [99],
+                    [int(P.Op.LOOKUP), "k", None],
+                    {"a": 1},
+                    [int(P.Op.HELLO), 2, NS_A, 1, "x"],
+                    [int(P.Op.COMPLETE_LOAD), [key(9)], None],
+                    [int(P.Op.LOAD_FAILED), [1 << 40]],
+                ]
+            )
+            yield P.pack(obj)
+        else:  # a truncated frame, then the connection closes
+            f = rng.choice(good)
+            yield f[: rng.randrange(1, len(f))]
+
+
+def test_fuzz_10000_frames_leave_the_node_and_other_engines_unaffected(node: Node) -> None:
+    a = node.engine(engine="steady")
+    pool = HostPool.attach(a.pool["pool"])
+    store(a, pool, [1])
+    rng = random.Random(59)
+    sent = 0
+    for frame in _fuzz_frames(10_000, rng):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(node.path)
+        s.sendall(P.pack([int(P.Op.HELLO), P.VERSION, NS_A, BLOCK, "fuzz"]) + frame)
+        s.shutdown(socket.SHUT_WR)
+        while s.recv(1 << 16):
+            pass
+        s.close()
+        sent += 1
+        if sent % 2000 == 0:  # the steady engine is served throughout
+            assert a.lookup(key(1)) is LookupResult.HIT
+            a.on_schedule_end()
+    assert sent == 10_000
+    st = node.status()
+    assert [e["engine"] for e in st["engines"]] == ["steady"]
+    occ = st["classes"][str(BLOCK)]["occupancy"]
+    assert (occ["pinned"], occ["writing"]) == (0, 0)
+    assert st["counters"]["protocol_errors"] > 3000
+    spec = a.prepare_load([key(1)])
+    assert np.array_equal(pool.view(int(spec.slots[0])), content(1))
+    a.complete_load([key(1)])
+
+
+def _node_proc(path: str, name: str) -> subprocess.Popen[bytes]:
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "node",
+            "--socket",
+            path,
+            "--name",
+            name,
+            "--host-bytes",
+            str(64 * BLOCK),
+        ],
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            node_status(path)
+            return p
+        except NodeUnavailable:
+            assert time.monotonic() < deadline and p.poll() is None, "node did not start"
+            time.sleep(0.05)
+
+
+def test_engines_keep_serving_without_the_node_and_reattach(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(node_client, "REATTACH_PERIOD_S", 0.05)
+    path, name = str(tmp_path / "n.sock"), f"t{os.getpid()}-r"
+    p = _node_proc(path, name)
+    try:
+        a = NodeManager(path, NS_A, BLOCK, engine="a")
+        pool = HostPool.attach(a.pool["pool"])
+        store(a, pool, [1])
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        assert a.lookup(key(2)) is LookupResult.MISS  # served, without the node
+        assert a.prepare_store([key(3)]) is None
+        a.on_schedule_end()
+        assert a.client_stats.node_down_lookups == 1
+        assert a.client_stats.node_dropped_stores == 1
+        p = _node_proc(path, name)  # adopts the pool the engine maps
+        time.sleep(0.06)
+        a.on_schedule_end()
+        assert a.attached and a.client_stats.reattaches == 1
+        keys = store(a, pool, [4])
+        b = NodeManager(path, NS_A, BLOCK, engine="b")
+        spec = b.prepare_load(keys) if b.lookup(keys[0]) is LookupResult.HIT else None
+        assert spec is not None and np.array_equal(pool.view(int(spec.slots[0])), content(4))
+    finally:
+        p.kill()
+        p.wait()
+        _remove_pools(name)
