@@ -10,7 +10,8 @@ from the engine's Python, the generated model and its local tokenizer, as
 ``kvtier bench serve --server`` does) with a small KV cache, and sends
 requests (:mod:`kvtier.bench.soak_server_client`) at seeded Poisson
 instants. Every ``sample_s`` it reads the server's processes (RSS, open
-fds, threads, the /dev/shm and memfd regions they map) and its ``/metrics``.
+fds, threads, the /dev/shm and memfd regions they map), its ``/metrics``
+and how many requests are in flight (:func:`take_sample`).
 Faults (:data:`SERVER_FAULT_KINDS`, one seeded round after another):
 Redis killed and restarted empty, Redis stopped (SIGSTOP) and continued,
 the disk tier's file system filled and freed, records corrupted in the
@@ -224,6 +225,27 @@ def scrape_all(base_url: str) -> dict[str, float]:
                 name += "_" + sample.split('finished_reason="', 1)[1].split('"', 1)[0]
             out[name] = out.get(name, 0.0) + float(value)
     return out
+
+
+def take_sample(pid: int, base_url: str, in_flight: Callable[[], int], t0: float) -> dict[str, Any]:
+    """One sample of the server: its processes' resources
+    (:func:`tree_resources`), its ``/metrics``, and ``in_flight``, the
+    requests in flight while the resources were read: the larger of the
+    counts just before and just after, as a request that starts or ends
+    meanwhile may hold a counted fd. The judge compares fds and threads only
+    between samples at equal load. Who calls: the soak's loop. Blocks while
+    it reads /proc and ``/metrics`` (10 s at most)."""
+    now = time.time()
+    before = in_flight()
+    res = tree_resources(pid)
+    load = max(before, in_flight())
+    return {
+        "t": now,
+        "at_s": round(now - t0, 2),
+        **res,
+        "metrics": scrape_all(base_url),
+        "in_flight": load,
+    }
 
 
 #: The CPU build's settings that bound its own memory (both servers, the
@@ -445,13 +467,7 @@ def run_server_soak(
                     f"{faults[-1].detail or faults[-1].skipped}"
                 )
             if now >= next_sample:
-                s = {
-                    "t": now,
-                    "at_s": round(now - t0, 2),
-                    **tree_resources(server.proc.pid),
-                    "metrics": scrape_all(server.base_url),
-                    "in_flight": client.in_flight(),
-                }
+                s = take_sample(server.proc.pid, server.base_url, client.in_flight, t0)
                 if not s["metrics"]:
                     crashes.append(f"/metrics did not answer at {now - t0:.0f} s")
                 samples.append(s)
@@ -462,15 +478,12 @@ def run_server_soak(
         fx.due(force=True)
         client.join(180.0)
         time.sleep(1.0)
-        final = {
-            "t": time.time(),
-            "at_s": round(time.time() - t0, 2),
-            "event": "final",
-            **tree_resources(server.proc.pid),
-            "metrics": scrape_all(server.base_url),
-            "in_flight": client.in_flight(),
-        }
-        samples.append(final)
+        samples.append(
+            {
+                **take_sample(server.proc.pid, server.base_url, client.in_flight, t0),
+                "event": "final",
+            }
+        )
         if server.proc.poll() is not None and not crashes:
             crashes.append(f"server exited with {server.proc.returncode}")
         stop_t = time.perf_counter()
@@ -576,5 +589,6 @@ __all__ = [
     "run_server_soak",
     "scrape_all",
     "server_fault_schedule",
+    "take_sample",
     "tree_resources",
 ]

@@ -4,8 +4,10 @@ table, the fault log as text and the plot.
 :func:`verdict` judges a run from the driver's per-interval samples
 (resources flat after warm-up, no wrong byte, no hang, no crash, recovery
 after every fault, :func:`judge_recovery` filling each fault's recovery
-time); :func:`minute_rows` and :func:`format_row` make the table printed as
-the run goes; :func:`report` and :func:`plot` show a finished run's record.
+time); :func:`flat_at_equal_load` judges the serving soak's open fds and
+threads, which follow its connections, at equal load; :func:`minute_rows`
+and :func:`format_row` make the table printed as the run goes;
+:func:`report` and :func:`plot` show a finished run's record.
 
 A command-line tool's module: runs in the ``kvtier bench soak`` driver
 process. Who calls: :func:`kvtier.bench.soak.run_soak`,
@@ -30,6 +32,10 @@ FLAT_METRICS = ("rss_kib", "fds", "threads", "shm")
 FLAT_TOLERANCE = 0.05  # the issue's "within 5%"
 SETTLE_S = 10.0  # a restarted child's first seconds (imports, pool, recovery) are not judged
 RECOVERY_SHARE = 0.5  # recovered: a sample's hit rate back to half the rate before the fault
+# Open fds and threads follow the connections open (one per request in
+# flight): judged only at equal load, on samples with at most this many in flight.
+QUIET_IN_FLIGHT = 1
+EQUAL_LOAD_SAMPLES = 6  # the fewest that judge: 3 early, 3 late
 
 
 @dataclass
@@ -67,6 +73,60 @@ def flatness(
     ok = peak <= level * (1 + FLAT_TOLERANCE)
     growth = (peak / level - 1) if level else (0.0 if peak == 0 else float("inf"))
     return ok, f"level {level:g}, peak {peak:g} ({growth:+.1%}) over {len(judged)} samples"
+
+
+def at_equal_load(
+    samples: Sequence[dict[str, Any]], warmup_end: float
+) -> tuple[int, list[dict[str, Any]]]:
+    """The samples after ``warmup_end`` (the final one excluded) taken at
+    the same low load: at most :data:`QUIET_IN_FLIGHT` requests in flight
+    (their ``in_flight``), the bound raised one at a time until
+    :data:`EQUAL_LOAD_SAMPLES` qualify (a machine so loaded that requests
+    always overlap). Returns (the bound, those samples); samples that do not
+    say their load are left out. Pure."""
+    judged = [
+        s
+        for s in samples
+        if s["t"] >= warmup_end and s.get("event") != "final" and s.get("in_flight") is not None
+    ]
+    top = max((s["in_flight"] for s in judged), default=QUIET_IN_FLIGHT)
+    for bound in range(QUIET_IN_FLIGHT, max(top, QUIET_IN_FLIGHT) + 1):
+        quiet = [s for s in judged if s["in_flight"] <= bound]
+        if len(quiet) >= EQUAL_LOAD_SAMPLES:
+            return bound, quiet
+    return top, judged
+
+
+def flat_at_equal_load(
+    samples: Sequence[dict[str, Any]], metric: str, warmup_end: float
+) -> tuple[bool, str]:
+    """Whether ``metric`` (open fds or threads: both follow the connections
+    open, one per request in flight) stays within :data:`FLAT_TOLERANCE` at
+    equal load: over the samples :func:`at_equal_load` picks, the median of
+    the last tenth (at least 3) against the median of the first. The peak
+    under load (a burst of long prompts holds a dozen connections) is
+    reported, not judged; a descriptor left open per request raises the late
+    level by one per request served in between, and fails. Who calls:
+    :func:`kvtier.bench.soak_server_check.judge` and the tests. Pure."""
+    bound, quiet = at_equal_load(samples, warmup_end)
+    if len(quiet) < EQUAL_LOAD_SAMPLES:
+        return False, (
+            f"only {len(quiet)} samples with at most {bound} requests in flight "
+            f"after warm-up to judge"
+        )
+    n = max(3, len(quiet) // 10)
+    early = statistics.median(s[metric] for s in quiet[:n])
+    late = statistics.median(s[metric] for s in quiet[-n:])
+    ok = late <= early * (1 + FLAT_TOLERANCE)
+    growth = (late / early - 1) if early else (0.0 if late == 0 else float("inf"))
+    top = max(
+        (s for s in samples if s["t"] >= warmup_end and s.get("event") != "final"),
+        key=lambda s: s[metric],
+    )
+    return ok, (
+        f"at most {bound} in flight: early {early:g}, late {late:g} ({growth:+.1%}) "
+        f"over {len(quiet)} samples; peak {top[metric]:g} at {top.get('in_flight', '?')} in flight"
+    )
 
 
 def hit_rate(samples: Iterable[dict[str, Any]]) -> float:
