@@ -8,7 +8,7 @@ SYS_PACKAGES := liburing-dev libisal-dev libssl-dev openssl zlib1g-dev libgtest-
 TORCH_SPEC := torch==2.13.0
 JOBS ?= 2
 
-.PHONY: all sysdeps venv engine-venv install demo test test-py test-cpp wheel wheel-all bench bench-serve soak soak-server lint format clean gpu-check docs docs-serve docs-check
+.PHONY: all sysdeps venv engine-venv demo-venv install demo test test-py test-cpp wheel wheel-all bench bench-serve soak soak-server lint format clean gpu-check docs docs-serve docs-check
 
 all: install
 
@@ -41,6 +41,9 @@ VLLM_DEPS := packaging msgspec psutil pyzmq urllib3 regex "transformers<5.21" cb
   requests openai_harmony openai pillow pybase64 cachetools cloudpickle uvloop py-cpuinfo \
   prometheus_client xgrammar "fastapi<0.137" partial_json_parser "llguidance<1.8" pydantic
 $(VENV)/.vllm: $(VENV)/.deps
+	@echo "note: vLLM 0.33 and SGLang are installed without their dependencies on purpose (those pin a CUDA"
+	@echo "  torch and GPU kernels): pip's lines below that vllm or sglang 'requires X, which is not installed'"
+	@echo "  or 'requires X, but you have Y' are expected; kvtier's tests use only what is installed here."
 	$(PIP) install -q --no-deps vllm==0.33.0
 	$(PIP) install -q $(VLLM_DEPS)
 	$(PY) -c "import torch, vllm.v1.kv_offload.base; assert torch.__version__.startswith('2.13.0')"
@@ -90,11 +93,32 @@ engine-venv: $(ENGINE_VENV)/.deps
 install: venv
 	$(PIP) install -q --no-build-isolation -e ".[test]"
 
+# The demo's own venv: kvtier with its run-time dependencies (numpy, tqdm),
+# matplotlib for the replay's plot and the tools that build it; no torch,
+# vLLM, SGLang or docs tools, which only `make test` needs (.venv). From a
+# fresh clone about a minute, most of it the C++ build, in a build directory
+# of its own (as the engine venv: the venvs' CMake and Ninja may differ).
+# kvtier is installed with its declared dependencies: were one missing from
+# pyproject, the demo would fail here. pip is upgraded only when older than
+# -C needs; --no-compile: Python compiles what the demo imports, not all
+# of matplotlib and numpy.
+DEMO_VENV := .venv-demo
+DPY := $(DEMO_VENV)/bin/python
+DEMO_DEPS := "scikit-build-core>=0.10" "pybind11>=3" cmake ninja matplotlib
+$(DEMO_VENV)/.deps: pyproject.toml Makefile | sysdeps
+	test -x $(DPY) || $(PYTHON) -m venv $(DEMO_VENV)
+	$(DPY) -m pip install -q "pip>=23.1"
+	$(DPY) -m pip install -q --no-compile $(DEMO_DEPS)
+	touch $@
+
+demo-venv: $(DEMO_VENV)/.deps
+	$(DPY) -m pip install -q --no-compile --no-build-isolation -Cbuild-dir=build/demo-{wheel_tag} -e .
+
 # The main job: a replay of the embedded synthetic chat workload through the
 # host tier (512 blocks of 64 KiB) and a 1 GiB disk tier, every load verified.
-demo: install
+demo: demo-venv
 	rm -rf build/demo-disk
-	$(VENV)/bin/kvtier replay --host-blocks 512 --block-bytes 64KiB --disk build/demo-disk:1GiB \
+	$(DEMO_VENV)/bin/kvtier replay --host-blocks 512 --block-bytes 64KiB --disk build/demo-disk:1GiB \
 	  --max-requests 3000 --json build/demo-replay.json --plot build/demo-replay.png
 
 test: install lint test-cpp wheel test-py
@@ -219,4 +243,4 @@ format: venv
 	clang-format -i csrc/core/*.h csrc/core/*.cc csrc/core/*/*.h csrc/core/*/*.cc csrc/bindings/*.h csrc/bindings/*.cc csrc/tests/*.cc
 
 clean:
-	rm -rf build dist $(VENV)
+	rm -rf build dist $(VENV) $(DEMO_VENV)
