@@ -187,7 +187,11 @@ class NodeManager:
         self.stats = ManagerStats()
         self.client_stats = NodeClientStats()
         self.lower: list[Any] = []
+        # The node's answers for the keys a scan has not asked yet (each
+        # used once, dropped when this engine changes what the node holds or
+        # the step ends) and the slots of this step's HITs (pinned for us).
         self._answers: dict[bytes, tuple[LookupResult, int]] = {}
+        self._hit_slots: dict[bytes, int] = {}
         self._events: list[TierEvent] = []
         self._pending = False
         self._closed = False
@@ -253,7 +257,7 @@ class NodeManager:
         answered from that reply within the step."""
         if self._closed:
             raise ClosedError("manager is shut down")
-        got = self._answers.get(key)
+        got = self._answers.pop(key, None)
         if got is None:
             got = self._scan(key, req_context)
         r = got[0]
@@ -273,10 +277,12 @@ class NodeManager:
             self._down(e)
             self.client_stats.node_down_lookups += 1
             return (LookupResult.MISS, -1)
-        answers = self._answers
+        answers, slots = self._answers, self._hit_slots
         for k, (code, slot) in zip(keys, out):
             answers[k] = (_ANSWER[code], slot)
-        return answers[key]
+            if slot >= 0:
+                slots[k] = slot
+        return answers.pop(key)
 
     def may_fail_to_load(self, key: bytes) -> bool:
         """False: a HIT is a host block the node pinned for this engine."""
@@ -297,7 +303,7 @@ class NodeManager:
                 self._down(e)
         # The node went away after this step's lookup: its pins went with
         # it, but nothing has reused the slots it named yet.
-        slots = [self._answers.get(k, (None, -1))[1] for k in keys]
+        slots = [self._hit_slots.get(k, -1) for k in keys]
         if any(s < 0 for s in slots):
             raise InvalidArgument("prepare_load of a key that is not a HIT")
         return HostSpec(np.asarray(slots, np.int64))
@@ -319,6 +325,7 @@ class NodeManager:
         for k in keys:
             if not isinstance(k, (bytes, bytearray)):
                 raise InvalidArgument(f"keys must be bytes, got {type(k).__name__}")
+        self._answers.clear()
         if not self.attached:
             self.client_stats.node_dropped_stores += len(keys)
             return None
@@ -344,6 +351,7 @@ class NodeManager:
         keys = list(keys)
         if not keys:
             return
+        self._answers.clear()
         if success:
             self.stats.stores += len(keys)
         else:
@@ -372,6 +380,7 @@ class NodeManager:
         if self._closed:
             raise ClosedError("manager is shut down")
         self._answers.clear()
+        self._hit_slots.clear()
         if not self.attached:
             self._reattach()
             if not self.attached:

@@ -51,6 +51,12 @@ class VllmOptions(EngineOptions):
         "write kvtier's counters and host occupancy here as JSON at shutdown",
         surfaces=_VLLM,
     )
+    node: str | None = opt(
+        None,
+        "the Unix socket of a kvtier node (e.g. /run/kvtier/node.sock) that owns the host "
+        "pool and tiers of every engine on the machine; unset: this engine owns its own",
+        surfaces=_VLLM,
+    )
     lower_writes: str = opt(
         "on_store",
         "when a block is written to the disk and Redis tiers: on_store (when "

@@ -126,9 +126,11 @@ class KVTierOffloadingSpec(OffloadingSpec):
         check_current_engine()
         self.kvtier = parse_extra_config(self.extra_config)
         opts: VllmOptions = self.kvtier.engine
-        if self.kvtier.host.bytes is None:
+        self.node = opts.node
+        if self.kvtier.host.bytes is None and self.node is None:
             raise InvalidArgument(
-                "kv_connector_extra_config needs kvtier_host_bytes (e.g. '64GiB')"
+                "kv_connector_extra_config needs kvtier_host_bytes (e.g. '64GiB') "
+                "or kvtier_node (a kvtier node's socket)"
             )
         par = config.parallel
         self.world_size = int(par.world_size)
@@ -145,14 +147,17 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 "kvtier_num_slots: required with pipeline parallelism (every stage must agree; "
                 "see kvtier plan --host-memory)"
             )
-        self.num_slots, self.slot_bytes = host_pool_for_chunks(
-            self.cell_bytes,
-            cells,
-            self.kvtier.host.bytes,
-            trailer_bytes=TRAILER_BYTES if self.kvtier.disk is not None else 0,
-            num_slots=opts.num_slots,
-            setting=key_of(HostOptions, "bytes"),
-        )
+        if self.node is not None:
+            self._node_layout(cells)
+        else:
+            self.num_slots, self.slot_bytes = host_pool_for_chunks(
+                self.cell_bytes,
+                cells,
+                self.kvtier.host.bytes,
+                trailer_bytes=TRAILER_BYTES if self.kvtier.disk is not None else 0,
+                num_slots=opts.num_slots,
+                setting=key_of(HostOptions, "bytes"),
+            )
         self.namespace = engine_namespace(
             model=config.model.name,
             dtype=config.model.dtype,
@@ -173,9 +178,32 @@ class KVTierOffloadingSpec(OffloadingSpec):
             if (w := getattr(g, "sliding_window_size_in_chunks", None))
         }
         self.engine_id = str(config.engine_id)
-        self.pool_name = _pool_name(self.engine_id, self.stage)
+        if self.node is None:
+            self.pool_name = _pool_name(self.engine_id, self.stage)
         self._manager: OffloadingManager | None = None
         self._pool: HostPool | None = None
+
+    def _node_layout(self, cells: int) -> None:
+        """Attached to a node: its pool for this engine's block size (every
+        process of the engine asks; the node answers the same). Blocks for
+        one round trip."""
+        from kvtier.node.client import pool_info
+
+        if self.pp_size > 1:
+            raise InvalidArgument(
+                "kvtier_node: pipeline parallelism is not served by a node yet; "
+                "leave kvtier_node unset (each engine its own host tier)"
+            )
+        if self.kvtier.disk is not None or self.kvtier.remote is not None:
+            raise InvalidArgument(
+                "kvtier_node: the node owns the disk and remote tiers; give their settings "
+                "to `kvtier node` (--disk, --remote), not to the engine"
+            )
+        assert self.node is not None
+        self.payload_bytes = self.cell_bytes * cells
+        info = pool_info(self.node, self.payload_bytes)
+        self.num_slots, self.slot_bytes = int(info["num_slots"]), int(info["slot_bytes"])
+        self.pool_name = str(info["pool"])
 
     def _stage_ns(self, stage: int) -> str:
         return self.namespace if self.pp_size == 1 else f"{self.namespace}-stage{stage}"
@@ -191,10 +219,29 @@ class KVTierOffloadingSpec(OffloadingSpec):
 
     def host_pool(self) -> HostPool:
         if self._pool is None:
-            self._pool = _open_pool(self.pool_name, self.num_slots, self.slot_bytes)
+            if self.node is not None:  # the node's: never created here
+                from kvtier.pool import HostPool
+
+                self._pool = HostPool.attach(self.pool_name)
+            else:
+                self._pool = _open_pool(self.pool_name, self.num_slots, self.slot_bytes)
         return self._pool
 
     def get_manager(self) -> OffloadingManager:
+        if self._manager is None and self.node is not None:
+            from kvtier.integrations.vllm.scheduler import KVTierManager, LookupOrder
+            from kvtier.node.client import NodeManager
+
+            self._manager = KVTierManager(
+                NodeManager(  # type: ignore[arg-type]
+                    self.node,
+                    self.namespace,
+                    self.payload_bytes,
+                    engine=self.engine_id,
+                    key_order=LookupOrder(self.windows),
+                ),
+                stats_path=self.kvtier.engine.stats_path,
+            )
         if self._manager is None:
             from kvtier.tiers.factory import build_tiers, close_after_failure, kind_of
 
