@@ -421,6 +421,43 @@ def test_layers_that_do_not_map_one_run_each_keep_whole_loads() -> None:
     w.shutdown()
 
 
+@pytest.mark.timeout(60)
+def test_a_load_that_never_lands_is_an_error_naming_vllms_job() -> None:
+    """kvtier_transfer_wait_s bounds the worker's waits for its copies: a
+    load from a slot whose lower-tier write nobody settles raises
+    kvtier.Timeout naming vLLM's job (and the layer the forward pass waited
+    for) instead of hanging the worker; once the write settles, it lands."""
+    from kvtier.integrations.vllm.host_spec import KVTierSpec
+
+    extra = {**SPEC, "kvtier_host_bytes": 64 * 4096, "kvtier_transfer_wait_s": 0.2}
+    spec = OffloadingSpecFactory.create_spec(config(extra))
+    caches, layers = _kv_caches(8)
+    w = spec.get_worker(caches)
+    assert [t.wait_timeout_s for t in w.transfers] == [0.2]
+    w.map_layers([["model.layers.0.attn", "model.layers.1.attn"]])
+    pool = spec.host_pool()
+    pool.view(4)[:] = 9
+    armed = pool.arm_fences([4])
+    w.expedite.add(41)
+    assert w.submit_load(
+        41, KVTierSpec(np.array([4]), fences=armed), GPULoadStoreSpec([3], [1], [0])
+    )
+    late = r"DeviceTransfer: expedited load job \d+ \(host slots 4\) not finished within 0.2 s"
+    with pytest.raises(kvtier.Timeout, match=rf"^vLLM's transfer job 41: {late}"):
+        w.wait({41})
+    with pytest.raises(
+        kvtier.Timeout, match=rf"^vLLM's transfer job 41, layer model.layers.1.attn: {late}"
+    ):
+        w.wait_layer({41}, "model.layers.1.attn")
+    assert w.get_finished() == []
+    assert pool.settle_fence(4, int(armed[0]), True)
+    w.wait({41})
+    (r,) = w.get_finished()
+    assert r.job_id == 41 and r.success
+    assert all(int(t[3].min()) == int(t[3].max()) == 9 for t in layers)
+    w.shutdown()
+
+
 def test_pipeline_stages_get_their_own_pools_sized_by_their_layers() -> None:
     """PP=2 with an uneven split (stage 1 holds twice the layers): each stage
     opens its own pool with slots of its own KV bytes and the same slot count,

@@ -373,3 +373,56 @@ def test_a_fenced_load_copies_each_slot_once_its_write_settles(backend: str, fak
         with pytest.raises(kvtier.InvalidArgument, match="not an armed fence"):
             t.submit_load(4, [0], [1], fences=[4])  # a settled word
         t.shutdown()
+
+
+@pytest.mark.timeout(20)  # before the bound, wait() blocked for as long as the job ran
+def test_a_wait_without_a_timeout_names_the_job_that_never_ends(backend: str, fake_cudart) -> None:  # type: ignore[no-untyped-def]
+    """A job that never ends (a fenced load whose write nobody settles: it
+    would run until the fence's own 30 s) does not hang wait(): past the
+    transfer's bound, kvtier.Timeout names that job, not the one that
+    ended; it stays in flight and is reported once it does end."""
+    kv = [torch.zeros((NB, 4096), dtype=torch.uint8)]
+    with HostPool(8, 4096) as pool:
+        fake_cudart.on_gpu(*kv)
+        t = DeviceTransfer(kv, pool, backend=backend)
+        t.wait_timeout_s = 0.25
+        pool.view(3)[:] = 7
+        armed = pool.arm_fences([3])
+        assert t.submit_load(7, [3], [5], fences=armed)
+        assert t.submit_store(8, [1], [2])
+        t0 = time.monotonic()
+        with pytest.raises(kvtier.Timeout) as e:
+            t.wait([8, 7])
+        assert 0.25 <= time.monotonic() - t0 < 10
+        assert str(e.value) == (
+            "DeviceTransfer: load job 7 (host slots 3) not finished within 0.25 s "
+            "(still in flight: get_finished reports each when it ends)"
+        )
+        assert [r.job_id for r in t.get_finished()] == [8]
+        with pytest.raises(kvtier.Timeout, match=r"^DeviceTransfer: load job 7 .* within 0\.01 s"):
+            t.wait([7], timeout=0.01)  # a timeout given is kept too
+        assert int(kv[0][5].max()) == 0
+        assert pool.settle_fence(3, int(armed[0]), True)
+        t.wait_timeout_s = 0  # no bound
+        (r,) = finish(t, [7]).values()
+        assert r.success and int(kv[0][5].min()) == 7  # type: ignore[attr-defined]
+        t.shutdown()
+
+
+def test_the_wait_bound_defaults_to_the_vllm_options_and_is_checked(pool: HostPool) -> None:
+    from kvtier.options import VllmOptions
+    from kvtier.worker import WAIT_TIMEOUT_S
+
+    kv = np.zeros((4, 4096), np.uint8)
+    assert WAIT_TIMEOUT_S == VllmOptions().transfer_wait_s == 120.0
+    t = DeviceTransfer([kv], pool)
+    assert t.wait_timeout_s == WAIT_TIMEOUT_S
+    t.shutdown()
+    t = DeviceTransfer([kv], pool, wait_timeout_s=3)
+    assert t.wait_timeout_s == 3.0
+    t.shutdown()
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(kvtier.InvalidArgument, match="wait_timeout_s must be >= 0"):
+            DeviceTransfer([kv], pool, wait_timeout_s=bad)
+        with pytest.raises(kvtier.InvalidArgument, match="transfer_wait_s must be >= 0"):
+            VllmOptions(transfer_wait_s=bad)

@@ -16,6 +16,7 @@ from typing import ClassVar
 from kvtier.errors import InvalidArgument
 from kvtier.options.fields import check_positive, opt
 from kvtier.scheduler.options import PARTIAL_STORES
+from kvtier.worker import WAIT_TIMEOUT_S
 
 __all__ = ["EngineOptions", "SglangOptions", "VllmOptions"]
 
@@ -110,6 +111,14 @@ class VllmOptions(EngineOptions):
         kind="int",
         surfaces=_VLLM,
     )
+    transfer_wait_s: float = opt(
+        WAIT_TIMEOUT_S,
+        "a worker waiting for one of its copies between the engine's KV cache and kvtier "
+        "(a load the forward pass needs, a store before its blocks are reused) raises an "
+        "error naming the job after this long instead of waiting for ever (0: no bound)",
+        kind="seconds",
+        surfaces=_VLLM,
+    )
     scan_wait_ms: float = opt(
         20.0,
         "a request's first lookup that misses the host tier reads its prefix from the "
@@ -127,6 +136,8 @@ class VllmOptions(EngineOptions):
 
     def __post_init__(self) -> None:
         check_positive(num_slots=self.num_slots, scan_bytes=self.scan_bytes)
+        if not self.transfer_wait_s >= 0:
+            raise InvalidArgument(f"transfer_wait_s must be >= 0, got {self.transfer_wait_s}")
         if not self.scan_wait_ms >= 0:
             raise InvalidArgument(f"scan_wait_ms must be >= 0, got {self.scan_wait_ms}")
         if self.stream_slots is not None and self.stream_slots < 0:

@@ -13,3 +13,11 @@ Process: the engine's worker. Who calls: the vLLM shim's worker
 (:mod:`kvtier.integrations.vllm.worker`), one thread. Submissions never
 block; ``wait`` and ``close`` do. Importing this package loads nothing heavy.
 """
+
+#: How long a worker waits for one of its transfers before it calls the job
+#: lost (:class:`kvtier.Timeout`): far above the longest legitimate wait (a
+#: fenced load waits at most 30 s for its lower-tier read, then fails; a
+#: queue holds at most its byte budget, 1 GiB by default, behind at most one
+#: forward pass), so that only a copy that will never end reaches it. The
+#: vLLM shim's ``kvtier_transfer_wait_s`` (:class:`kvtier.options.VllmOptions`).
+WAIT_TIMEOUT_S = 120.0

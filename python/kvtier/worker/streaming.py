@@ -145,6 +145,7 @@ class StreamLoader:
                 page_bytes=list(pages),
                 slot_offset=slot_offset,
                 num_threads=1,
+                wait_timeout_s=0,  # the driver's own waits: those of wait() are the bounded ones
             )
             for tensors, pages in groups
         ]

@@ -6,7 +6,8 @@ the shim's worker), one thread. Submits never block; transfers in one direction 
 submission order (one serial engine queue per direction, plus one for
 expedited loads); :meth:`DeviceTransfer.get_finished` drains completions;
 :meth:`DeviceTransfer.wait` blocks (GIL released) until the asked jobs are
-done and their destination bytes are final.
+done and their destination bytes are final, at most ``wait_timeout_s`` by
+default (then :class:`kvtier.Timeout` names the jobs not done).
 
 Slot layout: a slot holds one chunk of ``blocks_per_chunk`` blocks; within
 it, each KV tensor's pages for the chunk's blocks lie back to back, tensors
@@ -22,14 +23,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvtier.engine import Engine
-from kvtier.errors import Busy, ClosedError, InvalidArgument
+from kvtier.errors import Busy, ClosedError, InvalidArgument, Timeout
 from kvtier.jobs import Joined
 from kvtier.pool import HostPool
+from kvtier.worker import WAIT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from kvtier import _native
 
 STORE_QUEUE, LOAD_QUEUE, EXPEDITED_QUEUE = 0, 1, 2
+_KIND = {STORE_QUEUE: "store", LOAD_QUEUE: "load", EXPEDITED_QUEUE: "expedited load"}
 
 
 @dataclass
@@ -281,6 +284,12 @@ class DeviceTransfer:
     reported failed (``error`` says it timed out); its slots stay in use until
     the copy has really ended, so a later job of the other direction on them
     still runs after it.
+
+    ``wait_timeout_s`` (0: none): how long :meth:`wait` blocks when not
+    given a timeout, after which it raises :class:`kvtier.Timeout` naming
+    the jobs not finished: a copy that never ends (a GPU that stopped, a
+    lower-tier write whose fence nobody settles) is an error rather than a
+    worker that hangs for ever. The attribute of that name may be changed.
     """
 
     def __init__(
@@ -298,6 +307,7 @@ class DeviceTransfer:
         budget_bytes: int = 1 << 30,
         slot_offset: int = 0,
         deadline_s: float = 0.0,
+        wait_timeout_s: float = WAIT_TIMEOUT_S,
     ) -> None:
         if blocks_per_chunk < 1:
             raise InvalidArgument(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
@@ -322,6 +332,9 @@ class DeviceTransfer:
         self.pool = pool
         self.slot_offset = slot_offset  # this worker's cell inside a slot shared by ranks
         self.is_writer = is_writer
+        if not wait_timeout_s >= 0:  # NaN too
+            raise InvalidArgument(f"wait_timeout_s must be >= 0, got {wait_timeout_s}")
+        self.wait_timeout_s = float(wait_timeout_s)
         self._tensors = list(tensors)  # keep the memory alive
         self._b: _CpuBackend | _CudaBackend
         if backend == "cpu":
@@ -334,7 +347,7 @@ class DeviceTransfer:
         # The caller's jobs, one engine job each; a timed-out one held (its
         # slots kept from later jobs' ordering) until the engine releases it.
         self._jobs: Joined[int, int, Any] = Joined()
-        self._job_slots: dict[int, np.ndarray] = {}
+        self._job_slots: dict[int, tuple[np.ndarray, int]] = {}  # internal id -> slots, direction
         self._slot_job: dict[int, tuple[int, int]] = {}  # slot -> (internal id, queue)
         self._acks: list[TransferResult] = []
 
@@ -499,7 +512,7 @@ class DeviceTransfer:
         iid, q = got
         self._jobs.add(job_id, iid)
         self._jobs.seal(job_id)
-        self._job_slots[iid] = s
+        self._job_slots[iid] = (s, queue)  # its direction, whichever queue runs it
         for slot in s.tolist():
             self._slot_job[slot] = (iid, q)
         return True
@@ -523,15 +536,50 @@ class DeviceTransfer:
         return out
 
     def _free_slots(self, iid: int) -> None:
-        for slot in self._job_slots.pop(iid).tolist():
+        for slot in self._job_slots.pop(iid)[0].tolist():
             if self._slot_job.get(slot, (0,))[0] == iid:
                 del self._slot_job[slot]
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
-        """Block until ``job_ids`` finished; their destination bytes are final."""
-        ids = [sub for j in job_ids for sub in self._jobs.subs(j)]
-        if ids:
-            self._b.wait(ids, timeout)
+        """Block (GIL released) until ``job_ids`` finished; their destination
+        bytes are final and their results wait for :meth:`get_finished`.
+
+        ``timeout``: seconds (None: ``wait_timeout_s``). Past it, raises
+        :class:`kvtier.Timeout` naming each job not finished, which stays in
+        flight: its slots stay in use and :meth:`get_finished` reports it
+        when it ends. Who calls: the engine's worker before it reuses the
+        jobs' KV blocks or slots (the vLLM shim's ``wait``), tools."""
+        jobs = list(job_ids)
+        ids = [sub for j in jobs for sub in self._jobs.subs(j)]
+        if not ids:
+            return
+        limit = (self.wait_timeout_s or None) if timeout is None else timeout
+        try:
+            self._b.wait(ids, limit)
+        except Timeout:
+            late = [j for j in jobs if not self._ended(j)]
+            if not late:  # they ended between the deadline and the check
+                return
+            names = ", ".join(self._describe(j) for j in late)
+            raise Timeout(
+                f"DeviceTransfer: {names} not finished within {limit:g} s (still in flight: "
+                "get_finished reports each when it ends)"
+            ) from None
+
+    def _ended(self, job_id: int) -> bool:
+        try:
+            self._b.wait(self._jobs.subs(job_id), 0)
+        except Timeout:
+            return False
+        return True
+
+    def _describe(self, job_id: int) -> str:
+        """``load job 7 (host slots 3, 4)``: what a Timeout names."""
+        parts = [self._job_slots.get(sub) for sub in self._jobs.subs(job_id)]
+        slots = sorted({s for p in parts if p is not None for s in p[0].tolist()})
+        kind = next((_KIND[p[1]] for p in parts if p is not None), "transfer")
+        shown = ", ".join(map(str, slots[:8])) + (f", ... ({len(slots)})" if len(slots) > 8 else "")
+        return f"{kind} job {job_id} (host slots {shown})"
 
     def stats(self) -> dict[str, Any]:
         if isinstance(self._b, _CudaBackend) and self._b.copier is not None:

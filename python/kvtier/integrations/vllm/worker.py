@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from kvtier.scheduler.specs import StreamSpec
     from kvtier.worker.streaming import StreamChunk, StreamLoader
     from kvtier.worker.transfer import DeviceTransfer
+from kvtier.errors import Timeout
 from kvtier.integrations.vllm.host_spec import KVTierSpec
 from kvtier.jobs import Joined
 from kvtier.worker.chunks import GroupPart, chunk_bounds, layer_ranges, runs, split_groups
@@ -51,6 +52,9 @@ class KVTierWorker(OffloadingWorker):
         pool = spec.host_pool()
         offset = spec.cell_index * spec.cell_bytes
         self.transfers: list[DeviceTransfer] = []
+        # How long a wait for one of our copies may take before it is an
+        # error naming the job (0: no bound); streamed parts are held to it too.
+        self.wait_s = spec.kvtier.engine.transfer_wait_s
         self._groups: list[tuple[list[Any], list[int]]] = []  # per group: tensors, page bytes
         self._aliased: list[bool] = []  # per group: some of its layers share a tensor
         with off_compute_cpus():  # the copy threads start off the engine's compute cores
@@ -106,6 +110,7 @@ class KVTierWorker(OffloadingWorker):
                     page_bytes=list(seen.values()),
                     is_writer=spec.is_writer,
                     slot_offset=offset,
+                    wait_timeout_s=self.wait_s,
                 )
             )
 
@@ -385,24 +390,32 @@ class KVTierWorker(OffloadingWorker):
             parts = self._layer_parts.get(ours, {})
             split = set(parts.values())
             sub = parts.get((g, i))
-            for pg, psub in self._jobs.subs(ours):
-                if pg == _STREAM and self._stream is not None:
-                    self._stream.wait_layer(psub, g, i)
-                elif psub == sub or psub not in split:
-                    self._wait_part(pg, psub)
+            try:
+                for pg, psub in self._jobs.subs(ours):
+                    if pg == _STREAM and self._stream is not None:
+                        self._stream.wait_layer(psub, g, i, self.wait_s or None)
+                    elif psub == sub or psub not in split:
+                        self._wait_part(pg, psub)
+            except Timeout as e:
+                raise Timeout(f"vLLM's transfer job {job}, layer {layer_name}: {e}") from None
 
     def _wait_part(self, g: int, sub: int) -> None:
         if g == _STREAM:
             assert self._stream is not None
-            self._stream.wait([sub])
+            self._stream.wait([sub], self.wait_s or None)
         else:
             self.transfers[g].wait([sub])
 
     def wait(self, job_ids: set[int]) -> None:
+        """Block until the jobs ended, each part at most ``wait_s``: past it,
+        kvtier.Timeout names vLLM's job and the part that did not end."""
         for job in job_ids:
             ours = self._ours.get(job)
-            for g, sub in [] if ours is None else self._jobs.subs(ours):
-                self._wait_part(g, sub)
+            try:
+                for g, sub in [] if ours is None else self._jobs.subs(ours):
+                    self._wait_part(g, sub)
+            except Timeout as e:
+                raise Timeout(f"vLLM's transfer job {job}: {e}") from None
 
     def shutdown(self) -> None:
         self._load_blocks.clear()
