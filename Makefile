@@ -96,8 +96,9 @@ install: venv
 # The demo's own venv: kvtier with its run-time dependencies (numpy, tqdm),
 # matplotlib for the replay's plot and the tools that build it; no torch,
 # vLLM, SGLang or docs tools, which only `make test` needs (.venv). From a
-# fresh clone about a minute, most of it the C++ build, in a build directory
-# of its own (as the engine venv: the venvs' CMake and Ninja may differ).
+# fresh clone on 2 cores: about 20 s of packages (cached) and a minute of
+# C++ build, in a build directory of its own (as the engine venv: each venv
+# has its own pybind11 include path, so a shared one would rebuild anyway).
 # kvtier is installed with its declared dependencies: were one missing from
 # pyproject, the demo would fail here. pip is upgraded only when older than
 # -C needs; --no-compile: Python compiles what the demo imports, not all
