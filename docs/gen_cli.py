@@ -23,7 +23,9 @@ INTRO = """\
 
 `kvtier` is installed with the package (`[project.scripts]`); `python -m kvtier.cli`
 runs the same. Every subcommand below is generated from the parser the command
-itself uses, so it lists exactly the options `kvtier SUBCOMMAND --help` shows.
+itself uses, so it lists exactly the options `kvtier SUBCOMMAND --help` shows;
+each benchmark has its own (`kvtier bench COMPONENT --help`), and a flag of
+another component is refused.
 Errors kvtier raises end the command with exit status 2 and `kvtier: error: ...`.
 
 Benchmarks write their results (JSON with machine facts) only where asked:
@@ -70,11 +72,19 @@ def _table(fmt: argparse.HelpFormatter, actions: list[argparse.Action]) -> list[
     return rows if len(rows) > 2 else []
 
 
-def _section(title: str, parser: argparse.ArgumentParser, summary: str) -> list[str]:
+def _subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
+    return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+
+
+def _section(
+    title: str, parser: argparse.ArgumentParser, summary: str, level: int = 2
+) -> list[str]:
+    """``title``'s heading, usage and argument tables, then a section per
+    subcommand of it, one level down (``kvtier bench copy`` under ``kvtier bench``)."""
     fmt = argparse.HelpFormatter(parser.prog, width=100)
     usage = argparse.HelpFormatter(parser.prog, width=100)
     usage.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups, prefix="")
-    out = [f"## {title}", ""]
+    out = [f"{'#' * level} {title}", ""]
     if summary:
         out += [summary[0].upper() + summary[1:] + ".", ""]
     out += ["```text", usage.format_help().strip("\n"), "```", ""]
@@ -85,6 +95,18 @@ def _section(title: str, parser: argparse.ArgumentParser, summary: str) -> list[
         if group.title not in ("positional arguments", "options", "optional arguments"):
             out += [f"**{group.title}**", ""]
         out += rows + [""]
+    sub = _subcommands(parser)
+    if sub is not None and level > 2:
+        raise ValueError(f"{title}: subcommands nested deeper than one level")
+    if sub is not None:
+        helps = {c.dest: c.help or "" for c in sub._choices_actions}
+        out += ["| subcommand | what it does |", "| --- | --- |"]
+        out += [
+            f"| [`{n}`](#{title.replace(' ', '-')}-{n}) | {_cell(helps[n])} |" for n in sub.choices
+        ]
+        out.append("")
+        for name, child in sub.choices.items():
+            out += _section(f"{title} {name}", child, helps.get(name, ""), level + 1)
     return out
 
 
@@ -93,7 +115,8 @@ def render() -> str:
     from kvtier.cli import build_parser
 
     root = build_parser()
-    sub = next(a for a in root._actions if isinstance(a, argparse._SubParsersAction))
+    sub = _subcommands(root)
+    assert sub is not None
     helps = {c.dest: c.help or "" for c in sub._choices_actions}
     lines = INTRO.splitlines() + [""]
     for name, parser in sub.choices.items():

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvtier.bench.harness import print_json_last
 from kvtier.errors import InvalidArgument, KvtierError
-from kvtier.options.surfaces import add_tls_arguments, tls_settings
+from kvtier.options.surfaces import tls_settings
 
 
 def _scratch_dir(args: argparse.Namespace) -> str:
@@ -50,13 +50,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _cmd_bench_route(args)
     if args.component == "copy" and args.device == "cuda":
         return _cmd_bench_copy_cuda(args)
-    args.repeats = args.repeats or 5
+    args.repeats = args.repeats or (3 if args.component == "manager" else 5)
     if args.component == "copy":
         sizes = [parse_size(args.block_bytes)] if args.block_bytes else None
         if args.device == "cpu":
             from kvtier.bench.device import run_device_copy
 
-            results = [run_device_copy(s) for s in (sizes or [262144])]
+            results = [run_device_copy(s, repeats=args.repeats) for s in (sizes or [262144])]
         else:
             from kvtier.bench.copy import DEFAULT_SIZES, run_copy
 
@@ -111,7 +111,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     elif args.component == "manager":
         from kvtier.bench.manager import run_manager
 
-        results = [run_manager(num_keys=args.keys, policy=args.policy)]
+        results = [run_manager(num_keys=args.keys, policy=args.policy, repeats=args.repeats)]
     else:  # pragma: no cover - argparse restricts choices
         raise KvtierError(f"unknown component {args.component}")
     out = output_dir(args.out, "bench")
@@ -392,196 +392,8 @@ def _print_human(r: dict[str, Any]) -> None:
 
 
 def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """The ``bench`` subcommand and its options, one group per component."""
-    b = sub.add_parser("bench", help="measure a component against its baseline")
-    b.add_argument(
-        "component",
-        choices=[
-            "copy",
-            "manager",
-            "disk",
-            "disk-index",
-            "remote",
-            "vllm",
-            "serve",
-            "soak",
-            "sglang",
-            "route",
-        ],
-    )
-    b.add_argument("--block-bytes", help="one size (default: 64KiB, 256KiB and 2MiB)")
-    b.add_argument("--repeats", type=int, help="repeats (default 5; serve, sglang: 3)")
-    b.add_argument(
-        "--out",
-        help="save results with machine facts in this directory ('' to skip; default: "
-        "build/bench, serve: build/bench-serve, of the repo, else a printed temporary directory)",
-    )
-    b.add_argument("--results-dir", dest="out", help=argparse.SUPPRESS)  # the old name of --out
-    b.add_argument(
-        "--json",
-        nargs="?",
-        const="-",
-        metavar="PATH",
-        help="print JSON (last line); disk-index, sglang, route: --json PATH writes it to PATH "
-        "as well",
-    )
-    # One group per component, so `kvtier bench --help` says which options matter where.
-    o = b.add_argument_group("copy")
-    o.add_argument(
-        "--device",
-        choices=["host", "cpu", "cuda"],
-        default="host",
-        help="host: pool<->buffer copies; cpu: DeviceTransfer with a CPU KV cache; cuda: "
-        "DeviceTransfer on this GPU against torch's copies and the pinned-copy ceiling "
-        "(needs torch with CUDA; --json PATH writes the JSON there too)",
-    )
-    o.add_argument(
-        "--tokens", help="--device cuda: tokens per block, comma-separated (default 16,64,256,512)"
-    )
-    o.add_argument(
-        "--layouts",
-        help="--device cuda: comma-separated of per_layer, kv_split, cross_layer, mla "
-        "(default all)",
-    )
-    o.add_argument(
-        "--quick",
-        action="store_true",
-        help="--device cuda: a smoke run (64 MiB per run, 16 and 256 tokens, 2 repeats)",
-    )
-    o = b.add_argument_group("disk, vllm, sglang")
-    o.add_argument(
-        "--dir",
-        help="directory on the device to measure "
-        "(default: build/bench-disk of the repo, else a temporary directory)",
-    )
-    o.add_argument("--queue-depth", type=int, default=32, help="disk: I/O queue depth")
-    o.add_argument(
-        "--total",
-        default="1GiB",
-        help="disk: bytes per run; remote: each client stores and loads half of it per run",
-    )
-    o.add_argument("--backend", default="auto", choices=["auto", "io_uring", "pread"])
-    o.add_argument(
-        "--trace",
-        help="vllm, serve --server, route: Mooncake-format JSONL trace to replay (vllm default: "
-        "synthetic; else ../shared/traces/mooncake_conversation_trace.jsonl if there)",
-    )
-    o = b.add_argument_group("remote, sglang")
-    o.add_argument("--url", help="redis://HOST:PORT (default: start a local server)")
-    o.add_argument(
-        "--tls",
-        action="store_true",
-        help="without --url, the local server also serves TLS; kvtier's runs alternate "
-        "between its plain and TLS ports (the ratio is TLS's cost)",
-    )
-    add_tls_arguments(o)
-    o.add_argument(
-        "--connections",
-        type=int,
-        help="connections (worker threads; default: the remote tier's, chosen from this machine)",
-    )
-    o.add_argument(
-        "--peer",
-        action="append",
-        choices=["lmcache"],
-        default=[],
-        help="also run this client on the same server, alternating with kvtier: lmcache "
-        "(LMCache 0.5.6's native client from its PyPI wheel, cached under build/bench-peers)",
-    )
-    o = b.add_argument_group("manager, disk-index")
-    o.add_argument("--keys", type=int, default=1_000_000, help="manager: distinct keys")
-    o.add_argument("--records", type=int, default=1_000_000, help="disk-index: records to store")
-    o.add_argument("--policy", default="lru", help="manager: host policy; disk-index: disk policy")
-    o = b.add_argument_group("serve")
-    o.add_argument("--python", help="a Python with vLLM's engine and kvtier (default: this one)")
-    o.add_argument("--configs", help="comma-separated configurations (default: all)")
-    o.add_argument("--sessions", type=int, default=6, help="chat sessions")
-    o.add_argument("--system-tokens", type=int, default=2000, help="system prompt tokens")
-    o.add_argument("--turns", type=int, default=3, help="turns per session")
-    o.add_argument(
-        "--server",
-        action="store_true",
-        help="serve: concurrent load: vLLM's OpenAI server per configuration, driven by vLLM's "
-        "own `vllm bench serve` client (configurations baseline, ideal, connector-floor, host, "
-        "host+disk, host+redis, host+disk+redis, second-server); soak: a live vLLM server with "
-        "kvtier (host, disk, Redis) under open-loop requests and faults for --minutes, its tokens "
-        "checked against a reference server without kvtier (needs --python's vLLM)",
-    )
-    o.add_argument(
-        "--model-kind",
-        default="llama",
-        choices=["llama", "gemma3", "mla", "hybrid"],
-        help="the generated model (default llama; mla runs in bfloat16 on vLLM's AMX backend; "
-        "hybrid: Qwen3-Next-shaped, Gated DeltaNet and attention layers, bfloat16, 544-token "
-        "blocks, one request at a time only)",
-    )
-    o.add_argument(
-        "--time-scale",
-        type=float,
-        default=1.0,
-        help="--server, route: the trace's inter-arrival times multiplied by this (default 1)",
-    )
-    o.add_argument(
-        "--max-requests",
-        type=int,
-        help="--server: trace requests (default 60); route: the first M (default: all)",
-    )
-    o.add_argument(
-        "--trace-cut",
-        default="sessions",
-        choices=["sessions", "head"],
-        help="--server: every turn of every k-th conversation that returns within the trace's "
-        "first 10 minutes, arriving at 1 request/s at time scale 1 (sessions, default), or the "
-        "trace's first requests on its own clock (head)",
-    )
-    o.add_argument("--concurrencies", default="1,4", help="--server: prefix and random load levels")
-    o.add_argument(
-        "--rates",
-        default="4",
-        help="--server: prefix-rate's load levels, requests per second (default 4)",
-    )
-    o.add_argument(
-        "--lower-writes",
-        default="on_store",
-        choices=["on_store", "on_reuse"],
-        help="--server: kvtier_lower_writes of every kvtier configuration (default on_store)",
-    )
-    o.add_argument(
-        "--workloads", help="--server: comma-separated: trace, prefix, prefix-rate, random"
-    )
-    o = b.add_argument_group("soak")
-    o.add_argument(
-        "--minutes",
-        type=float,
-        default=2.0,
-        help="soak: minutes of replay (--server: of serving) under faults (default 2; the "
-        "docs quote 30)",
-    )
-    o.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="soak: workload and fault seed; route: "
-        "the engine round robin and new sessions start at",
-    )
-    o = b.add_argument_group("route (sizes in blocks of 512 tokens; --block-bytes default 160MiB)")
-    o.add_argument("--engines", type=int, default=4, help="route: simulated engines (default 4)")
-    o.add_argument(
-        "--host-blocks",
-        type=int,
-        default=3200,
-        help="route: each engine's host tier (default 3,200: 500 GiB)",
-    )
-    o.add_argument(
-        "--disk-blocks",
-        type=int,
-        default=22000,
-        help="route: each engine's disk tier (default 22,000: 3.4 TiB)",
-    )
-    o.add_argument(
-        "--pool-blocks",
-        type=int,
-        default=6400,
-        help="route: the shared pool (default 6,400: 1 TiB)",
-    )
-    b.set_defaults(func=_cmd_bench)
+    """The ``bench`` subcommand: a sub-parser per component, with only its
+    flags (:mod:`kvtier.bench.parsers`), each run by :func:`_cmd_bench`."""
+    from kvtier.bench.parsers import add_bench_parser as add
+
+    add(sub, _cmd_bench)
