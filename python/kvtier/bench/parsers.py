@@ -59,10 +59,10 @@ class _Component(argparse.ArgumentParser):
         return ns, extra
 
 
-def _common(p: Parser, out: str, json_path: bool) -> None:
+def _common(p: Parser, out: str, json_path: bool, json_when: str = "") -> None:
     """``--out`` (``--results-dir``, its old name) and ``--json``.
     ``out``: where results go unasked; ``json_path``: the component also
-    writes its JSON to ``--json PATH``."""
+    writes its JSON to ``--json PATH`` (``json_when``: in that case only)."""
     p.add_argument(
         "--out",
         help=f"save results with machine facts in this directory ({out} of the repo, "
@@ -75,8 +75,8 @@ def _common(p: Parser, out: str, json_path: bool) -> None:
             nargs="?",
             const="-",
             metavar="PATH",
-            help="print only the JSON (last line); --json PATH: the table, and the JSON "
-            "written to PATH",
+            help=f"print only the JSON (last line); {json_when}--json PATH: the table, and "
+            "the JSON written to PATH",
         )
     else:
         p.add_argument("--json", action="store_true", help="print the JSON (last line)")
@@ -134,7 +134,7 @@ def _copy(p: Parser) -> None:
         action="store_true",
         help="a smoke run (64 MiB per run, 16 and 256 tokens, 2 repeats)",
     )
-    _common(p, "'' to skip; default: build/bench", json_path=True)
+    _common(p, "'' to skip; default: build/bench", True, json_when="with --device cuda, ")
 
 
 def _manager(p: Parser) -> None:
