@@ -24,7 +24,8 @@ from kvtier.pool import HostPool
 from kvtier.tiers import LookupResult
 from kvtier.tiers.records import key_digest
 from kvtier.tiers.remote import RemoteTier
-from kvtier.tiers.remote.stream import xadd_commands
+from kvtier.tiers.remote.index import STALE_S
+from kvtier.tiers.remote.stream import epoch_key, xadd_commands
 
 BLOCK = 16384
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
@@ -167,6 +168,95 @@ def test_a_flushed_server_resets_the_index(server: RedisServer) -> None:
         assert len(b.index) == 0 and b.lookup(K(1)) is MISS  # type: ignore[arg-type]
         t.close()
         b.close()
+
+
+def clear(client: redis.Redis, t: RemoteTier) -> int:
+    """A clear of ``t``'s namespace as SGLang's backend does it: its values,
+    then its stream, then its epoch up by one (the new epoch)."""
+    assert t.stream is not None
+    for key in client.scan_iter(match=t.server_key(b"")[:-32] + b"*"):
+        client.unlink(key)
+    client.unlink(t.stream)
+    return int(client.incr(epoch_key(t.stream)))
+
+
+def test_a_clear_is_seen_though_a_late_entry_recreated_the_stream(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer's entry for stores acknowledged before the clear lands after
+    it: the recreated stream has as many entries as the deleted one, so the
+    entry count shows no reset. Every index must forget the deleted blocks
+    (and b what it learnt itself) by the epoch, and skip the late entry."""
+    ns = str(uuid.uuid4())
+    with HostPool(8, BLOCK) as pool:
+        t = RemoteTier(server.url, BLOCK, namespace=ns)
+        # A writer with no index knows no later epoch than its first.
+        late = RemoteTier(server.url, BLOCK, namespace=ns, pool_index=False)
+        t.attach(pool)
+        late.attach(pool)
+        assert all(store_blocks(t, pool, [1, 2]))
+        appended(t)
+        b = reader(server.url, ns)
+        b.attach(pool)
+        until(lambda: key_digest(K(2)) in b.index, "the stores' entry")  # type: ignore[operator]
+        monkeypatch.setattr("kvtier.tiers.remote.announce.STREAM_DELAY_S", 3600.0)
+        assert all(store_blocks(late, pool, [3]))
+        assert late.has_pending_work()  # acknowledged, not announced yet
+        b.known.ttl_s = 3600.0  # what b learnt itself outlives the test
+        assert all(finish(b, b.submit_load([K(1)], [5])))
+        client = redis.Redis(port=server.port)
+        assert clear(client, t) == 1
+        late._unannounced.due = 0.0  # its next poll announces the stores: after the clear
+        appended(late)
+        assert client.xlen(t.stream) == 1  # type: ignore[arg-type]
+
+        def forgot() -> bool:
+            b.poll()  # what it learnt (the clear is seen here) and EXISTS answers
+            return [b.lookup(K(i)) for i in (1, 2, 3)] == [MISS, MISS, MISS]
+
+        until(forgot, "b to forget the cleared blocks", timeout=30)
+        assert b.index is not None and b.epoch == 1
+        until(lambda: b.index.stats()["stale_entries"] == 1, "the late entry skipped")  # type: ignore[union-attr]
+        until(b.index.authoritative, "the index to read the new history")
+        assert (b.index.epoch, len(b.index)) == (1, 0)
+        for x in (t, b, late):
+            x.close()
+
+
+def test_an_index_that_did_not_check_the_epoch_lately_answers_nothing(
+    server: RedisServer,
+) -> None:
+    """A reader late by STALE_S (its thread starved) may have missed a clear:
+    the tier asks the server, for blocks the index names too."""
+    with HostPool(4, BLOCK) as pool:
+        t, b = written(server.url, pool, [1])
+        assert b.lookup(K(1)) is HIT and b.lookup(K(9)) is MISS
+        assert b.index is not None
+        b.index.close()
+        b.index.checked_at = time.monotonic() - STALE_S
+        assert b.lookup(K(1)) is RETRY and b.lookup(K(9)) is RETRY
+        t.close()
+        b.close()
+
+
+def test_what_started_before_a_clear_is_not_learnt_present(server: RedisServer) -> None:
+    """A store or a worker's write that ends after the clear may have written
+    before the clear deleted: the tier neither remembers nor announces it."""
+    ns = str(uuid.uuid4())
+    with HostPool(4, BLOCK) as pool:
+        t = RemoteTier(server.url, BLOCK, namespace=ns, worker_io=True)
+        t.attach(pool)
+        token = t.submit_store([K(1)], [0])
+        ((_, loc, _),) = t.reserve_for_write([K(2)])
+        t.cleared(clear(redis.Redis(port=server.port), t))  # as the SGLang backend's clear does
+        assert finish(t, token) == [True]
+        t.commit_write(K(2), int(loc[0]), True)
+        assert not t.has_pending_work() and t.stats()["stores"] == 2
+        assert t.lookup(K(1)) is RETRY and t.lookup(K(2)) is RETRY
+        # What starts in the new epoch is learnt and announced as before.
+        assert all(store_blocks(t, pool, [3]))
+        assert t.lookup(K(3)) is HIT and t.has_pending_work()
+        t.close()
 
 
 def test_the_index_needs_the_stream(server: RedisServer) -> None:

@@ -169,6 +169,56 @@ def test_clear_empties_the_namespace_on_redis(redis_standalone: Any, sglang_open
     assert c.batch_exists(keys) == 3  # another namespace keeps its pages
 
 
+def test_a_store_announced_after_the_clear_does_not_bring_its_pages_back(
+    redis_standalone: Any, sglang_open: Any
+) -> None:
+    """Issue 58's item 6, its ordering injected: engine w's stores were
+    acknowledged before a's clear deleted them, and their entry in the
+    pool's event stream goes out at w's next call (STREAM_DELAY_S after the
+    SETs at the earliest; the XADD of a's own stores, sent as the clear
+    begins, can land after it on a loaded machine), so it recreates the
+    stream the clear deleted, naming deleted pages. Before the fix b's pool
+    index took them as present for good: the recreated stream had as many
+    entries as the deleted one, so no reset was seen. b must forget them
+    through the clear itself, not a TTL: its memory of present keys here
+    outlives the test."""
+    extra = {"kvtier_remote_url": redis_standalone.url, "kvtier_namespace": str(uuid.uuid4())}
+    pool = host_pool("mha", "page_first", pages=8)
+    fill(pool, 8)
+    a, b, w = (sglang_open(extra, pool) for _ in range(3))
+    wt, bt = (s.movers["kv"].tiers[0] for s in (w, b))
+    bt.known.ttl_s = 3600.0
+    keys = ["r0", "r1", "r2"]
+    client = redis.Redis(host="127.0.0.1", port=redis_standalone.port)
+
+    def announce() -> None:
+        """w's calls until its stores' entry went out (STREAM_DELAY_S on)."""
+        deadline = time.monotonic() + 30
+        while wt.has_pending_work():
+            assert time.monotonic() < deadline, "w never sent its stores' entry"
+            w.batch_exists(["elsewhere"])
+            time.sleep(0.01)
+
+    assert w.batch_set_v1(keys, token_indices(pool, 0, 3)) == [True] * 3
+    announce()
+    deadline = time.monotonic() + 30
+    while b.batch_exists(keys) != 3:
+        assert time.monotonic() < deadline, "b never saw w's pages"
+        time.sleep(0.01)
+    assert w.batch_set_v1(keys, token_indices(pool, 0, 3)) == [True] * 3  # written again
+    assert wt.has_pending_work()  # its entry waits for w's next call
+    a.clear()
+    assert [client.exists(wt.server_key(k.encode())) for k in keys] == [0, 0, 0]
+    assert not client.exists(wt.stream)
+    announce()  # after the clear: the entry names deleted pages
+    assert client.xlen(wt.stream) == 1
+    start = time.monotonic()
+    while b.batch_exists(keys) != 0:
+        assert time.monotonic() < start + 30, "b still sees the cleared pages after 30 s"
+        time.sleep(0.05)
+    assert w.batch_exists(keys) == 0
+
+
 def test_a_key_whose_check_is_already_in_flight_is_answered(
     redis_standalone: Any, sglang_open: Any
 ) -> None:

@@ -515,14 +515,20 @@ class PageMover:
             self._end_host([key] if kept else [], True)
         return ok[0]
 
-    def clear(self) -> None:
+    def clear(self, wipe: Callable[[JobTier], None] | None = None) -> None:
         """Forget every page of these tiers that this rank can drop (disk:
         its records; Redis: what it remembers — the server keeps the values
-        other engines may share; they expire by their TTL)."""
+        other engines may share; they expire by their TTL). ``wipe``: what
+        clears each tier instead of its ``reset`` (the backend's clear:
+        Redis values deleted too), with every call of this rank waiting, so
+        that none of its stores straddles the clear. Blocks."""
         with self._dir_locks["store"], self._dir_locks["load"], self._lock:
             for t in self.tiers:
                 self._drain(t)
-                t.reset()
+                if wipe is None:
+                    t.reset()
+                else:
+                    wipe(t)
             if self.host_pages is not None:
                 self.host_pages.reset()
 

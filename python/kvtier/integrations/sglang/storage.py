@@ -358,18 +358,24 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         """Empty the storage, as SGLang's ``/clear_hicache_storage_backend``
         means it: this rank's disk records, and its namespaces' values in
         Redis (shared with engines of the same namespace: they lose them
-        too, as engines sharing a HiCacheFile directory do). Deleting Redis
-        values needs redis-py (``pip install redis``); without it they stay
-        until their TTL and only this rank's memory of them is dropped.
-        Blocks while the server scans."""
+        too, as engines sharing a HiCacheFile directory do: each forgets
+        them within :data:`~kvtier.tiers.remote.index.STALE_S`, stores
+        acknowledged before the clear included, by the namespace's epoch
+        the clear increments). Deleting Redis values needs redis-py (``pip
+        install redis``); without it they stay until their TTL and only this
+        rank's memory of them is dropped. Blocks while the server scans."""
         for mover in self.movers.values():
-            mover.clear()
-            for tier in mover.tiers:
-                if tier.name == "remote":
-                    prefix = tier.server_key(b"")[:-32]  # type: ignore[attr-defined]
-                    assert self.settings.remote is not None
-                    _delete_values(self.settings.remote, prefix)
-                    tier.reset()  # its pool index read the history just deleted
+            mover.clear(self._wipe)
+
+    def _wipe(self, tier: Any) -> None:
+        """One tier's part of :meth:`clear` (the mover's locks held)."""
+        tier.reset()  # first: also when the server fails the deletion
+        if tier.name != "remote":
+            return
+        assert self.settings.remote is not None
+        epoch = _delete_values(self.settings.remote, tier.server_key(b"")[:-32])
+        if epoch is not None:  # its pool index read the history just deleted
+            tier.cleared(epoch)
 
     def kvtier_stats(self) -> dict[str, Any]:
         """kvtier's counters per host pool (pages moved, failures, each tier's own)."""
@@ -409,19 +415,20 @@ def _storage_metrics_class() -> Any:
     return _METRICS[0]
 
 
-def _delete_values(remote: RemoteOptions, prefix: bytes) -> int:
+def _delete_values(remote: RemoteOptions, prefix: bytes) -> int | None:
     """Delete every key under ``prefix`` on the Redis/Valkey ``remote`` names
-    (SCAN and UNLINK through redis-py, standalone or cluster); how many."""
+    (SCAN and UNLINK through redis-py, standalone or cluster) and its event
+    stream, then increment its epoch; the new epoch (None: redis-py is not
+    installed, nothing deleted)."""
     if importlib.util.find_spec("redis") is None:
         log.warning("kvtier: clear: redis-py is not installed; Redis values stay until their TTL")
-        return 0
+        return None
     from kvtier.pool_watch import connect
-    from kvtier.tiers.remote.stream import stream_key
+    from kvtier.tiers.remote.stream import epoch_key, stream_key
     from kvtier.tiers.remote.url import TLS_FIELDS
 
     assert remote.url is not None
     client = connect(remote.url, {f: getattr(remote, f) for f in TLS_FIELDS})
-    deleted = 0
     try:
         batch: list[bytes] = []
         for key in [*client.scan_iter(match=prefix + b"*", count=1000), None]:
@@ -431,14 +438,18 @@ def _delete_values(remote: RemoteOptions, prefix: bytes) -> int:
                 pipe = client.pipeline(transaction=False)
                 for k in batch:
                     pipe.unlink(k)
-                deleted += sum(pipe.execute())
+                pipe.execute()
                 batch = []
         # The namespace's event stream names the values just deleted: gone
-        # too, every reader's index (kvtier.tiers.remote.index) starts again.
-        client.unlink(stream_key(prefix))
+        # too. Its epoch goes up last: an engine that knows the new one sent
+        # its SETs after the values were deleted, and each reader's index
+        # (kvtier.tiers.remote.index) starts again when it sees it, skipping
+        # entries of older epochs (stores announced after this clear).
+        stream = stream_key(prefix)
+        client.unlink(stream)
+        return int(client.incr(epoch_key(stream)))
     finally:
         client.close()
-    return deleted
 
 
 def _bytes_of(t: Any) -> np.ndarray:

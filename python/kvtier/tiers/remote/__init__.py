@@ -5,8 +5,8 @@ by engine instances across nodes, one room like ``tiers/disk/``.
 event stream), ``url`` the URL and TLS settings and what opens a native
 client (:class:`RemoteConnection`), ``index`` what the pool holds as its
 event stream says (:class:`~kvtier.tiers.remote.index.PoolIndex`),
-``stream`` that stream's format, ``worker`` the engine worker's reads and
-writes of the pool.
+``stream`` that stream's format, ``announce`` the stores waiting for their
+entry in it, ``worker`` the engine worker's reads and writes of the pool.
 
 Process: the engine's scheduler (``worker``: the engine's worker). Who
 calls: the factory, the manager, the tools. Importing the package blocks on

@@ -14,7 +14,7 @@ An entry names up to :data:`ENTRY_BLOCKS` blocks, all of one operation:
              deleted, or a reconciling check found them gone)
 ``engine``   who wrote the entry: an engine's instance id, or the watcher's
 ``tier``     the writing tier's name (``remote``)
-``ts``       the writer's wall clock, milliseconds since the epoch (the
+``ts``       the writer's wall clock, milliseconds since the Unix epoch (the
              entry id is the server's)
 ``keys``     16-byte key digests, concatenated: the server key of digest d is
              ``kvt:<ns>:<hex(d)>``
@@ -22,6 +22,13 @@ An entry names up to :data:`ENTRY_BLOCKS` blocks, all of one operation:
              an 8-byte id then a 4-byte group, big-endian); :data:`UNNAMED`
              where the writer does not know it
 ``reason``   removed only: ``evicted``, ``expired``, ``deleted`` or ``missing``
+``epoch``    stored only, absent for 0: the namespace's clear count
+             (:func:`epoch_key`) the writer knew before it sent the SETs. A
+             clear (SGLang's) deletes the values, then the stream, then
+             increments the count; a reader drops a stored entry of an
+             older epoch, which may name values the clear deleted (its XADD
+             goes :data:`~kvtier.tiers.remote.tier.STREAM_DELAY_S` or more
+             after the SETs, so it can land after the clear)
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ __all__ = [
     "UNNAMED",
     "PoolEvent",
     "decode_entry",
+    "epoch_key",
     "lease_key",
     "stream_key",
     "xadd_commands",
@@ -73,6 +81,13 @@ def lease_key(stream: bytes) -> bytes:
     return stream + b":watcher"
 
 
+def epoch_key(stream: bytes) -> bytes:
+    """The counter a clear of ``stream``'s namespace increments (absent: 0),
+    kept beside the stream: a clear deletes the values under ``kvt:<ns>:``
+    and the stream, never this."""
+    return stream + b":epoch"
+
+
 def value_prefix(stream: bytes) -> bytes:
     """The prefix of the values a stream names (inverse of :func:`stream_key`)."""
     return b"kvt:" + stream[len(_STREAM_PREFIX) :] + b":"
@@ -87,14 +102,18 @@ def xadd_commands(
     digests: Sequence[bytes],
     ids: Sequence[bytes],
     reason: str = "",
+    epoch: int = 0,
 ) -> list[list[bytes]]:
     """``XADD stream MAXLEN ~ maxlen * field value ...`` commands naming
     ``digests`` (with their ``ids``, 12 bytes each or :data:`UNNAMED`),
-    :data:`ENTRY_BLOCKS` at most per entry."""
+    :data:`ENTRY_BLOCKS` at most per entry; ``epoch``: the namespace's
+    epoch the writer knew (0: no field)."""
     head = [b"XADD", stream, b"MAXLEN", b"~", str(maxlen).encode(), b"*"]
     common = [b"op", op.encode(), b"engine", engine.encode(), b"tier", tier.encode()]
     if reason:
         common += [b"reason", reason.encode()]
+    if epoch:
+        common += [b"epoch", str(epoch).encode()]
     ts = str(int(time.time() * 1000)).encode()
     out = []
     for first in range(0, len(digests), ENTRY_BLOCKS):
@@ -117,7 +136,8 @@ def xadd_commands(
 @dataclass(frozen=True)
 class PoolEvent:
     """One decoded stream entry (see the module's docstring): ``position``
-    is its stream id (``ms-seq``), ``ids[i]`` is ``None`` when unnamed."""
+    is its stream id (``ms-seq``), ``ids[i]`` is ``None`` when unnamed,
+    ``epoch`` 0 where the entry has none."""
 
     position: str
     op: str
@@ -127,6 +147,7 @@ class PoolEvent:
     digests: list[bytes]
     ids: list[bytes | None]
     reason: str = ""
+    epoch: int = 0
 
     @property
     def removed(self) -> bool:
@@ -150,10 +171,7 @@ def decode_entry(position: bytes | str, fields: Mapping[bytes, bytes]) -> PoolEv
     if len(ids) == 12 * n:
         named = [ids[12 * i : 12 * i + 12] for i in range(n)]
         named = [None if i == UNNAMED else i for i in named]
-    try:
-        ts = int(fields.get(b"ts", b"0"))
-    except ValueError:
-        ts = 0
+    ts, epoch = _int(fields.get(b"ts")), _int(fields.get(b"epoch"))
     return PoolEvent(
         _text(position),
         op,
@@ -163,7 +181,16 @@ def decode_entry(position: bytes | str, fields: Mapping[bytes, bytes]) -> PoolEv
         [keys[16 * i : 16 * i + 16] for i in range(n)],
         named,
         _text(fields.get(b"reason")),
+        epoch,
     )
+
+
+def _int(v: bytes | None) -> int:
+    """A decimal field, 0 where absent or not a number (a foreign entry)."""
+    try:
+        return int(v or b"0")
+    except ValueError:
+        return 0
 
 
 def digest_of(server_key: bytes, prefix: bytes) -> bytes | None:

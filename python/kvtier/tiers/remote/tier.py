@@ -23,6 +23,9 @@ one ``XADD`` per batch of stores, so that one subscriber (``kvtier events``)
 learns what the whole pool holds, whichever engine wrote it; the tier reads
 it too (:mod:`kvtier.tiers.remote.index`) to answer lookups without asking.
 
+A clear of the namespace (SGLang's) increments its epoch: a tier forgets
+what it learnt of the pool before it, and stream entries carry their epoch.
+
 Every value is a 64-byte header (magic, version, namespace and key digests,
 length, crc32c) followed by the block; a load that fails any check, or whose
 key vanished (the server's maxmemory eviction, a TTL), is a counted miss.
@@ -32,6 +35,7 @@ Process: the engine's scheduler (the worker side: :mod:`kvtier.tiers.remote.work
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -52,9 +56,10 @@ from kvtier.tiers.base import LookupResult, TierCompletion, TierEvent
 from kvtier.tiers.events import vllm_event_id
 from kvtier.tiers.jobs import Batch, JobTier, count_moved
 from kvtier.tiers.records import key_digest, namespace_digest
-from kvtier.tiers.remote.index import PoolIndex
+from kvtier.tiers.remote.announce import STREAM_DELAY_S, Unannounced
+from kvtier.tiers.remote.index import PoolIndex, read_epoch
 from kvtier.tiers.remote.known import KnownKeys
-from kvtier.tiers.remote.stream import UNNAMED, stream_key, xadd_commands
+from kvtier.tiers.remote.stream import stream_key
 from kvtier.tiers.remote.url import (
     TLS_FIELDS,
     RemoteConnection,
@@ -71,14 +76,6 @@ __all__ = ["STREAM_DELAY_S", "RemoteTier"]
 
 _RESETS = (errno.ECONNRESET, errno.EPIPE)
 _EXISTS_PER_JOB = 1024  # an EXISTS pipeline moves no payload: large jobs are cheap
-# Stores acknowledged but not yet appended to the pool's stream, at most (a
-# server that refuses the XADDs must not make the tier hold every key).
-_STREAM_PENDING = 65_536
-# How long an acknowledged store may wait for its XADD, so that one job
-# carries the entries of several batches: a job per batch woke a worker
-# thread per batch and cost 5% of the store throughput at 16 KiB blocks
-# (bench/pool_events_cost.py). What a subscriber hears is late by this much.
-STREAM_DELAY_S = 0.01
 # The tier's own counters (stats()), beside every job tier's.
 _COUNTERS = (
     ("load_failures", "vanished", "corrupt", "io_errors", "server_errors", "exists_checks")
@@ -153,10 +150,7 @@ class RemoteTier(JobTier):
         self.stream = stream_key(self._prefix) if o.pool_events else None
         self.engine_id = o.engine_id or f"{socket.gethostname()}:{os.getpid()}"
         self.event_id = event_id
-        # Digests and event ids acknowledged, not yet appended (same order).
-        self._stream_pending: list[bytes] = []
-        self._stream_ids: list[bytes] = []
-        self._stream_due = 0.0  # when the oldest of them must go
+        self._unannounced = Unannounced(event_id)
         # What opens a client to the same pool, here and in an engine worker
         # that streams blocks itself (RemoteIO).
         ms = int(o.timeout_s * 1000)
@@ -208,8 +202,15 @@ class RemoteTier(JobTier):
         self._exists_queue: dict[bytes, bytes] = {}  # digest -> server key
         self._exists_inflight: set[bytes] = set()
         self.jobs.engine = self.engine
+        # The namespace's epoch as this tier knows it (kept by its index); 0
+        # when unread (server away): readers may skip its entries (misses only).
+        self.epoch = 0
+        with contextlib.suppress(OSError, ValueError):
+            self.epoch = read_epoch(self.store, self.stream) if self.stream else 0
         on = bool(o.pool_events) if o.pool_index is None else o.pool_index
-        self.index = PoolIndex(self.store, self.stream) if on and self.stream else None
+        self.index = (
+            PoolIndex(self.store, self.stream, epoch=self.epoch) if on and self.stream else None
+        )
 
     # -- helpers -------------------------------------------------------------
     def server_key(self, key: bytes) -> bytes:
@@ -231,9 +232,8 @@ class RemoteTier(JobTier):
         learnt = self.known.answer(dig)
         if learnt is not None:
             return learnt
-        index = self.index
-        if index is not None and ((found := dig in index) or index.authoritative()):
-            return LookupResult.HIT if found else LookupResult.MISS
+        if self.index is not None and (said := self.index.answer(dig)) is not None:
+            return said
         if dig not in self._exists_inflight:
             self._exists_queue[dig] = self.server_key(key)
         return LookupResult.RETRY
@@ -279,9 +279,8 @@ class RemoteTier(JobTier):
     ) -> int | None:
         self._check(keys, slots)
         digs = [key_digest(k) for k in keys]
-        batch = self.jobs.batch(
-            kind, 0 if self.pool is None else len(keys), keys=list(keys), digs=digs
-        )
+        n = 0 if self.pool is None else len(keys)
+        batch = self.jobs.batch(kind, n, keys=list(keys), digs=digs, epoch=self.epoch)
         if self.pool is None:  # no-data mode: the index only
             self.jobs.end_now(batch)
             return batch.token
@@ -355,17 +354,19 @@ class RemoteTier(JobTier):
         self.known.remember(digs, False)
 
     def reserve_for_write(self, keys: Sequence[bytes]) -> list[tuple[int, np.ndarray, bytes]]:
-        """Every admitted key: the worker writes it under its digest."""
-        zero = np.zeros(3, np.int64)
-        return [(i, zero, key_digest(k)) for i, k in enumerate(keys) if self.admit(k)]
+        """Every admitted key: the worker writes it under its digest. Record
+        (location[0], which the worker ignores): the namespace's epoch now."""
+        loc = np.array([self.epoch, 0, 0], np.int64)
+        return [(i, loc, key_digest(k)) for i, k in enumerate(keys) if self.admit(k)]
 
     def commit_write(self, key: bytes, record: int, ok: bool) -> None:
         if ok:
-            dig = key_digest(key)
-            self.known.remember([dig], True)
             count_moved(self.counters, "store", 1, self.block_bytes)
             self._events.append(TierEvent([key], self.name, removed=False))
-            self._note_stored([key], [dig])
+            if record == self.epoch:  # else a clear since may have deleted it
+                dig = key_digest(key)
+                self.known.remember([dig], True)
+                self._note_stored([key], [dig])
         else:
             self.counters["io_errors"] += 1
 
@@ -381,7 +382,7 @@ class RemoteTier(JobTier):
         skeys = [self._exists_queue[d] for d in digs]
         self._exists_queue.clear()
         batch = self.jobs.batch(
-            "exists", len(digs), digs=digs, skeys=skeys, issued=time.monotonic()
+            "exists", len(digs), digs=digs, skeys=skeys, issued=time.monotonic(), epoch=self.epoch
         )
         if not self._submit(batch, skeys, digs, np.zeros(len(digs), np.int64), _EXISTS_PER_JOB):
             self._exists_queue.update(zip(digs, skeys))
@@ -392,8 +393,10 @@ class RemoteTier(JobTier):
 
     def poll(self) -> list[TierCompletion]:
         self.known.expire()
+        if self.index is not None and self.index.epoch != self.epoch:
+            self._forget(self.index.epoch)  # another engine cleared the namespace
         # Called on every engine step; most steps have nothing in flight.
-        if not (self._exists_queue or self._stream_pending or self.jobs.busy()):
+        if not (self._exists_queue or self._unannounced or self.jobs.busy()):
             return []
         self.submit_checks()
         ended, _ = self.jobs.poll()  # no deadlines here: no job is ever held
@@ -405,10 +408,7 @@ class RemoteTier(JobTier):
                 self._finish_events(b)
             else:
                 out.append(self._finish(b))
-        if self._stream_pending and (
-            time.monotonic() >= self._stream_due
-            or len(self._stream_pending) >= _STREAM_PENDING // 2
-        ):
+        if self._unannounced.ready():
             self._append_stored()
         return out
 
@@ -419,20 +419,8 @@ class RemoteTier(JobTier):
         :data:`ENTRY_BLOCKS` of them)."""
         if self.index is not None:
             self.index.learn(digs, True)
-        if self.stream is None:
-            return
-        name, pending, ids = self.event_id, self._stream_pending, self._stream_ids
-        if not pending:
-            self._stream_due = time.monotonic() + STREAM_DELAY_S
-        pending += digs
-        if name is vllm_event_id:  # never None: the common case, kept cheap
-            ids += map(name, keys)
-        else:
-            ids += [name(k) or UNNAMED for k in keys]
-        if len(pending) > _STREAM_PENDING:
-            cut = len(pending) - _STREAM_PENDING
-            self.counters["pool_events_dropped"] += cut
-            del pending[:cut], ids[:cut]
+        if self.stream is not None:
+            self.counters["pool_events_dropped"] += self._unannounced.add(keys, digs)
 
     def _append_stored(self) -> None:
         """One job of XADDs (on the worker threads, after the SETs were
@@ -440,12 +428,10 @@ class RemoteTier(JobTier):
         backpressure they wait for the next poll."""
         if self._closed or self.stream is None:
             return
-        pending, ids = self._stream_pending, self._stream_ids
-        cmds = xadd_commands(
-            self.stream, self.pool_events, "stored", self.engine_id, self.name, pending, ids
-        )
+        un = self._unannounced  # stores of this epoch only (_forget)
+        cmds = un.commands(self.stream, self.pool_events, self.engine_id, self.name, self.epoch)
         n = len(cmds)
-        batch = self.jobs.batch("events", n, blocks=len(pending))
+        batch = self.jobs.batch("events", n, blocks=len(un))
         stream = self.stream
 
         def submit_one(first: int, count: int) -> int:
@@ -460,8 +446,7 @@ class RemoteTier(JobTier):
             )
 
         if self.jobs.submit(batch, n, submit_one):
-            pending.clear()
-            ids.clear()
+            un.clear()
 
     def _finish_events(self, b: Batch) -> None:
         failed = sum(1 for code in b.items if code != 0)
@@ -471,9 +456,11 @@ class RemoteTier(JobTier):
     def _finish_exists(self, b: Batch) -> None:
         known, issued = self.known, b.data["issued"]
         answered: tuple[list[bytes], list[bytes]] = ([], [])  # absent, present
+        fresh = b.data["epoch"] == self.epoch
         for d, skey, code in zip(b.data["digs"], b.data["skeys"], b.items):
             self._exists_inflight.discard(d)
-            if code == ItemStatus.BUSY:  # never sent: ask again at the next step
+            if code == ItemStatus.BUSY or (code == 0 and not fresh):
+                # Never sent, or found before a clear: ask again at the next step.
                 self._exists_queue[d] = skey
                 continue
             if known.learnt_after(d, issued):
@@ -489,19 +476,24 @@ class RemoteTier(JobTier):
         kind, keys, digs = b.kind, b.data["keys"], b.data["digs"]
         items = b.items if b.n else [0] * len(keys)  # no-data mode: every key as asked
         ok = [code == 0 for code in items]
+        # Else begun before a clear, which may have deleted what it wrote or found.
+        fresh = b.data["epoch"] == self.epoch
         if all(ok):  # the common case, kept cheap: it runs for every block moved
-            self.known.remember(digs, True)
+            if fresh:
+                self.known.remember(digs, True)
             count_moved(self.counters, kind, len(keys), self.block_bytes)
             if kind == "store":
                 self._events.append(TierEvent(list(keys), self.name, removed=False))
-                self._note_stored(keys, digs)
+                if fresh:
+                    self._note_stored(keys, digs)
             return TierCompletion(b.token, True, kind, keys, key_ok=ok)
         done: list[bytes] = []
         done_digs: list[bytes] = []
         missing = [kind == "probe" and code == ItemStatus.MISSING for code in items]
         for key, dig, code, absent in zip(keys, digs, items, missing):
             if code == 0:
-                self.known.remember([dig], True)
+                if fresh:
+                    self.known.remember([dig], True)
                 done.append(key)
                 done_digs.append(dig)
                 continue
@@ -537,7 +529,8 @@ class RemoteTier(JobTier):
         count_moved(self.counters, kind, len(done), self.block_bytes)
         if kind == "store" and done:
             self._events.append(TierEvent(done, self.name, removed=False))
-            self._note_stored(done, done_digs)
+            if fresh:
+                self._note_stored(done, done_digs)
         # What a connection failed with (positive codes are errnos), once each.
         error = "; ".join(
             f"{errno.errorcode.get(c, str(c))}: {os.strerror(c)}"
@@ -554,14 +547,14 @@ class RemoteTier(JobTier):
         )
 
     def has_pending_work(self) -> bool:
-        return self.jobs.busy() or bool(self._exists_queue) or bool(self._stream_pending)
+        return self.jobs.busy() or bool(self._exists_queue) or bool(self._unannounced)
 
     def close(self) -> None:
         """As :meth:`JobTier.close`, after the stores in flight ended and their
         entries reached the pool's stream (for at most twice ``timeout_s``)."""
         if not self._closed and self.stream is not None:
             deadline = time.monotonic() + 2 * self.timeout_s
-            while (self.jobs.busy() or self._stream_pending) and time.monotonic() < deadline:
+            while (self.jobs.busy() or self._unannounced) and time.monotonic() < deadline:
                 self.poll()
                 time.sleep(0.001)
         if self.index is not None:
@@ -573,6 +566,20 @@ class RemoteTier(JobTier):
         if self.index is not None:
             self.index.restart()
 
+    def cleared(self, epoch: int) -> None:
+        """The SGLang backend's clear deleted this namespace's values and stream
+        and made its epoch ``epoch``: forget (others' tiers learn of it from their
+        index, :data:`~kvtier.tiers.remote.index.STALE_S` at most). Non-blocking."""
+        self._forget(epoch)
+        if self.index is not None:
+            self.index.restart(epoch)
+
+    def _forget(self, epoch: int) -> None:
+        """Forget what was learnt of the pool: the namespace is at ``epoch`` now."""
+        self.epoch = epoch
+        self.known.clear()
+        self._unannounced.clear()
+
     def stats(self) -> dict[str, Any]:
         return {
             "url": self.url,
@@ -581,6 +588,7 @@ class RemoteTier(JobTier):
             "redirects": int(self.store.redirects),
             "events_dropped": self._events.dropped,
             "stream": None if self.stream is None else self.stream.decode(),
+            "epoch": self.epoch,
             "index": None if self.index is None else self.index.stats(),
             **self.counters,
         }
