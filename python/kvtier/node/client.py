@@ -16,6 +16,7 @@ as before once the node answers with the same pool.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -59,6 +60,7 @@ class NodeClient:
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
         self._reader = P.FrameReader()
+        self._queued = bytearray()
 
     def connect(self) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -78,9 +80,27 @@ class NodeClient:
         return self._sock is not None
 
     def close(self) -> None:
+        self._queued = bytearray()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+    def post(self, op: Op, *args: Any) -> None:
+        """Queue a call of :data:`~kvtier.node.protocol.NO_REPLY`: it goes
+        out with the next :meth:`call` (or :meth:`flush`), in order."""
+        if self._sock is None:
+            raise NodeUnavailable(0, f"kvtier node at {self.path}: not connected")
+        self._queued += P.pack([int(op), *args])
+
+    def flush(self) -> None:
+        """Send what :meth:`post` queued without waiting for anything."""
+        if self._queued and self._sock is not None:
+            data, self._queued = bytes(self._queued), bytearray()
+            try:
+                self._sock.sendall(data)
+            except OSError as e:
+                self.close()
+                raise NodeUnavailable(0, f"kvtier node at {self.path}: {e}") from None
 
     def call(self, op: Op, *args: Any) -> Any:
         """The result of one request; NodeUnavailable when the connection
@@ -89,7 +109,10 @@ class NodeClient:
             self.connect()
         assert self._sock is not None
         try:
-            self._sock.sendall(P.pack([int(op), *args]))
+            data = P.pack([int(op), *args])
+            if self._queued:
+                data, self._queued = bytes(self._queued) + data, bytearray()
+            self._sock.sendall(data)
             while True:
                 frames = self._reader.feed(self._recv())
                 if frames:
@@ -364,7 +387,7 @@ class NodeManager:
         if not self.attached:
             return
         try:
-            self._call(op, *args)
+            self._client.post(op, *args)
         except NodeUnavailable as e:
             self._down(e)
 
@@ -405,7 +428,11 @@ class NodeManager:
     def reset_cache(self) -> None:
         """Drop this namespace's blocks that no engine holds, at the node."""
         self._answers.clear()
-        self._send(Op.RESET)
+        if self.attached:
+            try:
+                self._call(Op.RESET)
+            except NodeUnavailable as e:
+                self._down(e)
 
     def on_reset_flushed(self) -> None:
         return None
@@ -432,6 +459,8 @@ class NodeManager:
         """Close the connection: the node releases whatever it still leases
         to this engine. Idempotent."""
         self._closed = True
+        with contextlib.suppress(NodeUnavailable):
+            self._client.flush()
         self._client.close()
 
     def __enter__(self) -> NodeManager:

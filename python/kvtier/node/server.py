@@ -70,6 +70,7 @@ class _Conn:
     out: bytearray = field(default_factory=bytearray)
     session: Session | None = None
     closing: bool = False
+    want_write: bool = False
 
 
 class NodeServer:
@@ -90,6 +91,7 @@ class NodeServer:
             "disconnects": 0,
             "leases_released": 0,
             "requests": 0,
+            "refused_calls": 0,
         }
         self.started = time.time()
         self._stop = threading.Event()
@@ -232,7 +234,9 @@ class NodeServer:
         try:
             frames = conn.reader.feed(data)
             for body in frames:
-                conn.out += P.pack(self._dispatch(conn, P.unpack(body)))
+                reply = self._dispatch(conn, P.unpack(body))
+                if reply is not None:
+                    conn.out += P.pack(reply)
         except ProtocolError as e:
             self.counters["protocol_errors"] += 1
             log.warning("kvtier node: closing pid %d: %s", conn.pid, e)
@@ -252,8 +256,10 @@ class NodeServer:
             except OSError:
                 self._drop(conn, "send failed")
                 return
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
-        self._sel.modify(conn.sock, want, conn)
+        if bool(conn.out) != conn.want_write:  # an epoll_ctl only when interest changes
+            conn.want_write = bool(conn.out)
+            want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+            self._sel.modify(conn.sock, want, conn)
 
     def _drop(self, conn: _Conn, why: str) -> None:
         if conn.closing:
@@ -276,14 +282,25 @@ class NodeServer:
             )
 
     # -- requests ----------------------------------------------------------
-    def _dispatch(self, conn: _Conn, msg: Any) -> list[Any]:
+    def _dispatch(self, conn: _Conn, msg: Any) -> list[Any] | None:
+        """The reply to one request; None for the calls the client does
+        not wait for (:data:`~kvtier.node.protocol.NO_REPLY`): one the tier
+        code refuses is counted and logged there, as the client has gone on."""
         if not isinstance(msg, list) or not msg or type(msg[0]) is not int:
             raise ProtocolError("a request is [op, args...]")
         try:
             op = Op(msg[0])
         except ValueError:
             raise ProtocolError(f"unknown op {msg[0]}") from None
-        args = msg[1:]
+        reply = self._serve(conn, op, msg[1:])
+        if op not in P.NO_REPLY:
+            return reply
+        if reply[0] is not True:
+            self.counters["refused_calls"] += 1
+            log.warning("kvtier node: %s of pid %d refused: %s", op.name, conn.pid, reply[2])
+        return None
+
+    def _serve(self, conn: _Conn, op: Op, args: list[Any]) -> list[Any]:
         self.counters["requests"] += 1
         s = conn.session
         try:

@@ -1,0 +1,164 @@
+"""``kvtier bench manager --node``: the manager's cycle (lookup +
+prepare_store + complete_store + prepare_load + complete_load) through a
+node, against the in-process manager of the same run.
+
+A command-line tool: runs in the ``kvtier`` process; the node is a
+``kvtier node`` child process (its own interpreter, as in production), the
+clients this process (one) or child processes (several at once). Who calls:
+:mod:`kvtier.bench.commands`. Blocks for the whole run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtier.scheduler.manager import TieredOffloadingManager
+from kvtier.tiers.base import LookupResult
+from kvtier.tiers.host import HostTier
+
+PAYLOAD = 64  # bytes per block: the node's pool holds data, the bench moves none
+NS = "be" * 16
+
+
+def _cycles(m: Any, keys: list[bytes], batch: int) -> float:
+    """Cycles per second as ``kvtier bench manager`` counts them, with the
+    lookup stopping at the first MISS as vLLM's scan does (a node answers a
+    scan in one round trip up to there)."""
+    t0 = time.perf_counter()
+    miss = LookupResult.MISS
+    for i in range(0, len(keys), batch):
+        ks = keys[i : i + batch]
+        for k in ks:
+            if m.lookup(k) is miss:
+                break
+        out = m.prepare_store(ks)
+        assert out is not None
+        m.complete_store(out.keys_to_store)
+        m.prepare_load(ks)
+        m.complete_load(ks)
+    return len(keys) / (time.perf_counter() - t0)
+
+
+def _keys(n: int, client: int) -> list[bytes]:
+    return [client.to_bytes(4, "little") + i.to_bytes(28, "little") + bytes(4) for i in range(n)]
+
+
+def _start_node(path: str, name: str, blocks: int) -> subprocess.Popen[bytes]:
+    from kvtier.node.client import NodeUnavailable, node_status
+
+    p = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "node", "--socket", path, "--name", name,
+         "--host-bytes", str(blocks * PAYLOAD)],
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            node_status(path)
+            return p
+        except NodeUnavailable:
+            if time.monotonic() > deadline or p.poll() is not None:
+                p.kill()
+                raise
+            time.sleep(0.05)
+
+
+def _client_rate(path: str, keys: list[bytes], batch: int) -> float:
+    from kvtier.node.client import NodeManager
+
+    order = {k: i for i, k in enumerate(keys)}
+
+    def following(k: bytes, ctx: Any) -> list[bytes]:
+        # The keys after ``k`` in its batch: what vLLM's ReqContext lists.
+        i = order[k]
+        return keys[i + 1 : (i // batch + 1) * batch]
+
+    with NodeManager(
+        path, NS, PAYLOAD, engine=f"bench-{os.getpid()}", key_order=following, timeout_s=120
+    ) as m:
+        return _cycles(m, keys, batch)
+
+
+def _client_main(path: str, keys: list[bytes], batch: int, start: Any, q: Any) -> None:
+    start.wait()
+    q.put(_client_rate(path, keys, batch))
+
+
+def run_node_manager(
+    num_keys: int = 200_000, policy: str = "lru", repeats: int = 3, clients: int = 4
+) -> dict[str, Any]:
+    """Cycles per second: in-process, one node client, ``clients`` node
+    clients at once (aggregate); medians of ``repeats``, alternating."""
+    capacity = max(1, num_keys // 2)
+    out: dict[str, Any] = {
+        "component": "manager-node",
+        "policy": policy,
+        "keys": num_keys,
+        "host_blocks": capacity,
+        "clients": clients,
+    }
+    name = f"bench{os.getpid()}"
+    with tempfile.TemporaryDirectory() as d:
+        path = str(Path(d) / "node.sock")
+        try:
+            for batch in (1, 16):
+                local, one, many = [], [], []
+                for _ in range(repeats):
+                    keys = _keys(num_keys, 0)
+                    m = TieredOffloadingManager(HostTier(None, capacity, policy=policy))
+                    local.append(_cycles(m, keys, batch))
+                    node = _start_node(path, name, capacity)
+                    try:
+                        one.append(_client_rate(path, keys, batch))
+                        many.append(_aggregate(path, num_keys, batch, clients))
+                    finally:
+                        node.terminate()
+                        node.wait()
+                out[f"in_process_batch{batch}"] = round(statistics.median(local))
+                out[f"node_1_client_batch{batch}"] = round(statistics.median(one))
+                out[f"node_{clients}_clients_batch{batch}"] = round(statistics.median(many))
+                out[f"ratio_1_client_batch{batch}"] = round(
+                    statistics.median(one) / statistics.median(local), 3
+                )
+                out[f"ratio_{clients}_clients_batch{batch}"] = round(
+                    statistics.median(many) / statistics.median(local), 3
+                )
+        finally:
+            for f in Path("/dev/shm").glob(f"kvnode-{name}-*"):
+                f.unlink()
+    out["note"] = (
+        "cycles per second of lookup + prepare_store + complete_store + prepare_load + "
+        "complete_load per key; ratios against the in-process manager of the same run; "
+        f"{clients} clients: their aggregate, each cycling {num_keys // clients} keys of its own"
+    )
+    return out
+
+
+def _aggregate(path: str, num_keys: int, batch: int, clients: int) -> float:
+    ctx = mp.get_context("spawn")
+    start, q = ctx.Event(), ctx.Queue()
+    per = num_keys // clients
+    procs = [
+        ctx.Process(target=_client_main, args=(path, _keys(per, c + 1), batch, start, q))
+        for c in range(clients)
+    ]
+    for p in procs:
+        p.start()
+    time.sleep(1.0)  # every child imported and connected before the start
+    t0 = time.perf_counter()
+    start.set()
+    rates = [q.get(timeout=600) for _ in procs]
+    wall = time.perf_counter() - t0
+    for p in procs:
+        p.join()
+    # Each client's keys over the wall time of all: the node's throughput.
+    del rates
+    return per * clients / wall
