@@ -112,12 +112,10 @@ class NodeClient:
             data = P.pack([int(op), *args])
             if self._queued:
                 data, self._queued = bytes(self._queued) + data, bytearray()
-            try:
+            # The node may have refused us and closed first: its reason is
+            # waiting to be read (a refused peer's error frame).
+            with contextlib.suppress(OSError):
                 self._sock.sendall(data)
-            except OSError:
-                # The node may have refused us and closed first: its reason
-                # is waiting to be read (a refused peer's error frame).
-                pass
             while True:
                 frames = self._reader.feed(self._recv())
                 if frames:
