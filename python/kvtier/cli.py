@@ -35,7 +35,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from kvtier.doctor import main_doctor
 
-    return main_doctor(args.dir, as_json=args.json)
+    return main_doctor(args.dir, as_json=args.json, node=args.node)
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("doctor", help="check this machine: native core, io_uring, CUDA, limits")
     d.add_argument("--json", action="store_true")
     d.add_argument("--dir", help="directory to test for io_uring and O_DIRECT (default: temp)")
+    d.add_argument(
+        "--node", help="a kvtier node's socket to look for (default: $KVTIER_NODE or the default)"
+    )
     d.set_defaults(func=_cmd_doctor)
 
     from kvtier.events_cli import add_events_parser

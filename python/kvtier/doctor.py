@@ -1,6 +1,6 @@
 """``kvtier doctor``: what this build and this machine give kvtier (the
 backends in use, native core and how it was built, crc32c, shared memory,
-io_uring and O_DIRECT, CUDA runtime, limits).
+io_uring and O_DIRECT, CUDA runtime, limits, the kvtier node it sees).
 
 Every check runs in isolation: one failing check is reported, not raised.
 
@@ -160,7 +160,30 @@ def _limits() -> dict[str, Any]:
     }
 
 
-def main_doctor(directory: str | None = None, *, as_json: bool = False) -> int:
+def _node(socket_path: str | None) -> dict[str, Any]:
+    """Which kvtier node this machine's engines would attach to: its socket
+    (``--node``, else $KVTIER_NODE, else the default path), whether it
+    answers, and what it serves. Not finding one is no failure (in-process
+    tiers are the default): ``ok`` says whether one answers."""
+    from kvtier.node.client import node_status
+    from kvtier.node.server import DEFAULT_SOCKET
+
+    path = socket_path or os.environ.get("KVTIER_NODE") or DEFAULT_SOCKET
+    if not os.path.exists(path):
+        return {"ok": False, "socket": path, "node": None, "note": "no node (in-process tiers)"}
+    st = node_status(path)
+    return {
+        "socket": path,
+        "node": st["node"],
+        "engines": len(st["engines"]),
+        "namespaces": len(st["namespaces"]),
+        "classes": {b: c["occupancy"] for b, c in st["classes"].items()},
+    }
+
+
+def main_doctor(
+    directory: str | None = None, *, as_json: bool = False, node: str | None = None
+) -> int:
     """Run every check and print the report (a JSON line with ``as_json``).
 
     Who calls: ``kvtier doctor``. Blocks for the checks (a few disk and pool
@@ -174,6 +197,7 @@ def main_doctor(directory: str | None = None, *, as_json: bool = False) -> int:
         "disk": _check(lambda: _disk(directory or tempfile.gettempdir())),
         "cuda": _check(_cuda),
         "limits": _check(_limits),
+        "node": _check(lambda: _node(node)),
     }
     report = {"backends": _check(lambda: _backends(report)), **report}
     if as_json:

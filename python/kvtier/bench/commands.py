@@ -112,6 +112,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kvtier.bench.manager import run_manager
 
         results = [run_manager(num_keys=args.keys, policy=args.policy, repeats=args.repeats)]
+        if args.node:
+            from kvtier.bench.node import run_node_manager
+
+            results.append(
+                run_node_manager(
+                    num_keys=args.keys, policy=args.policy, repeats=args.repeats,
+                    clients=args.clients,
+                )
+            )  # fmt: skip
     else:  # pragma: no cover - argparse restricts choices
         raise KvtierError(f"unknown component {args.component}")
     out = output_dir(args.out, "bench")

@@ -140,6 +140,13 @@ def _copy(p: Parser) -> None:
 def _manager(p: Parser) -> None:
     p.add_argument("--keys", type=int, default=1_000_000, help="distinct keys")
     p.add_argument("--policy", default="lru", help="the host tier's eviction policy")
+    p.add_argument(
+        "--node",
+        action="store_true",
+        help="through a kvtier node (a child process) as well: one client, then --clients at "
+        "once, against the in-process manager of the same run",
+    )
+    p.add_argument("--clients", type=int, default=4, help="with --node: clients at once")
     _repeats(p, 3, ", the median reported")
     _common(p, "'' to skip; default: build/bench", json_path=False)
 
