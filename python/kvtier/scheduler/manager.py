@@ -156,7 +156,7 @@ class TieredOffloadingManager:
         worker reads them from a lower tier itself (a stream). Who calls: the
         vLLM shim, right after the lookup (its synchronous loads must be ones
         that cannot fail). Non-blocking."""
-        e = self._core.host.get(key)
+        e = self.host.entries.get(key)
         if e is None:
             return self._streams.tier_of(key) is not None
         return e.fill is not Fill.NONE

@@ -18,7 +18,10 @@ path, two more engine steps before the prefill (measured on a later turn,
 the worker's copy took 2.1-3 ms and the prefill began 5.2 ms after the load
 was handed over), so this connector does it there: the hit is reported
 synchronous, its blocks are loaded from the allocation's fresh blocks, and
-the worker waits for the load before the forward pass.
+the worker waits for the load before the forward pass. Under both, only a
+hit that cannot fail to load (in ready host slots) is loaded within the
+step; a fenced read or a stream takes the asynchronous path (see
+:func:`_keep_risky_hits_async` for why).
 
 Use it by module path; kvtier's spec is filled in::
 
@@ -50,7 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
-from kvtier.errors import InvalidArgument
+from kvtier.errors import InvalidArgument, UnsupportedEngine
 from kvtier.integrations.vllm.config import check_engine
 from kvtier.integrations.vllm.host_spec import KVTierSpec
 from kvtier.integrations.vllm.scheduler import KVTierManager
@@ -99,8 +102,20 @@ class KVTierConnector(OffloadingConnector):
         if self.connector_scheduler is not None:
             _tell_windows(self.connector_scheduler)
         budget = extra["sync_load_budget_bytes"]
-        if not _NATIVE_SYNC_LOADS and budget > 0 and self.connector_scheduler is not None:
-            self._sync = _SyncLoads(budget, _kv_bytes_per_token(kv_cache_config))
+        # The manager's requests whose last lookup found a hit that may fail
+        # to load (see KVTierManager.risky_hits); None without sync loads.
+        self._risky: set[Any] | None = None
+        cs: Any = self.connector_scheduler
+        if budget > 0 and cs is not None and isinstance(cs.manager, KVTierManager):
+            # Only a lower tier's hit may fail to load (a stream, a fenced
+            # fill): without one the per-key check is skipped (about 0.2 us
+            # a HIT lookup, measured).
+            cs.manager.track_risky = bool(getattr(cs.manager.m, "lower", True))
+            self._risky = cs.manager.risky_hits
+            if _NATIVE_SYNC_LOADS:
+                _keep_risky_hits_async(cs, self._risky)
+            else:
+                self._sync = _SyncLoads(budget, _kv_bytes_per_token(kv_cache_config))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
@@ -110,19 +125,20 @@ class KVTierConnector(OffloadingConnector):
         return super().build_prom_metrics(vllm_config, *args, **kwargs)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
-        """OffloadingConnector's; under vLLM 0.32 a hit that fits the step's
-        budget and cannot fail to load (no fenced fill, no stream: see
+        """OffloadingConnector's: a hit that fits the step's budget and
+        cannot fail to load (no fenced fill, no stream: see
         KVTierManager.risky_hits) is reported synchronous (loaded before
-        this step's forward pass). Called by vLLM's scheduler for each waiting request it
-        considers; non-blocking beyond the manager's lookup."""
-        sync = self._sync
-        manager: Any = self.scheduler.manager if sync is not None else None
-        risky: set[Any] = getattr(manager, "risky_hits", set())
-        if manager is not None and hasattr(manager, "track_risky"):
-            manager.track_risky = True
+        this step's forward pass), by vLLM 0.33 itself
+        (:func:`_keep_risky_hits_async` keeps the others out) or by this
+        connector under 0.32. Called by vLLM's scheduler for each waiting
+        request it considers; non-blocking beyond the manager's lookup."""
         hit, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        risky = self._risky
+        if risky is None:
+            return hit, load_async
         may_fail = request.request_id in risky
         risky.discard(request.request_id)
+        sync = self._sync
         if (
             sync is not None
             and hit
@@ -317,6 +333,54 @@ def _use_kvtier_spec(vllm_config: Any) -> None:
             f"(got {given[0]!r} from {given[1]!r})"
         )
     extra["spec_name"], extra["spec_module_path"] = _SPEC
+
+
+def _keep_risky_hits_async(cs: Any, risky: set[Any]) -> None:
+    """Make vLLM 0.33's connector scheduler ``cs`` load a request's hit
+    asynchronously when its lookup found a hit that may fail to load
+    (``risky``, KVTierManager.risky_hits); other hits keep its own
+    synchronous loads.
+
+    Why (vLLM 0.33 line numbers, v1/core/sched/scheduler.py): a synchronous
+    hit's blocks are cached when allocated (``delay_cache_blocks`` is false
+    for them, line 1442), so a request scheduled next finds them in its
+    local prefix hit. When the load fails, the "recompute" policy keeps them
+    cached (they are evicted only under "fail", lines 3756-3760) and leaves
+    a request sharing them counted as computed, for the failed request to
+    recompute them (lines 3644-3651, 3672-3682). Under asynchronous
+    scheduling (vLLM 0.33's default) the next step, scheduled before the
+    failure is reported, reads them first; a request aborted or preempted
+    before its recomputation leaves them cached for good. The failure path
+    cannot drop them: a connector has no handle on vLLM's KV-cache manager,
+    and the next step has already read them when the failure is known. An
+    asynchronous hit's blocks are cached only once loaded, and then only
+    their valid prefix (lines 3467-3501). Measured with vLLM's own scheduler
+    (tests/integration/test_vllm_scheduler_failed_load.py): a request
+    sharing a failed synchronous load's prefix got a first token computed
+    on blocks the load never filled, both ways.
+
+    How: vLLM's ``_reserve_sync_load`` (kv_connector/v1/offloading/
+    scheduler.py:1279-1302) told of no hit reserves nothing and forgets an
+    earlier reservation of the request, and its caller then reports the hit
+    asynchronous (line 1277). Called once, by KVTierConnector's constructor
+    in the engine core. Raises UnsupportedEngine for a vLLM whose connector
+    scheduler has no such method (its synchronous loads could not be kept
+    to safe hits)."""
+    reserve = getattr(cs, "_reserve_sync_load", None)
+    if reserve is None:
+        raise UnsupportedEngine(
+            "kvtier: this vLLM loads hits within the step in a way kvtier cannot limit to "
+            "hits that cannot fail to load (no OffloadingConnectorScheduler._reserve_sync_load), "
+            "so a failed load could give wrong tokens. Set sync_load_budget_bytes: 0 in "
+            "kv_connector_extra_config, or use vLLM 0.32 or 0.33."
+        )
+
+    def reserve_unless_risky(req_status: Any, num_computed_tokens: int, hit: int | None) -> bool:
+        if req_status.req.request_id in risky:
+            hit = 0
+        return bool(reserve(req_status, num_computed_tokens, hit))
+
+    cs._reserve_sync_load = reserve_unless_risky
 
 
 class _SyncLoads:

@@ -153,6 +153,10 @@ class KVTierManager(OffloadingManager):
         # Kept only while the connector asks (track_risky), one request at a time.
         self.risky_hits: set[Any] = set()
         self.track_risky = False
+        from kvtier.tiers.base import LookupResult as TierResult
+
+        # Compared by identity in lookup (an enum's name is a Python call).
+        self._hit = TierResult.HIT
 
     @property
     def lock(self) -> threading.Lock:
@@ -161,7 +165,7 @@ class KVTierManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         k = bytes(key)
         r = self.m.lookup(k, req_context)
-        if self.track_risky and r.name == "HIT" and self.m.may_fail_to_load(k):
+        if self.track_risky and r is self._hit and self.m.may_fail_to_load(k):
             self.risky_hits.add(getattr(req_context, "req_id", None))
         return LookupResult[r.name]
 
