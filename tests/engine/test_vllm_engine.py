@@ -175,14 +175,11 @@ def expected_hits(requests: list[dict[str, Any]]) -> dict[str, int]:
 EXPECTED = expected_hits(REQUESTS)
 
 
-@pytest.fixture(scope="session")
-def reference(engine_python: str, model: str, tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    """No prefix cache, no offloading: every prompt computed."""
-    e = run_engine(
-        engine_python,
-        tmp_path_factory.mktemp("none"),
-        {"mode": "none", "model": model, "requests": REQUESTS},
-    )
+def run_reference(engine_python: str, model: str, tmp: Path) -> Engine:
+    """No prefix cache, no offloading: every prompt computed. The
+    ``reference`` fixture (tests/engine/conftest.py: one run for every
+    module of the engine tests)."""
+    e = run_engine(engine_python, tmp, {"mode": "none", "model": model, "requests": REQUESTS})
     assert all(r["cached_tokens"] == 0 for r in e.requests)
     return e
 

@@ -390,7 +390,11 @@ class NodeManager:
         if not self.attached:
             return
         try:
+            # Sent now, not with the next request: an engine that goes idle
+            # after a store would otherwise leave its blocks unreadable to
+            # the others until its next call. No reply is awaited.
             self._client.post(op, *args)
+            self._client.flush()
         except NodeUnavailable as e:
             self._down(e)
 

@@ -55,10 +55,9 @@ class Op(enum.IntEnum):
 
 
 # Calls that change nothing the engine reads back: the client sends them
-# with its next request instead of waiting for a reply each (the node
-# serves a connection's requests in order, so they still take effect
-# first). Measured, kvtier bench manager --node at 16 keys a call: five
-# round trips a cycle became three.
+# without waiting for a reply (the node serves a connection's requests in
+# order, so they take effect before the next one). Measured, kvtier bench
+# manager --node at 16 keys a call: five round trips a cycle became three.
 NO_REPLY = frozenset(
     {Op.COMPLETE_LOAD, Op.LOAD_FAILED, Op.TOUCH, Op.COMPLETE_STORE, Op.REQUEST_FINISHED}
 )
