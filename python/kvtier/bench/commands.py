@@ -115,12 +115,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if args.node:
             from kvtier.bench.node import run_node_manager
 
-            results.append(
-                run_node_manager(
-                    num_keys=args.keys, policy=args.policy, repeats=args.repeats,
-                    clients=args.clients,
-                )
-            )  # fmt: skip
+            node = run_node_manager(args.keys, args.policy, args.repeats, args.clients)
+            results.append(node)
     else:  # pragma: no cover - argparse restricts choices
         raise KvtierError(f"unknown component {args.component}")
     out = output_dir(args.out, "bench")

@@ -54,11 +54,8 @@ def _keys(n: int, client: int) -> list[bytes]:
 def _start_node(path: str, name: str, blocks: int) -> subprocess.Popen[bytes]:
     from kvtier.node.client import NodeUnavailable, node_status
 
-    p = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "node", "--socket", path, "--name", name,
-         "--host-bytes", str(blocks * PAYLOAD)],
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    cmd = [sys.executable, "-m", "kvtier.cli", "node", "--socket", path, "--name", name]
+    p = subprocess.Popen(cmd + ["--host-bytes", str(blocks * PAYLOAD)], stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while True:
         try:

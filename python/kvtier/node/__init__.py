@@ -4,5 +4,6 @@
 policy and lower tiers and serves engines over a Unix socket
 (:mod:`.protocol`); :mod:`.state` keeps its slot classes and the engines'
 leases; :mod:`.client` is the engine's side. Importing this package loads
-nothing heavy.
+nothing heavy. Who calls: ``kvtier node`` (the server), the vLLM shim
+(the client); importing it never blocks.
 """

@@ -1,7 +1,8 @@
 """``kvtier node [serve] | status``: run the node, or ask a running one.
 
 A command-line tool: runs in its own process (the ``kvtier`` console
-script); the library never imports it. ``serve`` blocks until SIGTERM or
+script); the library never imports it. Who calls: a user's shell, systemd,
+a DaemonSet's container. ``serve`` blocks until SIGTERM or
 SIGINT; ``status`` blocks for one round trip.
 """
 

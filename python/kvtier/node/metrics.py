@@ -3,7 +3,8 @@
 Process: the node. Who calls: :class:`~kvtier.node.server.NodeServer` at
 start (:class:`NodeMetrics`); Prometheus scrapes on prometheus_client's own
 HTTP thread, which reads a snapshot the event loop refreshes (never the
-tiers themselves: they belong to the loop's thread).
+tiers themselves: they belong to the loop's thread). Nothing here blocks but start-up (the
+HTTP server's bind).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The node's wire protocol: length-prefixed msgpack frames over a Unix socket.
 
-Any process: the node (:mod:`kvtier.node.server`) and its clients
-(:mod:`kvtier.node.client`). Pure functions and constants; nothing blocks.
+Any process. Who calls: the node (:mod:`kvtier.node.server`) and its
+clients (:mod:`kvtier.node.client`). Pure functions and constants; nothing blocks.
 
 A frame is a 4-byte little-endian length, then that many bytes of one
 msgpack array. A request is ``[op, *args]`` (``op`` a small int of

@@ -157,8 +157,7 @@ class StreamLoader:
         self._per_job = max(1, min(16, num_slots // 4))
         self.bpc = blocks_per_chunk
         self._slice = wait_slice_s
-        # Layers are merged into ranges of at least this much of a record:
-        # each range is one more I/O per record.
+        # Layers merge into ranges of at least this much: each range is one more I/O per record.
         self._min_range = min_range_bytes
         self._plans: dict[tuple[int, int, int], _Plan] = {}
         # The driver's range jobs in flight, (tier, engine job) -> (their

@@ -150,6 +150,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
         if self.node is not None:
             self._node_layout(cells)
         else:
+            assert self.kvtier.host.bytes is not None  # checked above
             self.num_slots, self.slot_bytes = host_pool_for_chunks(
                 self.cell_bytes,
                 cells,
