@@ -368,3 +368,37 @@ def test_engines_keep_serving_without_the_node_and_reattach(
         p.kill()
         p.wait()
         _remove_pools(name)
+
+
+def test_status_command_and_prometheus_metrics(tmp_path: Path) -> None:
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    n = Node(tmp_path, metrics_port=port)
+    try:
+        a = n.engine(engine="metered")
+        pool = HostPool.attach(a.pool["pool"])
+        store(a, pool, [1, 2, 3])
+        out = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli", "node", "status", "--socket", n.path],
+            capture_output=True, text=True, check=True, timeout=60,
+        )  # fmt: skip
+        assert "engines attached: 1" in out.stdout and "metered" in out.stdout
+        assert f"class {BLOCK} B: pool kvnode-{n.name}-{BLOCK}, 3/64 blocks" in out.stdout
+        deadline = time.monotonic() + 10
+        while True:  # the snapshot is refreshed once a second
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+            lines = text.decode().splitlines()
+            if 'kvtier_node_blocks{block_bytes="4096",state="blocks"} 3.0' in lines:
+                break
+            assert time.monotonic() < deadline, "\n".join(lines)
+            a.on_schedule_end()
+            time.sleep(0.2)
+        assert "kvtier_node_engines 1.0" in lines
+    finally:
+        n.stop()
+        _remove_pools(n.name)

@@ -65,3 +65,4 @@ class NodeMetrics:
 
     def close(self) -> None:
         self._http.shutdown()
+        self._http.server_close()
