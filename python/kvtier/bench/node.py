@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -84,6 +85,44 @@ def _client_rate(path: str, keys: list[bytes], batch: int) -> float:
         return _cycles(m, keys, batch)
 
 
+def _echo_main(path: str) -> None:
+    """A bare echo over a Unix socket: the floor of a round trip here."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    c, _ = srv.accept()
+    while data := c.recv(1 << 16):
+        c.sendall(data)
+
+
+def round_trip_floor_us(n: int = 20_000) -> float:
+    """Microseconds per round trip of a 64-byte message to an echo in
+    another process: the baseline of the node's per-call cost."""
+    with tempfile.TemporaryDirectory() as d:
+        path = str(Path(d) / "echo.sock")
+        p = mp.get_context("spawn").Process(target=_echo_main, args=(path,))
+        p.start()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                s.connect(path)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+        msg = bytes(64)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            s.sendall(msg)
+            s.recv(1 << 16)
+        us = (time.perf_counter() - t0) / n * 1e6
+        s.close()
+        p.join(10)
+    return us
+
+
 def _client_main(path: str, keys: list[bytes], batch: int, start: Any, q: Any) -> None:
     start.wait()
     q.put(_client_rate(path, keys, batch))
@@ -131,10 +170,14 @@ def run_node_manager(
         finally:
             for f in Path("/dev/shm").glob(f"kvnode-{name}-*"):
                 f.unlink()
+    out["round_trip_floor_us"] = round(
+        statistics.median(round_trip_floor_us() for _ in range(repeats)), 1
+    )
     out["note"] = (
         "cycles per second of lookup + prepare_store + complete_store + prepare_load + "
         "complete_load per key; ratios against the in-process manager of the same run; "
-        f"{clients} clients: their aggregate, each cycling {num_keys // clients} keys of its own"
+        f"{clients} clients: their aggregate, each cycling {num_keys // clients} keys of its own; "
+        "round_trip_floor_us: a bare echo over a Unix socket between two processes"
     )
     return out
 
