@@ -402,3 +402,20 @@ def test_status_command_and_prometheus_metrics(tmp_path: Path) -> None:
     finally:
         n.stop()
         _remove_pools(n.name)
+
+
+def test_a_client_that_never_reads_is_dropped(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.node import server as node_server
+
+    monkeypatch.setattr(node_server, "MAX_UNREAD", 100_000)
+    a = node.engine(engine="steady")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(node.path)
+    s.settimeout(10)
+    frame = P.pack([int(P.Op.STATUS)])
+    with pytest.raises(OSError):  # the node closes it: a send fails at last
+        for _ in range(20_000):
+            s.sendall(frame)
+    s.close()
+    assert a.lookup(key(1)) is LookupResult.MISS  # the other engine is served
+    assert node.status()["counters"]["protocol_errors"] == 1

@@ -40,6 +40,9 @@ log = logging.getLogger("kvtier.node")
 
 DEFAULT_SOCKET = "/run/kvtier/node.sock"
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
+# Replies a client may leave unread before it is dropped: a client that
+# sends and never reads would otherwise grow the node's memory without bound.
+MAX_UNREAD = 64 << 20
 
 
 @dataclass
@@ -237,6 +240,8 @@ class NodeServer:
                 reply = self._dispatch(conn, P.unpack(body))
                 if reply is not None:
                     conn.out += P.pack(reply)
+            if len(conn.out) > MAX_UNREAD:
+                raise ProtocolError(f"{len(conn.out)} bytes of replies left unread")
         except ProtocolError as e:
             self.counters["protocol_errors"] += 1
             log.warning("kvtier node: closing pid %d: %s", conn.pid, e)

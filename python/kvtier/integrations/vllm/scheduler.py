@@ -364,6 +364,9 @@ class KVTierManager(OffloadingManager):
                 # and server errors, refused writes): nowhere else to read them.
                 "tiers": {t.name: t.stats() for t in self.m.lower},
             }
+            client = getattr(self.m, "client_stats", None)  # attached to a kvtier node
+            if client is not None:
+                report["node"] = dataclasses.asdict(client)
         self.m.shutdown()
         if self._stats_path:
             report["closed_occupancy"] = self.m.occupancy()
