@@ -126,6 +126,30 @@ def test_a_scan_is_one_round_trip(node: Node) -> None:
     assert b.client_stats.round_trips - before == 1
 
 
+def test_a_load_in_the_step_of_its_lookup_waits_for_no_reply(node: Node) -> None:
+    a = node.engine(engine="a")
+    pool = HostPool.attach(a.pool["pool"])
+    keys = store(a, pool, [1, 2])
+    b = NodeManager(node.path, NS_A, BLOCK, key_order=lambda k, ctx: keys[keys.index(k) + 1 :])
+    assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 2
+    trips = b.client_stats.round_trips
+    spec = b.prepare_load(keys)
+    assert b.client_stats.round_trips == trips
+    assert [
+        np.array_equal(pool.view(s), content(i)) for i, s in zip([1, 2], spec.slots.tolist())
+    ] == [True, True]
+    b.on_schedule_end()  # the lookup pins go; the load's stay until complete_load
+    occ = node.status()["classes"][str(BLOCK)]["occupancy"]
+    assert occ["pinned"] == 2
+    b.complete_load(keys)
+    b.on_schedule_end()
+    assert node.status()["classes"][str(BLOCK)]["occupancy"]["pinned"] == 0
+    # A claim on a load the engine's lookups did not pin closes its connection.
+    c = node.engine(engine="c")
+    with pytest.raises(NodeError, match="did not pin"):
+        c._client.call(P.Op.LOAD_PINNED, [keys[0]], None)
+
+
 def test_two_models_never_share_a_key(node: Node) -> None:
     """The same key bytes from two namespaces: two blocks, each engine its own."""
     a, b = node.engine(NS_A), node.engine(NS_B)

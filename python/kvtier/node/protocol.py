@@ -52,6 +52,7 @@ class Op(enum.IntEnum):
     RESET = 11
     STATUS = 12
     POOL = 13
+    LOAD_PINNED = 14
 
 
 # Calls that change nothing the engine reads back: the client sends them
@@ -59,7 +60,14 @@ class Op(enum.IntEnum):
 # order, so they take effect before the next one). Measured, kvtier bench
 # manager --node at 16 keys a call: five round trips a cycle became three.
 NO_REPLY = frozenset(
-    {Op.COMPLETE_LOAD, Op.LOAD_FAILED, Op.TOUCH, Op.COMPLETE_STORE, Op.REQUEST_FINISHED}
+    {
+        Op.COMPLETE_LOAD,
+        Op.LOAD_FAILED,
+        Op.TOUCH,
+        Op.COMPLETE_STORE,
+        Op.REQUEST_FINISHED,
+        Op.LOAD_PINNED,
+    }
 )
 
 # Lookup answers on the wire (kvtier.tiers.base.LookupResult by name).

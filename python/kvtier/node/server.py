@@ -326,6 +326,10 @@ class NodeServer:
             if op is Op.PREPARE_LOAD:
                 _nargs(args, 2)
                 return [True, s.prepare_load(P.keys_arg(args[0]), P.req_arg(args[1]))]
+            if op is Op.LOAD_PINNED:
+                _nargs(args, 2)
+                s.load_pinned(P.keys_arg(args[0]), P.req_arg(args[1]))
+                return [True, None]
             if op is Op.COMPLETE_LOAD:
                 _nargs(args, 2)
                 s.complete_load(P.keys_arg(args[0]), P.req_arg(args[1]))

@@ -102,6 +102,7 @@ class Session:
         self.pid = pid
         self.uid = uid
         self.scan_pins: list[bytes] = []  # node keys pinned by this step's lookups
+        self.scan_set: set[bytes] = set()
         self.load_pins: Counter[bytes] = Counter()
         self.writes: set[bytes] = set()
         self.events: list[list[Any]] = []
@@ -143,6 +144,7 @@ class Session:
                     continue
                 host.pin(nk)
                 self.scan_pins.append(nk)
+                self.scan_set.add(nk)
                 out.append([1, e.slot])
                 continue
             out.append([_CODE.get(r, 3), -1])
@@ -155,6 +157,15 @@ class Session:
         spec = self.cls.manager.prepare_load(nks, self._ctx(req))
         self.load_pins.update(nks)
         return [int(s) for s in spec.slots.tolist()]
+
+    def load_pinned(self, keys: list[bytes], req: Any) -> None:
+        """:meth:`prepare_load` of keys this session's lookups pinned this
+        step: the engine took their slots from the lookup's reply and did not
+        wait for this one (a claim on a key it holds no pin of is refused)."""
+        pinned = self.scan_set
+        if any(self.prefix + k not in pinned for k in keys):
+            raise ProtocolError("load of keys this engine's lookups did not pin")
+        self.prepare_load(keys, req)
 
     def complete_load(self, keys: list[bytes], req: Any) -> None:
         nks = self._node_keys(keys)
@@ -224,6 +235,7 @@ class Session:
         if self.scan_pins:
             self.cls.manager.complete_load(self.scan_pins)
             self.scan_pins = []
+            self.scan_set.clear()
 
     def release_all(self) -> dict[str, int]:
         """Give back everything this session holds (its connection closed:
