@@ -108,6 +108,7 @@ def test_engine_b_loads_what_engine_a_stored_byte_for_byte(node: Node) -> None:
     b.on_schedule_end()
     ev = a.take_events()
     assert [e.keys for e in ev if not e.removed] == [keys]
+    assert (len(b.host), b.host.capacity) == (8, 64)  # the shim's usage gauge
     st = node.status()
     assert st["classes"][str(BLOCK)]["occupancy"]["blocks"] == 8
     assert st["classes"][str(BLOCK)]["occupancy"]["pinned"] == 0

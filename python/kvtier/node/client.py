@@ -430,7 +430,7 @@ class NodeManager:
                 self._pending = False
                 return
         try:
-            events, self._pending = self._call(Op.STEP_END)
+            events, self._pending, self.host.used = self._call(Op.STEP_END)
         except NodeUnavailable as e:
             self._down(e)
             self._pending = False

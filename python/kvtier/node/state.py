@@ -211,12 +211,13 @@ class Session:
 
     def step_end(self) -> list[Any]:
         """Release this step's lookup pins, run the class's step end, and
-        hand over the events kept for this engine (oldest first)."""
+        hand over the events kept for this engine (oldest first), whether
+        the class has work in flight, and its blocks held (every engine's)."""
         self._release_scan()
         self.cls.manager.on_schedule_end()
         self.cls.distribute_events()
         ev, self.events = self.events, []
-        return [ev, self.cls.manager.has_pending_work()]
+        return [ev, self.cls.manager.has_pending_work(), len(self.cls.manager.host)]
 
     def reset(self) -> int:
         """Drop every block of this namespace that no engine holds (vLLM's
