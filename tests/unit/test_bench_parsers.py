@@ -32,6 +32,7 @@ FLAGS = {
         "sglang": "--repeats --dir --url",
         "route": "--trace --max-requests --time-scale --seed --block-bytes --engines "
         "--host-blocks --disk-blocks --pool-blocks",
+        "node": "--python --configs --trace --max-requests --max-input --max-tokens --host-share",
     }.items()
 }
 

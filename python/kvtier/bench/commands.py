@@ -48,6 +48,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _cmd_bench_sglang(args)
     if args.component == "route":
         return _cmd_bench_route(args)
+    if args.component == "node":
+        return _cmd_bench_node(args)
     if args.component == "copy" and args.device == "cuda":
         return _cmd_bench_copy_cuda(args)
     args.repeats = args.repeats or (3 if args.component == "manager" else 5)
@@ -209,6 +211,42 @@ def _cmd_bench_route(args: argparse.Namespace) -> int:
         plot(result, saved.with_suffix(".png"))
         text += f"\n  plot  {saved.with_suffix('.png')}"
     return _table_or_json(args, result, text, saved)
+
+
+def _cmd_bench_node(args: argparse.Namespace) -> int:
+    """``kvtier bench node``: see :mod:`kvtier.bench.node_serve`. Blocks for
+    every configuration's servers (minutes)."""
+    from pathlib import Path
+
+    from kvtier.bench.harness import default_output_dir
+    from kvtier.bench.node_serve import CONFIGS, run_node_bench, table
+    from kvtier.bench.serve import check_engine_python
+    from kvtier.bench.serve_load_plan import default_trace
+
+    trace = args.trace or default_trace()
+    if trace is None:
+        raise InvalidArgument("bench node needs --trace FILE (no default trace here)")
+    if args.max_requests < 2 or args.max_input < 1 or args.max_tokens < 1:
+        raise InvalidArgument("--max-requests must be >= 2, --max-input and --max-tokens >= 1")
+    if not args.host_share > 0:
+        raise InvalidArgument(f"--host-share must be > 0, got {args.host_share}")
+    python = args.python or sys.executable
+    check_engine_python(python)
+    out = Path(args.out) if args.out else default_output_dir("bench-node")
+    result = run_node_bench(
+        out,
+        python,
+        Path(trace),
+        configs=tuple(args.configs.split(",")) if args.configs else CONFIGS,
+        max_requests=args.max_requests,
+        max_input=args.max_input,
+        max_tokens=args.max_tokens,
+        host_share=args.host_share,
+        say=(lambda _: None) if args.json == "-" else (lambda m: print(f"  {m}", flush=True)),
+    )
+    saved = out / f"node-{time.strftime('%Y%m%dT%H%M%S')}.json"
+    saved.write_text(json.dumps(result, indent=2) + "\n")
+    return _table_or_json(args, result, table(result), saved)
 
 
 def _table_or_json(args: argparse.Namespace, result: dict[str, Any], text: str, saved: Any) -> int:

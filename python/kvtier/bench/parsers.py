@@ -34,6 +34,8 @@ COMPONENTS = {
     "soak": "minutes of replay (--server: serving) under injected faults, every load checked",
     "sglang": "kvtier's SGLang HiCache backend against SGLang's file backend and redis-py",
     "route": "routing requests by the tiers' events against round robin, simulated fleet",
+    "node": "two live vLLM servers behind a round robin: one shared node against a host tier "
+    "each and one server alone, and an engine's restart against none",
 }
 
 
@@ -311,6 +313,32 @@ def _route(p: Parser) -> None:
     _common(p, "'' to skip; default: build/bench-route", json_path=True)
 
 
+def _node(p: Parser) -> None:
+    p.add_argument("--python", help="a Python with vLLM's engine and kvtier (default: this one)")
+    p.add_argument(
+        "--configs",
+        help="comma-separated, of none (always run), split, node, single, split-restart, "
+        "node-restart (default: all)",
+    )
+    p.add_argument(
+        "--trace",
+        help="Mooncake-format JSONL trace (default: "
+        "../shared/traces/mooncake_conversation_trace.jsonl if there)",
+    )
+    p.add_argument(
+        "--max-requests", type=int, default=40, help="requests of the sessions cut (default 40)"
+    )
+    p.add_argument("--max-input", type=int, default=4000, help="prompt tokens cap (default 4000)")
+    p.add_argument("--max-tokens", type=int, default=4, help="output tokens cap (default 4)")
+    p.add_argument(
+        "--host-share",
+        type=float,
+        default=1.0,
+        help="total host memory as a share of the cut's working set (default 1)",
+    )
+    _common(p, "'' to skip; default: build/bench-node", json_path=True)
+
+
 _ADD: dict[str, Callable[[Parser], None]] = {
     "copy": _copy,
     "manager": _manager,
@@ -322,6 +350,7 @@ _ADD: dict[str, Callable[[Parser], None]] = {
     "soak": _soak,
     "sglang": _sglang,
     "route": _route,
+    "node": _node,
 }
 
 
