@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.serve_load import Server, _free_port, run_client
+from kvtier.bench.serve_load import Server, free_port, run_client
 from kvtier.bench.serve_load_plan import EngineSettings, Workloads, client_args, server_command
 
 MODES = (("closed c=1", 1, None, None), ("closed c=4", 4, None, None), ("open 12/s", 4, 12.0, 128))
@@ -84,7 +84,7 @@ def main() -> int:
     s, w = EngineSettings(), Workloads()
     env = dict(os.environ, PYTHONHASHSEED="0", VLLM_CPU_KVCACHE_SPACE=str(s.kv_cache_space_gib),
                VLLM_CPU_OMP_THREADS_BIND=s.omp_threads_bind)  # fmt: skip
-    port = _free_port()
+    port = free_port()
     server = Server(server_command(sys.executable, str(model), port, "baseline", s, None), env,
                     out / "server-baseline.log", port)  # fmt: skip
     try:

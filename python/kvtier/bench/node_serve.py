@@ -51,7 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.serve import _pct
+from kvtier.bench.serve import percentile
 from kvtier.errors import InvalidArgument
 
 CONFIGS = ("none", "split", "node", "single", "split-restart", "node-restart")
@@ -150,10 +150,10 @@ def summarize(reqs: list[dict[str, Any]], ref: list[dict[str, Any]] | None) -> d
         "hit_tokens": sum(r["cached_tokens"] for r in reqs),
         "returning_hit_tokens": sum(r["cached_tokens"] for r in later),
         "returning_prompt_tokens": sum(r["prompt_tokens"] for r in later),
-        "ttft_returning_p50_ms": round(_pct(ttft, 0.5), 2),
-        "ttft_returning_p90_ms": round(_pct(ttft, 0.9), 2),
+        "ttft_returning_p50_ms": round(percentile(ttft, 0.5), 2),
+        "ttft_returning_p90_ms": round(percentile(ttft, 0.9), 2),
         "ttft_first_p50_ms": round(
-            _pct([1e3 * r["ttft_s"] for r in reqs if r["turn"] == 1], 0.5), 2
+            percentile([1e3 * r["ttft_s"] for r in reqs if r["turn"] == 1], 0.5), 2
         ),
         "moved_share": round(sum(r["moved"] for r in later) / len(later), 3) if later else 0.0,
     }
@@ -171,8 +171,8 @@ def restart_figures(restarted: list[dict[str, Any]], plain: list[dict[str, Any]]
     a = [r for r in restarted if r["id"] in ids]
     b = [r for r in plain if r["id"] in ids]
     hits_a, hits_b = sum(r["cached_tokens"] for r in a), sum(r["cached_tokens"] for r in b)
-    p50_a = _pct([1e3 * r["ttft_s"] for r in a], 0.5)
-    p50_b = _pct([1e3 * r["ttft_s"] for r in b], 0.5)
+    p50_a = percentile([1e3 * r["ttft_s"] for r in a], 0.5)
+    p50_b = percentile([1e3 * r["ttft_s"] for r in b], 0.5)
     return {
         "turns": len(ids),
         "hit_tokens": hits_a,
@@ -296,11 +296,10 @@ class _Node:
         from kvtier.node.client import NodeUnavailable, node_status
 
         self.socket, self.name = str(work / "node.sock"), f"bench{os.getpid()}"
-        self.p = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.cli", "node", "--socket", self.socket,
-             "--name", self.name, "--host-bytes", str(host_bytes)],
-            stderr=open(work / "node.log", "w"),  # noqa: SIM115 (the child owns it)
-        )  # fmt: skip
+        cmd = [sys.executable, "-m", "kvtier.cli", "node", "--socket", self.socket]
+        cmd += ["--name", self.name, "--host-bytes", str(host_bytes)]
+        log = open(work / "node.log", "w")  # noqa: SIM115 (the child owns it)
+        self.p = subprocess.Popen(cmd, stderr=log)
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -339,7 +338,7 @@ def run_node_bench(
     JSON-able result: per configuration its summary and requests, the
     restart figures, the targets' verdict. Blocks for the whole run."""
     from kvtier.bench.harness import machine_facts
-    from kvtier.bench.serve_load import Server, _free_port
+    from kvtier.bench.serve_load import Server, free_port
     from kvtier.bench.serve_load_plan import (
         EngineSettings,
         cut_trace,
@@ -377,10 +376,10 @@ def run_node_bench(
     try:
         for config in configs:
             say(f"{config}: starting {servers_of(config)} server(s)")
+            tools = (Server, free_port, server_command, say)
             raw[config], nodes[config] = _run_config(
-                config, requests, python, str(model_dir), settings, host_bytes, work, out,
-                Server, _free_port, server_command, say,
-            )  # fmt: skip
+                config, requests, python, str(model_dir), settings, host_bytes, work, out, *tools
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summaries = {c: summarize(r, raw["none"]) for c, r in raw.items()}

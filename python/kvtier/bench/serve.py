@@ -138,7 +138,7 @@ def _config_spec(
     return {"mode": "kvtier", "kvtier": kv}
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     """The median for q = 0.5 (mean of the middle two), else the nearest rank."""
     if not values:
         return float("nan")
@@ -165,10 +165,10 @@ def summarize(
     c = result.get("counters", {})
     kv = c.get("kvtier", {})
     out: dict[str, Any] = {
-        "ttft_first_p50_ms": 1e3 * _pct(first, 0.5),
-        "ttft_first_p99_ms": 1e3 * _pct(first, 0.99),
-        "ttft_later_p50_ms": 1e3 * _pct(later, 0.5),
-        "ttft_later_p99_ms": 1e3 * _pct(later, 0.99),
+        "ttft_first_p50_ms": 1e3 * percentile(first, 0.5),
+        "ttft_first_p99_ms": 1e3 * percentile(first, 0.99),
+        "ttft_later_p50_ms": 1e3 * percentile(later, 0.5),
+        "ttft_later_p99_ms": 1e3 * percentile(later, 0.99),
         "ttft_by_turn_ms": {
             str(t): 1e3 * statistics.median(r["ttft_s"] for r in reqs if r["turn"] == t)
             for t in sorted({r["turn"] for r in reqs})

@@ -187,7 +187,7 @@ class Server:
         self._f.close()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     from kvtier.bench.redis_server import free_port
 
     return free_port()
@@ -293,7 +293,7 @@ def run_load(
                     redis = _start_redis(work, settings.omp_threads_bind) if needs_redis else None
                 url = None if redis is None else f"redis://127.0.0.1:{redis.port}"
                 extra = kvtier_extra(config, settings, block_bytes, work / f"r{rep}", url)
-                port = _free_port()
+                port = free_port()
                 cmd = server_command(python, model_dir, port, config, settings, extra)
                 log = out / f"server-{config.replace('+', '_')}-r{rep}.log"
                 say(f"repeat {rep + 1}/{repeats}: {config}: starting vllm serve")
