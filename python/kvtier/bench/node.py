@@ -21,31 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.manager import cycles
 from kvtier.scheduler.manager import TieredOffloadingManager
-from kvtier.tiers.base import LookupResult
 from kvtier.tiers.host import HostTier
 
 PAYLOAD = 64  # bytes per block: the node's pool holds data, the bench moves none
 NS = "be" * 16
-
-
-def _cycles(m: Any, keys: list[bytes], batch: int) -> float:
-    """Cycles per second as ``kvtier bench manager`` counts them, with the
-    lookup stopping at the first MISS as vLLM's scan does (a node answers a
-    scan in one round trip up to there)."""
-    t0 = time.perf_counter()
-    miss = LookupResult.MISS
-    for i in range(0, len(keys), batch):
-        ks = keys[i : i + batch]
-        for k in ks:
-            if m.lookup(k) is miss:
-                break
-        out = m.prepare_store(ks)
-        assert out is not None
-        m.complete_store(out.keys_to_store)
-        m.prepare_load(ks)
-        m.complete_load(ks)
-    return len(keys) / (time.perf_counter() - t0)
 
 
 def _keys(n: int, client: int) -> list[bytes]:
@@ -82,7 +63,7 @@ def _client_rate(path: str, keys: list[bytes], batch: int) -> float:
     with NodeManager(
         path, NS, PAYLOAD, engine=f"bench-{os.getpid()}", key_order=following, timeout_s=120
     ) as m:
-        return _cycles(m, keys, batch)
+        return cycles(m, keys, batch, scan=True)
 
 
 def _echo_main(path: str) -> None:
@@ -150,7 +131,7 @@ def run_node_manager(
                 for _ in range(repeats):
                     keys = _keys(num_keys, 0)
                     m = TieredOffloadingManager(HostTier(None, capacity, policy=policy))
-                    local.append(_cycles(m, keys, batch))
+                    local.append(cycles(m, keys, batch, scan=True))
                     node = _start_node(path, name, capacity)
                     try:
                         one.append(_client_rate(path, keys, batch))
