@@ -148,11 +148,19 @@ void bind_disk_index(py::module_& m) {
            }),
            py::arg("num_records"), py::arg("policy") = "lru", py::arg("clock_max") = 1)
       .def_property_readonly("num_records", &Index::num_records)
-      // Bytes per record the eviction policy keeps beyond the 28 every record
-      // has and the table's 10: lru 8, clock 0, plfu 14 (ghosts aside).
+      // Bytes per record the eviction policy keeps beyond the 23 every record
+      // has and the table's 7.5: lru 8, clock 1, plfu 14 (ghosts aside).
       .def_static("policy_bytes_per_record",
                   [](const std::string& policy) {
                     return Index::policy_bytes_per_record(disk::parse_evict_policy(policy));
+                  })
+      // All of them at a full tier (pins and PLFU's ghosts aside).
+      .def_static("bytes_per_record",
+                  [](const std::string& policy) {
+                    return Index::kTableBytesPerRecord +
+                           static_cast<double>(
+                               Index::kRecordBytes +
+                               Index::policy_bytes_per_record(disk::parse_evict_policy(policy)));
                   })
       // PLFU's state (None under other policies): beta and weights now, the
       // horizon in bursts, ghosts kept, miniature caches and the sample mask.
@@ -170,6 +178,8 @@ void bind_disk_index(py::module_& m) {
                                return d;
                              })
       .def_property_readonly("table_slots", &Index::table_slots)
+      // Parents whose chains branched, and the older children they list.
+      .def_property_readonly("branches", &Index::older_size)
       .def("__len__", &Index::size)
       .def("__contains__", [](const Index& ix,
                               const py::bytes& d) { return ix.find(digest_of(d)) != Index::kNone; })
@@ -212,8 +222,14 @@ void bind_disk_index(py::module_& m) {
            })
       .def("state", [](const Index& ix,
                        std::int64_t rec) { return static_cast<int>(ix.state(rec_of(ix, rec))); })
+      // The digest as the index keeps it: bytes 0-7 and 12-13, the rest zero.
       .def("digest",
            [](const Index& ix, std::int64_t rec) { return bytes_of(ix.digest(rec_of(ix, rec))); })
+      // Whether the record is indexed holding the digest (its kept bytes).
+      .def("holds",
+           [](const Index& ix, std::int64_t rec, const py::bytes& d) {
+             return ix.holds(rec_of(ix, rec), digest_of(d));
+           })
       .def("loading", [](const Index& ix, std::int64_t rec) { return ix.loading(rec_of(ix, rec)); })
       .def("event_id",
            [](const Index& ix, std::int64_t rec) { return bytes_of(ix.event_id(rec_of(ix, rec))); })
@@ -271,8 +287,8 @@ void bind_disk_index(py::module_& m) {
       // Prefix chains: `rec` follows `parent` (both records in the table).
       .def("link", [](Index& ix, std::int64_t rec,
                       std::int64_t parent) { ix.link(rec_of(ix, rec), rec_of(ix, parent)); })
-      .def("children",
-           [](const Index& ix, std::int64_t rec) { return ix.children(rec_of(ix, rec)); })
+      // The record its chain goes on with (its last-linked child), or -1.
+      .def("child", [](const Index& ix, std::int64_t rec) { return ix.child(rec_of(ix, rec)); })
       .def("pin", [](Index& ix, std::int64_t rec) { ix.pin(rec_of(ix, rec)); })
       .def("unpin", [](Index& ix, std::int64_t rec) { ix.unpin(rec_of(ix, rec)); })
       .def(
@@ -321,7 +337,8 @@ void bind_disk_index(py::module_& m) {
           "encode_checkpoint",
           [](const Index& ix, std::uint64_t block_bytes, std::uint64_t seq) {
             const std::vector<std::uint32_t> recs = ix.ready_records();
-            const std::size_t n = disk::checkpoint_bytes(recs.size());
+            const auto older = ix.older_links();
+            const std::size_t n = disk::checkpoint_bytes(recs.size(), older.size());
             // Encoded in place: a checkpoint may be gigabytes, one copy is enough.
             auto out = py::reinterpret_steal<py::bytes>(
                 PyBytes_FromStringAndSize(nullptr, static_cast<py::ssize_t>(n)));
@@ -329,7 +346,7 @@ void bind_disk_index(py::module_& m) {
             auto* p = reinterpret_cast<std::uint8_t*>(PyBytes_AS_STRING(out.ptr()));
             {
               py::gil_scoped_release nogil;
-              disk::encode_checkpoint(ix, recs, block_bytes, seq, p);
+              disk::encode_checkpoint(ix, recs, older, block_bytes, seq, p);
             }
             return out;
           },
@@ -355,10 +372,13 @@ void bind_disk_index(py::module_& m) {
 
   // The journal's and checkpoint's layout (core/disk/journal.h), for the
   // Python side that writes and sizes the files.
+  // `parent`: the record before it in its prefix chain (-1: none), holding
+  // `parent_digest` (Index::fingerprint's input).
   m.def(
       "disk_journal_entry",
       [](int op, std::uint64_t record, const py::bytes& digest, std::uint64_t block_bytes,
-         std::uint64_t seq, const py::object& event_id) {
+         std::uint64_t seq, const py::object& event_id, std::int64_t parent,
+         const py::object& parent_digest) {
         if (op != disk::kJournalPut && op != disk::kJournalDrop)
           throw Error(StatusCode::kInvalidArgument,
                       "a journal entry's op is " + std::to_string(disk::kJournalPut) +
@@ -371,12 +391,24 @@ void bind_disk_index(py::module_& m) {
         e.length = block_bytes;
         e.seq = seq;
         e.id = event_id_of(event_id);
+        if (record >= disk::kNoRecord)
+          throw Error(StatusCode::kInvalidArgument,
+                      "a journal entry's record must be below 2^32 - 1, got " +
+                          std::to_string(record));
+        if (parent >= 0 && !parent_digest.is_none()) {
+          if (parent >= static_cast<std::int64_t>(disk::kNoRecord))
+            throw Error(StatusCode::kInvalidArgument,
+                        "a parent record must be below 2^32 - 1, got " + std::to_string(parent));
+          e.parent = static_cast<std::uint32_t>(parent);
+          e.parent_fp = Index::fingerprint(digest_of(parent_digest.cast<py::bytes>()));
+        }
         char out[disk::kJournalEntryBytes];
         disk::encode_journal_entry(e, reinterpret_cast<std::uint8_t*>(out));
         return py::bytes(out, sizeof out);
       },
       py::arg("op"), py::arg("record"), py::arg("digest"), py::arg("block_bytes"), py::arg("seq"),
-      py::arg("event_id") = py::none());
+      py::arg("event_id") = py::none(), py::arg("parent") = -1,
+      py::arg("parent_digest") = py::none());
   m.attr("DISK_JOURNAL_ENTRY_BYTES") = disk::kJournalEntryBytes;
   m.attr("DISK_JOURNAL_MAGIC") = py::bytes(disk::kJournalMagic, 4);
   m.attr("DISK_CHECKPOINT_MAGIC") = py::bytes(disk::kCheckpointMagic, 4);

@@ -1,6 +1,6 @@
 // The disk tier's native index: lookups through deletions (backward shift),
 // LRU, CLOCK and PLFU victims (PLFU against a brute-force reference written
-// here), held records, and the warm-restart rebuild.
+// here), prefix chains, held records, and the warm-restart rebuild.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -31,12 +31,22 @@ constexpr int kStepShare = 8;
 constexpr int kStepShare = 1;
 #endif
 
+// Bytes 0-7 place it (`home`: many digests in one place), and i is in bytes
+// 8-11 and again in 12-15, so the 2 bytes of it the index keeps (12-13) tell
+// digests with one home apart.
 Digest dig(std::uint64_t i, std::uint64_t home = ~0ull) {
   Digest d{};
   std::uint64_t h = home == ~0ull ? i * 0x9e3779b97f4a7c15ull : home;
+  const auto lo = static_cast<std::uint32_t>(i);
   std::memcpy(d.b, &h, 8);
-  std::memcpy(d.b + 8, &i, 8);
+  std::memcpy(d.b + 8, &lo, 4);
+  std::memcpy(d.b + 12, &lo, 4);
   return d;
+}
+
+bool same_key(const Digest& a, const Digest& b) {
+  const Digest x = Index::kept(a), y = Index::kept(b);
+  return std::memcmp(x.b, y.b, 16) == 0;
 }
 
 std::int64_t take(Index& ix, const Digest& d, bool* evicted = nullptr, Digest* ev = nullptr) {
@@ -68,8 +78,8 @@ TEST(DiskIndex, RandomOperationsMatchAMap) {
       std::int64_t r = take(ix, d, &ev, &e);
       ASSERT_NE(r, Index::kNone);
       if (ev) {
-        std::uint64_t gone;
-        std::memcpy(&gone, e.b + 8, 8);
+        std::uint16_t gone;  // the bytes of k the index keeps (k < 2^16)
+        std::memcpy(&gone, e.b + 12, 2);
         ASSERT_EQ(model.at(gone), static_cast<std::uint32_t>(r));
         model.erase(gone);
       }
@@ -95,10 +105,40 @@ TEST(DiskIndex, LruEvictsLeastRecentlyUsedAndSkipsLoads) {
   bool was = false;
   EXPECT_EQ(take(ix, dig(3), &was, &ev), 2);
   EXPECT_TRUE(was);
-  EXPECT_EQ(std::memcmp(ev.b, dig(2).b, 16), 0);
+  EXPECT_TRUE(same_key(ev, dig(2)));
   EXPECT_EQ(ix.find(dig(2)), Index::kNone);
+  EXPECT_EQ(ix.loading(1), 1);
+  ix.pin(1);
   ix.unpin(1);
+  EXPECT_EQ(ix.loading(1), 1);
+  ix.unpin(1);
+  EXPECT_EQ(ix.loading(1), 0);
+  ix.unpin(1);  // not pinned: nothing to end
+  EXPECT_EQ(ix.loading(1), 0);
   EXPECT_EQ(take(ix, dig(4)), 1);
+}
+
+TEST(DiskIndex, KeepsTenBytesOfEachDigest) {
+  Index ix(4, EvictPolicy::kLru);
+  const Digest d = dig(5);
+  ix.insert(d, 2, RecState::kReady);
+  Digest twin = d;  // another digest in the bytes the index does not keep
+  for (int b : {8, 9, 10, 11, 14, 15}) twin.b[b] ^= 0x5a;
+  EXPECT_EQ(ix.find(twin), 2);
+  EXPECT_TRUE(ix.holds(2, twin));
+  for (int b : {0, 7, 12, 13}) {  // the kept ones tell digests apart
+    Digest other = d;
+    other.b[b] ^= 1;
+    EXPECT_EQ(ix.find(other), Index::kNone) << b;
+    EXPECT_FALSE(ix.holds(2, other)) << b;
+  }
+  const Digest k = ix.digest(2);
+  EXPECT_EQ(std::memcmp(k.b, Index::kept(d).b, 16), 0);
+  EXPECT_EQ(std::memcmp(k.b, d.b, 8), 0);
+  EXPECT_EQ(std::memcmp(k.b + 12, d.b + 12, 2), 0);
+  for (int b : {8, 9, 10, 11, 14, 15}) EXPECT_EQ(k.b[b], 0) << b;
+  EXPECT_EQ(std::memcmp(ix.digest(0).b, Digest{}.b, 16), 0);  // not in the table
+  EXPECT_FALSE(ix.holds(0, d));
 }
 
 // A record for `d`, left being written (so never a victim itself).
@@ -110,6 +150,15 @@ std::int64_t claim(Index& ix, const Digest& d) {
   return r;
 }
 
+// The records of `order` but `other` (a record no chain holds: the policy
+// may take it anywhere in its order).
+std::vector<std::int64_t> without(const std::vector<std::int64_t>& order, std::int64_t other) {
+  std::vector<std::int64_t> chain;
+  for (auto r : order)
+    if (r != other) chain.push_back(r);
+  return chain;
+}
+
 // A chain 0 -> 1 -> 2 (each the parent of the next) written head first, so
 // every policy's own order would take the head first: the tail goes first.
 class DiskIndexChains : public ::testing::TestWithParam<EvictPolicy> {};
@@ -119,41 +168,127 @@ TEST_P(DiskIndexChains, AChainLeavesTailFirst) {
   for (int i = 0; i < 4; ++i) EXPECT_EQ(take(ix, dig(i)), i);
   ix.link(1, 0);
   ix.link(2, 1);
-  EXPECT_EQ(ix.children(0), 1);
+  EXPECT_EQ(ix.child(0), 1);
+  EXPECT_EQ(ix.child(1), 2);
+  EXPECT_EQ(ix.child(2), Index::kNone);
   std::vector<std::int64_t> order;
   for (int i = 0; i < 4; ++i) order.push_back(claim(ix, dig(100 + i)));
-  // Record 3 (no chain) may go anywhere in the order the policy gives it;
-  // the chain's records go 2, 1, 0.
-  std::vector<std::int64_t> chain;
-  for (auto r : order)
-    if (r != 3) chain.push_back(r);
-  EXPECT_EQ(chain, (std::vector<std::int64_t>{2, 1, 0}));
+  EXPECT_EQ(without(order, 3), (std::vector<std::int64_t>{2, 1, 0}));
 }
 
-TEST_P(DiskIndexChains, AParentWhoseChildIsBusyGoesOnlyWhenNothingElseCan) {
-  Index ix(3, GetParam(), 1);
-  for (int i = 0; i < 3; ++i) take(ix, dig(i));
+// The host tier's rule (tiers/host.py): a record that cannot go (being loaded
+// here) is passed over and does not keep its parents, which go tail first
+// (the rule before kept them until nothing else could go: under LRU and
+// CLOCK record 3 went first, then 0 before 1, stranding 1).
+TEST_P(DiskIndexChains, ARecordThatCannotGoDoesNotKeepItsParents) {
+  Index ix(4, GetParam(), 1);
+  for (int i = 0; i < 4; ++i) take(ix, dig(i));
   ix.link(1, 0);
-  ix.pin(1);                         // the child is being loaded
-  EXPECT_EQ(claim(ix, dig(10)), 2);  // not the parent: 2 can go
-  EXPECT_EQ(claim(ix, dig(11)), 0);  // only the parent can go now: it does
-  EXPECT_EQ(claim(ix, dig(12)), Index::kNone);
+  ix.link(2, 1);
+  ix.pin(2);  // the tail is being loaded
+  std::vector<std::int64_t> order;
+  for (int i = 0; i < 3; ++i) order.push_back(claim(ix, dig(10 + i)));
+  EXPECT_EQ(claim(ix, dig(13)), Index::kNone);  // only the pinned tail is left
+  EXPECT_EQ(without(order, 3), (std::vector<std::int64_t>{1, 0}));
+  if (GetParam() == EvictPolicy::kLru) EXPECT_EQ(order, (std::vector<std::int64_t>{1, 0, 3}));
 }
 
 TEST_P(DiskIndexChains, AReusedRecordForgetsItsFormerLinks) {
-  Index ix(2, GetParam(), 1);
+  Index ix(3, GetParam(), 1);
   take(ix, dig(0));
   take(ix, dig(1));
+  take(ix, dig(2));
   ix.link(1, 0);
   ix.pin(1);
-  EXPECT_EQ(take(ix, dig(2)), 0);  // fallback: the parent goes (then holds dig(2))
+  ix.pin(2);
+  EXPECT_EQ(take(ix, dig(5)), 0);  // its child cannot go: the parent goes (then holds dig(5))
   ix.unpin(1);
-  EXPECT_EQ(ix.children(0), 0);  // record 0 holds another block now
+  ix.unpin(2);
+  EXPECT_EQ(ix.child(0), Index::kNone);  // record 0 holds another block now
+  ix.link(2, 0);
+  EXPECT_EQ(ix.child(0), 2);
+  // Record 2 leaves and holds another block, linked elsewhere: not 0's child.
+  ix.remove(2, false);
+  EXPECT_EQ(ix.child(0), Index::kNone);
   Digest e{};
   bool was = false;
-  ix.remove(1, false);  // the child leaves: nothing of the new record changes
-  EXPECT_EQ(ix.children(0), 0);
-  EXPECT_NE(ix.allocate(&e, &was), Index::kNone);
+  EXPECT_EQ(ix.allocate(&e, &was), 2);
+  ix.insert(dig(6), 2, RecState::kReady);
+  EXPECT_EQ(ix.child(0), Index::kNone);  // linked to nothing
+  ix.link(2, 1);
+  EXPECT_EQ(ix.child(0), Index::kNone);  // linked to 1: its fingerprint is 1's
+  EXPECT_EQ(ix.child(1), 2);
+  // Links to or from a record not in the table are ignored.
+  ix.remove(1, false);
+  ix.link(0, 1);
+  EXPECT_EQ(ix.child(1), Index::kNone);
+  ix.link(0, 0);
+  EXPECT_EQ(ix.child(0), Index::kNone);
+}
+
+// A parent whose chain branched keeps its way down its last-linked branch
+// only; once that branch left, it stays while an earlier branch is here (no
+// way down to it), and goes after that branch, as with a count of children.
+TEST_P(DiskIndexChains, ABranchedParentStaysWhileAnEarlierBranchIsHere) {
+  Index ix(4, GetParam(), 1);
+  for (int i = 0; i < 4; ++i) take(ix, dig(i));
+  ix.link(1, 0);  // the earlier branch
+  ix.link(2, 0);  // the last-linked one
+  EXPECT_EQ(ix.child(0), 2);
+  EXPECT_EQ(ix.older_links(), (std::vector<std::pair<std::uint32_t, std::uint32_t>>{{0, 1}}));
+  std::vector<std::int64_t> order;
+  for (int i = 0; i < 4; ++i) order.push_back(claim(ix, dig(10 + i)));
+  EXPECT_EQ(without(order, 3), (std::vector<std::int64_t>{2, 1, 0}));
+  EXPECT_TRUE(ix.older_links().empty());
+  EXPECT_EQ(ix.older_size(), (std::pair<std::size_t, std::size_t>{0, 0}));
+}
+
+// The older children listed stay within about twice the live ones, however
+// many branches come and go under one parent (one per request after a
+// shared system prompt).
+TEST(DiskIndex, OlderChildrenStayBounded) {
+  const std::uint32_t n = 64;
+  Index ix(n, EvictPolicy::kLru);
+  take(ix, dig(0));
+  ix.touch(0);
+  for (std::uint64_t k = 1; k < 20000 / kStepShare; ++k) {
+    const std::int64_t r = take(ix, dig(k));  // evicts the oldest (not 0: it has children)
+    ASSERT_NE(r, Index::kNone);
+    ASSERT_NE(r, 0);
+    ix.link(static_cast<std::uint32_t>(r), 0);
+    ix.touch(0);
+  }
+  EXPECT_EQ(ix.find(dig(0)), 0);
+  const auto [parents, listed] = ix.older_size();
+  EXPECT_EQ(parents, 1u);
+  EXPECT_LE(listed, 2 * (n - 2) + 8);
+  EXPECT_EQ(ix.older_links().size(), n - 2);  // every other record, less the last-linked
+}
+
+// A chain walked from its head is the same chain after a warm restart: the
+// links come back with the records (checkpoint rows and journal entries
+// carry them: test_journal.cc).
+TEST_P(DiskIndexChains, AppliedLinksAreCheckedAsLiveOnes) {
+  Index ix(4, GetParam(), 1);
+  Recovered p;
+  p.digest = dig(0);
+  ix.apply_put(0, p);
+  Recovered c;
+  c.digest = dig(1);
+  c.parent = 0;
+  c.parent_fp = Index::fingerprint(dig(0));
+  ix.apply_put(1, c);
+  Recovered stale = c;  // linked to a block record 0 no longer holds
+  stale.digest = dig(2);
+  stale.parent_fp = Index::fingerprint(dig(9));
+  ASSERT_NE(stale.parent_fp, c.parent_fp);
+  ix.apply_put(2, stale);
+  EXPECT_EQ(ix.rebuild(), 3u);
+  EXPECT_EQ(ix.child(0), Index::kNone);  // 2 is its last child, but not of this block
+  ix.apply_put(2, c);  // again, now with 1's digest: 1 is dropped (the later entry wins)
+  EXPECT_EQ(ix.rebuild(), 2u);
+  EXPECT_EQ(ix.find(dig(1)), 2);
+  EXPECT_EQ(ix.child(0), 2);
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, DiskIndexChains,
@@ -432,13 +567,13 @@ TEST(DiskIndexPlfu, EvictsTheDeepestBlocksOfOldRequestsFirst) {
   bool was = false;
   EXPECT_EQ(take(ix, dig(6), &was, &e), 3);
   EXPECT_TRUE(was);
-  EXPECT_EQ(std::memcmp(e.b, dig(3).b, 16), 0);
+  EXPECT_TRUE(same_key(e, dig(3)));
   EXPECT_EQ(ix.plfu()->ghosts(), 1u);
   ix.remove(2, false);  // dropped, not evicted: no ghost
   EXPECT_EQ(ix.plfu()->ghosts(), 1u);
   EXPECT_EQ(Index::policy_bytes_per_record(EvictPolicy::kPlfu), 14u);
   EXPECT_EQ(Index::policy_bytes_per_record(EvictPolicy::kLru), 8u);
-  EXPECT_EQ(Index::policy_bytes_per_record(EvictPolicy::kClock), 0u);
+  EXPECT_EQ(Index::policy_bytes_per_record(EvictPolicy::kClock), 1u);
   EXPECT_EQ(parse_evict_policy("plfu"), EvictPolicy::kPlfu);
 }
 
@@ -454,7 +589,7 @@ TEST(DiskIndexPlfu, AnEvictedKeyIsAGhostUntilItReturns) {
   std::vector<std::uint32_t> before = ix.ready_records();
   std::int64_t r = take(ix, dig(2), &was, &e);
   EXPECT_EQ(static_cast<std::uint32_t>(r), before.front());
-  const std::uint64_t gone = std::memcmp(e.b, dig(0).b, 16) == 0 ? 0 : 1;
+  const std::uint64_t gone = same_key(e, dig(0)) ? 0 : 1;
   EXPECT_EQ(ix.plfu()->ghosts(), 1u);
   ix.touch(static_cast<std::uint32_t>(r));
   take(ix, dig(gone), &was, &e);       // back: its ghost is consumed

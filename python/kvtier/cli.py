@@ -161,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_tier_arguments(r)
     r.add_argument("--no-data", action="store_true", help="policy only: no pool, no bytes")
     r.add_argument("--max-requests", type=int, help="stop after this many requests")
+    r.add_argument(
+        "--restart-after",
+        type=int,
+        metavar="N",
+        help="after N requests, start again as a restarted engine would: an empty host "
+        "tier, the disk tier reopened from its directory (its warm restart)",
+    )
     r.add_argument("--synthetic-requests", type=int, default=4000)
     r.add_argument(
         "--workload",

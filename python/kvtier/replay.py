@@ -287,6 +287,14 @@ class Replayer:
         if res.requests % self.series_every == 0:
             self.sample()
 
+    def _settle(self) -> None:
+        """Step the manager until its cascades and promotions finished."""
+        for _ in range(MAX_PENDING_STEPS):
+            with self.m.lock:
+                if not self.m.has_pending_work():
+                    break
+                self.m.on_schedule_end()
+
     def _submit(self, fn: Any) -> None:
         for _ in range(10000):
             if fn():
@@ -327,7 +335,16 @@ class Replayer:
         res.stranded_mean = {t: v / self._stranded_samples for t, v in self._stranded_sum.items()}
         res.series.append(point)
 
-    def run(self, trace: Sequence[Sequence[int]], progress: bool = True) -> ReplayResult:
+    def run(
+        self,
+        trace: Sequence[Sequence[int]],
+        progress: bool = True,
+        restart_after: int | None = None,
+        restart: Callable[[], TieredOffloadingManager] | None = None,
+    ) -> ReplayResult:
+        """Replay ``trace``; after ``restart_after`` requests, the manager is
+        shut down (what it had in flight finished) and ``restart()`` gives
+        the one that serves the rest, as after an engine's restart."""
         t0 = time.perf_counter()
         it: Any = trace
         if progress:
@@ -335,15 +352,14 @@ class Replayer:
 
             it = tqdm(trace, unit="req", desc="replay", mininterval=0.5)
         for ids in it:
+            if restart is not None and self.result.requests == restart_after:
+                self._settle()
+                self.m.shutdown()
+                self.m = restart()
             self.run_request(ids)
             if progress and self.result.requests % 200 == 0:
                 it.set_postfix(hit=f"{self.result.hit_rate:.1%}", refresh=False)
-        # Let cascades finish so the tiers' final state is complete.
-        for _ in range(MAX_PENDING_STEPS):
-            with self.m.lock:
-                if not self.m.has_pending_work():
-                    break
-                self.m.on_schedule_end()
+        self._settle()  # the tiers' final state complete
         self.sample()
         with self.m.lock:
             self.result.stranded = self.stranded(lower=True)
@@ -420,6 +436,7 @@ class ReplayOptions:
     cascade_on_hit: bool = False
     no_data: bool = False
     max_requests: int | None = None
+    restart_after: int | None = None
     synthetic_requests: int = 4000
     workload: str = "chat"
     seed: int = 0
@@ -435,6 +452,8 @@ def main_replay(args: ReplayOptions) -> int:
     block_bytes = parse_size(args.block_bytes)
     if args.max_requests is not None and args.max_requests < 1:
         raise InvalidArgument(f"--max-requests must be >= 1, got {args.max_requests}")
+    if args.restart_after is not None and args.restart_after < 1:
+        raise InvalidArgument(f"--restart-after must be >= 1, got {args.restart_after}")
     if args.seed < 0:
         raise InvalidArgument(f"--seed must be >= 0, got {args.seed}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -471,7 +490,6 @@ def main_replay(args: ReplayOptions) -> int:
     tier_cfg = args.tiers
     if args.no_data and tier_cfg.disk is not None:
         tier_cfg = replace(tier_cfg, disk=replace(tier_cfg.disk, no_data=True))
-    lower = build_lower_tiers(tier_cfg, block_bytes, namespace=f"replay-{block_bytes}")
     pool = transfer = kv = None
     if not args.no_data:
         from kvtier.pool import HostPool
@@ -487,27 +505,41 @@ def main_replay(args: ReplayOptions) -> int:
     if policy.lower() == "belady":
         from kvtier.policy.belady import BeladyPolicy
 
+        if args.restart_after is not None:
+            raise InvalidArgument("--restart-after with the belady policy: it knows no restart")
         policy = BeladyPolicy(trace, key_of)
         on_request = policy.advance
-    host = HostTier(
-        pool,
-        capacity,
-        policy=policy,
-        admit_after=args.host_tier.admit_after,
-        max_tracked=args.host_tier.max_tracked,
-        prefix_aware=args.host_tier.prefix_eviction,
-    )
-    manager = TieredOffloadingManager(host, lower, cascade_on_hit=args.cascade_on_hit)
+
+    def start() -> TieredOffloadingManager:
+        """The tiers and manager: a fresh host tier over the pool, the lower
+        tiers opened from their configuration (a disk tier recovers its
+        directory's index)."""
+        lower = build_lower_tiers(tier_cfg, block_bytes, namespace=f"replay-{block_bytes}")
+        host = HostTier(
+            pool,
+            capacity,
+            policy=policy,
+            admit_after=args.host_tier.admit_after,
+            max_tracked=args.host_tier.max_tracked,
+            prefix_aware=args.host_tier.prefix_eviction,
+        )
+        return TieredOffloadingManager(host, lower, cascade_on_hit=args.cascade_on_hit)
+
+    manager = start()
+    lower = manager.lower
     cap_txt = "unbounded" if capacity is None else f"{capacity:,} blocks"
     print(
         f"kvtier replay: {source}; host {cap_txt}, policy {args.host_tier.policy}, "
         f"{'no data' if args.no_data else f'{block_bytes:,} B blocks, data verified'}"
         + "".join(f"; {t.name} tier" for t in lower)
     )
+    rep = None
     try:
         rep = Replayer(manager, transfer, kv, block_bytes, on_request=on_request)
-        res = rep.run(trace, progress=not args.no_progress)
+        res = rep.run(trace, not args.no_progress, args.restart_after, start)
     finally:
+        if rep is not None:  # after a restart, the second one
+            manager, lower = rep.m, rep.m.lower
         manager.shutdown()
         if transfer is not None:
             transfer.shutdown()
@@ -521,6 +553,7 @@ def main_replay(args: ReplayOptions) -> int:
             "host_blocks": capacity,
             "block_bytes": block_bytes,
             "data": not args.no_data,
+            "restart_after": args.restart_after,
             "tiers": {t.name: t.stats() for t in lower},
             "manager": vars(manager.stats),
         }

@@ -13,6 +13,7 @@ import kvtier
 import numpy as np
 import pytest
 from kvtier import _native
+from kvtier.engine import crc32c
 from kvtier.tiers import LookupResult
 from kvtier.tiers.disk import DiskTier, key_digest, record_bytes
 from kvtier.tiers.disk.journal import (
@@ -199,20 +200,27 @@ def test_a_journal_python_writes_is_what_the_native_index_reads(tmp_path: Path) 
     states = [RecordState(ix.state(r)) for r in range(8)]
     ready, free = RecordState.READY, RecordState.FREE
     assert states == [free, ready, free, ready, free, ready, free, free]
-    assert ix[key_digest(K(0))] == 5 and ix.digest(3) == key_digest(K(3))
+    assert ix[key_digest(K(0))] == 5 and ix.holds(3, key_digest(K(3)))
+    # The index keeps bytes 0-7 and 12-13 of a digest (its table the 2).
+    d = key_digest(K(3))
+    assert ix.digest(3) == d[:8] + bytes(4) + d[12:14] + bytes(2)
+    assert not ix.holds(3, key_digest(K(1))) and not ix.holds(2, d)
 
 
-def test_journal_entries_keep_the_bytes_of_the_struct_layout() -> None:
-    # The layout journal.py packed before the codec moved to the core: files
-    # written then must still read, and entries written now look the same.
-    layout = struct.Struct("<4sBBxxQ16sQQ8s")  # then a crc32 of these bytes
-    named = layout.pack(b"KVJ2", 1, E(5)[11], 5, key_digest(K(5)), BLOCK, 7, E(5)[:8])
-    unnamed = layout.pack(b"KVJ2", 2, 63, 1, key_digest(K(1)), BLOCK, 9, bytes(8))
+def test_journal_entries_keep_the_bytes_of_the_documented_layout() -> None:
+    # KVJ3 (csrc/core/disk/journal.h): the record is 32-bit, a PUT names the
+    # record before it in its chain and 16 bits of that block's digest
+    # (bytes 2-3 of it, DiskIndex.fingerprint), and a crc32c ends it.
+    layout = struct.Struct("<4sBBHII16sQQ8s")
+    parent = key_digest(K(4))
+    fp = int.from_bytes(parent[2:4], "little") or 1
+    named = layout.pack(b"KVJ3", 1, E(5)[11], fp, 5, 4, key_digest(K(5)), BLOCK, 7, E(5)[:8])
+    unnamed = layout.pack(b"KVJ3", 2, 63, 0, 1, 2**32 - 1, key_digest(K(1)), BLOCK, 9, bytes(8))
     for body, entry in (
-        (named, journal_entry(JournalOp.PUT, 5, key_digest(K(5)), BLOCK, 7, E(5))),
+        (named, journal_entry(JournalOp.PUT, 5, key_digest(K(5)), BLOCK, 7, E(5), (4, parent))),
         (unnamed, journal_entry(JournalOp.DROP, 1, key_digest(K(1)), BLOCK, 9)),
     ):
-        assert entry == body + struct.pack("<I", zlib.crc32(body))
+        assert entry == body + struct.pack("<I", crc32c(body))
         assert len(entry) == JOURNAL_ENTRY_BYTES
 
 

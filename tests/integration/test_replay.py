@@ -99,6 +99,28 @@ def test_bad_options_are_clear_errors() -> None:
     assert out.returncode == 2 and "--no-data" in out.stderr
     out = run_cli("replay", "--block-bytes", "12XB", "--no-progress")
     assert out.returncode == 2 and "cannot parse size" in out.stderr
+    out = run_cli("replay", "--no-data", "--no-progress", "--restart-after", "0")
+    assert out.returncode == 2 and "--restart-after must be >= 1, got 0" in out.stderr
+    out = run_cli(
+        "replay", "--no-data", "--no-progress", "--policy", "belady", "--restart-after", "9"
+    )
+    assert out.returncode == 2 and "--restart-after with the belady policy" in out.stderr
+
+
+def test_a_restart_reopens_the_disk_and_its_blocks_load_intact(tmp_path: Path) -> None:
+    # With data: after the restart the host tier is empty, so the blocks
+    # written before it come back from the disk, each verified byte for byte.
+    js_path = tmp_path / "r.json"
+    out = run_cli(
+        "replay", "--workload", "chat", "--synthetic-requests", "300", "--block-bytes", "16KiB",
+        "--host-blocks", "50", "--disk", f"{tmp_path}/d:8MiB", "--restart-after", "150",
+        "--no-progress", "--json", str(js_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    js = json.loads(js_path.read_text())
+    assert js["restart_after"] == 150 and js["requests"] == 300
+    assert js["tiers"]["disk"]["recovered"] > 0 and js["hit_blocks"]["disk"] > 0
+    assert js["verify_failures"] == 0
 
 
 @pytest.mark.skipif(not SHARED_TRACE.exists(), reason="shared trace not present")

@@ -558,7 +558,10 @@ def test_disk_index_plfu_exact_hits_with_many_miniatures() -> None:
 
 def test_disk_index_policy_bytes_per_record() -> None:
     by = _native.DiskIndex.policy_bytes_per_record
-    assert (by("clock"), by("lru"), by("plfu")) == (0, 8, 14)
+    assert (by("clock"), by("lru"), by("plfu")) == (1, 8, 14)  # CLOCK: its reference count
+    # With the 7.5-byte table share and the 23 bytes every record has (csrc/core/disk/index.h).
+    every = _native.DiskIndex.bytes_per_record
+    assert (every("clock"), every("lru"), every("plfu")) == (31.5, 38.5, 44.5)
     assert _native.DiskIndex(4, "lru").plfu is None
 
 

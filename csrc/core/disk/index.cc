@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <unordered_set>
 
 #include "../status.h"
 
@@ -9,19 +10,9 @@ namespace kvtier::disk {
 
 namespace {
 
-bool same(const Digest& a, const Digest& b) { return std::memcmp(a.b, b.b, sizeof a.b) == 0; }
-
 // A load factor of 0.8 when every record is used (probes compare tags in the
 // table, so a longer run costs little; no power of two: no rounding waste).
 std::size_t table_size_for(std::uint32_t n) { return static_cast<std::size_t>(n) + n / 4 + 8; }
-
-// A slot: the record number (low half) and bytes 8-11 of its digest (high),
-// so a probe dereferences a record only when the tags match.
-std::uint64_t tag_of(const Digest& d) {
-  std::uint32_t t;
-  std::memcpy(&t, d.b + 8, sizeof t);
-  return static_cast<std::uint64_t>(t) << 32;
-}
 
 }  // namespace
 
@@ -42,101 +33,92 @@ std::size_t Index::policy_bytes_per_record(EvictPolicy p) {
     case EvictPolicy::kClock:
       break;
   }
-  return 0;
+  return 1;
 }
 
 Index::Index(std::uint32_t num_records, EvictPolicy policy, std::uint8_t clock_max)
-    : policy_(policy),
-      clock_max_(clock_max),
-      recs_(num_records),
-      ids_(num_records, 0),
-      parent_(num_records, kEmpty),
-      child_(num_records, kEmpty),
-      pgen_(num_records, 0),
-      cgen_(num_records, 0),
-      gen_(num_records, 0),
-      kids_(num_records, 0) {
-  if (num_records == 0 || num_records == kEmpty)
+    : policy_(policy), clock_max_(clock_max), slots_(table_size_for(num_records)) {
+  if (num_records == 0 || num_records == kNoRecord)
     throw Error(StatusCode::kInvalidArgument, "disk index: num_records must be in [1, 2^32 - 1)");
   if (clock_max == 0)
     throw Error(StatusCode::kInvalidArgument, "disk index: clock_max must be >= 1");
-  table_.assign(table_size_for(num_records), kFreeSlot);
+  recs_.assign(num_records, Rec{0, 0});
+  ids_.assign(num_records, 0);
+  child_.assign(num_records, kNoRecord);
+  pfp_.assign(num_records, 0);
+  // Every slot free: record number kNoRecord (0xff bytes), and the padding.
+  table_.assign(slots_ * kSlotBytes + 2, 0xff);
   if (policy_ == EvictPolicy::kLru) {
     prev_.assign(num_records + 1u, num_records);
     next_.assign(num_records + 1u, num_records);
   }
+  if (policy_ == EvictPolicy::kClock) ref_.assign(num_records, 0);
   if (policy_ == EvictPolicy::kPlfu) plfu_ = std::make_unique<Plfu>(num_records, num_records);
 }
 
-std::uint64_t Index::key_hash(const Digest& d) {
-  std::uint64_t h;
-  std::memcpy(&h, d.b, sizeof h);  // blake2b: any 8 bytes are a good hash
-  return h;
+Digest Index::kept(const Digest& d) {
+  Digest k{};
+  std::memcpy(k.b, d.b, kKeyBytes);
+  std::memcpy(k.b + kTagAt, d.b + kTagAt, 2);
+  return k;
 }
 
-std::uint32_t Index::sample_bits(const Digest& d) {
-  std::uint32_t b;
-  std::memcpy(&b, d.b + 12, sizeof b);  // apart from the bytes that place it in the table
-  return b;
-}
-
-void Index::rank_ready(std::uint32_t rec) {
+void Index::rank_ready(std::uint32_t rec, std::uint16_t tag) {
   if (policy_ == EvictPolicy::kLru)
     lru_push_back(rec);
   else if (policy_ == EvictPolicy::kPlfu)
-    plfu_->insert(rec, key_hash(recs_[rec].digest), sample_bits(recs_[rec].digest));
+    plfu_->insert(rec, recs_[rec].key, tag);
 }
 
 void Index::rank_drop(std::uint32_t rec, bool evicted) {
   if (policy_ == EvictPolicy::kLru)
     lru_unlink(rec);
   else if (policy_ == EvictPolicy::kPlfu)
-    plfu_->remove(rec, key_hash(recs_[rec].digest), evicted);
+    plfu_->remove(rec, recs_[rec].key, evicted);
 }
 
-std::size_t Index::home(const Digest& d) const {
-  // Bytes 0-7 scaled to the table (blake2b: uniform), Lemire's multiply-shift.
-  std::uint64_t h;
-  std::memcpy(&h, d.b, sizeof h);
-  return static_cast<std::size_t>((static_cast<unsigned __int128>(h) * table_.size()) >> 64);
-}
-
-std::int64_t Index::find(const Digest& d) const {
-  const std::uint64_t tag = tag_of(d);
-  for (std::size_t i = home(d);; i = next(i)) {
-    std::uint64_t e = table_[i];
-    if (e == kFreeSlot) return kNone;
-    auto r = static_cast<std::uint32_t>(e);
-    if ((e & ~0xffffffffull) == tag && same(recs_[r].digest, d)) return r;
-  }
-}
+std::int64_t Index::find(const Digest& d) const { return find(key_of(d), tag_of(d)); }
 
 std::size_t Index::slot_of(std::uint32_t rec) const {
-  for (std::size_t i = home(recs_[rec].digest);; i = next(i))
-    if (static_cast<std::uint32_t>(table_[i]) == rec) return i;
+  for (std::size_t i = home(recs_[rec].key);; i = next(i))
+    if (slot_rec(i) == rec) return i;
 }
 
-void Index::table_insert(std::uint32_t rec) {
-  std::size_t i = home(recs_[rec].digest);
-  while (table_[i] != kFreeSlot) i = next(i);
-  table_[i] = tag_of(recs_[rec].digest) | rec;
+Digest Index::digest(std::uint32_t rec) const {
+  Digest d{};
+  if (!in_table(recs_[rec])) return d;
+  const std::uint64_t k = recs_[rec].key;
+  const std::uint16_t t = slot_tag(slot_of(rec));
+  std::memcpy(d.b, &k, sizeof k);
+  std::memcpy(d.b + kTagAt, &t, sizeof t);
+  return d;
+}
+
+void Index::table_insert(std::uint32_t rec, std::uint16_t tag) {
+  std::size_t i = home(recs_[rec].key);
+  while (slot_rec(i) != kNoRecord) i = next(i);
+  set_slot(i, rec, tag);
   ++count_;
 }
 
-void Index::table_erase(std::uint32_t rec) {
+std::uint16_t Index::table_erase(std::uint32_t rec) {
   // Backward shift: move later members of the probe run into the hole when
   // their home does not lie cyclically in (hole, their slot].
-  const std::size_t n = table_.size();
+  const std::size_t n = slots_;
   std::size_t hole = slot_of(rec);
-  for (std::size_t j = next(hole); table_[j] != kFreeSlot; j = next(j)) {
-    std::size_t h = home(recs_[static_cast<std::uint32_t>(table_[j])].digest);
+  const std::uint16_t tag = slot_tag(hole);
+  for (std::size_t j = next(hole);; j = next(j)) {
+    const std::uint32_t r = slot_rec(j);
+    if (r == kNoRecord) break;
+    const std::size_t h = home(recs_[r].key);
     if ((j + n - h) % n >= (j + n - hole) % n) {
-      table_[hole] = table_[j];
+      set_slot(hole, r, slot_tag(j));
       hole = j;
     }
   }
-  table_[hole] = kFreeSlot;
+  set_slot(hole, kNoRecord, 0xffff);
   --count_;
+  return tag;
 }
 
 void Index::lru_unlink(std::uint32_t rec) {
@@ -169,85 +151,133 @@ void Index::free_record(std::uint32_t rec) {
   if (rec < scan_) free_.push_back(rec);
 }
 
-std::int64_t Index::tail_of(std::uint32_t r) const {
+std::uint16_t Index::loading(std::uint32_t rec) const {
+  auto it = pins_.find(rec);
+  return it == pins_.end() ? 0 : it->second;
+}
+
+bool Index::is_child(std::uint32_t c, std::uint32_t x) const {
+  return c != kNoRecord && c != x && in_table(recs_[x]) && in_table(recs_[c]) &&
+         pfp_[c] == fp_of(recs_[x].key);
+}
+
+std::int64_t Index::child(std::uint32_t rec) const {
+  const std::uint32_t c = child_[rec];
+  return is_child(c, rec) ? static_cast<std::int64_t>(c) : kNone;
+}
+
+bool Index::has_older(std::uint32_t x) {
+  auto it = older_.find(x);
+  if (it == older_.end()) return false;
+  std::vector<std::uint32_t>& v = it->second.children;
+  // From the newest: each entry that left is popped once.
+  while (!v.empty() && !is_child(v.back(), x)) v.pop_back();
+  if (!v.empty()) return true;
+  older_.erase(it);
+  return false;
+}
+
+void Index::push_older(std::uint32_t x, std::uint32_t c) {
+  Older& o = older_[x];
+  o.children.push_back(c);
+  if (o.children.size() < 2 * o.kept + 8) return;
+  // Now and then (as the list doubles) every entry that left goes, and
+  // repeats (a child stored again under the same parent), keeping the
+  // newest place of each: the list stays within twice its live entries.
+  std::vector<std::uint32_t>& v = o.children;
+  std::unordered_set<std::uint32_t> seen;
+  std::size_t keep = v.size();
+  for (std::size_t i = v.size(); i-- > 0;)
+    if (is_child(v[i], x) && v[i] != child_[x] && seen.insert(v[i]).second) v[--keep] = v[i];
+  v.erase(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(keep));
+  o.kept = static_cast<std::uint32_t>(v.size());
+  if (v.empty()) older_.erase(x);
+}
+
+void Index::add_child(std::uint32_t x, std::uint32_t c) {
+  const std::uint32_t was = child_[x];
+  child_[x] = c;  // first: a sweep of the list drops the entry of x's child
+  if (was != c && is_child(was, x)) push_older(x, was);
+}
+
+bool Index::take_for(std::uint32_t r, std::uint32_t* best, std::uint32_t* above) {
   std::uint32_t x = r;
-  for (std::uint32_t depth = 0; kids_[x] != 0; ++depth) {
-    const std::uint32_t c = child_[x];
-    if (c == kEmpty || depth == num_records() || gen_[c] != cgen_[x] || parent_[c] != x ||
-        pgen_[c] != gen_[x])
-      return kNone;  // the last-linked child left: another branch is here
-    x = c;
+  *best = r;
+  *above = kNoRecord;
+  for (std::uint32_t depth = 0; depth < kMaxWalk; ++depth) {
+    const std::int64_t c = child(x);
+    // Its last-linked branch left and earlier ones are here: no way down
+    // to them, so x (and r) stay until they left too.
+    if (c == kNone) return !has_older(x);
+    const std::uint32_t up = x;
+    x = static_cast<std::uint32_t>(c);
+    if (evictable(x)) {
+      *best = x;
+      *above = up;
+    } else if (state_of(recs_[x]) == RecState::kWriting) {
+      return false;  // a store extends this chain: its parents stay
+    }
   }
-  if (x == r) return r;
-  return evictable(x) ? static_cast<std::int64_t>(x) : kNone;
+  return true;
 }
 
 std::int64_t Index::victim() {
   const std::uint32_t n = num_records();
-  // The first evictable record seen, taken when only parents could go.
-  std::int64_t first = kNone;
+  // The walk's choice for the first candidate whose chain a store extends,
+  // taken when only such chains could give a record (or after many).
+  std::int64_t fallback = kNone;
   std::uint32_t skips = 0;
-  // The record to evict for candidate r, or kNone to pass r over.
+  std::uint32_t best = 0, above = kNoRecord, fallback_above = kNoRecord;
+  // The record to take for candidate r, or kNone to pass r over.
   auto pick = [&](std::uint32_t r) -> std::int64_t {
-    if (kids_[r] == 0) return r;
-    if (first == kNone) first = r;
+    if (take_for(r, &best, &above)) {
+      victim_above_ = above;
+      return best;
+    }
+    if (fallback == kNone) {
+      fallback = best;
+      fallback_above = above;
+    }
     ++skips;
-    return tail_of(r);
+    return kNone;
   };
   if (policy_ == EvictPolicy::kLru) {
-    for (std::uint32_t r = next_[n]; r != n; r = next_[r]) {
-      if (!evictable(r)) continue;
-      if (std::int64_t v = pick(r); v != kNone) return v;
-      if (skips > kMaxParentSkips) return first;
-    }
-    return first;
+    for (std::uint32_t r = next_[n]; r != n && skips <= kMaxParentSkips; r = next_[r])
+      if (evictable(r))
+        if (std::int64_t v = pick(r); v != kNone) return v;
+    victim_above_ = fallback_above;
+    return fallback;
   }
   if (policy_ == EvictPolicy::kPlfu) {
     PlfuRank::Cursor c = plfu_->victims();
-    for (std::uint32_t r = c.next(); r != Plfu::kNil; r = c.next()) {
-      if (!evictable(r)) continue;
-      if (std::int64_t v = pick(r); v != kNone) return v;
-      if (skips > kMaxParentSkips) return first;
-    }
-    return first;
+    for (std::uint32_t r = c.next(); r != Plfu::kNil && skips <= kMaxParentSkips; r = c.next())
+      if (evictable(r))
+        if (std::int64_t v = pick(r); v != kNone) return v;
+    victim_above_ = fallback_above;
+    return fallback;
   }
   // CLOCK: a record with references loses one and is passed over; after
   // clock_max + 1 sweeps every evictable record has none left.
   const std::uint64_t limit = static_cast<std::uint64_t>(n) * (clock_max_ + 1u) + 1u;
-  for (std::uint64_t step = 0; step < limit; ++step) {
+  for (std::uint64_t step = 0; step < limit && skips <= kMaxParentSkips; ++step) {
     std::uint32_t r = hand_;
     hand_ = hand_ + 1 == n ? 0 : hand_ + 1;
     if (!evictable(r)) continue;
-    if (recs_[r].ref == 0) {
+    if (ref_[r] == 0) {
       if (std::int64_t v = pick(r); v != kNone) return v;
-      if (skips > kMaxParentSkips) return first;
       continue;
     }
-    --recs_[r].ref;
+    --ref_[r];
   }
-  return first;
+  victim_above_ = fallback_above;
+  return fallback;
 }
 
 void Index::link(std::uint32_t rec, std::uint32_t parent) {
   if (rec >= num_records() || parent >= num_records() || rec == parent) return;
-  const RecState ps = state_of(recs_[parent]), rs = state_of(recs_[rec]);
-  if (ps == RecState::kFree || ps == RecState::kHeld || rs == RecState::kFree ||
-      rs == RecState::kHeld)
-    return;
-  unlink(rec);
-  parent_[rec] = parent;
-  pgen_[rec] = gen_[parent];
-  child_[parent] = rec;
-  cgen_[parent] = gen_[rec];
-  if (kids_[parent] != 0xffff) ++kids_[parent];
-}
-
-void Index::unlink(std::uint32_t rec) {
-  const std::uint32_t p = parent_[rec];
-  if (p == kEmpty) return;
-  parent_[rec] = kEmpty;
-  // A saturated count stays: the parent is passed over until it leaves.
-  if (gen_[p] == pgen_[rec] && kids_[p] != 0 && kids_[p] != 0xffff) --kids_[p];
+  if (!in_table(recs_[parent]) || !in_table(recs_[rec])) return;
+  pfp_[rec] = fp_of(recs_[parent].key);
+  add_child(parent, rec);
 }
 
 std::int64_t Index::allocate(Digest* evicted, bool* was_evicted, EventId* evicted_id) {
@@ -262,14 +292,20 @@ std::int64_t Index::allocate(Digest* evicted, bool* was_evicted, EventId* evicte
     std::uint32_t r = scan_++;
     if (state_of(recs_[r]) == RecState::kFree) return r;
   }
+  victim_above_ = kNoRecord;
   std::int64_t v = victim();
   if (v == kNone) return kNone;
   auto r = static_cast<std::uint32_t>(v);
-  *evicted = recs_[r].digest;
+  // Its parent's way down ends here now (a link left to a reused record
+  // could match the next block there by its 16-bit fingerprint).
+  if (victim_above_ != kNoRecord && child_[victim_above_] == r) child_[victim_above_] = kNoRecord;
   *was_evicted = true;
   if (evicted_id != nullptr) *evicted_id = event_id(r);
-  unlink(r);
-  table_erase(r);
+  const std::uint16_t tag = table_erase(r);
+  *evicted = Digest{};
+  const std::uint64_t k = recs_[r].key;
+  std::memcpy(evicted->b, &k, sizeof k);
+  std::memcpy(evicted->b + kTagAt, &tag, sizeof tag);
   rank_drop(r, true);
   set_state(recs_[r], RecState::kFree);  // the caller's to use: not on the free list
   return r;
@@ -284,22 +320,23 @@ void Index::insert(const Digest& d, std::uint32_t rec, RecState s, EventId id) {
   if (find(d) != kNone)
     throw Error(StatusCode::kInvalidArgument, "disk index: digest already present");
   set_id(rec, id);  // first: a bad group changes nothing
-  recs_[rec] = Rec{d, recs_[rec].bits, 0, 0};
-  ++gen_[rec];  // a new block: links to the record's former one go stale
-  parent_[rec] = kEmpty;
-  child_[rec] = kEmpty;
-  kids_[rec] = 0;
+  recs_[rec].key = key_of(d);
+  if (!ref_.empty()) ref_[rec] = 0;
+  child_[rec] = kNoRecord;  // a new block: its former links are gone
+  pfp_[rec] = 0;
+  older_.erase(rec);
   set_state(recs_[rec], s);
-  table_insert(rec);
-  if (s == RecState::kReady) rank_ready(rec);
+  const std::uint16_t tag = tag_of(d);
+  table_insert(rec, tag);
+  if (s == RecState::kReady) rank_ready(rec, tag);
 }
 
 void Index::set_ready(std::uint32_t rec) {
   Rec& r = recs_[rec];
-  if (state_of(r) == RecState::kReady) return;
+  if (state_of(r) != RecState::kWriting) return;
   set_state(r, RecState::kReady);
-  r.ref = 0;
-  rank_ready(rec);
+  if (!ref_.empty()) ref_[rec] = 0;
+  rank_ready(rec, policy_ == EvictPolicy::kPlfu ? slot_tag(slot_of(rec)) : 0);
 }
 
 void Index::touch(std::uint32_t rec) {
@@ -309,27 +346,28 @@ void Index::touch(std::uint32_t rec) {
     lru_unlink(rec);
     lru_push_back(rec);
   } else if (policy_ == EvictPolicy::kPlfu) {
-    plfu_->touch(rec, key_hash(r.digest));
-  } else if (r.ref < clock_max_) {
-    ++r.ref;
+    plfu_->touch(rec, r.key);
+  } else if (ref_[rec] < clock_max_) {
+    ++ref_[rec];
   }
 }
 
 void Index::pin(std::uint32_t rec) {
-  if (recs_[rec].loading == 0xffff)
+  std::uint16_t& c = pins_[rec];
+  if (c == 0xffff)
     throw Error(StatusCode::kInvalidArgument, "disk index: too many loads of one record");
-  ++recs_[rec].loading;
+  ++c;
 }
 
 void Index::unpin(std::uint32_t rec) {
-  if (recs_[rec].loading > 0) --recs_[rec].loading;
+  auto it = pins_.find(rec);
+  if (it != pins_.end() && --it->second == 0) pins_.erase(it);
 }
 
 void Index::remove(std::uint32_t rec, bool hold) {
   Rec& r = recs_[rec];
   const RecState s = state_of(r);
   if (s == RecState::kFree || s == RecState::kHeld) return;
-  unlink(rec);
   table_erase(rec);
   if (s == RecState::kReady) rank_drop(rec, false);
   if (hold)
@@ -358,51 +396,107 @@ std::vector<std::uint32_t> Index::ready_records() const {
   return out;
 }
 
-void Index::apply(std::uint8_t op, std::uint32_t rec, const Digest& d, EventId id) {
-  Rec& r = recs_[rec];
-  bool linked = state_of(r) == RecState::kReady;
-  if (op == kJournalPut) {
-    set_id(rec, id);
-    r.digest = d;
-    set_state(r, RecState::kReady);
-    if (policy_ == EvictPolicy::kLru) {
-      if (linked) lru_unlink(rec);
-      lru_push_back(rec);  // the last entry for a record sets its place
-    } else if (policy_ == EvictPolicy::kPlfu) {
-      // Counts and ghosts are not kept across a restart: the records come
-      // back unused, oldest entry first to go.
-      plfu_->restore(rec, sample_bits(d));
+std::vector<std::uint16_t> Index::tags() const {
+  std::vector<std::uint16_t> out(num_records(), 0);
+  for (std::size_t i = 0; i < slots_; ++i) {
+    const std::uint32_t r = slot_rec(i);
+    if (r != kNoRecord) out[r] = slot_tag(i);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::uint32_t, std::uint32_t>> Index::older_links() const {
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> out;
+  for (const auto& [x, o] : older_) {
+    if (state_of(recs_[x]) != RecState::kReady) continue;
+    std::unordered_set<std::uint32_t> seen;
+    const std::size_t first = out.size();
+    for (std::size_t i = o.children.size(); i-- > 0;) {  // the newest place of each
+      const std::uint32_t c = o.children[i];
+      if (state_of(recs_[c]) == RecState::kReady && is_child(c, x) && c != child_[x] &&
+          seen.insert(c).second)
+        out.emplace_back(x, c);
     }
-  } else if (op == kJournalDrop && linked) {
-    rank_drop(rec, false);
-    set_state(r, RecState::kFree);
+    std::reverse(out.begin() + static_cast<std::ptrdiff_t>(first), out.end());
+  }
+  return out;
+}
+
+void Index::restore_older(std::uint32_t parent, std::uint32_t child) {
+  if (parent < num_records() && child < num_records() && parent != child)
+    push_older(parent, child);
+}
+
+std::pair<std::size_t, std::size_t> Index::older_size() const {
+  std::size_t n = 0;
+  for (const auto& [x, o] : older_) n += o.children.size();
+  return {older_.size(), n};
+}
+
+void Index::prefetch(std::uint32_t rec, const Digest& d) const {
+  __builtin_prefetch(table_.data() + home(key_of(d)) * kSlotBytes, 1);
+  __builtin_prefetch(&recs_[rec], 1);
+  __builtin_prefetch(&ids_[rec], 1);
+  __builtin_prefetch(&child_[rec], 1);
+  __builtin_prefetch(&pfp_[rec], 1);
+  if (!prev_.empty()) __builtin_prefetch(&prev_[rec], 1);
+  if (!next_.empty()) __builtin_prefetch(&next_[rec], 1);
+}
+
+void Index::apply_drop(std::uint32_t rec) {
+  if (state_of(recs_[rec]) != RecState::kReady) return;
+  table_erase(rec);
+  rank_drop(rec, false);
+  set_state(recs_[rec], RecState::kFree);
+}
+
+void Index::apply_put(std::uint32_t rec, const Recovered& p) {
+  // Counts, references and ghosts are not kept across a restart: the records
+  // come back unused, in the order applied (the last entry for a record sets
+  // its place), the first applied the first to go.
+  apply_drop(rec);
+  const std::uint64_t key = key_of(p.digest);
+  const std::uint16_t tag = tag_of(p.digest);
+  std::size_t slot = 0;
+  const std::int64_t old = find(key, tag, &slot);
+  set_id(rec, p.id.group < kUnnamed ? p.id : EventId{});
+  Rec& r = recs_[rec];
+  r.key = key;
+  set_state(r, RecState::kReady);
+  if (old == kNone) {  // the probe ended where it goes
+    set_slot(slot, rec, tag);
+    ++count_;
+  } else {  // the later entry wins
+    apply_drop(static_cast<std::uint32_t>(old));
+    table_insert(rec, tag);
+  }
+  if (policy_ == EvictPolicy::kLru)
+    lru_push_back(rec);
+  else if (policy_ == EvictPolicy::kPlfu)
+    plfu_->restore(rec, tag);
+  // A journal entry names its parent (whose last child it is now); a
+  // checkpoint row its own child. Either link is checked when walked.
+  if (p.checkpoint) child_[rec] = p.child < num_records() ? p.child : kNoRecord;
+  pfp_[rec] = p.parent_fp;
+  if (p.parent != kNoRecord && p.parent < num_records() && p.parent != rec && p.parent_fp != 0)
+    add_child(p.parent, rec);
+}
+
+void Index::apply(std::uint8_t op, std::uint32_t rec, const Digest& d, EventId id) {
+  if (op == kJournalPut) {
+    Recovered r;
+    r.digest = d;
+    r.id = id;
+    apply_put(rec, r);
+  } else if (op == kJournalDrop) {
+    apply_drop(rec);
   }
 }
 
 std::size_t Index::rebuild() {
-  // Links are not journaled: a restart forgets the chains.
-  std::fill(parent_.begin(), parent_.end(), kEmpty);
-  std::fill(child_.begin(), child_.end(), kEmpty);
-  std::fill(kids_.begin(), kids_.end(), std::uint16_t{0});
-  table_.assign(table_.size(), kFreeSlot);
-  count_ = 0;
+  // The table was kept up to date by apply: only the free records remain to
+  // be found, lowest first (the scan).
   free_.clear();
-  const std::uint32_t n = num_records();
-  for (std::uint32_t rec = 0; rec < n; ++rec) {
-    if (state_of(recs_[rec]) != RecState::kReady) {
-      set_state(recs_[rec], RecState::kFree);
-      continue;
-    }
-    std::int64_t old = find(recs_[rec].digest);
-    if (old != kNone) {  // the later record wins
-      auto o = static_cast<std::uint32_t>(old);
-      table_erase(o);
-      rank_drop(o, false);
-      set_state(recs_[o], RecState::kFree);
-    }
-    table_insert(rec);
-  }
-  // Free records were freed in record order: the scan finds them lowest first.
   scan_ = 0;
   hand_ = 0;
   return count_;

@@ -5,12 +5,12 @@
 // fsyncs and renames the files; every byte in them is encoded and decoded
 // here, so the two cannot drift.
 //
-// Both are checked with zlib's crc32 (Python's zlib.crc32), not the crc32c of
-// the records: the first files were written by Python, and every file written
-// since must stay readable by the code that read those.
-//
-// Files of the earlier formats are still read: KVJ1 entries and KVC2
-// checkpoints, whose records have no event id. Nothing writes them any more.
+// The formats written now (KVJ3 entries, KVC4 checkpoints) carry the prefix
+// links, so a restart keeps the chains, and are checked with crc32c (this
+// core's, in hardware: a restart reads every byte). Files of the earlier
+// formats are still read, checked with zlib's crc32 as Python wrote them
+// first: KVJ2 and KVC3 (no links: the chains start anew), KVJ1 entries and
+// KVC2 checkpoints (no event id either).
 //
 // All integers are little-endian except the event id, which is big-endian as
 // the 12-byte event id of the Python side begins.
@@ -29,16 +29,23 @@ namespace kvtier::disk {
 // may lack them): the same values either way.
 std::uint32_t zlib_crc32(const void* data, std::size_t n, std::uint32_t crc = 0);
 
-// One journal entry (KVJ2):
-//   0 magic "KVJ2"   4 op (kJournalPut, kJournalDrop)   5 event group (u8)
-//   6 2 zero bytes   8 record (u64)   16 key digest (16 bytes)
+// One journal entry (KVJ3):
+//   0 magic "KVJ3"   4 op (kJournalPut, kJournalDrop)   5 event group (u8)
+//   6 parent fingerprint (u16; 0: none)   8 record (u32)
+//   12 parent record (u32; 0xffffffff: none)   16 key digest (16 bytes)
 //   32 block length (u64)   40 sequence (u64)   48 event id (8, big-endian)
-//   56 crc32 of bytes 0-55 (u32)
-// A record with no event id has group kUnnamed and id 0. KVJ1 entries end
-// at 48 with their crc (52 bytes) and have no group (byte 5 is zero).
+//   56 crc32c of bytes 0-55 (u32)
+// A record with no event id has group kUnnamed and id 0. A PUT's parent is
+// the record before it in its prefix chain when it was written
+// (Index::link), with Index::fingerprint of that block's digest, so a replay
+// links the two only while the parent record still holds that block.
+// KVJ2 has the same layout with zero bytes 6-7, a u64 record at 8 and zlib's
+// crc32; KVJ1 entries end at 48 with their crc (52 bytes) and have no group
+// (byte 5 is zero).
 constexpr std::size_t kJournalEntryBytes = 60;
 constexpr std::size_t kJournalEntryBytesV1 = 52;
-constexpr char kJournalMagic[] = "KVJ2";  // the four bytes before the NUL
+constexpr char kJournalMagic[] = "KVJ3";  // the four bytes before the NUL
+constexpr char kJournalMagicV2[] = "KVJ2";
 constexpr char kJournalMagicV1[] = "KVJ1";
 
 struct JournalEntry {
@@ -48,6 +55,8 @@ struct JournalEntry {
   std::uint64_t length = 0;  // the tier's block bytes: entries of other lengths are foreign
   std::uint64_t seq = 0;
   EventId id;
+  std::uint32_t parent = kNoRecord;  // KVJ3 PUT: its chain's record before it
+  std::uint16_t parent_fp = 0;       // ... and that block's Index::fingerprint
 };
 
 // `e` as kJournalEntryBytes bytes at `out`, crc included.
@@ -71,29 +80,37 @@ struct JournalReplay {
 JournalReplay replay_journal(Index& ix, const std::uint8_t* p, std::size_t n,
                              std::uint64_t block_bytes);
 
-// The checkpoint (KVC3):
-//   0 magic "KVC3"   4 format 1 (u32)   8 block bytes (u64)
+// The checkpoint (KVC4):
+//   0 magic "KVC4"   4 format 1 (u32)   8 block bytes (u64)
 //   16 the tier's records (u64)   24 entries, n (u64)   32 sequence (u64)
-//   40 crc32 of the body (u32)   44 4 zero bytes
-// then the body, column by column: n records (u32), n key digests (16 bytes
-// each), n event ids (u64) and n event groups (u8), least valuable first, so
-// a restart rebuilds the eviction order. KVC2 has the same head and only the
-// first two columns.
+//   40 crc32c of the body (u32)   44 older children listed, m (u32)
+// then the body, column by column, least valuable first (so a restart
+// rebuilds the eviction order): n records (u32), the bytes of their key
+// digests the index keeps (Index::kept: n times bytes 0-7, then n times
+// bytes 12-13), n event ids (u64), n event groups (u8), n last-linked
+// children (u32; 0xffffffff: none) and n parent fingerprints (u16; 0: none);
+// then the m older children of parents whose chains branched
+// (Index::older_links): m parents (u32), then m children (u32).
+// KVC3 has the same head with zlib's crc32 and the columns records, whole
+// digests (16 bytes), event ids and groups; KVC2 only the first two.
 constexpr std::size_t kCheckpointHeadBytes = 48;
-constexpr std::size_t kCheckpointEntryBytes = 4 + 16 + 8 + 1;
+constexpr std::size_t kCheckpointEntryBytes = 4 + 8 + 2 + 8 + 1 + 4 + 2;
+constexpr std::size_t kCheckpointEntryBytesV3 = 4 + 16 + 8 + 1;
 constexpr std::size_t kCheckpointEntryBytesV2 = 4 + 16;
-constexpr char kCheckpointMagic[] = "KVC3";
+constexpr char kCheckpointMagic[] = "KVC4";
+constexpr char kCheckpointMagicV3[] = "KVC3";
 constexpr char kCheckpointMagicV2[] = "KVC2";
 
-// Bytes of a checkpoint of n records.
-constexpr std::size_t checkpoint_bytes(std::size_t n) {
-  return kCheckpointHeadBytes + n * kCheckpointEntryBytes;
+// Bytes of a checkpoint of n records and m older children.
+constexpr std::size_t checkpoint_bytes(std::size_t n, std::size_t m = 0) {
+  return kCheckpointHeadBytes + n * kCheckpointEntryBytes + m * 8;
 }
 
 // The checkpoint of `recs` (readable records of `ix`, in the order to
-// restore them: Index::ready_records()) into checkpoint_bytes(recs.size())
-// bytes at `out`.
+// restore them: Index::ready_records()) and `older` (Index::older_links())
+// into checkpoint_bytes(recs.size(), older.size()) bytes at `out`.
 void encode_checkpoint(const Index& ix, const std::vector<std::uint32_t>& recs,
+                       const std::vector<std::pair<std::uint32_t, std::uint32_t>>& older,
                        std::uint64_t block_bytes, std::uint64_t seq, std::uint8_t* out);
 
 enum class CheckpointStatus : std::uint8_t {

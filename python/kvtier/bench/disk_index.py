@@ -3,7 +3,10 @@
 Resident bytes per record, store, lookup and admission rates through the
 tier's public calls, checkpoint time, and warm-restart time and rate, with
 ``DiskTier(..., no_data=True)`` so no device is needed (only the index, the
-journal and the checkpoint are written, to a temporary directory).
+journal and the checkpoint are written, to a temporary directory). The
+blocks are stored as prefix chains of :data:`CHAIN` blocks (each batch with
+its blocks' predecessors, as the manager hands them to the tier), and every
+restart checks how many of a sample of chains it kept whole.
 
 Each phase runs in a fresh Python process so the resident-memory delta is the
 tier's alone: the fill (store N records, look them up, admit, close), a
@@ -25,6 +28,8 @@ from typing import Any
 
 BLOCK_BYTES = 4096
 BATCH = 64  # keys per submit_store, as a cascade of a few requests' blocks
+CHAIN = 256  # blocks per prefix chain (4 batches: a 128k-token prompt at 512-token blocks)
+SAMPLE_CHAINS = 200  # chains walked after each phase
 
 
 def _rss_bytes() -> int:
@@ -35,6 +40,26 @@ def _rss_bytes() -> int:
 def _key(i: int) -> bytes:
     # vLLM's shape: a 32-byte block hash and a 4-byte group index.
     return i.to_bytes(32, "little") + b"\0\0\0\0"
+
+
+def _chains_kept(t: Any, records: int) -> tuple[int, int]:
+    """(chains whole, chains walked) of a sample of the stored chains: a
+    chain is whole when its head's links lead through all of its blocks."""
+    from kvtier.tiers.disk import key_digest
+
+    ix = t.index
+    if not hasattr(ix, "child"):  # an index without readable links
+        return 0, 0
+    heads = range(0, records - CHAIN + 1, CHAIN)
+    walked = whole = 0
+    for h in heads[:: max(1, len(heads) // SAMPLE_CHAINS)]:
+        rec, n = ix.find(key_digest(_key(h))), 1
+        while rec >= 0 and n < CHAIN:
+            rec = ix.child(rec)
+            n += rec >= 0
+        walked += 1
+        whole += n == CHAIN
+    return whole, walked
 
 
 def _phase(phase: str, path: str, records: int, policy: str) -> dict[str, Any]:
@@ -55,6 +80,10 @@ def _phase(phase: str, path: str, records: int, policy: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         for first in range(0, records, BATCH):
             keys = [_key(i) for i in range(first, min(records, first + BATCH))]
+            # Each block's predecessor in its chain, as the manager hands them.
+            t.chain_hints(
+                {k: _key(first + i - 1) for i, k in enumerate(keys) if (first + i) % CHAIN}
+            )
             assert t.submit_store(keys, slots[: len(keys)]) is not None
             t.poll()
             t.take_events()
@@ -79,10 +108,11 @@ def _phase(phase: str, path: str, records: int, policy: str) -> dict[str, Any]:
         out["recovered"] = t.stats()["recovered"]
         gc.collect()
         out["rss_bytes"] = _rss_bytes() - base
-        if phase == "restart-journal":
-            t0 = time.perf_counter()
-            t.checkpoint()
-            out["checkpoint_s"] = time.perf_counter() - t0
+    out["chains_whole"], out["chains_walked"] = _chains_kept(t, records)
+    if phase == "restart-journal":
+        t0 = time.perf_counter()
+        t.checkpoint()
+        out["checkpoint_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     t.close()
     out["close_s"] = time.perf_counter() - t0
@@ -136,9 +166,13 @@ def run_disk_index(records: int = 1_000_000, policy: str = "lru") -> dict[str, A
         "restart_checkpoint_per_s": round(records / rc["open_s"]),
         "restart_resident_bytes_per_record": round(rc["rss_bytes"] / records, 1),
         "close_after_fill_s": round(fill["close_s"], 3),
+        # Of a sample of chains: whole after the fill, after each restart.
+        "chains_walked": fill["chains_walked"],
+        "chains_whole": [fill["chains_whole"], rj["chains_whole"], rc["chains_whole"]],
         "note": (
             "DiskTier(no_data=True), 4 KiB blocks, capacity = records; each phase in a "
-            "fresh process; rates through submit_store+poll (batches of 64), lookup, admit"
+            f"fresh process; rates through submit_store+poll (batches of 64, chains of {CHAIN} "
+            "blocks), lookup, admit"
         ),
     }
 
@@ -162,6 +196,12 @@ def table(r: dict[str, Any]) -> str:
         (
             "restart from checkpoint",
             f"{r['restart_checkpoint_s']:.3f} s ({r['restart_checkpoint_per_s']:,} records/s)",
+        ),
+        (
+            "chains whole (of a sample)",
+            "after the fill {}, journal restart {}, checkpoint restart {} of {}".format(
+                *r["chains_whole"], r["chains_walked"]
+            ),
         ),
     ]
     w = max(len(a) for a, _ in rows)

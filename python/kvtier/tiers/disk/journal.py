@@ -2,10 +2,12 @@
 
 ``index.journal`` is append-only, one entry per record that became readable
 (:attr:`JournalOp.PUT`) or was dropped (:attr:`JournalOp.DROP`), with the
-record's event id (what names it in the tier's events once its key is gone).
-``index.ckpt`` is a snapshot that bounds the journal: the index's readable
-records in bulk. Files of the earlier formats (``KVJ1`` entries, ``KVC2``)
-are still read; their records have no event id.
+record's event id (what names it in the tier's events once its key is gone)
+and its prefix link (the record before it in its chain), so a restart keeps
+the chains. ``index.ckpt`` is a snapshot that bounds the journal: the
+index's readable records in bulk, links included. Files of the earlier
+formats are still read: ``KVJ2`` and ``KVC3`` (no links: chains start anew),
+``KVJ1`` and ``KVC2`` (no event id either).
 
 Every byte of both is encoded and decoded natively, in one place
 (``csrc/core/disk/journal.h``, through ``kvtier._native``: ``disk_journal_entry``,
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import mmap
 import os
 import warnings
 from pathlib import Path
@@ -87,13 +90,32 @@ def journal_entry(
     block_bytes: int,
     seq: int,
     event_id: bytes | None = None,
+    parent: tuple[int, bytes] | None = None,
 ) -> bytes:
     """One whole journal entry, crc included. ``event_id``: 12 bytes (id,
     then group, big-endian; see :func:`kvtier.tiers.events.vllm_event_id`)
-    or None. Raises InvalidArgument for a digest that is not 16 bytes or an
-    event id that is not one."""
-    entry: bytes = _native.disk_journal_entry(op, record, digest, block_bytes, seq, event_id)
+    or None. ``parent``: the record before it in its prefix chain and the
+    digest that record holds, or None. Raises InvalidArgument for a digest
+    that is not 16 bytes or an event id that is not one."""
+    prec, pdig = parent if parent is not None else (-1, None)
+    entry: bytes = _native.disk_journal_entry(
+        op, record, digest, block_bytes, seq, event_id, prec, pdig
+    )
     return entry
+
+
+def _read(path: Path) -> Any:
+    """``path``'s bytes: mapped (a checkpoint may be gigabytes: no copy, and
+    its pages read ahead), or b"" when empty."""
+
+    def read() -> Any:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return b""
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            return mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
+
+    return os_call("read", path, read)
 
 
 class IndexJournal:
@@ -134,13 +156,18 @@ class IndexJournal:
             p = self.dir / fname
             if not p.exists():
                 continue
-            data = os_call("read", p, p.read_bytes)
-            if fname == CHECKPOINT_FILE and self._apply_checkpoint(index, data):
-                continue
-            # A journal, or a checkpoint in the journal's format (before KVC2).
-            good, seq, _ = index.replay_journal(data, self.block_bytes)
-            self.seq = max(self.seq, seq)
-            if fname == JOURNAL_FILE and good < len(data):
+            data = _read(p)
+            try:
+                size = len(data)
+                if fname == CHECKPOINT_FILE and self._apply_checkpoint(index, data):
+                    continue
+                # A journal, or a checkpoint in the journal's format (before KVC2).
+                good, seq, _ = index.replay_journal(data, self.block_bytes)
+                self.seq = max(self.seq, seq)
+            finally:
+                if isinstance(data, mmap.mmap):
+                    data.close()
+            if fname == JOURNAL_FILE and good < size:
                 os_call("truncate", p, os.truncate, p, good)
         jpath = self.dir / JOURNAL_FILE
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
@@ -161,12 +188,18 @@ class IndexJournal:
 
     # -- appending -------------------------------------------------------------
     def append(
-        self, op: JournalOp, record: int, digest: bytes, event_id: bytes | None = None
+        self,
+        op: JournalOp,
+        record: int,
+        digest: bytes,
+        event_id: bytes | None = None,
+        parent: tuple[int, bytes] | None = None,
     ) -> None:
-        """Buffer one entry (written by the next :meth:`flush`)."""
+        """Buffer one entry (written by the next :meth:`flush`); ``parent``:
+        see :func:`journal_entry`."""
         # Wraps: a journal from elsewhere may end at seq 2**64-1 (only order in the file counts).
         self.seq = (self.seq + 1) & 0xFFFF_FFFF_FFFF_FFFF
-        self._buf += journal_entry(op, record, digest, self.block_bytes, self.seq, event_id)
+        self._buf += journal_entry(op, record, digest, self.block_bytes, self.seq, event_id, parent)
         self.entries += 1
 
     @property
@@ -202,8 +235,8 @@ class IndexJournal:
     def checkpoint(self, index: Any) -> None:
         """Snapshot ``index``'s readable records and truncate the journal
         (crash safe at every point). Raises NoSpace or IoError, leaving the
-        files as they were. Blocks while it writes and fsyncs about 29 bytes
-        per record."""
+        files as they were. Blocks while it writes and fsyncs 29 bytes per
+        record."""
         tmp = self.dir / "index.ckpt.tmp"
         data = index.encode_checkpoint(self.block_bytes, self.seq)
 

@@ -62,7 +62,14 @@ class SharedRecords:
     def _removed(self, keys: list[bytes], ids: list[bytes]) -> None:
         raise NotImplementedError
 
-    def _journal(self, op: JournalOp, rec: int, dig: bytes, event_id: bytes | None = None) -> None:
+    def _journal(
+        self,
+        op: JournalOp,
+        rec: int,
+        dig: bytes,
+        event_id: bytes | None = None,
+        parent: bytes | None = None,
+    ) -> None:
         raise NotImplementedError
 
     def _forget(self, dig: bytes, rec: int, hold: bool = False) -> None:
@@ -141,7 +148,7 @@ class SharedRecords:
         """The write of ``record`` reserved for ``key`` ended: readable (and
         journaled) when ``ok``, else the record is free again."""
         d = key_digest(key)
-        if self.index.state(record) != RecordState.WRITING or self.index.digest(record) != d:
+        if self.index.state(record) != RecordState.WRITING or not self.index.holds(record, d):
             return  # not ours any more (reset)
         if ok:
             self.index.set_ready(record)
