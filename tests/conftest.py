@@ -287,3 +287,17 @@ def freezable_dir(tmp_path: Path):  # type: ignore[no-untyped-def]
         subprocess.run(["fsfreeze", "--unfreeze", str(mnt)], capture_output=True)
         if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(mnt)], check=False)  # detach once unused
+
+
+@pytest.fixture(scope="session")
+def reference(engine_python: str, model: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The engine tests' reference run (no prefix cache, no offloading: every
+    prompt computed), made once per session for every module of tests/engine
+    that compares outputs with it (each run of the CPU engine takes about a
+    minute here). ``engine_python`` and ``model`` come from those modules."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "engine"))
+    import test_vllm_engine as engines
+
+    return engines.run_reference(engine_python, model, tmp_path_factory.mktemp("none"))
