@@ -121,31 +121,6 @@ std::uint16_t Index::table_erase(std::uint32_t rec) {
   return tag;
 }
 
-void Index::lru_unlink(std::uint32_t rec) {
-  std::uint32_t p = prev_[rec], n = next_[rec];
-  next_[p] = n;
-  prev_[n] = p;
-  prev_[rec] = next_[rec] = rec;  // unlinked: points at itself
-}
-
-void Index::lru_push_back(std::uint32_t rec) {
-  const std::uint32_t s = num_records();
-  std::uint32_t last = prev_[s];
-  next_[last] = rec;
-  prev_[rec] = last;
-  next_[rec] = s;
-  prev_[s] = rec;
-}
-
-void Index::set_id(std::uint32_t rec, EventId id) {
-  if (id.group > kUnnamed)
-    throw Error(StatusCode::kInvalidArgument, "disk index: event group " +
-                                                  std::to_string(id.group) + " above " +
-                                                  std::to_string(kUnnamed));
-  ids_[rec] = id.id;
-  recs_[rec].bits = static_cast<std::uint8_t>((recs_[rec].bits & 3u) | (id.group << 2));
-}
-
 void Index::free_record(std::uint32_t rec) {
   set_state(recs_[rec], RecState::kFree);
   if (rec < scan_) free_.push_back(rec);
@@ -311,6 +286,11 @@ std::int64_t Index::allocate(Digest* evicted, bool* was_evicted, EventId* evicte
   return r;
 }
 
+void Index::bad_group(std::uint8_t group) {
+  throw Error(StatusCode::kInvalidArgument, "disk index: event group " + std::to_string(group) +
+                                                " above " + std::to_string(kUnnamed));
+}
+
 void Index::insert(const Digest& d, std::uint32_t rec, RecState s, EventId id) {
   if (rec >= num_records())
     throw Error(StatusCode::kInvalidArgument, "disk index: record out of range");
@@ -443,8 +423,7 @@ void Index::prefetch(std::uint32_t rec, const Digest& d) const {
   if (!next_.empty()) __builtin_prefetch(&next_[rec], 1);
 }
 
-void Index::apply_drop(std::uint32_t rec) {
-  if (state_of(recs_[rec]) != RecState::kReady) return;
+void Index::drop_ready(std::uint32_t rec) {
   table_erase(rec);
   rank_drop(rec, false);
   set_state(recs_[rec], RecState::kFree);
@@ -459,7 +438,7 @@ void Index::apply_put(std::uint32_t rec, const Recovered& p) {
   const std::uint16_t tag = tag_of(p.digest);
   std::size_t slot = 0;
   const std::int64_t old = find(key, tag, &slot);
-  set_id(rec, p.id.group < kUnnamed ? p.id : EventId{});
+  set_id(rec, p.id.group < kUnnamed ? p.id : EventId{});  // cannot throw
   Rec& r = recs_[rec];
   r.key = key;
   set_state(r, RecState::kReady);

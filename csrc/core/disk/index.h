@@ -191,7 +191,9 @@ class Index {
   // Warm restart: apply journal or checkpoint entries in their order, then
   // rebuild() once. Of two records with one digest the later entry wins.
   void apply_put(std::uint32_t rec, const Recovered& r);
-  void apply_drop(std::uint32_t rec);
+  void apply_drop(std::uint32_t rec) {
+    if (state_of(recs_[rec]) == RecState::kReady) drop_ready(rec);
+  }
   // apply_put (kJournalPut) or apply_drop (kJournalDrop); others are ignored.
   void apply(std::uint8_t op, std::uint32_t rec, const Digest& d, EventId id = {});
   // Ready for use after apply: the free records are found lowest first.
@@ -248,7 +250,13 @@ class Index {
     const auto f = static_cast<std::uint16_t>(key >> 16);
     return f != 0 ? f : 1;
   }
-  void set_id(std::uint32_t rec, EventId id);
+  void set_id(std::uint32_t rec, EventId id) {
+    if (id.group > kUnnamed) bad_group(id.group);
+    ids_[rec] = id.id;
+    recs_[rec].bits = static_cast<std::uint8_t>((recs_[rec].bits & 3u) | (id.group << 2));
+  }
+  [[noreturn]] static void bad_group(std::uint8_t group);
+  void drop_ready(std::uint32_t rec);  // apply_drop of a readable record
 
   // The table: slots_ slots of 6 bytes (a record number, kNoRecord when
   // free, then the tag), 2 bytes of padding after the last.
@@ -292,8 +300,20 @@ class Index {
     return state_of(recs_[rec]) == RecState::kReady && (pins_.empty() || pins_.count(rec) == 0);
   }
   // LRU list (sentinel = num_records): head is the least recently used.
-  void lru_unlink(std::uint32_t rec);
-  void lru_push_back(std::uint32_t rec);
+  void lru_unlink(std::uint32_t rec) {
+    const std::uint32_t p = prev_[rec], n = next_[rec];
+    next_[p] = n;
+    prev_[n] = p;
+    prev_[rec] = next_[rec] = rec;  // unlinked: points at itself
+  }
+  void lru_push_back(std::uint32_t rec) {
+    const std::uint32_t s = num_records();
+    const std::uint32_t last = prev_[s];
+    next_[last] = rec;
+    prev_[rec] = last;
+    next_[rec] = s;
+    prev_[s] = rec;
+  }
   std::int64_t victim();
   // For the policy's victim `r` (evictable): *best, the deepest evictable
   // record on the way down its last-linked children (records being loaded
