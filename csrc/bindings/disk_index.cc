@@ -226,10 +226,8 @@ void bind_disk_index(py::module_& m) {
       .def("digest",
            [](const Index& ix, std::int64_t rec) { return bytes_of(ix.digest(rec_of(ix, rec))); })
       // Whether the record is indexed holding the digest (its kept bytes).
-      .def("holds",
-           [](const Index& ix, std::int64_t rec, const py::bytes& d) {
-             return ix.holds(rec_of(ix, rec), digest_of(d));
-           })
+      .def("holds", [](const Index& ix, std::int64_t rec,
+                       const py::bytes& d) { return ix.holds(rec_of(ix, rec), digest_of(d)); })
       .def("loading", [](const Index& ix, std::int64_t rec) { return ix.loading(rec_of(ix, rec)); })
       .def("event_id",
            [](const Index& ix, std::int64_t rec) { return bytes_of(ix.event_id(rec_of(ix, rec))); })
@@ -392,9 +390,9 @@ void bind_disk_index(py::module_& m) {
         e.seq = seq;
         e.id = event_id_of(event_id);
         if (record >= disk::kNoRecord)
-          throw Error(StatusCode::kInvalidArgument,
-                      "a journal entry's record must be below 2^32 - 1, got " +
-                          std::to_string(record));
+          throw Error(
+              StatusCode::kInvalidArgument,
+              "a journal entry's record must be below 2^32 - 1, got " + std::to_string(record));
         if (parent >= 0 && !parent_digest.is_none()) {
           if (parent >= static_cast<std::int64_t>(disk::kNoRecord))
             throw Error(StatusCode::kInvalidArgument,

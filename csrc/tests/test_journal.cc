@@ -129,8 +129,8 @@ TEST(Journal, EntryBytesAreTheDocumentedLayout) {
   JournalEntry linked = named;
   linked.parent = 9;
   linked.parent_fp = 0xbeef;
-  EXPECT_EQ(encode(linked), v3_entry(kJournalPut, 3, 5, d, 4096, 7, 0x0102030405060708ull, 9,
-                                     0xbeef));
+  EXPECT_EQ(encode(linked),
+            v3_entry(kJournalPut, 3, 5, d, 4096, 7, 0x0102030405060708ull, 9, 0xbeef));
   linked.parent_fp = 0;  // no fingerprint: no link
   EXPECT_EQ(encode(linked), v3_entry(kJournalPut, 3, 5, d, 4096, 7, 0x0102030405060708ull));
 }
@@ -304,8 +304,7 @@ TEST(Journal, ReplayKeepsTheChains) {
   EXPECT_EQ(replay(branched, b).applied, 3u);
   EXPECT_EQ(branched.rebuild(), 3u);
   EXPECT_EQ(branched.child(4), 6);
-  EXPECT_EQ(branched.older_links(),
-            (std::vector<std::pair<std::uint32_t, std::uint32_t>>{{4, 5}}));
+  EXPECT_EQ(branched.older_links(), (std::vector<std::pair<std::uint32_t, std::uint32_t>>{{4, 5}}));
 }
 
 // A checkpoint's head by the layout in journal.h (`last`: KVC4's count of
@@ -369,9 +368,9 @@ Bytes checkpoint_v4(std::uint64_t block, std::uint64_t records, std::uint64_t se
   for (const CkRow& r : rows) put_le(body, r.fp, 2);
   for (const auto& o : older) put_le(body, o.first, 4);
   for (const auto& o : older) put_le(body, o.second, 4);
-  Bytes b = checkpoint_head("KVC4", block, records, rows.size(), seq,
-                            crc32c(body.data(), body.size()),
-                            static_cast<std::uint32_t>(older.size()));
+  Bytes b =
+      checkpoint_head("KVC4", block, records, rows.size(), seq, crc32c(body.data(), body.size()),
+                      static_cast<std::uint32_t>(older.size()));
   return b += body;
 }
 
@@ -405,9 +404,8 @@ TEST(Checkpoint, BytesAreTheDocumentedLayout) {
   ix.link(0, 2);  // b follows a in a chain
   const std::uint16_t fp = Index::fingerprint(a);
   ASSERT_NE(fp, 0);
-  const Bytes want = checkpoint_v4(4096, 4, 9,
-                                   {{2, a, 0x0102030405060708ull, 3, 0, 0},
-                                    {0, b, 0, kUnnamed, kNoRecord, fp}});
+  const Bytes want = checkpoint_v4(
+      4096, 4, 9, {{2, a, 0x0102030405060708ull, 3, 0, 0}, {0, b, 0, kUnnamed, kNoRecord, fp}});
   EXPECT_EQ(encode_ck(ix, 4096, 9), want);
   EXPECT_EQ(want.size(), checkpoint_bytes(2));
   // A second branch after a: b is listed as a's older child.
@@ -457,7 +455,7 @@ TEST(Checkpoint, RoundTripKeepsRecordsIdsOrderAndChains) {
     for (std::uint32_t r = 1; r < 40; ++r)
       if (r % 8) ix.link(r, r - 1);  // chains of 8
     ix.link(20, 3);                  // 3's last child is 20 now, no longer 4
-    ix.touch(7);  // most recently used: last out of the checkpoint too
+    ix.touch(7);                     // most recently used: last out of the checkpoint too
     const Bytes ck = encode_ck(ix, 4096, 123);
     Index back(64, policy);
     const CheckpointApply a = apply_ck(back, ck);

@@ -403,8 +403,7 @@ std::vector<std::pair<std::uint32_t, std::uint32_t>> Index::older_links() const 
 }
 
 void Index::restore_older(std::uint32_t parent, std::uint32_t child) {
-  if (parent < num_records() && child < num_records() && parent != child)
-    push_older(parent, child);
+  if (parent < num_records() && child < num_records() && parent != child) push_older(parent, child);
 }
 
 std::pair<std::size_t, std::size_t> Index::older_size() const {
