@@ -4,22 +4,12 @@ threads through io_uring (or pread/pwrite), never under the GIL.
 Runs in the scheduler process. Who calls: the manager, under its lock, once
 per step (``poll``) and when it cascades or promotes. Nothing here blocks
 except construction (directory checks, preallocation, index recovery) and
-:meth:`DiskTier.close`.
-
-Layout of ``DIR/kvtier-<namespace>/``: ``slab-NNN.dat`` extent files of
-fixed-size records (payload + 4 KiB trailer holding magic, version, namespace
-and key digests, length and crc32c; :mod:`kvtier.tiers.disk.directory`),
-``index.journal`` and ``index.ckpt`` (:mod:`kvtier.tiers.disk.journal`). A
-record enters the journal only after its data write completed, and every
-load re-checks the trailer, so a crash can lose recent blocks but never
-serve wrong bytes.
-
-The index (digest -> record, each record's state, eviction state and prefix
-link) is native (``_native.DiskIndex``, 31.5 (clock), 38.5 (lru) or 44.5
-(plfu) bytes per record, 8 of them the record's event id; chains are kept
-across a restart): a disk holds hundreds of millions of records, too many
-for a Python object each. Its eviction policy is chosen here; admission
-stays a Python decision per offered key (:class:`WriteGate`).
+:meth:`DiskTier.close`. Files: :mod:`kvtier.tiers.disk.directory` (slabs of
+records with checked trailers) and :mod:`kvtier.tiers.disk.journal`; a record
+is journaled only after its data write completed and every load re-checks its
+trailer, so a crash can lose recent blocks but never serve wrong bytes. The
+index is native (``_native.DiskIndex``: 31.5-44.5 bytes per record by policy,
+chains kept across a restart); admission is Python's, per key (:class:`WriteGate`).
 """
 
 from __future__ import annotations
@@ -247,15 +237,11 @@ class DiskTier(SharedRecords, JobTier):
         event_id: bytes | None = None,
         parent: bytes | None = None,
     ) -> None:
-        """Buffer an entry; a PUT carries the record's event id, so that a
-        restart still names the record, and the record its parent's digest
-        ``parent`` is in now (its prefix link), so that it keeps its chain."""
+        """Buffer an entry; a PUT carries the record's event id and the record
+        of its ``parent`` digest (its prefix link): a restart keeps both."""
         assert self.journal is not None
-        link = None
-        if parent is not None:
-            prec = self.index.find(parent)
-            if prec >= 0 and prec != rec:
-                link = (prec, parent)
+        prec = self.index.find(parent) if parent is not None else -1
+        link = (prec, parent) if parent is not None and prec >= 0 and prec != rec else None
         self.journal.append(op, rec, dig, event_id, link)
 
     def _flush_journal(self) -> None:
@@ -311,14 +297,12 @@ class DiskTier(SharedRecords, JobTier):
                 self.counters["unnamed_removals"] += 1
         return int(rec)
 
-    def _removed(self, keys: list[bytes], ids: list[bytes]) -> None:
-        """Blocks stopped being readable: one event naming them."""
+    def _removed(self, keys: list[bytes], ids: list[bytes]) -> None:  # one event naming them
         if keys or ids:
             self._events.append(TierEvent(keys, self.name, removed=True, ids=ids))
 
     def _forget(self, dig: bytes, rec: int, hold: bool = False) -> None:
-        """``rec`` leaves the index: free at once, or (``hold``) when its
-        timed-out job ends."""
+        """``rec`` leaves the index: free now, or (``hold``) when its timed-out job ends."""
         self.index.remove(rec, hold)
         self._held += hold
 
