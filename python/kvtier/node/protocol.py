@@ -139,7 +139,7 @@ def keys_arg(v: Any) -> list[bytes]:
     # per key cost 2% of the node's work per key (callgrind, 16-key offers).
     if v and (
         not all(map(bytes.__instancecheck__, v))
-        or not 0 < min(map(len, v))
+        or min(map(len, v)) == 0
         or max(map(len, v)) > MAX_KEY_BYTES
     ):
         raise ProtocolError(f"a key must be 1-{MAX_KEY_BYTES} bytes")
