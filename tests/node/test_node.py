@@ -117,6 +117,40 @@ def test_engine_b_loads_what_engine_a_stored_byte_for_byte(node: Node) -> None:
     b.shutdown()
 
 
+@pytest.mark.parametrize(("node_spin_us", "engine_spin_s"), [(0, 0.0), (0, 1e-3), (5000, 0.0)])
+def test_with_and_without_polling_for_replies_the_bytes_are_the_same(
+    tmp_path: Path, node_spin_us: int, engine_spin_s: float
+) -> None:
+    """The node's and the engines' polling (spin_us, spin_s) change only
+    when each side sleeps: every combination serves the same bytes."""
+    n = Node(tmp_path, spin_us=node_spin_us)
+    try:
+        a = NodeManager(n.path, NS_A, BLOCK, engine="a", spin_s=engine_spin_s)
+        b = NodeManager(n.path, NS_A, BLOCK, engine="b", spin_s=engine_spin_s)
+        pool = HostPool.attach(a.pool["pool"])
+        keys = store(a, pool, list(range(8)))
+        assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 8
+        spec = b.prepare_load(keys)
+        assert all(np.array_equal(pool.view(s), content(i)) for i, s in enumerate(spec.slots))
+        b.complete_load(keys)
+        b.on_schedule_end()
+        assert n.status()["classes"][str(BLOCK)]["occupancy"]["pinned"] == 0
+        a.shutdown()
+        b.shutdown()
+    finally:
+        n.stop()
+        _remove_pools(n.name)
+
+
+def test_node_refuses_a_negative_spin(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "node", "--socket", str(tmp_path / "s.sock"),
+         "--host-bytes", "1MiB", "--spin-us", "-1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode != 0 and "--spin-us must be >= 0, got -1" in r.stderr
+
+
 def test_a_scan_is_one_round_trip(node: Node) -> None:
     a = node.engine()
     pool = HostPool.attach(a.pool["pool"])

@@ -13,6 +13,7 @@ import statistics
 import time
 from typing import Any
 
+from kvtier.bench.harness import freeze_heap_as_engines_do
 from kvtier.scheduler.manager import TieredOffloadingManager
 from kvtier.tiers.base import LookupResult
 from kvtier.tiers.host import HostTier
@@ -40,6 +41,7 @@ def cycles(m: Any, keys: list[bytes], batch: int, scan: bool = False) -> float:
 def run_manager(num_keys: int = 1_000_000, policy: str = "lru", repeats: int = 3) -> dict[str, Any]:
     keys = [i.to_bytes(32, "little") + b"\0\0\0\0" for i in range(num_keys)]
     capacity = max(1, num_keys // 2)  # half fits: the second half evicts
+    freeze_heap_as_engines_do()
     out: dict[str, Any] = {
         "component": "manager",
         "policy": policy,

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.harness import freeze_heap_as_engines_do
 from kvtier.bench.manager import cycles
 from kvtier.scheduler.manager import TieredOffloadingManager
 from kvtier.tiers.host import HostTier
@@ -123,6 +124,7 @@ def run_node_manager(
         "clients": clients,
     }
     name = f"bench{os.getpid()}"
+    freeze_heap_as_engines_do()  # the node does the same once started
     with tempfile.TemporaryDirectory() as d:
         path = str(Path(d) / "node.sock")
         try:

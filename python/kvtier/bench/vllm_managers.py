@@ -76,12 +76,14 @@ def bench_managers(num_keys: int = 200_000, repeats: int = 3) -> dict[str, Any]:
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
+    from kvtier.bench.harness import freeze_heap_as_engines_do
     from kvtier.integrations.vllm import KVTierManager
     from kvtier.scheduler.manager import TieredOffloadingManager
     from kvtier.tiers.host import HostTier
 
     keys = [_key(i) for i in range(num_keys)]
     cap = num_keys // 2
+    freeze_heap_as_engines_do()
     ours, theirs = [], []
     for _ in range(repeats):
         ctx = ReqContext(req_id="bench")

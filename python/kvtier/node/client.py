@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import select
 import socket
 import threading
 import time
@@ -45,6 +47,10 @@ _ANSWER = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING, Lookup
 # the first MISS, so a long prompt is one round trip, not one per key.
 SCAN_KEYS = 4096
 REATTACH_PERIOD_S = 1.0
+# How long a call polls for its reply before sleeping in recv: the node
+# answers most calls within tens of microseconds, and a sleeping CPU's
+# wake-up is most of a round trip on a VM (see NodeConfig.spin_us).
+SPIN_S = 200e-6
 
 
 class NodeUnavailable(IoError):
@@ -59,9 +65,10 @@ class NodeClient:
     """One connection to the node. ``call`` sends a request and blocks for
     its reply; not thread-safe (one per scheduler, used under its lock)."""
 
-    def __init__(self, path: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, path: str, timeout_s: float = 5.0, spin_s: float = SPIN_S) -> None:
         self.path = path
         self.timeout_s = timeout_s
+        self.spin_s = spin_s
         self._sock: socket.socket | None = None
         self._reader = P.FrameReader()
         self._queued = bytearray()
@@ -78,6 +85,8 @@ class NodeClient:
             ) from None
         self._sock = s
         self._reader = P.FrameReader()
+        self._ready = select.poll()
+        self._ready.register(s, select.POLLIN)
 
     @property
     def connected(self) -> bool:
@@ -120,10 +129,9 @@ class NodeClient:
             # waiting to be read (a refused peer's error frame).
             with contextlib.suppress(OSError):
                 self._sock.sendall(data)
-            while True:
+            frames = self._reader.feed(self._poll()) if self.spin_s else []
+            while not frames:
                 frames = self._reader.feed(self._recv())
-                if frames:
-                    break
         except (OSError, P.ProtocolError) as e:
             self.close()
             raise NodeUnavailable(0, f"kvtier node at {self.path}: {e}") from None
@@ -146,6 +154,21 @@ class NodeClient:
         if not data:
             raise ConnectionResetError("the node closed the connection")
         return data
+
+    def _poll(self) -> bytes:
+        """What arrives within ``spin_s`` without sleeping (b"": nothing yet).
+        Asked of poll(2) with no wait: a recv on a socket with a timeout
+        waits in poll(2) itself, MSG_DONTWAIT or not."""
+        assert self._sock is not None
+        ready, end = self._ready.poll, time.perf_counter() + self.spin_s
+        while not ready(0):
+            if time.perf_counter() > end:
+                return b""
+            # The CPU to whoever else can run on it (the node, when engines
+            # outnumber cores): polling alone made 4 clients on 2 cores
+            # 0.7x as fast.
+            os.sched_yield()
+        return self._recv()
 
 
 def pool_info(path: str, payload_bytes: int, timeout_s: float = 30.0) -> dict[str, Any]:
@@ -206,13 +229,14 @@ class NodeManager:
         engine: str = "engine",
         key_order: Any = None,
         timeout_s: float = 5.0,
+        spin_s: float = SPIN_S,
     ) -> None:
         self.path = path
         self.namespace = namespace
         self.payload_bytes = payload_bytes
         self.engine = engine
         self.key_order = key_order
-        self._client = NodeClient(path, timeout_s)
+        self._client = NodeClient(path, timeout_s, spin_s)
         self._lock = threading.Lock()
         self.stats = ManagerStats()
         self.client_stats = NodeClientStats()
