@@ -92,6 +92,14 @@ def ratios(results: list[dict[str, Any]]) -> list[tuple[str, float, str]]:
         elif c == "vllm":
             if "manager" in d:
                 rows.append(("vLLM manager cycles", d["manager"]["ratio"], "CPUOffloadingManager"))
+                if "ratio_batch16" in d["manager"]:
+                    rows.append(
+                        (
+                            "vLLM manager cycles, 16 keys a call",
+                            d["manager"]["ratio_batch16"],
+                            "CPUOffloadingManager",
+                        )
+                    )
             for part in d.get("disk", []):
                 for k, v in part["ratio"].items():
                     rows.append((f"vLLM disk {_size(part['chunk_bytes'])} {k}", v, "vLLM fs tier"))
