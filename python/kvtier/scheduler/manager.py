@@ -59,6 +59,11 @@ _MISS_HINTS = 4096
 # ``name`` is a descriptor call and its hash a Python method (callgrind: each
 # about 1% of a lookup + store + load cycle).
 _ANSWER_NAMES = {id(r): r.name.lower() for r in LookupResult}
+# Enum members as module globals for the per-key calls: a member's lookup on
+# its class is a Python-level descriptor call in 3.11 (0.12 us, against
+# 0.02 us for a global), several times per key.
+_HIT, _PENDING, _MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
+_FILL_FAILED = Fill.FAILED
 
 
 def _check_keys(keys: Iterable[bytes]) -> list[bytes]:
@@ -139,12 +144,12 @@ class TieredOffloadingManager:
             self.read_ahead.read(key, req_context)
         r = self._lookup(key)
         self.stats.lookups[_ANSWER_NAMES[id(r)]] += 1
-        if r is LookupResult.HIT or r is LookupResult.HIT_PENDING:
+        if r is _HIT or r is _PENDING:
             self._core.scanned.add(key)
             self._scan_prev = key
         elif self._scan_prev is not None:  # the scan ends here
             prev, self._scan_prev = self._scan_prev, None
-            if r is LookupResult.MISS and _group(prev) == _group(key):
+            if r is _MISS and _group(prev) == _group(key):
                 if len(self._miss_prev) >= _MISS_HINTS:
                     del self._miss_prev[next(iter(self._miss_prev))]
                 self._miss_prev[key] = prev
@@ -179,31 +184,31 @@ class TieredOffloadingManager:
             e = core.host.get(key)  # dropped if the promotion failed
         if e is not None:
             if e.ref < 0:
-                return LookupResult.HIT_PENDING
-            return LookupResult.MISS if e.fill is Fill.FAILED else LookupResult.HIT
+                return _PENDING
+            return _MISS if e.fill is _FILL_FAILED else _HIT
         for i, tier in enumerate(core.lower):
             r = tier.lookup(key)
-            if r is LookupResult.MISS:
+            if r is _MISS:
                 continue
-            if r is not LookupResult.HIT:
+            if r is not _HIT:
                 return r  # RETRY / HIT_PENDING: ask again next step
             streamable = core.worker_reads(tier)
             if streamable and not core.options.promote:
                 self._streams.hit(key, i)
-                return LookupResult.HIT
+                return _HIT
             got = core.host.allocate(1, protected=core.scanned)
             if got is None and streamable:
                 self._streams.hit(key, i)  # the worker reads it from the tier itself
-                return LookupResult.HIT
+                return _HIT
             if got is None:  # the host tier is full of this step's hits: load those
                 core.stats.allocation_failures += 1
-                return LookupResult.MISS
+                return _MISS
             (slot,), evicted = got
             core.removed(evicted)
             core.host.add_writing(key, slot, source=tier.name, parent=self._scan_parent(key))
             self._movement.promote(i, [key])
-            return LookupResult.HIT_PENDING
-        return LookupResult.MISS
+            return _PENDING
+        return _MISS
 
     def get_load_source(self, key: bytes, req_context: Any = None) -> str:
         """Tier the bytes of a HIT key came from ("host" once loaded from host)."""

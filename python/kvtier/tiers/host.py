@@ -33,6 +33,11 @@ class Fill(enum.Enum):
     # MISS from now on, its loads fail on the fence; dropped once none holds it
 
 
+# A global, not Fill.NONE, in the per-block checks: a member's lookup on its
+# class is a Python-level descriptor call in 3.11 (0.12 us against 0.02 us).
+_FILL_NONE = Fill.NONE
+
+
 @dataclass(slots=True)
 class HostEntry:
     slot: int
@@ -48,7 +53,7 @@ class HostEntry:
 
     @property
     def evictable(self) -> bool:
-        return self.ref == 0 and self.cascading == 0 and self.fill is Fill.NONE
+        return self.ref == 0 and self.cascading == 0 and self.fill is _FILL_NONE
 
 
 @dataclass(slots=True)
@@ -345,7 +350,7 @@ class HostTier:
             if (
                 e.ref == 0
                 and e.cascading == 0
-                and e.fill is Fill.NONE
+                and e.fill is _FILL_NONE
                 and node not in prot
                 and e.slot not in held
             ):
