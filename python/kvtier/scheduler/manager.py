@@ -34,7 +34,7 @@ from kvtier.scheduler.specs import HostSpec, PrepareStoreResult
 from kvtier.scheduler.stats import ManagerStats
 from kvtier.scheduler.streams import Streams
 from kvtier.tiers.base import LookupResult, LowerTier, TierEvent
-from kvtier.tiers.host import Fill, HostTier
+from kvtier.tiers.host import Fill, HostEntry, HostTier
 
 
 def _req_id(req_context: Any) -> Any:
@@ -69,7 +69,7 @@ _FILL_FAILED = Fill.FAILED
 def _check_keys(keys: Iterable[bytes]) -> list[bytes]:
     out = list(keys)
     for k in out:
-        if not isinstance(k, (bytes, bytearray)):
+        if k.__class__ is not bytes and not isinstance(k, (bytes, bytearray)):
             raise InvalidArgument(f"keys must be bytes, got {type(k).__name__}")
     return out
 
@@ -142,7 +142,15 @@ class TieredOffloadingManager:
             raise ClosedError("manager is shut down")
         if self.options.scan_wait_s > 0 and self.read_ahead.wanted(key):
             self.read_ahead.read(key, req_context)
-        r = self._lookup(key)
+        # The common answers inline (a resident block; a miss with no lower
+        # tier to ask), without _lookup's call and the host tier's get.
+        e = self.host.entries.get(key)
+        if e is not None and e.ref >= 0:
+            r = _MISS if e.fill is _FILL_FAILED else _HIT
+        elif e is None and not self.lower:
+            r = _MISS
+        else:
+            r = self._lookup(key)
         self.stats.lookups[_ANSWER_NAMES[id(r)]] += 1
         if r is _HIT or r is _PENDING:
             self._core.scanned.add(key)
@@ -238,14 +246,25 @@ class TieredOffloadingManager:
         # Checked first, pinned after: a refused call changes nothing.
         loaded_from = self.stats.loaded_from
         on_hit = self.options.cascade_on_hit and self.lower
-        for k, slot in zip(keys, slots):
-            if slot >= 0:
-                source = self.host.pin(k)
-                if on_hit and source == "host":  # a reuse: now worth writing below
+        host_keys = [k for k, s in zip(keys, slots) if s >= 0] if streamed else keys
+        sources = self.host.pin_many(host_keys)
+        if on_hit:
+            for k, source in zip(host_keys, sources):
+                if source == "host":  # a reuse: now worth writing below
                     self._movement.cascade(k)
-            else:
-                source = self.lower[self._streams.hits[k]].name
-            loaded_from[source] = loaded_from.get(source, 0) + 1
+        n = sources.count("host")  # the common source, counted in C
+        if n:
+            loaded_from["host"] = loaded_from.get("host", 0) + n
+        if n != len(sources):
+            for source in sources:
+                if source != "host":
+                    loaded_from[source] = loaded_from.get(source, 0) + 1
+        if streamed:
+            lower, hits = self.lower, self._streams.hits
+            for k, slot in zip(keys, slots):
+                if slot < 0:
+                    source = lower[hits[k]].name
+                    loaded_from[source] = loaded_from.get(source, 0) + 1
         self.stats.loads += len(keys)
         fences = self._fills.fences(keys, slots) if self._fills.count else None
         stream = self._streams.pin(keys, streamed, _req_id(req_context)) if streamed else None
@@ -255,10 +274,8 @@ class TieredOffloadingManager:
         """Unpin keys of a finished load (host slots, or streamed records)."""
         if self._fills.count:
             self._fills.before_unpins(keys)
-        if not self._streams.pins:  # the common case, kept to one call per key
-            unpin = self.host.unpin
-            for k in keys:
-                unpin(k)
+        if not self._streams.pins:  # the common case: one call
+            self.host.unpin_many(keys)
             return
         req = _req_id(req_context)
         for k in keys:
@@ -305,17 +322,23 @@ class TieredOffloadingManager:
         host = self.host
         to_store: list[bytes] = []
         seen: set[bytes] = set()
+        entries = host.entries
+        touched: list[bytes] = []
+        # Admission's call skipped when it admits every offer (the default).
+        offer = host.admission.offer if host.admission.threshold > 1 else None
         for k in keys:
             if k in seen:
                 continue
             seen.add(k)
-            if k in host.entries:
-                host.policy.touch(k)
+            if k in entries:
+                touched.append(k)
                 continue
-            if not host.admission.offer(k):
+            if offer is not None and not offer(k):
                 self.stats.not_admitted += 1
                 continue
             to_store.append(k)
+        if touched:
+            host.touch_many(touched)
         if not to_store:
             got: tuple[list[int], list[bytes]] | None = ([], [])
         elif self.options.partial_stores == "prefix":
@@ -405,26 +428,30 @@ class TieredOffloadingManager:
 
         Who calls: the engine, once every worker finished the store job of
         ``keys`` (a :meth:`prepare_store` result). Non-blocking."""
-        stored = []
+        stored: list[bytes] = []
+        ready: list[HostEntry] = []
         failed = []
         host, writes, lower = self.host, self._streams.writes, self.lower
+        entries = host.entries
         for k in keys:
             # A streamed write needs no event either way here: until it is
             # committed its tier answers MISS (disk) or RETRY (Redis), never
             # HIT_PENDING, and the tier itself announces it once readable.
             if writes and self._streams.commit(k, success):
                 continue  # written by the worker straight to a lower tier
-            e = host.entries.get(k)
+            e = entries.get(k)
             if e is None or e.ref != -1 or e.source != "host":
                 continue  # not ours to complete (reset, or a promotion)
             if not success:
                 host.drop(k)
                 failed.append(k)
                 continue
-            host.mark_ready(k)
+            e.ref = 0  # ready: before its cascade, which holds it from here
             stored.append(k)
+            ready.append(e)
             if lower:
                 self._movement.cascade(k)
+        host.mark_ready_many(stored, ready)
         if failed:
             self.stats.store_failures += len(failed)
             self._core.unannounced(failed)
