@@ -62,6 +62,26 @@ std::int64_t take(Index& ix, const Digest& d, bool* evicted = nullptr, Digest* e
   return r;
 }
 
+// The index's arrays: those of 8 MiB or more start on a 2 MiB boundary (so
+// that huge pages can back them), hold what was put there through growth and
+// copies; smaller ones take the plain allocator.
+TEST(HugePages, LargeArraysAlignedSmallOnesPlain) {
+  BigVector<std::uint32_t> big(std::size_t{3} << 20, 7u);  // 12 MiB
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(big.data()) % (std::size_t{2} << 20), 0u);
+  big.back() = 9u;
+  big.resize(big.size() + (std::size_t{1} << 20), 5u);  // grows: a new allocation
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(big.data()) % (std::size_t{2} << 20), 0u);
+  EXPECT_EQ(big.front(), 7u);
+  EXPECT_EQ(big[(std::size_t{3} << 20) - 1], 9u);
+  EXPECT_EQ(big.back(), 5u);
+  BigVector<std::uint32_t> copy = big;
+  EXPECT_EQ(copy, big);
+  BigVector<std::uint8_t> small(100, 1);
+  small.push_back(2);
+  EXPECT_EQ(small.size(), 101u);
+  EXPECT_EQ(small.back(), 2u);
+}
+
 TEST(DiskIndex, RandomOperationsMatchAMap) {
   // Few home slots (collisions on purpose) so deletions shift long probe runs.
   const std::uint32_t n = 1000;

@@ -64,6 +64,7 @@
 #include <utility>
 #include <vector>
 
+#include "../huge_pages.h"
 #include "plfu.h"
 #include "record.h"
 
@@ -349,19 +350,19 @@ class Index {
 
   EvictPolicy policy_;
   std::uint8_t clock_max_;
-  std::vector<Rec> recs_;
-  std::vector<std::uint64_t> ids_;  // each record's EventId::id
+  BigVector<Rec> recs_;
+  BigVector<std::uint64_t> ids_;  // each record's EventId::id
   std::size_t slots_;
-  std::vector<std::uint8_t> table_;
+  BigVector<std::uint8_t> table_;
   std::size_t count_ = 0;
-  std::vector<std::uint32_t> prev_, next_;  // LRU only
-  std::vector<std::uint8_t> ref_;           // CLOCK only
-  std::uint32_t hand_ = 0;                  // CLOCK only
-  std::unique_ptr<Plfu> plfu_;              // PLFU only
+  BigVector<std::uint32_t> prev_, next_;  // LRU only
+  BigVector<std::uint8_t> ref_;           // CLOCK only
+  std::uint32_t hand_ = 0;                // CLOCK only
+  std::unique_ptr<Plfu> plfu_;            // PLFU only
   // Prefix links: each record's last-linked child (kNoRecord: none) and the
   // fingerprint of its parent's digest when it was linked (0: none).
-  std::vector<std::uint32_t> child_;
-  std::vector<std::uint16_t> pfp_;
+  BigVector<std::uint32_t> child_;
+  BigVector<std::uint16_t> pfp_;
   // Loads in flight by record (few: the loads of the last steps).
   std::unordered_map<std::uint32_t, std::uint16_t> pins_;
   // Free records: every free record at or after scan_ is found by scanning;
