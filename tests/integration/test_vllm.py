@@ -49,11 +49,12 @@ def config(
     pp: int = 1,
     kv_bytes: int = PAGE,
     engine_id: str | None = None,
+    events: bool = True,
 ) -> OffloadingConfig:
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
         worker_kv_bytes_per_block=kv_bytes,
-        enable_kv_cache_events=True,
+        enable_kv_cache_events=events,
         extra_config=extra,
         engine_id=engine_id or f"test-{uuid.uuid4().hex[:8]}",
         model=OffloadingModelConfig(name="tiny", dtype="bfloat16"),
@@ -163,6 +164,35 @@ def test_lower_writes_on_reuse_writes_to_disk_on_the_first_reuse(
     inner.prepare_load([key])
     inner.complete_load([key])
     assert (stored, drained()) == ((1, 1) if writes == "on_store" else (0, 1))
+    m.shutdown()
+
+
+@pytest.mark.parametrize("events", [True, False])
+def test_an_engine_without_kv_events_gets_none_from_the_host_tier(
+    tmp_path: Path, events: bool
+) -> None:
+    """vLLM drains the manager's events every step and drops them when the
+    engine publishes none (its own manager then makes none): the host tier
+    records none, nothing accumulates; the disk tier's are drained as ever."""
+    extra = {**SPEC, "kvtier_host_bytes": "1MiB", "kvtier_disk_path": str(tmp_path),
+             "kvtier_disk_bytes": "4MiB"}  # fmt: skip
+    m = OffloadingSpecFactory.create_spec(config(extra, events=events)).get_manager()
+    inner = m.m
+    disk = inner.lower[0]
+    for i in range(6):
+        out = inner.prepare_store([i.to_bytes(32, "big") + b"\0\0\0\0"])
+        assert out is not None
+        inner.complete_store(out.keys_to_store)
+    for _ in range(3):  # the step end submits the cascade; a later one reaps
+        inner.on_schedule_end()
+        ids = sorted(disk.jobs.in_flight())
+        if ids:
+            disk.engine.wait(ids, 5.0)
+    assert len(inner._core.events) == (6 if events else 0)
+    tiers = [(e.tier, e.removed, len(e.keys)) for e in inner.take_events()]
+    assert [t for t in tiers if t[0] == "host"] == ([("host", False, 1)] * 6 if events else [])
+    assert sum(n for t, removed, n in tiers if t == "disk" and not removed) == 6
+    assert list(m.take_events()) == [] and inner._core.events == []
     m.shutdown()
 
 

@@ -42,7 +42,7 @@ class Core:
 
     def removed(self, keys: Sequence[bytes]) -> None:
         """Host blocks went away (evicted, dropped, reset): tell the engine."""
-        if keys:
+        if keys and self.options.events:
             self.events.append(TierEvent(list(keys), self.host.name, removed=True))
 
     def unannounced(self, keys: Sequence[bytes]) -> None:
@@ -50,7 +50,7 @@ class Core:
         failed store, promotion or fenced read): a metadata-only removal,
         so that an engine forgets what a lookup of them (HIT_PENDING, or
         HIT for a fenced read) told it, and nothing public is removed."""
-        if keys:
+        if keys and self.options.events:
             self.events.append(
                 TierEvent(list(keys), self.host.name, removed=True, metadata_only=True)
             )
@@ -58,7 +58,7 @@ class Core:
 
     def readable(self, keys: Sequence[bytes]) -> None:
         """Host blocks became readable (stored, promoted): tell the engine."""
-        if keys:
+        if keys and self.options.events:
             self.events.append(TierEvent(list(keys), self.host.name, removed=False))
 
     def worker_reads(self, tier: LowerTier) -> bool:

@@ -75,6 +75,11 @@ class ManagerOptions:
     (None), as vLLM's own manager does (the engine offers the blocks again).
     :data:`PARTIAL_STORES` names them; ``bench/policy_sweep.py
     --partial-stores`` compares them.
+
+    ``events=False``: the host tier's stored and removed events are not
+    recorded (``take_events`` still drains the lower tiers'), for an engine
+    that publishes no KV events: vLLM drains and drops them then, as its own
+    manager does not make them (``enable_events``).
     """
 
     streaming: bool = False
@@ -87,6 +92,7 @@ class ManagerOptions:
     fenced: bool = False
     cascade_on_hit: bool = False
     partial_stores: str = "prefix"
+    events: bool = True
 
     def __post_init__(self) -> None:
         if self.partial_stores not in PARTIAL_STORES:

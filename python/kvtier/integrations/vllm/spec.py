@@ -319,6 +319,9 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 fenced=self.reports_load_errors and opts.fenced_reads,
                 cascade_on_hit=opts.lower_writes == "on_reuse",
                 partial_stores=opts.partial_stores,
+                # The engine publishes no KV events: vLLM drains the
+                # manager's and drops them (its own manager makes none).
+                events=bool(self.kv_events_config.enable_kv_cache_events),
             ),
             stats_path=opts.stats_path,
             shared_tiers=[t.name for t in lower],
