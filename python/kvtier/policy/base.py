@@ -5,6 +5,12 @@ Process: the engine's scheduler (or ``kvtier replay``); nothing blocks.
 Who calls: a tier, always under the manager's lock, never concurrently. The
 tier decides *whether* a key may be evicted (pinned, being written, part of
 the current offer); the policy only orders the candidates.
+
+A policy may also define ``insert_many(keys)``, ``touch_many(keys)`` and
+``evict_many(keys)``: the same as ``insert``, ``touch`` and
+``remove(key, evicted=True)`` of each key in order. The host tier calls them
+once per offer where they exist (the LRU has them), the per-key calls
+otherwise.
 """
 
 from __future__ import annotations
