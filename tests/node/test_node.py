@@ -372,7 +372,8 @@ def test_fuzz_10000_frames_leave_the_node_and_other_engines_unaffected(node: Nod
     a.complete_load([key(1)])
 
 
-def _node_proc(path: str, name: str) -> subprocess.Popen[bytes]:
+def _node_proc(path: str, name: str, host_bytes: int = 64 * BLOCK) -> subprocess.Popen[bytes]:
+    """``kvtier node`` in a child process, answering on ``path``."""
     p = subprocess.Popen(
         [
             sys.executable,
@@ -384,7 +385,7 @@ def _node_proc(path: str, name: str) -> subprocess.Popen[bytes]:
             "--name",
             name,
             "--host-bytes",
-            str(64 * BLOCK),
+            str(host_bytes),
         ],
         stderr=subprocess.DEVNULL,
     )

@@ -338,6 +338,21 @@ class NodeManager:
                 slots[k] = slot
         return answers.pop(key)
 
+    def contains(self, keys: list[bytes]) -> list[LookupResult]:
+        """Each key's answer (every key, in order; nothing pinned): one
+        round trip. Not a call of vLLM's interface: for engines that ask
+        before they load (SGLang's existence checks). All MISS while the
+        node is gone."""
+        if self._closed:
+            raise ClosedError("manager is shut down")
+        if self.attached and keys:
+            try:
+                return [_ANSWER[c] for c in self._call(Op.CONTAINS, keys)]
+            except NodeUnavailable as e:
+                self._down(e)
+        self.client_stats.node_down_lookups += len(keys)
+        return [LookupResult.MISS] * len(keys)
+
     def may_fail_to_load(self, key: bytes) -> bool:
         """False: a HIT is a host block the node pinned for this engine."""
         return False

@@ -53,6 +53,7 @@ class Op(enum.IntEnum):
     STATUS = 12
     POOL = 13
     LOAD_PINNED = 14
+    CONTAINS = 15
 
 
 # Calls that change nothing the engine reads back: the client sends them

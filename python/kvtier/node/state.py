@@ -156,6 +156,14 @@ class Session:
                 break
         return out
 
+    def contains(self, keys: list[bytes]) -> list[int]:
+        """Each key's answer code, in order, every key asked (not up to the
+        first MISS), nothing pinned: whether the node holds it (a lower-tier
+        hit starts its promotion, HIT_PENDING), for an engine that asks
+        before it loads (SGLang's existence checks, per page)."""
+        m = self.cls.manager
+        return [_CODE.get(m.lookup(nk), 3) for nk in self._node_keys(keys)]
+
     def prepare_load(self, keys: list[bytes], req: Any) -> list[int]:
         return self._pin_loads(self._node_keys(keys), req)
 

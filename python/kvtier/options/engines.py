@@ -35,6 +35,13 @@ class EngineOptions:
         surfaces=("vllm", "sglang"),
         absent="the secondary tiers take `namespace` as their own argument; replay has one engine",
     )
+    node: str | None = opt(
+        None,
+        "the Unix socket of a kvtier node (e.g. /run/kvtier/node.sock) that owns the host "
+        "pool and tiers of every engine on the machine; unset: this engine owns its own",
+        surfaces=("vllm", "sglang"),
+        absent="a node serves engines: replay and the secondary tiers run in one process",
+    )
 
 
 @dataclass(frozen=True)
@@ -50,12 +57,6 @@ class VllmOptions(EngineOptions):
     stats_path: str | None = opt(
         None,
         "write kvtier's counters and host occupancy here as JSON at shutdown",
-        surfaces=_VLLM,
-    )
-    node: str | None = opt(
-        None,
-        "the Unix socket of a kvtier node (e.g. /run/kvtier/node.sock) that owns the host "
-        "pool and tiers of every engine on the machine; unset: this engine owns its own",
         surfaces=_VLLM,
     )
     lower_writes: str = opt(

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import InvalidArgument
 from kvtier.options.engines import SglangOptions
+from kvtier.options.fields import key_of
 from kvtier.options.surfaces import engine_keys, parse_engine_config
-from kvtier.options.tiers import DiskOptions, RemoteOptions
+from kvtier.options.tiers import DiskOptions, HostOptions, RemoteOptions
 from kvtier.tiers.records import namespace_name
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class StorageSettings:
     namespace: str = ""
     staging_bytes: int | None = None
     host_bytes: int = 0
+    node: str | None = None
 
     def tier_config(self) -> TierConfig:
         """The tiers to build (imports the tier factory, and with it the native core)."""
@@ -52,14 +54,31 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> StorageSettings:
     unknown ``kvtier_`` key or a mistyped value; SGLang's own keys pass).
     At least a disk path or a remote URL is required. Pure."""
     cfg = parse_engine_config({} if extra is None else extra, "sglang", "hicache extra config")
-    if cfg.disk is None and cfg.remote is None:
+    eng: SglangOptions = cfg.engine
+    if eng.node is not None:
+        given = [
+            key_of(cls, name)
+            for cls, name, v in (
+                (DiskOptions, "path", cfg.disk),
+                (RemoteOptions, "url", cfg.remote),
+                (HostOptions, "bytes", cfg.host.bytes),
+                (SglangOptions, "staging_bytes", eng.staging_bytes),
+            )
+            if v is not None
+        ]
+        if given:
+            raise InvalidArgument(
+                f"{key_of(SglangOptions, 'node')}: the node owns the host memory and the disk "
+                "and remote tiers; give their settings to `kvtier node`, not to the engine "
+                f"({', '.join(given)})"
+            )
+    elif cfg.disk is None and cfg.remote is None:
         raise InvalidArgument(
             "kvtier's SGLang backend needs kvtier_disk_path or kvtier_remote_url "
-            "(or both) in --hicache-storage-backend-extra-config"
+            "(or both), or kvtier_node, in --hicache-storage-backend-extra-config"
         )
-    eng: SglangOptions = cfg.engine
     return StorageSettings(
-        cfg.disk, cfg.remote, eng.namespace, eng.staging_bytes, cfg.host.bytes or 0
+        cfg.disk, cfg.remote, eng.namespace, eng.staging_bytes, cfg.host.bytes or 0, eng.node
     )
 
 

@@ -62,7 +62,47 @@ class _Call:
     ok: list[bool]
 
 
-class PageMover:
+class PageCopies:
+    """What both page movers share (this one and the node's,
+    :class:`~kvtier.integrations.sglang.node_pages.NodePageMover`): host
+    copies between SGLang's pool and kvtier slots on a copy engine
+    (``copier``), waited for outside ``_lock``, whose results and
+    ``counters`` it guards (stores and loads run at once)."""
+
+    copier: Any
+    _lock: Any
+    _copied: dict[int, bool]
+    counters: dict[str, int]
+
+    def _copy_submit(self, descs: np.ndarray) -> list[int]:
+        """Queue host copies on the copy engine (two jobs: both threads work)."""
+        parts = np.array_split(descs, 2) if len(descs) > 1 else [descs]
+        return [self.copier.submit_copy(np.ascontiguousarray(p)) for p in parts if len(p)]
+
+    def _copy_wait(self, jids: list[int]) -> bool:
+        """Block until the copy jobs ``jids`` ended; True when all succeeded."""
+        while True:
+            try:
+                self.copier.wait(jids, _WAIT_SLICE_S)
+                break
+            except Timeout:
+                continue
+        with self._lock:
+            for r in self.copier.poll():
+                self._copied[int(r.job_id)] = bool(r.ok)
+            ok = all(self._copied.pop(j, False) for j in jids)
+        if not ok:
+            self._count("copy_failures", 1)
+        return ok
+
+    def _count(self, *pairs: str | int) -> None:
+        """Add to counters (name, amount, ...): stores and loads run at once."""
+        with self._lock:
+            for name, n in zip(pairs[::2], pairs[1::2]):
+                self.counters[str(name)] += int(n)
+
+
+class PageMover(PageCopies):
     """Pages of one SGLang host pool to and from ``tiers`` (fastest first:
     disk, then remote), through ``staging_bytes`` of kvtier host slots (default
     :data:`STAGING_PAGES` pages each way, at most :data:`STAGING_MAX_BYTES`),
@@ -148,34 +188,6 @@ class PageMover:
             ("pages_stored", "pages_loaded", "store_failures", "load_failures", "copy_failures"), 0
         )
         self._closed = False
-
-    # -- waiting on native work, outside the lock ---------------------------
-    def _copy_submit(self, descs: np.ndarray) -> list[int]:
-        """Queue host copies on the copy engine (two jobs: both threads work)."""
-        parts = np.array_split(descs, 2) if len(descs) > 1 else [descs]
-        return [self.copier.submit_copy(np.ascontiguousarray(p)) for p in parts if len(p)]
-
-    def _copy_wait(self, jids: list[int]) -> bool:
-        """Block until the copy jobs ``jids`` ended; True when all succeeded."""
-        while True:
-            try:
-                self.copier.wait(jids, _WAIT_SLICE_S)
-                break
-            except Timeout:
-                continue
-        with self._lock:
-            for r in self.copier.poll():
-                self._copied[int(r.job_id)] = bool(r.ok)
-            ok = all(self._copied.pop(j, False) for j in jids)
-        if not ok:
-            self._count("copy_failures", 1)
-        return ok
-
-    def _count(self, *pairs: str | int) -> None:
-        """Add to counters (name, amount, ...): stores and loads run at once."""
-        with self._lock:
-            for name, n in zip(pairs[::2], pairs[1::2]):
-                self.counters[str(name)] += int(n)
 
     def _step(self, n: int, tiers: Sequence[JobTier]) -> int:
         """Pages per piece of a batch of ``n`` moved by ``tiers``: on disk a

@@ -25,9 +25,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvtier.errors import InvalidArgument
 from kvtier.integrations.sglang.config import parse_extra_config, storage_namespace
 from kvtier.integrations.sglang.mover import PageMover
+from kvtier.integrations.sglang.node_pages import NodePageMover
 from kvtier.integrations.sglang.pages import PagePlan
 from kvtier.options.tiers import RemoteOptions
 from kvtier.units import FreeFraction
@@ -85,7 +87,7 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         writer = getattr(c, "is_storage_writer", None)
         # MLA pages are the same on every TP rank: one writes, all read.
         self.is_writer = bool(writer) if writer is not None else (not self.is_mla or c.tp_rank == 0)
-        self.movers: dict[str, PageMover] = {}
+        self.movers: dict[str, PageMover | NodePageMover] = {}
         # Appended by SGLang's storage threads, taken by its metrics logger.
         self._metrics_lock = threading.Lock()
         self.metrics: dict[str, list[float]] = {
@@ -137,6 +139,9 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
                 user_namespace=self.settings.namespace,
             )
 
+        if self.settings.node is not None:
+            self._attach_node(name, plan, namespace)
+            return
         cfg = self.settings.tier_config()
         host_bytes = self.settings.host_bytes
         kv = self.movers.get(str(PoolName.KV))
@@ -181,7 +186,32 @@ class KVTierStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
             ", ".join(t.name for t in tiers),
         )
 
-    def _mover(self, name: str = PoolName.KV) -> PageMover:
+    def _attach_node(self, name: str, plan: PagePlan, namespace: Callable[[bool], str]) -> None:
+        """The pool's pages kept by the node of ``kvtier_node``: an MLA page
+        is the same on every TP rank, so all ranks share one namespace there
+        and the writer rank stores it (Mamba state is sharded even then)."""
+        assert self.settings.node is not None
+        shared = self.is_mla and name != PoolName.MAMBA
+        c = self.storage_config
+        old = self.movers.pop(name, None)
+        if old is not None:
+            old.close()
+        self.movers[name] = NodePageMover(
+            plan,
+            self.settings.node,
+            namespace(shared),
+            engine=f"sglang-{os.getpid()}-tp{c.tp_rank}-pp{c.pp_rank}-{name}",
+            writes=self.is_writer or not shared,
+        )
+        log.info(
+            "kvtier: SGLang pool %s (%s, %d B pages) on the node at %s",
+            name,
+            plan.layout,
+            plan.page_bytes,
+            self.settings.node,
+        )
+
+    def _mover(self, name: str = PoolName.KV) -> PageMover | NodePageMover:
         mover = self.movers.get(str(name))
         if mover is None:
             raise InvalidArgument(f"kvtier: no SGLang host pool {str(name)!r} registered")

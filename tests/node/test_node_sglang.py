@@ -1,0 +1,205 @@
+"""SGLang on the node cache: kvtier's HiCache backend with ``kvtier_node``
+keeps its pages in the node (no tiers of the rank's own), shared with other
+SGLang ranks and engines of the same model and with vLLM engines beside
+it, never across models; a node that goes away fails pages, not the caller.
+
+Against SGLang's own storage classes and stand-in host pools whose page
+methods are SGLang's code (kvtier.bench.sglang_standin); the node runs in a
+thread of the test, or as ``kvtier node`` in a child when it is killed."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip(
+    "sglang.srt.mem_cache.hicache_storage",
+    reason="sglang is not installed (make venv installs sglang==0.5.23 --no-deps)",
+)
+torch = pytest.importorskip("torch")
+
+from kvtier.bench.sglang_standin import fill, host_pool, page_bytes, token_indices  # noqa: E402
+from kvtier.errors import InvalidArgument  # noqa: E402
+from kvtier.node import client as node_client  # noqa: E402
+from kvtier.node.client import NodeManager, NodeUnavailable  # noqa: E402
+from kvtier.pool import HostPool  # noqa: E402
+from kvtier.tiers.base import LookupResult  # noqa: E402
+from test_node import BLOCK, NS_A, Node, _node_proc, _remove_pools, content, store  # noqa: E402
+
+MHA_PAGE = 32768  # bytes of a stand-in MHA page (16 tokens)
+PAGES = 32  # the node's room, in MHA pages
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    n = Node(tmp_path, blocks=PAGES * MHA_PAGE // BLOCK)
+    yield n
+    n.stop()
+    _remove_pools(n.name)
+
+
+def _engine(sglang_open: Any, path: str, seed: int, pages: int = 48, **config: Any) -> Any:
+    """(pool, backend): a stand-in SGLang rank's host pool of random pages
+    (``seed``) and kvtier's backend on the node at ``path``."""
+    pool = host_pool("mla" if config.get("mla") else "mha", "page_first", pages=pages)
+    fill(pool, seed)
+    return pool, sglang_open({"backend_name": "kvtier", "interface_v1": 1, "kvtier_node": path},
+                             pool, **config)  # fmt: skip
+
+
+def test_engine_b_loads_byte_for_byte_the_pages_engine_a_stored(
+    node: Node, sglang_open: Any
+) -> None:
+    pa, a = _engine(sglang_open, node.path, 1)
+    pb, b = _engine(sglang_open, node.path, 2)
+    keys = [f"p{i}" for i in range(8)]
+    assert a.batch_set_v1(keys, token_indices(pa, 0, 8)) == [True] * 8
+    assert b.batch_exists(keys) == 8 and b.batch_exists(["nope", *keys]) == 0
+    assert page_bytes(pb, 20) != page_bytes(pa, 2)
+    assert b.batch_get_v1(keys[2:], token_indices(pb, 20, 6)) == [True] * 6
+    assert [page_bytes(pb, 20 + i) for i in range(6)] == [page_bytes(pa, i) for i in range(2, 8)]
+    # The key-value fallback reads the same page; a store of it again holds.
+    got = b.get("p3", pb.get_dummy_flat_data_page())
+    assert bytes(got.view(torch.uint8).numpy()) == page_bytes(pa, 3)
+    assert a.batch_set_v1(keys[:4], token_indices(pa, 0, 4)) == [True] * 4
+    st = b.kvtier_stats()["kv"]
+    assert (st["pages_stored"], st["pages_loaded"], st["attached"]) == (0, 6, True)
+    occ = node.status()["classes"][str(MHA_PAGE)]["occupancy"]
+    assert (occ["blocks"], occ["pinned"], occ["writing"]) == (8, 0, 0)
+
+
+def test_existence_is_per_page_and_a_missing_page_stays_untouched(
+    node: Node, sglang_open: Any
+) -> None:
+    pa, a = _engine(sglang_open, node.path, 3)
+    assert a.batch_set_v1(["k0", "k2"], torch_pages(pa, [0, 2])) == [True, True]
+    assert a._mover().exists([b"k0", b"k1", b"k2"]) == [True, False, True]
+    assert a.batch_exists(["k0", "k1", "k2"]) == 1
+    before = page_bytes(pa, 31)
+    got = a.batch_get_v1(["k0", "k1", "k2"], torch_pages(pa, [30, 31, 32]))
+    assert got == [True, False, True]
+    assert page_bytes(pa, 30) == page_bytes(pa, 0) and page_bytes(pa, 32) == page_bytes(pa, 2)
+    assert page_bytes(pa, 31) == before
+
+
+def torch_pages(pool: Any, pages: list[int]) -> Any:
+    return torch.cat([token_indices(pool, p, 1) for p in pages])
+
+
+def test_models_and_block_sizes_never_share_a_page(tmp_path: Path, sglang_open: Any) -> None:
+    n = Node(tmp_path, blocks=2 * PAGES * MHA_PAGE // BLOCK, max_classes=2)
+    try:
+        pa, a = _engine(sglang_open, n.path, 4)
+        po, other = _engine(sglang_open, n.path, 5, model="org/other")
+        keys = [f"s{i}" for i in range(4)]
+        assert a.batch_set_v1(keys, token_indices(pa, 0, 4)) == [True] * 4
+        assert other.batch_exists(keys) == 0
+        assert other.batch_get_v1(keys, token_indices(po, 0, 4)) == [False] * 4
+        # A vLLM engine on the same node: a block size of its own, and
+        # SGLang's page keys are never its keys.
+        v = NodeManager(n.path, NS_A, BLOCK, engine="vllm")
+        vpool = HostPool.attach(v.pool["pool"])
+        assert v.pool["pool"] != a._mover().pool.name
+        vkeys = store(v, vpool, [0, 1])
+        assert [v.lookup(k + b"\0\0\0\0") for k in (b"s0", b"s1")] == [LookupResult.MISS] * 2
+        assert a.batch_exists(["s0", "s1", "s2", "s3"]) == 4
+        v.on_schedule_end()
+        assert v.lookup(vkeys[0]) is LookupResult.HIT
+        spec = v.prepare_load(vkeys[:1])
+        assert np.array_equal(vpool.view(int(spec.slots[0])), content(0))
+        v.complete_load(vkeys[:1])
+        v.shutdown()
+        with pytest.raises(InvalidArgument, match="serves 2 block size"):
+            _engine(sglang_open, n.path, 6, mla=True)  # a third block size
+    finally:
+        n.stop()
+        _remove_pools(n.name)
+
+
+def test_mla_pages_are_written_by_one_rank_for_every_rank(node: Node, sglang_open: Any) -> None:
+    p0, r0 = _engine(sglang_open, node.path, 7, mla=True, tp_rank=0, tp_size=2)
+    p1, r1 = _engine(sglang_open, node.path, 8, mla=True, tp_rank=1, tp_size=2)
+    keys = [f"m{i}" for i in range(4)]
+    assert r1.batch_set_v1(keys, token_indices(p1, 0, 4)) == [True] * 4  # the writer's job
+    assert r1.batch_exists(keys) == 0
+    assert r0.batch_set_v1(keys, token_indices(p0, 0, 4)) == [True] * 4
+    assert r1.batch_get_v1(keys, token_indices(p1, 10, 4)) == [True] * 4
+    assert [page_bytes(p1, 10 + i) for i in range(4)] == [page_bytes(p0, i) for i in range(4)]
+
+
+def test_stores_and_loads_from_two_threads_at_once(node: Node, sglang_open: Any) -> None:
+    """SGLang's backup thread stores while its prefetch thread loads."""
+    pool, s = _engine(sglang_open, node.path, 9, pages=64)
+    first = [f"t{i}" for i in range(8)]
+    assert s.batch_set_v1(first, token_indices(pool, 0, 8)) == [True] * 8
+    results: dict[str, list[list[bool]]] = {"set": [], "get": []}
+
+    def writer() -> None:
+        for r in range(8):
+            keys = [f"w{r}-{i}" for i in range(4)]
+            results["set"].append(s.batch_set_v1(keys, token_indices(pool, 16, 4)))
+
+    def reader() -> None:
+        for _ in range(8):
+            results["get"].append(s.batch_get_v1(first, token_indices(pool, 32, 8)))
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {"set": [[True] * 4] * 8, "get": [[True] * 8] * 8}
+    assert [page_bytes(pool, 32 + i) for i in range(8)] == [page_bytes(pool, i) for i in range(8)]
+    assert s.batch_exists([f"w7-{i}" for i in range(4)]) == 4
+    occ = node.status()["classes"][str(MHA_PAGE)]["occupancy"]
+    assert (occ["pinned"], occ["writing"]) == (0, 0)
+
+
+def test_the_node_owns_the_tiers_and_must_be_there(tmp_path: Path, sglang_open: Any) -> None:
+    pool = host_pool("mha", "page_first", pages=4)
+    bad = {"kvtier_node": str(tmp_path / "n.sock"), "kvtier_disk_path": str(tmp_path / "d"),
+           "kvtier_disk_bytes": "64MiB"}  # fmt: skip
+    with pytest.raises(InvalidArgument, match=r"kvtier_node: the node owns .*\(kvtier_disk_path\)"):
+        sglang_open(bad, pool)
+    with pytest.raises(NodeUnavailable, match="no kvtier node at"):
+        sglang_open({"kvtier_node": str(tmp_path / "n.sock")}, pool)
+
+
+def test_a_killed_node_fails_pages_not_sglang_and_is_reattached(
+    tmp_path: Path, sglang_open: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(node_client, "REATTACH_PERIOD_S", 0.05)
+    path, name = str(tmp_path / "n.sock"), f"t{int(time.time() * 1e6)}-sg"
+    p = _node_proc(path, name, PAGES * MHA_PAGE)
+    try:
+        pool, s = _engine(sglang_open, path, 10)
+        keys = [f"r{i}" for i in range(4)]
+        assert s.batch_set_v1(keys, token_indices(pool, 0, 4)) == [True] * 4
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        before = page_bytes(pool, 20)
+        assert s.batch_exists(keys) == 0
+        assert s.batch_get_v1(keys, token_indices(pool, 20, 4)) == [False] * 4
+        assert page_bytes(pool, 20) == before
+        assert s.batch_set_v1(["x0"], token_indices(pool, 5, 1)) == [False]
+        st = s.kvtier_stats()["kv"]
+        assert st["attached"] is False and st["node_failures"] >= 1
+        p = _node_proc(path, name, PAGES * MHA_PAGE)  # adopts the pool this rank maps
+        time.sleep(0.06)
+        assert s.batch_set_v1(keys, token_indices(pool, 0, 4)) == [True] * 4
+        assert s.batch_get_v1(keys, token_indices(pool, 20, 4)) == [True] * 4
+        assert [page_bytes(pool, 20 + i) for i in range(4)] == [
+            page_bytes(pool, i) for i in range(4)
+        ]
+        assert s.kvtier_stats()["kv"]["reattaches"] == 1
+    finally:
+        p.kill()
+        p.wait()
+        _remove_pools(name)
