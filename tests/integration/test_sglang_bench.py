@@ -24,6 +24,7 @@ def test_bench_sglang_reports_ratios_per_op(tmp_path: Path) -> None:
         "disk_vs_hicache_file",
         "vs_hicache_file_device",
         "redis_vs_redis_py",
+        "node_vs_host_disk",
     )
     assert all(v > 0 for k in ratios for v in r[k].values())
     (s,) = r["shapes"]
@@ -31,9 +32,9 @@ def test_bench_sglang_reports_ratios_per_op(tmp_path: Path) -> None:
     # The memory tier holds the run's pages: every read of them came from it.
     assert s["host_disk_get_from_memory"] == 1.0
     contenders = ("kvtier_host_disk", "kvtier_disk", "hicache_file", "hicache_file_device")
-    for c in (*contenders, "kvtier_redis", "redis_py"):
+    for c in (*contenders, "kvtier_redis", "redis_py", "kvtier_node"):
         assert len(s[c]["get"]["runs_pages_per_s"]) == 1 and "gbps" not in s[c]["exists"]
-    assert "kvtier_disk" in table(r)
+    assert "kvtier_disk" in table(r) and "kvtier_node" in table(r)
     assert list(tmp_path.iterdir()) == []  # its scratch directory removed
 
 

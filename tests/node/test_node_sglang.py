@@ -203,3 +203,23 @@ def test_a_killed_node_fails_pages_not_sglang_and_is_reattached(
         p.kill()
         p.wait()
         _remove_pools(name)
+
+
+def test_pages_asked_about_or_loaded_leave_nothing_held_at_the_node(
+    node: Node, sglang_open: Any
+) -> None:
+    """SGLang never ends a scheduler step at the node: its existence checks
+    and loads must leave nothing pinned or remembered for a step end that
+    never comes (the node's room is PAGES pages)."""
+    pool, s = _engine(sglang_open, node.path, 11, pages=2 * PAGES)
+    old = [f"o{i}" for i in range(PAGES)]
+    assert s.batch_set_v1(old, token_indices(pool, 0, PAGES)) == [True] * PAGES
+    assert s.batch_exists(old) == PAGES
+    assert s.batch_get_v1(old[:8], token_indices(pool, PAGES, 8)) == [True] * 8
+    # The lookups' step-long protection (a vLLM scan's) is not kept for them.
+    assert node.server.classes[MHA_PAGE].manager._core.scanned == set()
+    new = [f"n{i}" for i in range(PAGES)]
+    assert s.batch_set_v1(new, token_indices(pool, PAGES, PAGES)) == [True] * PAGES
+    assert s.batch_exists(old) == 0 and s.batch_exists(new) == PAGES
+    occ = node.status()["classes"][str(MHA_PAGE)]["occupancy"]
+    assert (occ["blocks"], occ["pinned"], occ["writing"]) == (PAGES, 0, 0)

@@ -34,11 +34,13 @@ def _keys(n: int, client: int) -> list[bytes]:
     return [client.to_bytes(4, "little") + i.to_bytes(28, "little") + bytes(4) for i in range(n)]
 
 
-def _start_node(path: str, name: str, blocks: int) -> subprocess.Popen[bytes]:
+def start_node(path: str, name: str, flags: list[str]) -> subprocess.Popen[bytes]:
+    """``kvtier node`` with ``flags`` in a child process, once it answers on
+    ``path``. Who calls: the node's and the SGLang backend's benchmarks."""
     from kvtier.node.client import NodeUnavailable, node_status
 
     cmd = [sys.executable, "-m", "kvtier.cli", "node", "--socket", path, "--name", name]
-    p = subprocess.Popen(cmd + ["--host-bytes", str(blocks * PAYLOAD)], stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(cmd + flags, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -134,7 +136,7 @@ def run_node_manager(
                     keys = _keys(num_keys, 0)
                     m = TieredOffloadingManager(HostTier(None, capacity, policy=policy))
                     local.append(cycles(m, keys, batch, scan=True))
-                    node = _start_node(path, name, capacity)
+                    node = start_node(path, name, ["--host-bytes", str(capacity * PAYLOAD)])
                     try:
                         one.append(_client_rate(path, keys, batch))
                         many.append(_aggregate(path, num_keys, batch, clients))

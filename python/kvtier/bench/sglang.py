@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from kvtier.bench.harness import PAIRED, paired_ratio
+from kvtier.bench.node import start_node
 from kvtier.bench.sglang_standin import (
     controller,
     fill,
@@ -191,6 +192,18 @@ def run_shape(
         pool,
     )
     remote = open_storage({"kvtier_remote_url": url}, pool)
+    # A node (its own process, as in production) holding as much memory as
+    # kvtier's memory tier above, with a disk of its own below.
+    node_dir = work / "node"
+    node_dir.mkdir()
+    sock_dir = tempfile.mkdtemp(prefix="kvn-")  # short: a socket's path is 107 bytes at most
+    node_sock = str(Path(sock_dir) / "node.sock")
+    node = start_node(
+        node_sock,
+        f"sgbench{os.getpid()}",
+        ["--host-bytes", str(2 * num_pages * record_bytes(nbytes)), "--disk", f"{node_dir}:{cap}"],
+    )
+    on_node = open_storage({"kvtier_node": node_sock}, pool)
     hfile = hicache_file({"file_storage_path": str(work)}, layout=layout)
     pyredis = RedisPyPages(url)
     # SGLang picks the zero-copy calls for a dynamic backend with
@@ -202,6 +215,7 @@ def run_shape(
         "hicache_file_device": controller(hfile, pool, zero_copy=False),
         "kvtier_redis": controller(remote, pool, zero_copy=True),
         "redis_py": controller(pyredis, pool, zero_copy=False),
+        "kvtier_node": controller(on_node, pool, zero_copy=True),
     }
     runs: dict[str, dict[str, list[float]]] = {c: {op: [] for op in OPS} for c in contenders}
     try:
@@ -220,8 +234,13 @@ def run_shape(
         # Share of the memory tier's reads that found their page in memory.
         from_memory = st["host_pages_loaded"] / max(1, st["pages_loaded"])
     finally:
-        for backend in (disk, host_disk, remote, pyredis):
+        for backend in (disk, host_disk, remote, pyredis, on_node):
             backend.close()
+        node.terminate()
+        node.wait()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        for f in Path("/dev/shm").glob(f"kvnode-sgbench{os.getpid()}-*"):
+            f.unlink()
         hfile.clear()
         shutil.rmtree(work, ignore_errors=True)
     med = statistics.median
@@ -250,6 +269,9 @@ def run_shape(
     }
     out["vs_hicache_file_device"] = {
         op: paired_ratio(runs["kvtier_disk"][op], runs["hicache_file_device"][op]) for op in OPS
+    }
+    out["node_vs_host_disk"] = {
+        op: paired_ratio(runs["kvtier_node"][op], runs["kvtier_host_disk"][op]) for op in OPS
     }
     out["redis_vs_redis_py"] = {
         op: paired_ratio(runs["kvtier_redis"][op], runs["redis_py"][op]) for op in OPS
@@ -295,6 +317,8 @@ def run_sglang(
             "kvtier_host_disk": "kvtier's memory tier (kvtier_host_bytes: twice a run's pages) "
             "in front of its disk tier: reads of pages just stored come from memory",
             "kvtier_redis": "kvtier's Redis tier",
+            "kvtier_node": "a kvtier node (its own process; memory as kvtier_host_disk's, its "
+            "disk below written behind): the rank copies pages to and from the node's slots",
         },
         "baselines": {
             "hicache_file": "SGLang's HiCacheFile on the same directory (generic calls), as "
@@ -314,6 +338,7 @@ def run_sglang(
             op: _med(r["vs_hicache_file_device"][op] for r in results) for op in OPS
         },
         "redis_vs_redis_py": {op: _med(r["redis_vs_redis_py"][op] for r in results) for op in OPS},
+        "node_vs_host_disk": {op: _med(r["node_vs_host_disk"][op] for r in results) for op in OPS},
         "ratio_method": PAIRED + "; medians over page shapes; contenders rotate between repeats",
         "repeats": repeats,
         "shapes": results,
@@ -338,6 +363,7 @@ def table(result: dict[str, Any]) -> str:
             "hicache_file_device",
             "kvtier_redis",
             "redis_py",
+            "kvtier_node",
         ):
             cells = "  ".join(
                 f"{op} {r[c][op]['pages_per_s']:>9.0f} p/s"
@@ -348,11 +374,12 @@ def table(result: dict[str, Any]) -> str:
         lines.append(
             f"  kvtier host+disk/HiCacheFile {r['vs_hicache_file']}  kvtier disk/HiCacheFile "
             f"{r['disk_vs_hicache_file']}  from the device {r['vs_hicache_file_device']}  "
-            f"kvtier/redis-py {r['redis_vs_redis_py']}"
+            f"kvtier/redis-py {r['redis_vs_redis_py']}  node/host+disk {r['node_vs_host_disk']}"
         )
     lines.append(
         f"vs_hicache_file {result['vs_hicache_file']}  disk_vs_hicache_file "
         f"{result['disk_vs_hicache_file']}  vs_hicache_file_device "
-        f"{result['vs_hicache_file_device']}  redis_vs_redis_py {result['redis_vs_redis_py']}"
+        f"{result['vs_hicache_file_device']}  redis_vs_redis_py {result['redis_vs_redis_py']}  "
+        f"node_vs_host_disk {result['node_vs_host_disk']}"
     )
     return "\n".join(lines)

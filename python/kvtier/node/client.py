@@ -353,6 +353,26 @@ class NodeManager:
         self.client_stats.node_down_lookups += len(keys)
         return [LookupResult.MISS] * len(keys)
 
+    def load_present(self, keys: list[bytes]) -> list[tuple[LookupResult, int]]:
+        """Each key's answer and host slot (-1 unless HIT), every key, in
+        order, the HITs pinned for loading until :meth:`complete_load` of
+        them: a lookup and a prepare_load in one round trip. Not a call of
+        vLLM's interface: for engines that load whatever is there (SGLang's
+        prefetch). All MISS while the node is gone."""
+        if self._closed:
+            raise ClosedError("manager is shut down")
+        if self.attached and keys:
+            try:
+                out = self._call(Op.LOAD_PRESENT, keys, None)
+                hits = sum(1 for code, _ in out if code == 1)
+                self.stats.loads += hits
+                self.stats.loaded_from["host"] = self.stats.loaded_from.get("host", 0) + hits
+                return [(_ANSWER[code], slot) for code, slot in out]
+            except NodeUnavailable as e:
+                self._down(e)
+        self.client_stats.node_down_lookups += len(keys)
+        return [(LookupResult.MISS, -1)] * len(keys)
+
     def may_fail_to_load(self, key: bytes) -> bool:
         """False: a HIT is a host block the node pinned for this engine."""
         return False

@@ -54,6 +54,7 @@ class Op(enum.IntEnum):
     POOL = 13
     LOAD_PINNED = 14
     CONTAINS = 15
+    LOAD_PRESENT = 16
 
 
 # Calls that change nothing the engine reads back: the client sends them

@@ -351,6 +351,9 @@ class NodeServer:
             if op is Op.CONTAINS:
                 _nargs(args, 1)
                 return [True, s.contains(P.keys_arg(args[0]))]
+            if op is Op.LOAD_PRESENT:
+                _nargs(args, 2)
+                return [True, s.load_present(P.keys_arg(args[0]), P.req_arg(args[1]))]
             if op is Op.PREPARE_LOAD:
                 _nargs(args, 2)
                 return [True, s.prepare_load(P.keys_arg(args[0]), P.req_arg(args[1]))]

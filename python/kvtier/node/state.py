@@ -162,7 +162,43 @@ class Session:
         hit starts its promotion, HIT_PENDING), for an engine that asks
         before it loads (SGLang's existence checks, per page)."""
         m = self.cls.manager
-        return [_CODE.get(m.lookup(nk), 3) for nk in self._node_keys(keys)]
+        out = [_CODE.get(m.lookup(nk), 3) for nk in self._node_keys(keys)]
+        self._unscan(keys)
+        return out
+
+    def _unscan(self, keys: list[bytes]) -> None:
+        """The lookups of ``keys`` (node keys) protect nothing until the
+        class's step ends: a session pins what it will load instead, and an
+        engine that never ends steps (SGLang) would otherwise keep every key
+        it asked about from eviction until another engine's step end."""
+        scanned = self.cls.manager._core.scanned
+        if scanned:
+            scanned.difference_update(self._node_keys(keys))
+
+    def load_present(self, keys: list[bytes], req: Any) -> list[list[int]]:
+        """Each key's answer and host slot (-1 unless HIT), every key asked,
+        in order; the HITs are pinned as loads of this session (given back
+        by complete_load): a lookup and a prepare_load in one request, for
+        an engine that loads whatever it finds (SGLang's prefetch)."""
+        m = self.cls.manager
+        host = m.host
+        nks = self._node_keys(keys)
+        out: list[list[int]] = []
+        hits: list[bytes] = []
+        for nk in nks:
+            r = m.lookup(nk)
+            if r is LookupResult.HIT:
+                e = host.entries.get(nk)
+                if e is not None and e.ref >= 0:
+                    hits.append(nk)
+                    out.append([1, e.slot])
+                    continue
+                r = LookupResult.HIT_PENDING  # not readable as a host block yet
+            out.append([_CODE.get(r, 3), -1])
+        self._unscan(keys)
+        if hits:
+            self._pin_loads(hits, req)
+        return out
 
     def prepare_load(self, keys: list[bytes], req: Any) -> list[int]:
         return self._pin_loads(self._node_keys(keys), req)

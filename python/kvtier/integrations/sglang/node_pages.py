@@ -28,7 +28,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,19 +44,6 @@ _CHAIN = bytes(4)
 #: How long a load waits for pages the node is still reading from its disk
 #: or Redis tier (HIT_PENDING) before it loads the prefix it has.
 PENDING_WAIT_S = 2.0
-
-
-@dataclass
-class _Scan:
-    """A lookup's request context: the node is asked for the keys after
-    the one looked up in the same round trip."""
-
-    keys: list[bytes]
-    at: dict[bytes, int]
-    req_id: None = None
-
-    def following(self, key: bytes, _ctx: Any = None) -> list[bytes]:
-        return self.keys[self.at[key] + 1 :]
 
 
 class NodePageMover(PageCopies):
@@ -84,10 +70,7 @@ class NodePageMover(PageCopies):
         self.plan = plan
         self.writes = writes
         self.pending_wait_s = pending_wait_s
-        self._scan = _Scan([], {})
-        self.node = NodeManager(
-            path, namespace, plan.page_bytes, engine=engine, key_order=self._scan.following
-        )
+        self.node = NodeManager(path, namespace, plan.page_bytes, engine=engine)
         self._lock = threading.Lock()  # the node connection, the copies' results
         self._copied: dict[int, bool] = {}
         try:
@@ -107,42 +90,34 @@ class NodePageMover(PageCopies):
         self._closed = False
 
     # -- the node, under the lock ------------------------------------------------
-    def _step_end(self) -> None:
-        """End this rank's step at the node: the pins of its lookups are
-        released (and a node that went away is asked again, at most once a
-        second). SGLang subscribes to no events: they are dropped."""
-        self.node.on_schedule_end()
-        self.node.take_events()
-
-    def _lookup(self, keys: list[bytes]) -> list[LookupResult]:
-        """Each node key's answer, HITs pinned until :meth:`_step_end`: one
-        round trip up to the first MISS, one more per MISS before the end."""
-        scan = self._scan
-        scan.keys, scan.at = keys, {k: i for i, k in enumerate(keys)}
-        try:
-            return [self.node.lookup(k, scan) for k in keys]
-        finally:
-            scan.keys, scan.at = [], {}
+    def _reattach(self) -> None:
+        """Ask a node that went away again (at most once a second: the
+        client's step end does). SGLang subscribes to no events: dropped."""
+        if not self.node.attached:
+            self.node.on_schedule_end()
+            self.node.take_events()
 
     def _pin(self, keys: list[bytes]) -> tuple[list[int], list[int]]:
-        """Pins the pages of ``keys`` the node holds: (their positions, their
-        slots). Waits (the lock let go) while the node still reads some from
-        a lower tier, at most ``pending_wait_s``; loads what it has then."""
+        """Pins the pages of ``keys`` the node holds for loading, in one
+        round trip: (their positions, their slots). Pages the node is still
+        reading from a lower tier are asked for again (the lock let go
+        meanwhile), for at most ``pending_wait_s``; then it loads what it has."""
         deadline = time.monotonic() + self.pending_wait_s
-        while True:
+        hits: dict[int, int] = {}
+        ask = list(range(len(keys)))
+        while ask:
             with self._lock:
-                answers = self._lookup(keys)
-                waiting = any(a is _PENDING or a is _RETRY for a in answers)
-                if not waiting or time.monotonic() >= deadline:
-                    hits = [i for i, a in enumerate(answers) if a is _HIT]
-                    slots: list[int] = []
-                    if hits:
-                        spec = self.node.prepare_load([keys[i] for i in hits])
-                        slots = spec.slots.tolist()
-                    self._step_end()  # the lookups' pins: the loads hold theirs
-                    return hits, slots
-                self._step_end()
+                self._reattach()
+                answers = self.node.load_present([keys[i] for i in ask])
+            for i, (a, slot) in zip(ask, answers):
+                if a is _HIT:
+                    hits[i] = slot
+            ask = [i for i, (a, _) in zip(ask, answers) if a is _PENDING or a is _RETRY]
+            if not ask or time.monotonic() >= deadline:
+                break
             time.sleep(0.002)
+        pos = sorted(hits)
+        return pos, [hits[i] for i in pos]
 
     def _unpin(self, keys: list[bytes]) -> None:
         if keys:
@@ -163,8 +138,7 @@ class NodePageMover(PageCopies):
         is reading from now)? One round trip; nothing pinned."""
         nks = [bytes(k) + _CHAIN for k in keys]
         with self._lock:
-            if not self.node.attached:
-                self._step_end()  # asks a node that went away again (once a second)
+            self._reattach()
             answers = self.node.contains(nks)
         return [a is _HIT or a is _PENDING for a in answers]
 
@@ -177,8 +151,7 @@ class NodePageMover(PageCopies):
         nks = [bytes(k) + _CHAIN for k in keys]
         ok = [False] * len(keys)
         with self._lock:
-            if not self.node.attached:
-                self._step_end()
+            self._reattach()
             out = self.node.prepare_store(nks)
             stored = out.keys_to_store if out is not None else []
             slot_of = dict(zip(stored, out.store_spec.slots.tolist())) if out is not None else {}
@@ -241,8 +214,7 @@ class NodePageMover(PageCopies):
             return True
         nk = bytes(key) + _CHAIN
         with self._lock:
-            if not self.node.attached:
-                self._step_end()
+            self._reattach()
             out = self.node.prepare_store([nk])
             if out is None:
                 return False
