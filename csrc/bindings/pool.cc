@@ -28,16 +28,17 @@ void bind_pool(py::module_& m) {
           py::arg("mlock") = false, py::arg("prefault") = true)
       .def_static(
           "attach",
-          [](const std::string& name) {
+          [](const std::string& name, std::size_t view_slot_bytes) {
             py::gil_scoped_release nogil;
-            return std::make_shared<HostPool>(HostPool::attach(name));
+            return std::make_shared<HostPool>(HostPool::attach(name, view_slot_bytes));
           },
-          py::arg("name"))
+          py::arg("name"), py::arg("view_slot_bytes") = 0)
       .def_static("reap_stale", &HostPool::reap_stale)
       .def_property_readonly("name", &HostPool::name)
       .def_property_readonly("num_slots", &HostPool::num_slots)
       .def_property_readonly("slot_bytes", &HostPool::slot_bytes)
       .def_property_readonly("owner", &HostPool::owner)
+      .def_property_readonly("view", &HostPool::view)
       .def_property_readonly("locked", &HostPool::locked)
       .def_property_readonly("closed", &HostPool::closed)
       .def_property_readonly("address",

@@ -117,8 +117,9 @@ HostPool HostPool::create(std::size_t num_slots, std::size_t slot_bytes, std::st
       e != 0 && e != EOPNOTSUPP && e != EINVAL)
     throw_errno("reserving " + std::to_string(total) + " bytes of /dev/shm for pool " + name, e);
   pool.map(fd.get(), total);
-  pool.num_slots_ = num_slots;
+  pool.num_slots_ = pool.fence_slots_ = num_slots;
   pool.slot_bytes_ = slot_bytes;
+  pool.region_bytes_ = num_slots * slot_bytes;
   if (opts.hugepages) ::madvise(pool.base_, total, MADV_HUGEPAGE);  // advisory only
   if (opts.prefault) prefault(pool.base_, total);
   if (opts.mlock) {
@@ -162,7 +163,7 @@ std::size_t HostPool::reap_stale() noexcept {
   return reaped;
 }
 
-HostPool HostPool::attach(const std::string& name) {
+HostPool HostPool::attach(const std::string& name, std::size_t view_slot_bytes) {
   validate_name(name);
   Fd fd(::shm_open(shm_path(name).c_str(), O_RDWR | O_CLOEXEC, 0));
   if (fd.get() < 0) throw_errno("attach to pool '" + name + "'", errno);
@@ -184,8 +185,17 @@ HostPool HostPool::attach(const std::string& name) {
     throw_invalid("pool '" + name + "' header does not match its size (" +
                   std::to_string(h.num_slots) + " x " + std::to_string(h.slot_bytes) + " vs " +
                   std::to_string(total) + " bytes)");
-  pool.num_slots_ = h.num_slots;
+  pool.num_slots_ = pool.fence_slots_ = h.num_slots;
   pool.slot_bytes_ = h.slot_bytes;
+  pool.region_bytes_ = h.num_slots * h.slot_bytes;
+  if (view_slot_bytes != 0 && view_slot_bytes != h.slot_bytes) {
+    if (view_slot_bytes > pool.region_bytes_)
+      throw_invalid("pool '" + name + "' holds " + std::to_string(pool.region_bytes_) +
+                    " bytes, less than one slot of " + std::to_string(view_slot_bytes));
+    pool.slot_bytes_ = view_slot_bytes;
+    pool.num_slots_ = pool.region_bytes_ / view_slot_bytes;
+    pool.view_ = true;
+  }
   return pool;
 }
 
@@ -207,6 +217,9 @@ HostPool& HostPool::operator=(HostPool&& o) noexcept {
     map_bytes_ = o.map_bytes_;
     num_slots_ = o.num_slots_;
     slot_bytes_ = o.slot_bytes_;
+    region_bytes_ = o.region_bytes_;
+    fence_slots_ = o.fence_slots_;
+    view_ = o.view_;
     owner_ = o.owner_;
     locked_ = o.locked_;
     closed_ = o.closed_;
@@ -249,9 +262,10 @@ std::uint8_t* HostPool::slot(std::size_t index) const {
   return data() + index * slot_bytes_;
 }
 
-std::uint8_t* HostPool::fence_area() const { return data() + data_bytes(); }
+std::uint8_t* HostPool::fence_area() const { return data() + region_bytes_; }
 
 fence::Word* HostPool::fence(std::size_t index) const {
+  if (view()) throw_invalid("pool '" + name_ + "': a view of other slot sizes has no fences");
   if (index >= num_slots_)
     throw_invalid("slot " + std::to_string(index) + " out of range [0, " +
                   std::to_string(num_slots_) + ")");

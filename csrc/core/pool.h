@@ -24,8 +24,11 @@ class HostPool {
   // The creator unlinks the name on close.
   static HostPool create(std::size_t num_slots, std::size_t slot_bytes, std::string name,
                          PoolOptions opts = {});
-  // Maps an existing region by name, validating its header.
-  static HostPool attach(const std::string& name);
+  // Maps an existing region by name, validating its header. A non-zero
+  // view_slot_bytes sees its data area as slots of that size instead (as
+  // many as fit): the node's block sizes share one region that way, each
+  // engine addressing the slots of its own size. A view has no fences.
+  static HostPool attach(const std::string& name, std::size_t view_slot_bytes = 0);
   // Unlinks the names of kvtier pools whose creating process is gone (same
   // pid namespace only); processes still mapping them keep their memory.
   // Called by create(). Returns how many names it removed.
@@ -49,6 +52,8 @@ class HostPool {
   std::size_t num_slots() const noexcept { return num_slots_; }
   std::size_t slot_bytes() const noexcept { return slot_bytes_; }
   std::size_t data_bytes() const noexcept { return num_slots_ * slot_bytes_; }
+  // A view's slots are not the region's (attach's view_slot_bytes).
+  bool view() const noexcept { return view_; }
   bool owner() const noexcept { return owner_; }
   bool locked() const noexcept { return locked_; }
 
@@ -60,7 +65,7 @@ class HostPool {
   // The fence words, one per slot (whole pages, behind the data area).
   fence::Word* fence(std::size_t index) const;
   std::uint8_t* fence_area() const;
-  std::size_t fence_bytes() const noexcept { return fence_bytes_for(num_slots_); }
+  std::size_t fence_bytes() const noexcept { return fence_bytes_for(fence_slots_); }
   static std::size_t fence_bytes_for(std::size_t num_slots) noexcept {
     return (num_slots * sizeof(fence::Word) + kDataOffset - 1) / kDataOffset * kDataOffset;
   }
@@ -79,6 +84,9 @@ class HostPool {
   std::size_t map_bytes_ = 0;
   std::size_t num_slots_ = 0;
   std::size_t slot_bytes_ = 0;
+  std::size_t region_bytes_ = 0;  // the data area as created (header's slots x bytes)
+  std::size_t fence_slots_ = 0;   // fence words behind it: the header's slots
+  bool view_ = false;
   bool owner_ = false;
   bool locked_ = false;
   bool closed_ = false;

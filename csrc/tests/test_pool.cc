@@ -66,6 +66,25 @@ TEST(Pool, DuplicateNameRefused) {
   EXPECT_EQ(code_of([&] { HostPool::create(2, 4096, a.name()); }), StatusCode::kIoError);
 }
 
+TEST(Pool, ViewsOfOtherSlotSizesShareTheDataArea) {
+  HostPool a = HostPool::create(8, 4096, "");  // 32 KiB of data
+  HostPool v = HostPool::attach(a.name(), 12288);
+  EXPECT_TRUE(v.view());
+  EXPECT_FALSE(a.view());
+  EXPECT_EQ(v.num_slots(), 2u);  // 2 x 12 KiB fit, the last 8 KiB are no slot
+  EXPECT_EQ(v.slot_bytes(), 12288u);
+  EXPECT_EQ(v.slot(1) - v.data(), 12288);
+  std::memset(v.slot(1), 0x5a, 12288);  // a's slots 3-5
+  EXPECT_EQ(a.slot(3)[0], 0x5a);
+  EXPECT_EQ(a.slot(5)[4095], 0x5a);
+  EXPECT_EQ(a.slot(6)[0], 0);
+  EXPECT_EQ(code_of([&] { v.slot(2); }), StatusCode::kInvalidArgument);
+  EXPECT_EQ(code_of([&] { v.fence(0); }), StatusCode::kInvalidArgument);
+  EXPECT_EQ(v.fence_bytes(), a.fence_bytes());
+  EXPECT_EQ(code_of([&] { HostPool::attach(a.name(), 65536); }), StatusCode::kInvalidArgument);
+  EXPECT_FALSE(HostPool::attach(a.name(), 4096).view());  // the region's own size
+}
+
 namespace fence = kvtier::fence;
 
 TEST(Fence, WordsAreSharedAndStartFilled) {

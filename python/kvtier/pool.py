@@ -50,11 +50,16 @@ class HostPool:
         self._pool = _native.HostPool.create(num_slots, slot_bytes, name or "", mlock, prefault)
 
     @classmethod
-    def attach(cls, name: str) -> HostPool:
-        """Map the pool another process created under ``name`` (validates its header)."""
+    def attach(cls, name: str, slot_bytes: int | None = None) -> HostPool:
+        """Map the pool another process created under ``name`` (validates its
+        header). ``slot_bytes``: see its data area as slots of that size
+        instead (as many as fit; a *view*, without fences): a kvtier node's
+        block sizes share one region so."""
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"pool name must be a non-empty str, got {name!r}")
-        return cls(0, 0, _native_pool=_native.HostPool.attach(name))
+        if slot_bytes is not None and (type(slot_bytes) is not int or slot_bytes <= 0):
+            raise InvalidArgument(f"slot_bytes must be a positive int, got {slot_bytes!r}")
+        return cls(0, 0, _native_pool=_native.HostPool.attach(name, slot_bytes or 0))
 
     @staticmethod
     def reap_stale() -> int:

@@ -97,7 +97,7 @@ def store(m: NodeManager, pool: HostPool, ids: list[int], salt: int = 0) -> list
 
 def test_engine_b_loads_what_engine_a_stored_byte_for_byte(node: Node) -> None:
     a, b = node.engine(engine="a"), node.engine(engine="b")
-    pool = HostPool.attach(a.pool["pool"])
+    pool = a.attach_pool()
     assert a.pool == b.pool
     keys = store(a, pool, list(range(8)))
     assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 8
@@ -127,7 +127,7 @@ def test_with_and_without_polling_for_replies_the_bytes_are_the_same(
     try:
         a = NodeManager(n.path, NS_A, BLOCK, engine="a", spin_s=engine_spin_s)
         b = NodeManager(n.path, NS_A, BLOCK, engine="b", spin_s=engine_spin_s)
-        pool = HostPool.attach(a.pool["pool"])
+        pool = a.attach_pool()
         keys = store(a, pool, list(range(8)))
         assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 8
         spec = b.prepare_load(keys)
@@ -153,7 +153,7 @@ def test_node_refuses_a_negative_spin(tmp_path: Path) -> None:
 
 def test_a_scan_is_one_round_trip(node: Node) -> None:
     a = node.engine()
-    pool = HostPool.attach(a.pool["pool"])
+    pool = a.attach_pool()
     keys = store(a, pool, list(range(16)))
     b = NodeManager(node.path, NS_A, BLOCK, key_order=lambda k, ctx: keys[keys.index(k) + 1 :])
     before = b.client_stats.round_trips
@@ -163,7 +163,7 @@ def test_a_scan_is_one_round_trip(node: Node) -> None:
 
 def test_a_load_in_the_step_of_its_lookup_waits_for_no_reply(node: Node) -> None:
     a = node.engine(engine="a")
-    pool = HostPool.attach(a.pool["pool"])
+    pool = a.attach_pool()
     keys = store(a, pool, [1, 2])
     b = NodeManager(node.path, NS_A, BLOCK, key_order=lambda k, ctx: keys[keys.index(k) + 1 :])
     assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 2
@@ -188,7 +188,7 @@ def test_a_load_in_the_step_of_its_lookup_waits_for_no_reply(node: Node) -> None
 def test_two_models_never_share_a_key(node: Node) -> None:
     """The same key bytes from two namespaces: two blocks, each engine its own."""
     a, b = node.engine(NS_A), node.engine(NS_B)
-    pool = HostPool.attach(a.pool["pool"])
+    pool = a.attach_pool()
     store(a, pool, [1, 2], salt=0)
     assert b.lookup(key(1)) is LookupResult.MISS
     store(b, pool, [1, 2], salt=5)
@@ -203,15 +203,60 @@ def test_two_models_never_share_a_key(node: Node) -> None:
     assert all(k in (key(1), key(2)) for e in b.take_events() for k in e.keys)
 
 
-def test_block_sizes_get_their_own_pools(tmp_path: Path) -> None:
-    n = Node(tmp_path, max_classes=2)
+def test_block_sizes_share_one_region_divided_by_use(tmp_path: Path) -> None:
+    """Two block sizes in one region (16 chunks of 32 KiB): the first takes
+    all of it while alone; the second's stores then take chunks from it,
+    evicting (and announcing) its least recently used blocks, never a block
+    in use, and the bytes of neither are ever overwritten by the other."""
+    n = Node(tmp_path, max_classes=2)  # 512 KiB: 128 blocks of 4 KiB
     try:
         a = n.engine(NS_A, payload=BLOCK)
         b = n.engine(NS_B, payload=2 * BLOCK)
-        assert a.pool["pool"] != b.pool["pool"]
-        assert b.pool["slot_bytes"] == 2 * BLOCK
+        assert a.pool["pool"] == b.pool["pool"]
+        assert (a.pool["slot_bytes"], b.pool["slot_bytes"]) == (BLOCK, 2 * BLOCK)
         with pytest.raises(InvalidArgument, match="max-classes"):
             n.engine(NS_B, payload=3 * BLOCK)
+        pa, pb = a.attach_pool(), b.attach_pool()
+        a_keys = store(a, pa, list(range(128)))
+        occ = n.status()["classes"]
+        assert (occ[str(BLOCK)]["occupancy"]["chunks"], occ[str(BLOCK)]["occupancy"]["blocks"]) == (
+            16,
+            128,
+        )
+        # Every block of a pinned by its lookups: b can have no room.
+        assert [a.lookup(k) for k in a_keys] == [LookupResult.HIT] * 128
+        assert b.prepare_store([key(1000)]) is None
+        a.on_schedule_end()
+        b_keys = []
+        for r in range(8):  # 32 blocks of 8 KiB: half the region
+            ids = list(range(1000 + 4 * r, 1004 + 4 * r))
+            out = b.prepare_store([key(i) for i in ids])
+            assert out is not None and len(out.keys_to_store) == 4
+            for i, slot in zip(ids, out.store_spec.slots.tolist()):
+                pb.view(slot)[:] = np.concatenate([content(i, 7), content(i, 8)])
+            b.complete_store(out.keys_to_store)
+            b_keys += out.keys_to_store
+        b.on_schedule_end()
+        a.on_schedule_end()
+        occ = n.status()["classes"]
+        ca, cb = occ[str(BLOCK)]["occupancy"], occ[str(2 * BLOCK)]["occupancy"]
+        assert (cb["chunks"], cb["blocks"]) == (8, 32)
+        assert (ca["chunks"], ca["blocks"]) == (8, 64)
+        # a's oldest blocks went, announced; every byte left is its own.
+        gone = [k for e in a.take_events() if e.removed for k in e.keys]
+        assert sorted(gone) == sorted(a_keys[:64])
+        assert [a.lookup(k) for k in a_keys[64:]] == [LookupResult.HIT] * 64
+        spec = a.prepare_load(a_keys[64:])
+        for i, s in zip(range(64, 128), spec.slots.tolist()):
+            assert np.array_equal(pa.view(s), content(i))
+        a.complete_load(a_keys[64:])
+        a.on_schedule_end()
+        assert [b.lookup(k) for k in b_keys] == [LookupResult.HIT] * 32
+        spec = b.prepare_load(b_keys)
+        for i, s in zip(range(1000, 1032), spec.slots.tolist()):
+            assert np.array_equal(pb.view(s), np.concatenate([content(i, 7), content(i, 8)]))
+        b.complete_load(b_keys)
+        b.on_schedule_end()
     finally:
         n.stop()
         _remove_pools(n.name)
@@ -221,7 +266,7 @@ def test_lookup_hits_stay_pinned_until_the_step_ends(node: Node) -> None:
     """Another engine's offers cannot evict a block between this engine's
     lookup and its load: a full node refuses rather than evict it."""
     a, b = node.engine(engine="a"), node.engine(engine="b")
-    pool = HostPool.attach(a.pool["pool"])
+    pool = a.attach_pool()
     store(a, pool, list(range(64)))  # the node is full
     assert b.lookup(key(0)) is LookupResult.HIT
     out = a.prepare_store([key(i) for i in range(100, 164)])
@@ -239,7 +284,7 @@ from kvtier.node.client import NodeManager
 from kvtier.pool import HostPool
 import numpy as np
 m = NodeManager(sys.argv[1], sys.argv[2], int(sys.argv[3]), engine="doomed")
-pool = HostPool.attach(m.pool["pool"])
+pool = m.attach_pool()
 k = lambda i: i.to_bytes(32, "big") + bytes(4)
 done = [k(i) for i in range(4)]
 out = m.prepare_store(done)
@@ -283,7 +328,7 @@ def test_a_killed_engine_releases_its_leases_at_once(node: Node) -> None:
 
 def test_claims_on_slots_not_leased_close_only_that_connection(node: Node) -> None:
     a, b = node.engine(engine="a"), node.engine(engine="b")
-    pool = HostPool.attach(a.pool["pool"])
+    pool = a.attach_pool()
     store(a, pool, [1])
     with pytest.raises(NodeError, match="does not hold"):
         b._client.call(P.Op.COMPLETE_LOAD, [key(1)], None)  # b never loaded it
@@ -344,7 +389,7 @@ def _fuzz_frames(n: int, rng: random.Random) -> Iterator[bytes]:
 
 def test_fuzz_10000_frames_leave_the_node_and_other_engines_unaffected(node: Node) -> None:
     a = node.engine(engine="steady")
-    pool = HostPool.attach(a.pool["pool"])
+    pool = a.attach_pool()
     store(a, pool, [1])
     rng = random.Random(59)
     sent = 0
@@ -407,7 +452,7 @@ def test_engines_keep_serving_without_the_node_and_reattach(
     p = _node_proc(path, name)
     try:
         a = NodeManager(path, NS_A, BLOCK, engine="a")
-        pool = HostPool.attach(a.pool["pool"])
+        pool = a.attach_pool()
         store(a, pool, [1])
         p.send_signal(signal.SIGKILL)
         p.wait()
@@ -441,14 +486,15 @@ def test_status_command_and_prometheus_metrics(tmp_path: Path) -> None:
     n = Node(tmp_path, metrics_port=port)
     try:
         a = n.engine(engine="metered")
-        pool = HostPool.attach(a.pool["pool"])
+        pool = a.attach_pool()
         store(a, pool, [1, 2, 3])
         out = subprocess.run(
             [sys.executable, "-m", "kvtier.cli", "node", "status", "--socket", n.path],
             capture_output=True, text=True, check=True, timeout=60,
         )  # fmt: skip
         assert "engines attached: 1" in out.stdout and "metered" in out.stdout
-        assert f"class {BLOCK} B: pool kvnode-{n.name}-{BLOCK}, 3/64 blocks" in out.stdout
+        assert f"region kvnode-{n.name}-region: 16 chunks of 16384 B, 15 free" in out.stdout
+        assert f"class {BLOCK} B: 3 blocks in 1 chunks (at most 64 blocks)" in out.stdout
         deadline = time.monotonic() + 10
         while True:  # the snapshot is refreshed once a second
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
@@ -459,6 +505,7 @@ def test_status_command_and_prometheus_metrics(tmp_path: Path) -> None:
             a.on_schedule_end()
             time.sleep(0.2)
         assert "kvtier_node_engines 1.0" in lines
+        assert 'kvtier_node_chunks{block_bytes="4096"} 1.0' in lines
     finally:
         n.stop()
         _remove_pools(n.name)

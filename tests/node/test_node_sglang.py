@@ -29,7 +29,6 @@ from kvtier.bench.sglang_standin import fill, host_pool, page_bytes, token_indic
 from kvtier.errors import InvalidArgument  # noqa: E402
 from kvtier.node import client as node_client  # noqa: E402
 from kvtier.node.client import NodeManager, NodeUnavailable  # noqa: E402
-from kvtier.pool import HostPool  # noqa: E402
 from kvtier.tiers.base import LookupResult  # noqa: E402
 from test_node import BLOCK, NS_A, Node, _node_proc, _remove_pools, content, store  # noqa: E402
 
@@ -105,8 +104,10 @@ def test_models_and_block_sizes_never_share_a_page(tmp_path: Path, sglang_open: 
         # A vLLM engine on the same node: a block size of its own, and
         # SGLang's page keys are never its keys.
         v = NodeManager(n.path, NS_A, BLOCK, engine="vllm")
-        vpool = HostPool.attach(v.pool["pool"])
-        assert v.pool["pool"] != a._mover().pool.name
+        vpool = v.attach_pool()
+        # One region, each block size its own slots of it.
+        assert v.pool["pool"] == a._mover().pool.name
+        assert (vpool.slot_bytes, a._mover().pool.slot_bytes) == (BLOCK, MHA_PAGE)
         vkeys = store(v, vpool, [0, 1])
         assert [v.lookup(k + b"\0\0\0\0") for k in (b"s0", b"s1")] == [LookupResult.MISS] * 2
         assert a.batch_exists(["s0", "s1", "s2", "s3"]) == 4

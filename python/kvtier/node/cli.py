@@ -44,7 +44,13 @@ def add_node_parser(sub: Any) -> None:
         "--max-classes",
         type=int,
         default=1,
-        help="block sizes served at once (each gets an equal share of --host-bytes); default 1",
+        help="block sizes served at once (sharing --host-bytes by use); default 1",
+    )
+    n.add_argument(
+        "--chunk-bytes",
+        default="64MiB",
+        help="the unit in which block sizes share --host-bytes (default 64MiB; less for a "
+        "region of under 16 chunks); a block may not be larger",
     )
     n.add_argument("--name", default="node", help="names this node's pools (default node)")
     n.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
@@ -87,6 +93,7 @@ def _cmd_node(args: argparse.Namespace) -> int:
             allow_uids=args.allow_uid,
             allow_gids=args.allow_gid,
             max_classes=args.max_classes,
+            chunk_bytes=parse_size(args.chunk_bytes),
             name=args.name,
             metrics_port=args.metrics_port,
             spin_us=args.spin_us,
@@ -112,6 +119,12 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(st, indent=2))
         return 0
     print(f"node {st['node']} at {st['socket']}, up {st['uptime_s']} s, host {st['host_bytes']} B")
+    r = st.get("region")
+    if r:
+        print(
+            f"region {r['pool']}: {r['chunks']} chunks of {r['chunk_bytes']} B, {r['free_chunks']} "
+            f"free, {r['reassigned']} moved between block sizes"
+        )
     print(f"engines attached: {len(st['engines'])}")
     for e in st["engines"]:
         print(
@@ -121,8 +134,9 @@ def _status(args: argparse.Namespace) -> int:
     for b, c in st["classes"].items():
         o = c["occupancy"]
         print(
-            f"class {b} B: pool {c['pool']}, {o['blocks']}/{o['capacity']} blocks, "
-            f"pinned {o['pinned']}, writing {o['writing']}; stats {c['stats']}"
+            f"class {b} B: {o['blocks']} blocks in {o.get('chunks', '?')} chunks "
+            f"(at most {o['capacity']} blocks), pinned {o['pinned']}, writing {o['writing']}; "
+            f"stats {c['stats']}"
         )
     print(f"counters: {st['counters']}")
     return 0

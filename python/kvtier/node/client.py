@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from kvtier.node.protocol import Op
 from kvtier.scheduler.specs import HostSpec, PrepareStoreResult
 from kvtier.scheduler.stats import ManagerStats
 from kvtier.tiers.base import LookupResult, TierEvent
+
+if TYPE_CHECKING:
+    from kvtier.pool import HostPool
 
 log = logging.getLogger("kvtier.node")
 # Bytes asked of one recv: below glibc's mmap threshold. recv(1 MiB)
@@ -252,6 +255,14 @@ class NodeManager:
         self._next_attach = 0.0
         self.pool: dict[str, Any] = self._attach()  # raises when no node answers at start
         self.host = _HostView(int(self.pool["num_slots"]))
+
+    def attach_pool(self) -> HostPool:
+        """This process's mapping of the node's pool, as slots of this
+        engine's block size (the node's block sizes share one region).
+        Blocks while it maps."""
+        from kvtier.pool import HostPool
+
+        return HostPool.attach(str(self.pool["pool"]), slot_bytes=int(self.pool["slot_bytes"]))
 
     # -- connection ----------------------------------------------------------
     def _attach(self) -> dict[str, Any]:

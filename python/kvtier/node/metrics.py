@@ -58,10 +58,17 @@ class NodeMetrics:
         occ = GaugeMetricFamily(
             "kvtier_node_blocks", "host blocks by state", labels=["block_bytes", "state"]
         )
+        chunks = GaugeMetricFamily(
+            "kvtier_node_chunks", "chunks of the region a block size holds", labels=["block_bytes"]
+        )
         for b, cls in st.get("classes", {}).items():
             for state, v in cls["occupancy"].items():
-                occ.add_metric([b, state], v)
+                if state == "chunks":
+                    chunks.add_metric([b], v)
+                elif state != "chunk_bytes":
+                    occ.add_metric([b, state], v)
         yield occ
+        yield chunks
 
     def close(self) -> None:
         self._http.shutdown()

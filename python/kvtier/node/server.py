@@ -32,8 +32,9 @@ from typing import Any
 
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.node import protocol as P
+from kvtier.node.chunks import CHUNK_BYTES, Region, chunk_bytes_for
 from kvtier.node.protocol import Op, ProtocolError
-from kvtier.node.state import Session, SlotClass, build_class
+from kvtier.node.state import Session, SlotClass, build_class, open_region
 from kvtier.options.tiers import DiskOptions, HostOptions, RemoteOptions
 
 log = logging.getLogger("kvtier.node")
@@ -52,8 +53,10 @@ MAX_UNREAD = 64 << 20
 @dataclass
 class NodeConfig:
     """What ``kvtier node`` is started with. ``host`` sizes the host tier of
-    every slot class together: ``max_classes`` block sizes at most, each
-    getting an equal share of ``host.bytes`` when its first engine attaches."""
+    every slot class together: ``max_classes`` block sizes at most, sharing
+    one region of ``host.bytes`` that they divide by use, a chunk of
+    ``chunk_bytes`` at a time (:mod:`kvtier.node.chunks`); a disk tier is
+    split between them evenly."""
 
     host: HostOptions
     disk: DiskOptions | None = None
@@ -63,6 +66,9 @@ class NodeConfig:
     allow_uids: list[int] = field(default_factory=list)
     allow_gids: list[int] = field(default_factory=list)
     max_classes: int = 1
+    # The region's unit of division between block sizes (smaller for a
+    # small --host-bytes: see kvtier.node.chunks.chunk_bytes_for).
+    chunk_bytes: int = CHUNK_BYTES
     name: str = "node"
     metrics_port: int | None = None
     # After serving a request, poll for the next one this long before
@@ -96,6 +102,7 @@ class NodeServer:
             raise InvalidArgument(f"max_classes must be >= 1, got {config.max_classes}")
         self.config = config
         self.classes: dict[int, SlotClass] = {}
+        self.region: Region | None = None  # created when the first engine attaches
         self.conns: dict[int, _Conn] = {}
         self.counters = {
             "attached": 0,
@@ -212,10 +219,12 @@ class NodeServer:
             os.unlink(self.config.socket_path)
         for c in self.classes.values():
             c.manager.shutdown()
-            # The pool's name stays: engines' workers keep it mapped, and a
-            # node started again serves them from it (build_class).
-            c.pool.disown()
             c.pool.close()
+        if self.region is not None:
+            # The region's name stays: engines' workers keep it mapped, and a
+            # node started again serves them from it (open_region).
+            self.region.pool.disown()
+            self.region.pool.close()
         if self.metrics is not None:
             self.metrics.close()
 
@@ -414,12 +423,11 @@ class NodeServer:
 
         cfg = TierConfig(self.config.disk, self.config.remote)
         slot_bytes = -(-host_slot_bytes(payload_bytes, cfg) // 64) * 64
-        assert self.config.host.bytes is not None
-        share = int(self.config.host.bytes) // self.config.max_classes
-        num_slots = share // slot_bytes
-        if num_slots < 1:
+        region = self._region()
+        if slot_bytes > region.chunk_bytes:
             raise InvalidArgument(
-                f"--host-bytes gives each block size {share} B, less than one block of {slot_bytes} B"
+                f"a block of {slot_bytes} B is larger than this node's chunks of "
+                f"{region.chunk_bytes} B: start it with a larger --chunk-bytes (and --host-bytes)"
             )
         if cfg.disk is not None:
             sub = os.path.join(str(cfg.disk.path), f"class-{payload_bytes}")
@@ -430,17 +438,33 @@ class NodeServer:
             )
             cfg = TierConfig(disk, cfg.remote)
         lower = build_lower_tiers(cfg, payload_bytes, f"kvtier-node-{payload_bytes}")
-        name = f"kvnode-{_safe(self.config.name)}-{payload_bytes}"
-        c = build_class(payload_bytes, slot_bytes, num_slots, name, self.config.host, lower)
-        self._share_pool(c)
+        c = build_class(payload_bytes, slot_bytes, region, self.config.host, lower)
         self.classes[payload_bytes] = c
-        log.info("kvtier node: class %d B: pool %s, %d slots", payload_bytes, name, num_slots)
+        log.info(
+            "kvtier node: class %d B: slots of %d B in %s", payload_bytes, slot_bytes, c.pool.name
+        )
         return c
 
-    def _share_pool(self, c: SlotClass) -> None:
+    def _region(self) -> Region:
+        if self.region is None:
+            assert self.config.host.bytes is not None
+            total = int(self.config.host.bytes)
+            chunk = chunk_bytes_for(total, self.config.chunk_bytes)
+            name = f"kvnode-{_safe(self.config.name)}-region"
+            self.region = open_region(name, total // chunk * chunk, chunk)
+            self._share_pool(self.region.pool.name)
+            log.info(
+                "kvtier node: region %s, %d chunks of %d B",
+                name,
+                self.region.pool.num_slots,
+                chunk,
+            )
+        return self.region
+
+    def _share_pool(self, name: str) -> None:
         """The pool file as the socket: readable and writable by the group
         allowed to attach (engines of other users map it)."""
-        path = f"/dev/shm/{c.pool.name}"
+        path = f"/dev/shm/{name}"
         with contextlib.suppress(OSError):
             if self.config.socket_group is not None:
                 os.chown(path, -1, _gid(self.config.socket_group))
@@ -529,6 +553,7 @@ class NodeServer:
             "host_bytes": self.config.host.bytes,
             "engines": engines,
             "namespaces": namespaces,
+            "region": self.region.status() if self.region is not None else None,
             "classes": classes,
             "counters": dict(self.counters),
         }

@@ -25,11 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.errors import InvalidArgument
+from kvtier.node.chunks import ChunkedHostTier, Region
 from kvtier.node.protocol import ProtocolError
 from kvtier.pool import HostPool
 from kvtier.scheduler.manager import TieredOffloadingManager
 from kvtier.tiers.base import LookupResult, LowerTier
-from kvtier.tiers.host import HostTier
 
 log = logging.getLogger("kvtier.node")
 
@@ -83,7 +84,10 @@ class SlotClass:
 
     def occupancy(self) -> dict[str, int]:
         occ = self.manager.occupancy()
-        occ["capacity"] = int(self.manager.host.capacity or 0)
+        host = self.manager.host
+        occ["capacity"] = int(host.capacity or 0)
+        if isinstance(host, ChunkedHostTier):
+            occ.update(host.region.occupancy(host))
         return occ
 
 
@@ -329,36 +333,48 @@ class Session:
         }
 
 
-def build_class(
-    payload_bytes: int,
-    slot_bytes: int,
-    num_slots: int,
-    pool_name: str,
-    host_options: Any,
-    lower: list[LowerTier],
-) -> SlotClass:
-    """A slot class: its pool (created, or reattached when a node before this
-    one left it: engines' workers keep their mapping of it across a node
-    restart), its host tier and a manager over them. Blocks while the pool
-    is created and pre-faulted."""
+def open_region(name: str, region_bytes: int, chunk_bytes: int) -> Region:
+    """The node's region of ``region_bytes`` (whole chunks of
+    ``chunk_bytes``): created, or adopted when a node before this one left
+    it (engines' workers keep their mapping of it across a node restart).
+    Blocks while the region is created and pre-faulted."""
     from kvtier.errors import IoError
 
+    chunks = region_bytes // chunk_bytes
+    if chunks < 1:
+        raise InvalidArgument(
+            f"--host-bytes {region_bytes} is less than one chunk of {chunk_bytes} B"
+        )
     try:
-        pool = HostPool(num_slots, slot_bytes, name=pool_name)
+        pool = HostPool(chunks, chunk_bytes, name=name)
     except IoError as e:
         import errno
 
         if e.errno != errno.EEXIST:
             raise
-        pool = HostPool.attach(pool_name)
-        if (pool.num_slots, pool.slot_bytes) != (num_slots, slot_bytes):
+        pool = HostPool.attach(name)
+        if (pool.num_slots, pool.slot_bytes) != (chunks, chunk_bytes):
             got = (pool.num_slots, pool.slot_bytes)
             pool.close()
-            raise ProtocolError(
-                f"pool {pool_name} left by an earlier node is {got[0]} x {got[1]} B, this node "
-                f"wants {num_slots} x {slot_bytes} B: remove /dev/shm/{pool_name} "
-                "once no engine uses it"
+            raise InvalidArgument(
+                f"region {name} left by an earlier node is {got[0]} x {got[1]} B, this node "
+                f"wants {chunks} x {chunk_bytes} B: remove /dev/shm/{name} once no engine uses it"
             ) from None
-    host = HostTier.from_options(pool, num_slots, host_options)
+    return Region(pool)
+
+
+def build_class(
+    payload_bytes: int,
+    slot_bytes: int,
+    region: Region,
+    host_options: Any,
+    lower: list[LowerTier],
+) -> SlotClass:
+    """A slot class: its view of the region (slots of ``slot_bytes``), its
+    host tier (slots a chunk at a time, as it needs room) and a manager
+    over them."""
+    pool = region.view(slot_bytes)
+    host = ChunkedHostTier(pool, host_options, region)
     manager = TieredOffloadingManager(host, lower, promote=True)
+    host.on_evicted = manager._core.removed
     return SlotClass(payload_bytes, pool, manager)

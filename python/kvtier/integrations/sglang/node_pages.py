@@ -65,7 +65,6 @@ class NodePageMover(PageCopies):
     ) -> None:
         from kvtier.engine import Engine
         from kvtier.node.client import NodeManager
-        from kvtier.pool import HostPool
 
         self.plan = plan
         self.writes = writes
@@ -74,7 +73,7 @@ class NodePageMover(PageCopies):
         self._lock = threading.Lock()  # the node connection, the copies' results
         self._copied: dict[int, bool] = {}
         try:
-            self.pool = HostPool.attach(str(self.node.pool["pool"]))
+            self.pool = self.node.attach_pool()
             self.slot_bytes = self.pool.slot_bytes
             # Host copies on two threads; the pool and SGLang's tensor are its
             # regions, and its budget holds every slot at once.

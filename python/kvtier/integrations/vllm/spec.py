@@ -223,7 +223,9 @@ class KVTierOffloadingSpec(OffloadingSpec):
             if self.node is not None:  # the node's: never created here
                 from kvtier.pool import HostPool
 
-                self._pool = HostPool.attach(self.pool_name)
+                # As slots of this engine's size: the node's block sizes
+                # share one region.
+                self._pool = HostPool.attach(self.pool_name, slot_bytes=self.slot_bytes)
             else:
                 self._pool = _open_pool(self.pool_name, self.num_slots, self.slot_bytes)
         return self._pool
