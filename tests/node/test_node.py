@@ -205,8 +205,9 @@ def test_two_models_never_share_a_key(node: Node) -> None:
 
 def test_block_sizes_share_one_region_divided_by_use(tmp_path: Path) -> None:
     """Two block sizes in one region (16 chunks of 32 KiB): the first takes
-    all of it while alone; the second's stores then take chunks from it,
-    evicting (and announcing) its least recently used blocks, never a block
+    all of it while alone; the second then takes chunks from it as its
+    regret (stores of blocks it had to evict) says it needs them, evicting
+    (and announcing) the first's least recently used blocks, never a block
     in use, and the bytes of neither are ever overwritten by the other."""
     n = Node(tmp_path, max_classes=2)  # 512 KiB: 128 blocks of 4 KiB
     try:
@@ -227,33 +228,40 @@ def test_block_sizes_share_one_region_divided_by_use(tmp_path: Path) -> None:
         assert [a.lookup(k) for k in a_keys] == [LookupResult.HIT] * 128
         assert b.prepare_store([key(1000)]) is None
         a.on_schedule_end()
-        b_keys = []
-        for r in range(8):  # 32 blocks of 8 KiB: half the region
-            ids = list(range(1000 + 4 * r, 1004 + 4 * r))
-            out = b.prepare_store([key(i) for i in ids])
-            assert out is not None and len(out.keys_to_store) == 4
-            for i, slot in zip(ids, out.store_spec.slots.tolist()):
-                pb.view(slot)[:] = np.concatenate([content(i, 7), content(i, 8)])
-            b.complete_store(out.keys_to_store)
-            b_keys += out.keys_to_store
-        b.on_schedule_end()
+        # b comes back to 16 blocks of 8 KiB (4 chunks' worth), a to none
+        # of its own: b's stores of blocks it had to evict are its regret,
+        # and it takes a's chunks (its least recently used blocks first).
+        for _ in range(4):
+            for r in range(4):
+                ids = list(range(1000 + 4 * r, 1004 + 4 * r))
+                out = b.prepare_store([key(i) for i in ids])
+                assert out is not None
+                for i, slot in zip(ids, out.store_spec.slots.tolist()):
+                    pb.view(slot)[:] = np.concatenate([content(i, 7), content(i, 8)])
+                b.complete_store(out.keys_to_store)
+                b.on_schedule_end()
         a.on_schedule_end()
-        occ = n.status()["classes"]
-        ca, cb = occ[str(BLOCK)]["occupancy"], occ[str(2 * BLOCK)]["occupancy"]
-        assert (cb["chunks"], cb["blocks"]) == (8, 32)
-        assert (ca["chunks"], ca["blocks"]) == (8, 64)
+        occ = n.status()
+        ca, cb = (
+            occ["classes"][str(BLOCK)]["occupancy"],
+            occ["classes"][str(2 * BLOCK)]["occupancy"],
+        )
+        assert (cb["chunks"], cb["blocks"]) == (4, 16)
+        assert (ca["chunks"], ca["blocks"]) == (12, 96)
+        assert occ["region"]["reassigned"] == 4
         # a's oldest blocks went, announced; every byte left is its own.
         gone = [k for e in a.take_events() if e.removed for k in e.keys]
-        assert sorted(gone) == sorted(a_keys[:64])
-        assert [a.lookup(k) for k in a_keys[64:]] == [LookupResult.HIT] * 64
-        spec = a.prepare_load(a_keys[64:])
-        for i, s in zip(range(64, 128), spec.slots.tolist()):
+        assert sorted(gone) == sorted(a_keys[:32])
+        assert [a.lookup(k) for k in a_keys[32:]] == [LookupResult.HIT] * 96
+        spec = a.prepare_load(a_keys[32:])
+        for i, s in zip(range(32, 128), spec.slots.tolist()):
             assert np.array_equal(pa.view(s), content(i))
-        a.complete_load(a_keys[64:])
+        a.complete_load(a_keys[32:])
         a.on_schedule_end()
-        assert [b.lookup(k) for k in b_keys] == [LookupResult.HIT] * 32
+        b_keys = [key(i) for i in range(1000, 1016)]
+        assert [b.lookup(k) for k in b_keys] == [LookupResult.HIT] * 16
         spec = b.prepare_load(b_keys)
-        for i, s in zip(range(1000, 1032), spec.slots.tolist()):
+        for i, s in zip(range(1000, 1016), spec.slots.tolist()):
             assert np.array_equal(pb.view(s), np.concatenate([content(i, 7), content(i, 8)]))
         b.complete_load(b_keys)
         b.on_schedule_end()
