@@ -327,87 +327,37 @@ class NodeServer:
         code refuses is counted and logged there, as the client has gone on."""
         if not isinstance(msg, list) or not msg or type(msg[0]) is not int:
             raise ProtocolError("a request is [op, args...]")
-        try:
-            op = Op(msg[0])
-        except ValueError:
-            raise ProtocolError(f"unknown op {msg[0]}") from None
-        reply = self._serve(conn, op, msg[1:])
-        if op not in P.NO_REPLY:
+        code = msg[0]
+        reply = self._serve(conn, code, msg[1:])
+        if code not in _NO_REPLY:
             return reply
         if reply[0] is not True:
             self.counters["refused_calls"] += 1
-            log.warning("kvtier node: %s of pid %d refused: %s", op.name, conn.pid, reply[2])
+            log.warning("kvtier node: %s of pid %d refused: %s", Op(code).name, conn.pid, reply[2])
         return None
 
-    def _serve(self, conn: _Conn, op: Op, args: list[Any]) -> list[Any]:
+    def _serve(self, conn: _Conn, code: int, args: list[Any]) -> list[Any]:
         self.counters["requests"] += 1
-        s = conn.session
         try:
-            if op is Op.HELLO:
-                return [True, self._hello(conn, *args)]
-            if op is Op.STATUS:
-                _nargs(args, 0)
-                return [True, self.status()]
-            if op is Op.POOL:
-                _nargs(args, 1)
-                return [True, self._pool_info(_int(args[0], "payload_bytes"))]
+            handler = _HANDLERS.get(code)
+            if handler is None:
+                raise ProtocolError(f"unknown op {code}")
+            nargs, call, needs_session = handler
+            if nargs is not None and len(args) != nargs:
+                raise ProtocolError(f"expected {nargs} arguments, got {len(args)}")
+            if not needs_session:
+                return [True, call(self, conn, args)]
+            s = conn.session
             if s is None:
-                raise ProtocolError(f"{op.name} before HELLO")
+                raise ProtocolError(f"{Op(code).name} before HELLO")
             s.calls += 1
-            if op is Op.LOOKUP:
-                _nargs(args, 2)
-                return [True, s.lookup(P.keys_arg(args[0]), P.req_arg(args[1]))]
-            if op is Op.CONTAINS:
-                _nargs(args, 1)
-                return [True, s.contains(P.keys_arg(args[0]))]
-            if op is Op.LOAD_PRESENT:
-                _nargs(args, 2)
-                return [True, s.load_present(P.keys_arg(args[0]), P.req_arg(args[1]))]
-            if op is Op.PREPARE_LOAD:
-                _nargs(args, 2)
-                return [True, s.prepare_load(P.keys_arg(args[0]), P.req_arg(args[1]))]
-            if op is Op.LOAD_PINNED:
-                _nargs(args, 2)
-                s.load_pinned(P.keys_arg(args[0]), P.req_arg(args[1]))
-                return [True, None]
-            if op is Op.COMPLETE_LOAD:
-                _nargs(args, 2)
-                s.complete_load(P.keys_arg(args[0]), P.req_arg(args[1]))
-                return [True, None]
-            if op is Op.LOAD_FAILED:
-                _nargs(args, 1)
-                s.load_failed(P.int_list_arg(args[0]))
-                return [True, None]
-            if op is Op.TOUCH:
-                _nargs(args, 1)
-                s.touch(P.keys_arg(args[0]))
-                return [True, None]
-            if op is Op.PREPARE_STORE:
-                _nargs(args, 2)
-                return [True, s.prepare_store(P.keys_arg(args[0]), P.req_arg(args[1]))]
-            if op is Op.COMPLETE_STORE:
-                _nargs(args, 3)
-                if type(args[2]) is not bool:
-                    raise ProtocolError("success must be a bool")
-                s.complete_store(P.keys_arg(args[0]), P.req_arg(args[1]), args[2])
-                return [True, None]
-            if op is Op.REQUEST_FINISHED:
-                _nargs(args, 1)
-                s.request_finished(P.req_arg(args[0]))
-                return [True, None]
-            if op is Op.STEP_END:
-                _nargs(args, 0)
-                return [True, s.step_end()]
-            if op is Op.RESET:
-                _nargs(args, 0)
-                return [True, s.reset()]
+            return [True, call(s, args)]
         except ProtocolError:
             raise
         except KvtierError as e:
             # The tier code refused the call (a key that is not a HIT, ...):
             # the engine sees the same error it would see in-process.
             return [False, type(e).__name__, str(e)]
-        raise ProtocolError(f"op {op.name} not served")
 
     def _class_for(self, payload_bytes: int) -> SlotClass:
         c = self.classes.get(payload_bytes)
@@ -590,3 +540,39 @@ def _pool_id(name: str) -> int:
         return os.stat(f"/dev/shm/{name}").st_ino
     except OSError:
         return 0
+
+
+def _success(v: Any) -> bool:
+    if type(v) is not bool:
+        raise ProtocolError("success must be a bool")
+    return v
+
+
+# Each request's handler by its op's number: (its arguments' count, None:
+# any; the call; whether it needs an attached session). One place lists
+# every op's arity and handler, checked complete below.
+_HANDLERS: dict[int, tuple[int | None, Any, bool]] = {
+    Op.HELLO: (None, lambda srv, conn, a: srv._hello(conn, *a), False),
+    Op.STATUS: (0, lambda srv, conn, a: srv.status(), False),
+    Op.POOL: (1, lambda srv, conn, a: srv._pool_info(_int(a[0], "payload_bytes")), False),
+    Op.LOOKUP: (2, lambda s, a: s.lookup(P.keys_arg(a[0]), P.req_arg(a[1])), True),
+    Op.CONTAINS: (1, lambda s, a: s.contains(P.keys_arg(a[0])), True),
+    Op.LOAD_PRESENT: (2, lambda s, a: s.load_present(P.keys_arg(a[0]), P.req_arg(a[1])), True),
+    Op.PREPARE_LOAD: (2, lambda s, a: s.prepare_load(P.keys_arg(a[0]), P.req_arg(a[1])), True),
+    Op.LOAD_PINNED: (2, lambda s, a: s.load_pinned(P.keys_arg(a[0]), P.req_arg(a[1])), True),
+    Op.COMPLETE_LOAD: (2, lambda s, a: s.complete_load(P.keys_arg(a[0]), P.req_arg(a[1])), True),
+    Op.LOAD_FAILED: (1, lambda s, a: s.load_failed(P.int_list_arg(a[0])), True),
+    Op.TOUCH: (1, lambda s, a: s.touch(P.keys_arg(a[0])), True),
+    Op.PREPARE_STORE: (2, lambda s, a: s.prepare_store(P.keys_arg(a[0]), P.req_arg(a[1])), True),
+    Op.COMPLETE_STORE: (
+        3,
+        lambda s, a: s.complete_store(P.keys_arg(a[0]), P.req_arg(a[1]), _success(a[2])),
+        True,
+    ),
+    Op.REQUEST_FINISHED: (1, lambda s, a: s.request_finished(P.req_arg(a[0])), True),
+    Op.STEP_END: (0, lambda s, a: s.step_end(), True),
+    Op.RESET: (0, lambda s, a: s.reset(), True),
+}
+_HANDLERS = {int(k): v for k, v in _HANDLERS.items()}
+assert set(_HANDLERS) == {int(o) for o in Op}, "every op has a handler"
+_NO_REPLY = frozenset(int(o) for o in P.NO_REPLY)
