@@ -18,9 +18,9 @@ its own (evicting that chunk's blocks, provided none of them is in use);
 otherwise it evicts its own, as a tier of fixed size does. Regret is halved
 each time a region's worth has been counted. ``bench/node_memory_split.py``
 (two models' multi-turn streams, hit bytes against a fixed even split,
-medians of 3): 1.52x when one model is nearly idle, 1.05x when the
-large-block model needs a quarter of the memory, 0.97x where the even split
-is about the best fixed one (bench/results/node-memory/). The bytes stored
+medians of 3): 1.52x when one model is nearly idle, 1.04x when the
+large-block model needs a quarter of the memory, 0.97-0.99x where the even
+split is about the best fixed one (bench/results/node-memory/). The bytes stored
 and loaded as the measure of use instead moved memory to whoever stored most
 and churned: 0.68x on a workload where the even split is near the best. The
 ghost list spans 4 chunks: a class whose working set exceeds what it holds by
@@ -210,22 +210,24 @@ class ChunkedHostTier(HostTier):
         super().add_writing_many(keys, slots, parents)
 
     def give_chunk(self) -> int | None:
-        """Give up one chunk: one with no block in it, else the chunk of a
-        least recently used block whose blocks can all go now (evicted, and
-        announced through ``on_evicted``); None when none can."""
-        owner, held = self._owner, self._held
+        """Give up one chunk: one whose slots are all free, else the chunk of
+        a least recently used block whose slots are each free or hold a
+        block that can go now (evicted, and announced through
+        ``on_evicted``); None when none can. A slot neither free nor held by
+        a block (a detached block's, still under a job) keeps its chunk."""
+        owner, held, entries = self._owner, self._held, self.entries
+        free = set(self._free)
         best = None
         for c in self.chunks:
-            if not any(s in owner or s in held for s in self.slots_of(c)):
+            if all(s in free for s in self.slots_of(c)):
                 best = c
                 break
         if best is None:
             seen: set[int] = set()
-            entries = self.entries
             for i, key in enumerate(self.policy.victims()):
-                e = entries.get(key)
                 if i >= _RECLAIM_SCAN:
                     break
+                e = entries.get(key)
                 if e is None:
                     continue
                 c = e.slot * self.pool.slot_bytes // self.region.chunk_bytes  # type: ignore[union-attr]
@@ -233,14 +235,17 @@ class ChunkedHostTier(HostTier):
                     continue
                 seen.add(c)
                 slots = self.slots_of(c)
+                if any(s in held for s in slots) or not all(
+                    s in free or (s in owner and entries[owner[s]].evictable) for s in slots
+                ):
+                    continue
                 keys = [owner[s] for s in slots if s in owner]
-                if all(entries[k].evictable for k in keys) and not any(s in held for s in slots):
-                    for k in keys:
-                        self.drop(k)
-                    self._forget(keys)
-                    self.on_evicted(keys)
-                    best = c
-                    break
+                for k in keys:
+                    self.drop(k)
+                self._forget(keys)
+                self.on_evicted(keys)
+                best = c
+                break
         if best is None:
             return None
         gone = set(self.slots_of(best))

@@ -1,0 +1,55 @@
+"""The node's region divided between block sizes (kvtier.node.chunks),
+on its tier code alone: which chunks a block size may give up."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from kvtier.node.chunks import ChunkedHostTier, Region, chunk_bytes_for
+from kvtier.node.state import open_region
+from kvtier.options.tiers import HostOptions
+from kvtier.scheduler.manager import TieredOffloadingManager
+
+
+@pytest.fixture
+def region() -> Iterator[Region]:
+    r = open_region(f"kvtest-chunks-{os.getpid()}", 16 * 4096, 4096)  # 16 chunks of 4 KiB
+    yield r
+    r.pool.close()
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + bytes(4)
+
+
+def test_chunk_sizes_follow_the_region() -> None:
+    assert chunk_bytes_for(64 << 30) == 64 << 20
+    assert chunk_bytes_for(1 << 20) == 64 << 10  # 16 chunks at least
+    assert chunk_bytes_for(8192) == 4096  # never under a page
+
+
+def test_a_chunk_with_a_slot_still_in_use_is_never_given(region: Region) -> None:
+    t = ChunkedHostTier(region.view(1024), HostOptions(), region)  # 4 slots a chunk
+    m = TieredOffloadingManager(t, events=False)
+    out = m.prepare_store([key(i) for i in range(64)])  # the whole region
+    assert out is not None and len(t.chunks) == 16
+    m.complete_store(out.keys_to_store)
+    chunk = {k: t.entries[k].slot // 4 for k in out.keys_to_store}
+    # One block detached but still under a job (its slot neither free nor a
+    # block's), another pinned by a load: their chunks stay.
+    limbo, pinned = chunk[key(0)], chunk[key(40)]
+    limbo_slot = t.entries[key(0)].slot
+    t.detach(key(0))
+    m.prepare_load([key(40)])
+    # The least recently used block's chunk goes, past those two.
+    want = next(chunk[key(i)] for i in range(1, 64) if chunk[key(i)] not in (limbo, pinned))
+    assert t.give_chunk() == want
+    assert all(k not in t.entries for k, c in chunk.items() if c == want)
+    assert len(t.chunks) == 15 and region.owner[want] is None
+    assert not any(s // 4 == want for s in t._free)
+    assert t.entries[key(40)].ref == 1
+    m.complete_load([key(40)])
+    t.release_slot(limbo_slot)  # the job ended: its slot free again
+    assert limbo in {t.give_chunk() for _ in range(14)}  # it may go now
