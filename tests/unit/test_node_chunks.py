@@ -53,3 +53,22 @@ def test_a_chunk_with_a_slot_still_in_use_is_never_given(region: Region) -> None
     m.complete_load([key(40)])
     t.release_slot(limbo_slot)  # the job ended: its slot free again
     assert limbo in {t.give_chunk() for _ in range(14)}  # it may go now
+
+
+def test_regret_is_a_block_stored_or_promoted_again_after_its_eviction(region: Region) -> None:
+    t = ChunkedHostTier(region.view(4096), HostOptions(), region)  # 16 slots at most
+    other = ChunkedHostTier(region.view(2048), HostOptions(), region)
+    m = TieredOffloadingManager(t, events=False)
+    for i in range(20):  # the region has 16 slots: 4 evicted, none regretted yet
+        out = m.prepare_store([key(i)])
+        assert out is not None
+        m.complete_store(out.keys_to_store)
+    assert (len(t.chunks), t.regret) == (16, 0)
+    out = m.prepare_store([key(0), key(1)])  # evicted before: stored again
+    assert out is not None and t.regret == 2 * 4096
+    slot = out.store_spec.slots.tolist()[0]
+    m.complete_store(out.keys_to_store)
+    t.drop(key(0))  # as if gone, then promoted back from a lower tier
+    t._forget([key(0)])
+    t.add_writing(key(0), slot, source="disk")
+    assert t.regret == 3 * 4096 and other.regret == 0

@@ -18,8 +18,8 @@ its own (evicting that chunk's blocks, provided none of them is in use);
 otherwise it evicts its own, as a tier of fixed size does. Regret is halved
 each time a region's worth has been counted. ``bench/node_memory_split.py``
 (two models' multi-turn streams, hit bytes against a fixed even split,
-medians of 3): 1.52x when one model is nearly idle, 1.04x when the
-large-block model needs a quarter of the memory, 0.97-0.99x where the even
+medians of 3): 1.52x when one model is nearly idle, 1.05x when the
+large-block model needs a quarter of the memory, 0.97-1.00x where the even
 split is about the best fixed one (bench/results/node-memory/). The bytes stored
 and loaded as the measure of use instead moved memory to whoever stored most
 and churned: 0.68x on a workload where the even split is near the best. The
@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable
 from kvtier.errors import InvalidArgument
 from kvtier.options.tiers import HostOptions
 from kvtier.pool import HostPool
-from kvtier.tiers.host import HostTier
+from kvtier.tiers.host import HostEntry, HostTier
 
 #: The default chunk: what one block size gives up or gets at a time.
 CHUNK_BYTES = 64 << 20
@@ -192,9 +192,14 @@ class ChunkedHostTier(HostTier):
         return got
 
     def _forget(self, evicted: list[bytes]) -> None:
+        """Remember ``evicted``; trimmed by :meth:`_trim` once the store
+        that evicted them has been checked (it may bring back the oldest)."""
         ghost = self._ghost
         for k in evicted:
             ghost[k] = None
+
+    def _trim(self) -> None:
+        ghost = self._ghost
         while len(ghost) > self._ghost_max:
             ghost.popitem(last=False)
 
@@ -207,7 +212,19 @@ class ChunkedHostTier(HostTier):
             for k in back:
                 del ghost[k]
             self.region.regret(self, len(back) * self.pool.slot_bytes)  # type: ignore[union-attr]
+        self._trim()
         super().add_writing_many(keys, slots, parents)
+
+    def add_writing(
+        self, key: bytes, slot: int, source: str = "host", parent: bytes | None = None
+    ) -> HostEntry:
+        # A promotion: a block read back from a lower tier after its eviction
+        # here is regret too.
+        if key in self._ghost:
+            del self._ghost[key]
+            self.region.regret(self, self.pool.slot_bytes)  # type: ignore[union-attr]
+        self._trim()
+        return super().add_writing(key, slot, source, parent)
 
     def give_chunk(self) -> int | None:
         """Give up one chunk: one whose slots are all free, else the chunk of
@@ -243,6 +260,7 @@ class ChunkedHostTier(HostTier):
                 for k in keys:
                     self.drop(k)
                 self._forget(keys)
+                self._trim()
                 self.on_evicted(keys)
                 best = c
                 break
