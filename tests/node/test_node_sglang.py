@@ -143,8 +143,10 @@ def test_stores_and_loads_from_two_threads_at_once(node: Node, sglang_open: Any)
     results: dict[str, list[list[bool]]] = {"set": [], "get": []}
 
     def writer() -> None:
+        # 16 keys of its own, stored twice: with the reader's 8, 24 pages in
+        # the node's 32 (nothing evicted whichever thread runs first).
         for r in range(8):
-            keys = [f"w{r}-{i}" for i in range(4)]
+            keys = [f"w{r % 4}-{i}" for i in range(4)]
             results["set"].append(s.batch_set_v1(keys, token_indices(pool, 16, 4)))
 
     def reader() -> None:
@@ -158,7 +160,7 @@ def test_stores_and_loads_from_two_threads_at_once(node: Node, sglang_open: Any)
         t.join(60)
     assert results == {"set": [[True] * 4] * 8, "get": [[True] * 8] * 8}
     assert [page_bytes(pool, 32 + i) for i in range(8)] == [page_bytes(pool, i) for i in range(8)]
-    assert s.batch_exists([f"w7-{i}" for i in range(4)]) == 4
+    assert s.batch_exists([f"w{r}-{i}" for r in range(4) for i in range(4)]) == 16
     occ = node.status()["classes"][str(MHA_PAGE)]["occupancy"]
     assert (occ["pinned"], occ["writing"]) == (0, 0)
 
