@@ -226,3 +226,15 @@ def test_pages_asked_about_or_loaded_leave_nothing_held_at_the_node(
     assert s.batch_exists(old) == 0 and s.batch_exists(new) == PAGES
     occ = node.status()["classes"][str(MHA_PAGE)]["occupancy"]
     assert (occ["blocks"], occ["pinned"], occ["writing"]) == (PAGES, 0, 0)
+
+
+def test_clear_drops_the_namespaces_pages_from_the_node_only(node: Node, sglang_open: Any) -> None:
+    pa, a = _engine(sglang_open, node.path, 12)
+    po, other = _engine(sglang_open, node.path, 13, model="org/other")
+    keys = [f"c{i}" for i in range(4)]
+    assert a.batch_set_v1(keys, token_indices(pa, 0, 4)) == [True] * 4
+    assert other.batch_set_v1(keys, token_indices(po, 0, 4)) == [True] * 4
+    a.clear()
+    assert a.batch_exists(keys) == 0 and other.batch_exists(keys) == 4
+    occ = node.status()["classes"][str(MHA_PAGE)]["occupancy"]
+    assert occ["blocks"] == 4
