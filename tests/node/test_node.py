@@ -185,6 +185,25 @@ def test_a_load_in_the_step_of_its_lookup_waits_for_no_reply(node: Node) -> None
         c._client.call(P.Op.LOAD_PINNED, [keys[0]], None)
 
 
+def test_only_engines_that_take_kv_events_get_them(node: Node) -> None:
+    a = node.engine(engine="a")
+    quiet = NodeManager(node.path, NS_A, BLOCK, engine="quiet", events=False)
+    cls = node.server.classes[BLOCK]
+    keys = store(quiet, a.attach_pool(), [1, 2])
+    a.on_schedule_end()
+    quiet.on_schedule_end()
+    assert [e.keys for e in a.take_events() if not e.removed] == [keys]
+    assert quiet.take_events() == []
+    a.shutdown()  # the last engine that takes events: the node makes none now
+    deadline = time.monotonic() + 5
+    while cls.manager.options.events:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    store(quiet, quiet.attach_pool(), [3])
+    assert cls.manager._core.events == []
+    quiet.shutdown()
+
+
 def test_two_models_never_share_a_key(node: Node) -> None:
     """The same key bytes from two namespaces: two blocks, each engine its own."""
     a, b = node.engine(NS_A), node.engine(NS_B)

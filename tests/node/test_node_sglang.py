@@ -238,3 +238,16 @@ def test_clear_drops_the_namespaces_pages_from_the_node_only(node: Node, sglang_
     assert a.batch_exists(keys) == 0 and other.batch_exists(keys) == 4
     occ = node.status()["classes"][str(MHA_PAGE)]["occupancy"]
     assert occ["blocks"] == 4
+
+
+def test_an_sglang_only_node_keeps_no_events(node: Node, sglang_open: Any) -> None:
+    """SGLang takes no KV events and never ends a step: the node makes none
+    for it, where they would pile up (a store and an eviction each)."""
+    pool, s = _engine(sglang_open, node.path, 14, pages=2 * PAGES)
+    for r in range(3):  # 3 x 32 pages through a node of 32: two thirds evicted
+        keys = [f"e{r}-{i}" for i in range(PAGES)]
+        assert s.batch_set_v1(keys, token_indices(pool, 0, PAGES)) == [True] * PAGES
+    cls = node.server.classes[MHA_PAGE]
+    assert cls.manager.options.events is False and cls.manager._core.events == []
+    (session,) = cls.sessions
+    assert session.events == [] and session.events_dropped == 0

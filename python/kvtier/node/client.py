@@ -222,7 +222,9 @@ class NodeManager:
     of :class:`~kvtier.scheduler.manager.TieredOffloadingManager`, each call
     one request to the node. ``namespace`` (32 hex digits) and
     ``payload_bytes`` choose what this engine shares; ``key_order`` (as the
-    in-process manager's) lists the keys a request looks up after a key."""
+    in-process manager's) lists the keys a request looks up after a key;
+    ``events``: whether this engine takes KV events (the node makes none for
+    engines that do not)."""
 
     def __init__(
         self,
@@ -233,8 +235,10 @@ class NodeManager:
         key_order: Any = None,
         timeout_s: float = 5.0,
         spin_s: float = SPIN_S,
+        events: bool = True,
     ) -> None:
         self.path = path
+        self.events = events
         self.namespace = namespace
         self.payload_bytes = payload_bytes
         self.engine = engine
@@ -267,7 +271,9 @@ class NodeManager:
     # -- connection ----------------------------------------------------------
     def _attach(self) -> dict[str, Any]:
         info = dict(
-            self._client.call(Op.HELLO, P.VERSION, self.namespace, self.payload_bytes, self.engine)
+            self._client.call(
+                Op.HELLO, P.VERSION, self.namespace, self.payload_bytes, self.engine, self.events
+            )
         )
         return info
 

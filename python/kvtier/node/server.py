@@ -202,9 +202,15 @@ class NodeServer:
                     for c in self.classes.values():
                         c.manager.on_schedule_end()
                         c.distribute_events()
-                if self.metrics is not None and time.monotonic() >= metrics_due:
+                if time.monotonic() >= metrics_due:
                     metrics_due = time.monotonic() + 1.0
-                    self.metrics.refresh()
+                    # Engines that never end a step (SGLang) leave the
+                    # classes' events (their lower tiers' too) to the node:
+                    # handed on once a second, kept only by who takes them.
+                    for c in self.classes.values():
+                        c.distribute_events()
+                    if self.metrics is not None:
+                        self.metrics.refresh()
         finally:
             self._close_all()
 
@@ -431,8 +437,13 @@ class NodeServer:
         }
 
     def _hello(self, conn: _Conn, *args: Any) -> dict[str, Any]:
-        _nargs(list(args), 4)
-        version, namespace, payload_bytes, engine = args
+        # A fifth argument (later clients): whether the engine takes KV events.
+        if len(args) not in (4, 5):
+            raise ProtocolError(f"expected 4 or 5 arguments, got {len(args)}")
+        version, namespace, payload_bytes, engine = args[:4]
+        events = args[4] if len(args) == 5 else True
+        if type(events) is not bool:
+            raise ProtocolError("events must be a bool")
         if version != P.VERSION:
             raise ProtocolError(f"protocol version {version!r}, this node speaks {P.VERSION}")
         if not isinstance(namespace, str) or len(namespace) != 32:
@@ -447,7 +458,7 @@ class NodeServer:
             raise ProtocolError("HELLO twice")
         info = self._pool_info(_int(payload_bytes, "payload_bytes"))
         c = self.classes[payload_bytes]
-        conn.session = Session(c, namespace, engine, conn.pid, conn.uid)
+        conn.session = Session(c, namespace, engine, conn.pid, conn.uid, events)
         self.counters["attached"] += 1
         log.info(
             "kvtier node: engine %s (pid %d, uid %d) attached, namespace %s, class %d B",

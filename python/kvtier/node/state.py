@@ -17,6 +17,7 @@ completed is dropped, so a half-written slot never becomes readable).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections import Counter
@@ -62,6 +63,14 @@ class SlotClass:
     def name(self) -> str:
         return f"class-{self.payload_bytes}"
 
+    def events_wanted(self) -> None:
+        """The class's manager makes host events only while an attached
+        engine takes them (the options are read at each call)."""
+        m = self.manager
+        want = any(s.wants_events for s in self.sessions)
+        if m.options.events != want:
+            m.options = m._core.options = dataclasses.replace(m.options, events=want)
+
     def distribute_events(self) -> None:
         """Hand the manager's events to the sessions of the namespace each
         key belongs to (prefix stripped); removals named only by event id
@@ -98,7 +107,9 @@ _session_ids = itertools.count(1)
 class Session:
     """One attached engine (its scheduler process's connection)."""
 
-    def __init__(self, cls: SlotClass, namespace: str, engine: str, pid: int, uid: int) -> None:
+    def __init__(
+        self, cls: SlotClass, namespace: str, engine: str, pid: int, uid: int, events: bool = True
+    ) -> None:
         self.id = next(_session_ids)
         self.cls = cls
         self.namespace = namespace
@@ -117,7 +128,11 @@ class Session:
         self.events: list[list[Any]] = []
         self.events_dropped = 0
         self.calls = 0
+        # Whether the engine takes KV events (vLLM's enable_kv_cache_events;
+        # SGLang takes none): the class makes them only while one does.
+        self.wants_events = events
         cls.sessions.add(self)
+        cls.events_wanted()
 
     # -- keys ----------------------------------------------------------
     def _node_keys(self, keys: list[bytes]) -> list[bytes]:
@@ -130,6 +145,8 @@ class Session:
     def add_event(
         self, tier: str, removed: bool, keys: list[bytes], ids: list[bytes], meta: bool
     ) -> None:
+        if not self.wants_events:
+            return
         if len(self.events) >= MAX_EVENTS:
             self.events_dropped += 1
             del self.events[0]
@@ -343,6 +360,7 @@ class Session:
             m.complete_store(list(self.writes), None, False)
             self.writes.clear()
         self.cls.sessions.discard(self)
+        self.cls.events_wanted()
         m.on_schedule_end()
         self.cls.distribute_events()
         return released

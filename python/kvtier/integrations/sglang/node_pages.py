@@ -69,7 +69,8 @@ class NodePageMover(PageCopies):
         self.plan = plan
         self.writes = writes
         self.pending_wait_s = pending_wait_s
-        self.node = NodeManager(path, namespace, plan.page_bytes, engine=engine)
+        # SGLang asks, it is not told: no KV events.
+        self.node = NodeManager(path, namespace, plan.page_bytes, engine=engine, events=False)
         self._lock = threading.Lock()  # the node connection, the copies' results
         self._copied: dict[int, bool] = {}
         try:

@@ -242,6 +242,9 @@ class KVTierOffloadingSpec(OffloadingSpec):
                     self.payload_bytes,
                     engine=self.engine_id,
                     key_order=LookupOrder(self.windows),
+                    # As in-process: the node makes none for an engine
+                    # without KV events (vLLM drops what it drains then).
+                    events=bool(self.kv_events_config.enable_kv_cache_events),
                 ),
                 stats_path=self.kvtier.engine.stats_path,
             )
