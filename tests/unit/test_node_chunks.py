@@ -72,3 +72,33 @@ def test_regret_is_a_block_stored_or_promoted_again_after_its_eviction(region: R
     t._forget([key(0)])
     t.add_writing(key(0), slot, source="disk")
     assert t.regret == 3 * 4096 and other.regret == 0
+
+
+def test_the_memory_split_benchmark_reports_both_configurations(tmp_path: object) -> None:
+    """bench/node_memory_split.py on a tiny run: every scenario, both
+    configurations, the region's chunks all held at the end."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "node_memory_split.py"
+    spec = importlib.util.spec_from_file_location("node_memory_split", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules[spec.name]
+    out = Path(str(tmp_path)) / "split.json"
+    assert (
+        mod.main(["--region-mib", "16", "--turns", "400", "--seeds", "1", "--json", str(out)]) == 0
+    )
+    r = json.loads(out.read_text())
+    assert set(r["scenarios"]) == {"balanced", "skewed", "idle"}
+    for sc in r["scenarios"].values():
+        (run,) = sc["runs"]
+        assert run["fixed"]["hit_bytes"] > 0 and run["by_use"]["hit_bytes"] > 0
+        assert sum(run["by_use"]["chunks"]) == 16
+        assert run["ratio"] == round(run["by_use"]["hit_bytes"] / run["fixed"]["hit_bytes"], 3)
