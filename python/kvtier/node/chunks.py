@@ -13,9 +13,10 @@ gets a free chunk when it needs room. When none is free, memory goes where
 it would have saved the most: each class remembers the keys it evicted last
 (a ghost list), and a store of one of them is *regret*, bytes that more
 memory would have kept. A class that needs room takes a chunk from the
-class with the least regret per chunk held, if that is clearly less than
-its own (evicting that chunk's blocks, provided none of them is in use);
-otherwise it evicts its own, as a tier of fixed size does. Regret is halved
+class with the least regret, if that is a quarter of its own or less
+(evicting that chunk's blocks, provided none of them is in use); otherwise
+it evicts its own, as a tier of fixed size does. A class without a chunk
+gets one whatever its regret (it has nothing to evict yet). Regret is halved
 each time a region's worth has been counted. ``bench/node_memory_split.py``
 (two models' multi-turn streams, hit bytes against a fixed even split,
 medians of 3): 1.52x when one model is nearly idle, 1.05x when the
@@ -45,8 +46,10 @@ MIN_CHUNKS = 16
 # Blocks of a class whose chunk is looked at before it gives up none: the
 # least recently used ones, so the chunk it gives is a cold one.
 _RECLAIM_SCAN = 256
-# A class takes a chunk from another only when its regret per chunk is this
-# many times the other's: chunks do not go back and forth between equals.
+# A class takes a chunk from another only when its regret is this many
+# times the other's: chunks do not go back and forth between near equals
+# (margins of 1-2 moved hundreds of chunks a run, each move evicting a
+# chunk's blocks, hot ones included: bench/results/node-memory/).
 _MARGIN = 4
 # The keys a class remembers having evicted: as many as this many chunks
 # hold of its blocks (its regret is then what that much more memory would
@@ -100,8 +103,8 @@ class Region:
 
     def grow(self, tier: ChunkedHostTier, short: int) -> None:
         """Give ``tier`` chunks until it has ``short`` more free slots, free
-        chunks first, then chunks of tiers that hold more than their share
-        of use; stops when none can be had."""
+        chunks first, then chunks of tiers with far less regret (see the
+        module); stops when none can be had."""
         while short > 0:
             c = self._free.pop() if self._free else self._reclaim_for(tier)
             if c is None:
@@ -113,18 +116,15 @@ class Region:
             short -= len(slots)
 
     def _reclaim_for(self, tier: ChunkedHostTier) -> int | None:
-        def density(t: ChunkedHostTier) -> float:
-            return t.regret
-
-        mine = density(tier)
+        mine = tier.regret
         if mine <= 0 and tier.chunks:
             return None  # nothing says more room would have helped: it evicts its own
-        for other in sorted(self.tiers, key=density):
+        for other in sorted(self.tiers, key=lambda t: t.regret):
             if other is tier or len(other.chunks) <= 1:
                 continue
             # A class without a chunk gets one whatever its regret: it can
             # have none until it holds blocks to evict.
-            if tier.chunks and density(other) * _MARGIN >= mine:
+            if tier.chunks and other.regret * _MARGIN >= mine:
                 return None
             c = other.give_chunk()
             if c is not None:
