@@ -38,6 +38,52 @@ def cycles(m: Any, keys: list[bytes], batch: int, scan: bool = False) -> float:
     return len(keys) / (time.perf_counter() - t0)
 
 
+def index_cycles(index: Any, keys: list[bytes], batch: int) -> float:
+    """The host tier's own share of :func:`cycles` (no manager around it),
+    in keys per second: allocate for a batch (its keys protected), write it
+    as one chain, make it ready, pin it and unpin it, ``batch`` keys a call.
+    ``index``: a :class:`HostTier` or a native ``HostIndex`` (the same calls
+    but the writes' readiness, which HostTier takes with the entries)."""
+    native = not isinstance(index, HostTier)
+    prev: bytes | None = None
+    t0 = time.perf_counter()
+    for i in range(0, len(keys), batch):
+        ks = keys[i : i + batch]
+        got = index.allocate(len(ks), set(ks), False)
+        assert got is not None
+        parents = [prev, *ks[:-1]]
+        index.add_writing_many(ks, got[0], parents)
+        if native:
+            index.mark_ready_many(ks)
+        else:
+            entries = index.entries
+            index.mark_ready_many(ks, [entries[k] for k in ks])
+        index.pin_many(ks)
+        index.unpin_many(ks)
+        prev = ks[-1]
+    return len(keys) / (time.perf_counter() - t0)
+
+
+def run_index(keys: list[bytes], capacity: int, repeats: int) -> dict[str, Any]:
+    """:func:`index_cycles` of the Python host tier (LRU) and of the native
+    index, interleaved run by run, at 1 and 16 keys a call: medians and the
+    native's ratio."""
+    from kvtier._native import HostIndex
+
+    out: dict[str, Any] = {}
+    for batch in (1, 16):
+        py, nat = [], []
+        for _ in range(repeats):
+            py.append(index_cycles(HostTier(None, capacity, policy="lru"), keys, batch))
+            nat.append(index_cycles(HostIndex(capacity), keys, batch))
+        out[f"host_tier_keys_per_s_batch{batch}"] = round(statistics.median(py))
+        out[f"native_index_keys_per_s_batch{batch}"] = round(statistics.median(nat))
+        out[f"native_index_ratio_batch{batch}"] = round(
+            statistics.median(n / p for n, p in zip(nat, py)), 2
+        )
+    return out
+
+
 def run_manager(num_keys: int = 1_000_000, policy: str = "lru", repeats: int = 3) -> dict[str, Any]:
     keys = [i.to_bytes(32, "little") + b"\0\0\0\0" for i in range(num_keys)]
     capacity = max(1, num_keys // 2)  # half fits: the second half evicts
@@ -54,6 +100,8 @@ def run_manager(num_keys: int = 1_000_000, policy: str = "lru", repeats: int = 3
             m = TieredOffloadingManager(HostTier(None, capacity, policy=policy))
             rates.append(cycles(m, keys, batch))
         out[f"cycles_per_s_batch{batch}"] = round(statistics.median(rates))
+    if policy == "lru":  # the native index keeps LRU order only
+        out.update(run_index(keys, capacity, repeats))
     out["ops_per_s"] = out["cycles_per_s_batch1"]
     out["us_per_cycle"] = round(1e6 / out["ops_per_s"], 3)
     out["note"] = (

@@ -1,0 +1,302 @@
+// The host tier's native index (core/policy/host_index.h) as
+// kvtier._native.HostIndex: the same bookkeeping over Python keys. A dict
+// maps each resident key to its slot (Python's own hash of the key, cached
+// in a bytes object, and insertion order for whoever lists the keys); a
+// vector maps slots back to keys. Calls take a whole offer's keys at once:
+// the per-key work is a dict lookup and the core's few stores.
+#include "../core/policy/host_index.h"
+
+#include <string>
+#include <utility>
+
+#include "bindings.h"
+
+namespace kvtier::bindings {
+
+namespace {
+
+using policy::HostIndex;
+
+class KeyedHostIndex {
+ public:
+  KeyedHostIndex(std::int64_t capacity, bool prefix_aware)
+      : core_(checked_capacity(capacity), prefix_aware),
+        keys_(static_cast<std::size_t>(capacity)) {}
+
+  // The slot of a resident key, -1 when it is not; throws what the dict
+  // raised for a key it cannot hash.
+  std::int32_t slot_of(PyObject* key) const {
+    PyObject* v = PyDict_GetItemWithError(slots_.ptr(), key);
+    if (v == nullptr) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      return -1;
+    }
+    return static_cast<std::int32_t>(PyLong_AsLong(v));
+  }
+
+  std::int32_t resident_slot(PyObject* key) const {
+    const std::int32_t s = slot_of(key);
+    if (s < 0) throw py::key_error(py::repr(key).cast<std::string>());
+    return s;
+  }
+
+  void add(PyObject* key, std::int32_t slot, PyObject* parent, std::uint8_t source) {
+    if (slot < 0 || static_cast<std::uint32_t>(slot) >= core_.capacity())
+      throw Error(StatusCode::kInvalidArgument, "host index: slot " + std::to_string(slot) +
+                                                    " outside 0.." +
+                                                    std::to_string(core_.capacity() - 1));
+    if (core_.resident(slot))
+      throw Error(StatusCode::kInvalidArgument,
+                  "host index: slot " + std::to_string(slot) + " holds a block already");
+    if (slot_of(key) >= 0)
+      throw Error(StatusCode::kInvalidArgument, "host index: key is resident already");
+    const std::int32_t p = parent == Py_None ? HostIndex::kNil : slot_of(parent);
+    py::object s = py::reinterpret_steal<py::object>(PyLong_FromLong(slot));
+    if (!s || PyDict_SetItem(slots_.ptr(), key, s.ptr()) != 0) throw py::error_already_set();
+    keys_[static_cast<std::size_t>(slot)] = py::reinterpret_borrow<py::object>(key);
+    core_.add_writing(slot, p, source);
+  }
+
+  // The key leaves the index (its slot stays allocated): its slot, -1 when
+  // it was not resident.
+  std::int32_t detach(PyObject* key) {
+    const std::int32_t s = slot_of(key);
+    if (s < 0) return -1;
+    core_.remove(s);
+    py::object keep = std::move(keys_[static_cast<std::size_t>(s)]);
+    if (PyDict_DelItem(slots_.ptr(), key) != 0) throw py::error_already_set();
+    return s;
+  }
+
+  py::object key_at(std::int32_t slot) const {
+    if (slot < 0 || static_cast<std::uint32_t>(slot) >= core_.capacity() || !core_.resident(slot))
+      return py::none();
+    return keys_[static_cast<std::size_t>(slot)];
+  }
+
+  // Victims (or an allocation) with `prot` (a set, frozenset or dict of
+  // keys; anything else iterable is made a set first) protected.
+  template <typename F>
+  auto with_protected(const py::object& prot, F&& call) {
+    py::object set = prot;
+    if (!prot.is_none() && !PySet_Check(prot.ptr()) && !PyFrozenSet_Check(prot.ptr()) &&
+        !PyDict_Check(prot.ptr()))
+      set = py::reinterpret_steal<py::object>(PySet_New(prot.ptr()));
+    if (!set) throw py::error_already_set();
+    bool failed = false;
+    HostIndex::Protected fn = [&](std::int32_t s) {
+      const int in = PySequence_Contains(set.ptr(), keys_[static_cast<std::size_t>(s)].ptr());
+      if (in < 0) failed = true;
+      return in != 0;  // an error protects: nothing is evicted on a failed check
+    };
+    auto out = call(set.is_none() || PyObject_Length(set.ptr()) == 0 ? nullptr : &fn);
+    if (failed) throw py::error_already_set();
+    return out;
+  }
+
+  py::list keys_of(const std::vector<std::int32_t>& slots) const {
+    py::list out(slots.size());
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      PyList_SET_ITEM(out.ptr(), static_cast<py::ssize_t>(i),
+                      keys_[static_cast<std::size_t>(slots[i])].inc_ref().ptr());
+    return out;
+  }
+
+  HostIndex core_;
+  py::dict slots_;
+  std::vector<py::object> keys_;
+  std::vector<std::int32_t> out_slots_, out_victims_;  // reused by allocate
+
+ private:
+  static std::uint32_t checked_capacity(std::int64_t capacity) {
+    if (capacity < 1 || capacity > 0x7ffffffe)
+      throw Error(
+          StatusCode::kInvalidArgument,
+          "host index capacity must be 1 to 2^31 - 2 slots, got " + std::to_string(capacity));
+    return static_cast<std::uint32_t>(capacity);
+  }
+};
+
+std::uint8_t source_id(int source) {
+  if (source < 0 || source > 255)
+    throw Error(StatusCode::kInvalidArgument,
+                "host index: source must be 0..255, got " + std::to_string(source));
+  return static_cast<std::uint8_t>(source);
+}
+
+}  // namespace
+
+void bind_host_index(py::module_& m) {
+  using K = KeyedHostIndex;
+  py::class_<K>(m, "HostIndex",
+                "The host tier's blocks by key: slots, states, prefix chains and LRU "
+                "order (core/policy/host_index.h). Not thread-safe: one caller at a time.")
+      .def(py::init<std::int64_t, bool>(), py::arg("capacity"), py::arg("prefix_aware") = true)
+      .def_property_readonly("capacity", [](const K& k) { return k.core_.capacity(); })
+      .def_property_readonly("free_slots", [](const K& k) { return k.core_.free_slots(); })
+      .def_property_readonly("held_slots", [](const K& k) { return k.core_.held_slots(); })
+      .def_property_readonly(
+          "slots", [](const K& k) { return k.slots_; },
+          "The dict of resident keys to their slots, in the order they were written. "
+          "Read it; never change it.")
+      .def("__len__", [](const K& k) { return k.core_.size(); })
+      .def("__contains__",
+           [](const K& k, const py::object& key) { return k.slot_of(key.ptr()) >= 0; })
+      .def(
+          "slot", [](const K& k, const py::object& key) { return k.slot_of(key.ptr()); },
+          "The key's slot; -1 when it is not resident.")
+      .def(
+          "owner", [](const K& k, std::int32_t slot) { return k.key_at(slot); },
+          "The key whose block is in `slot` (None: none).")
+      .def(
+          "entry",
+          [](const K& k, const py::object& key) -> py::object {
+            const std::int32_t s = k.slot_of(key.ptr());
+            if (s < 0) return py::none();
+            const HostIndex& c = k.core_;
+            return py::make_tuple(s, c.ref(s), c.cascading(s), c.source(s), c.fill(s), c.fence(s));
+          },
+          "(slot, ref, cascading, source, fill, fence) of a resident key, else None.")
+      .def(
+          "add_writing",
+          [](K& k, const py::object& key, std::int32_t slot, int source, const py::object& parent) {
+            k.add(key.ptr(), slot, parent.ptr(), source_id(source));
+          },
+          py::arg("key"), py::arg("slot"), py::arg("source") = 0, py::arg("parent") = py::none(),
+          "`key` is being written into `slot` (ref -1, not in the LRU); `parent`: its "
+          "chain predecessor, linked when resident.")
+      .def(
+          "add_writing_many",
+          [](K& k, const py::list& keys, const py::list& slots, const py::object& parents) {
+            const py::ssize_t n = PyList_GET_SIZE(keys.ptr());
+            if (PyList_GET_SIZE(slots.ptr()) != n ||
+                (!parents.is_none() && PyObject_Length(parents.ptr()) != n))
+              throw Error(StatusCode::kInvalidArgument,
+                          "add_writing_many: keys, slots and parents differ in length");
+            py::list ps = parents.is_none() ? py::list() : py::list(parents);
+            for (py::ssize_t i = 0; i < n; ++i) {
+              const long s = PyLong_AsLong(PyList_GET_ITEM(slots.ptr(), i));
+              if (s == -1 && PyErr_Occurred()) throw py::error_already_set();
+              k.add(PyList_GET_ITEM(keys.ptr(), i), static_cast<std::int32_t>(s),
+                    parents.is_none() ? Py_None : PyList_GET_ITEM(ps.ptr(), i), 0);
+            }
+          },
+          py::arg("keys"), py::arg("slots"), py::arg("parents") = py::none(),
+          "add_writing of each key into its slot, with its parent (None: no chains).")
+      .def(
+          "mark_ready_many",
+          [](K& k, const py::iterable& keys) {
+            for (py::handle key : keys) k.core_.mark_ready(k.resident_slot(key.ptr()));
+          },
+          "Each key is ready (ref 0) and the most recently used, in order.")
+      .def(
+          "pin_many",
+          [](K& k, const py::list& keys) {
+            const py::ssize_t n = PyList_GET_SIZE(keys.ptr());
+            std::vector<std::int32_t> slots(static_cast<std::size_t>(n));
+            for (py::ssize_t i = 0; i < n; ++i) {
+              const std::int32_t s = k.resident_slot(PyList_GET_ITEM(keys.ptr(), i));
+              if (k.core_.ref(s) < 0)
+                throw Error(StatusCode::kInvalidArgument, "pin_many: a key is not ready");
+              slots[static_cast<std::size_t>(i)] = s;
+            }
+            py::list out(n);
+            for (py::ssize_t i = 0; i < n; ++i) {
+              const std::int32_t s = slots[static_cast<std::size_t>(i)];
+              k.core_.pin(s);
+              PyList_SET_ITEM(out.ptr(), i, PyLong_FromLong(k.core_.source(s)));
+            }
+            return out;
+          },
+          "Pins each key (all ready: checked first, a refused call changes nothing) for a "
+          "load and uses it: the source of each, in order.")
+      .def(
+          "unpin_many",
+          [](K& k, const py::iterable& keys) {
+            for (py::handle key : keys) {
+              const std::int32_t s = k.slot_of(key.ptr());
+              if (s >= 0) k.core_.unpin(s);
+            }
+          },
+          "One load's pin of each resident key ends (keys not pinned: no-op).")
+      .def(
+          "touch_many",
+          [](K& k, const py::iterable& keys) {
+            for (py::handle key : keys) {
+              const std::int32_t s = k.slot_of(key.ptr());
+              if (s >= 0) k.core_.touch(s);
+            }
+          },
+          "Each resident ready key becomes the most recently used, in order.")
+      .def(
+          "allocate",
+          [](K& k, std::int64_t n, const py::object& prot, bool partial) -> py::object {
+            if (n < 0) throw Error(StatusCode::kInvalidArgument, "allocate: n must be >= 0");
+            const bool ok = k.with_protected(prot, [&](const HostIndex::Protected* fn) {
+              return k.core_.allocate(static_cast<std::size_t>(n), partial, fn, &k.out_slots_,
+                                      &k.out_victims_);
+            });
+            if (!ok) return py::none();
+            // The victims' keys before they leave the dict (and their slots).
+            py::list victims = k.keys_of(k.out_victims_);
+            for (py::handle key : victims)
+              if (PyDict_DelItem(k.slots_.ptr(), key.ptr()) != 0) throw py::error_already_set();
+            for (std::int32_t v : k.out_victims_)
+              k.keys_[static_cast<std::size_t>(v)] = py::object();
+            return py::make_tuple(py::cast(k.out_slots_), victims);
+          },
+          py::arg("n"), py::arg("protected") = py::none(), py::arg("partial") = false,
+          "(slots, evicted keys) for `n` new blocks, evicting ready unprotected blocks "
+          "(chains' tails first); None, changing nothing, when not enough can go (with "
+          "`partial`: as many as can be had, None only when that is none).")
+      .def(
+          "victims",
+          [](K& k, std::int64_t need, const py::object& prot) {
+            if (need < 0) throw Error(StatusCode::kInvalidArgument, "victims: need must be >= 0");
+            k.with_protected(prot, [&](const HostIndex::Protected* fn) {
+              k.core_.victims(static_cast<std::size_t>(need), fn, &k.out_victims_);
+              return true;
+            });
+            return k.keys_of(k.out_victims_);
+          },
+          py::arg("need"), py::arg("protected") = py::none(),
+          "Up to `need` keys allocate() would evict, in its order; changes nothing.")
+      .def(
+          "detach", [](K& k, const py::object& key) { return k.detach(key.ptr()); },
+          "The key leaves the index, its slot still allocated: its slot (-1: not resident).")
+      .def("release", [](K& k, std::int32_t slot) { k.core_.release(slot); })
+      .def("hold", [](K& k, std::int32_t slot) { k.core_.hold(slot); })
+      .def("unhold", [](K& k, std::int32_t slot) { k.core_.unhold(slot); })
+      .def("is_held", [](const K& k, std::int32_t slot) { return k.core_.held(slot); })
+      .def("set_ref", [](K& k, std::int32_t slot, std::int32_t ref) { k.core_.set_ref(slot, ref); })
+      .def("add_cascading",
+           [](K& k, std::int32_t slot, std::int32_t d) { k.core_.add_cascading(slot, d); })
+      .def("set_source",
+           [](K& k, std::int32_t slot, int source) { k.core_.set_source(slot, source_id(source)); })
+      .def("set_fill",
+           [](K& k, std::int32_t slot, int fill, std::uint64_t fence) {
+             if (fill < 0 || fill > 2)
+               throw Error(StatusCode::kInvalidArgument, "set_fill: fill must be 0, 1 or 2");
+             k.core_.set_fill(slot, static_cast<std::uint8_t>(fill), fence);
+           })
+      .def(
+          "mark_ready", [](K& k, std::int32_t slot) { k.core_.mark_ready(slot); },
+          "The block in `slot` is ready and the most recently used.")
+      .def(
+          "lru", [](const K& k) { return k.keys_of(k.core_.lru_order()); },
+          "Ready keys, least recently used first.")
+      .def(
+          "kids",
+          [](const K& k, const py::object& key) {
+            return k.keys_of(k.core_.kids(k.resident_slot(key.ptr())));
+          },
+          "The resident keys after `key` in its chains, as written.")
+      .def(
+          "parent",
+          [](const K& k, const py::object& key) {
+            return k.key_at(k.core_.parent(k.resident_slot(key.ptr())));
+          },
+          "The resident key before `key` in its chain (None: none).");
+}
+
+}  // namespace kvtier::bindings
