@@ -21,7 +21,8 @@ class KeyedHostIndex {
  public:
   KeyedHostIndex(std::int64_t capacity, bool prefix_aware)
       : core_(checked_capacity(capacity), prefix_aware),
-        keys_(static_cast<std::size_t>(capacity)) {}
+        keys_(static_cast<std::size_t>(capacity)),
+        parent_keys_(static_cast<std::size_t>(capacity)) {}
 
   // The slot of a resident key, -1 when it is not; throws what the dict
   // raised for a key it cannot hash.
@@ -55,6 +56,25 @@ class KeyedHostIndex {
     if (!s || PyDict_SetItem(slots_.ptr(), key, s.ptr()) != 0) throw py::error_already_set();
     keys_[static_cast<std::size_t>(slot)] = py::reinterpret_borrow<py::object>(key);
     core_.add_writing(slot, p, source);
+    // The parent's key, kept after the parent leaves (host.py's entries
+    // keep it too): a lower tier is told a block's parent when the block
+    // cascades, and the parent may be on that tier by then.
+    if (core_.parent(slot) != HostIndex::kNil)
+      parent_keys_[static_cast<std::size_t>(slot)] = py::reinterpret_borrow<py::object>(parent);
+  }
+
+  // What a lookup of `key` finds here: 0 not resident, 1 ready (HIT), 2
+  // being written, 3 a fenced fill that failed (a MISS).
+  int answer(PyObject* key) const {
+    const std::int32_t s = slot_of(key);
+    if (s < 0) return 0;
+    if (core_.ref(s) < 0) return 2;
+    return core_.fill(s) == HostIndex::kFillFailed ? 3 : 1;
+  }
+
+  void forget(std::int32_t slot) {
+    keys_[static_cast<std::size_t>(slot)] = py::object();
+    parent_keys_[static_cast<std::size_t>(slot)] = py::object();
   }
 
   // The key leaves the index (its slot stays allocated): its slot, -1 when
@@ -64,6 +84,7 @@ class KeyedHostIndex {
     if (s < 0) return -1;
     core_.remove(s);
     py::object keep = std::move(keys_[static_cast<std::size_t>(s)]);
+    forget(s);
     if (PyDict_DelItem(slots_.ptr(), key) != 0) throw py::error_already_set();
     return s;
   }
@@ -105,6 +126,7 @@ class KeyedHostIndex {
   HostIndex core_;
   py::dict slots_;
   std::vector<py::object> keys_;
+  std::vector<py::object> parent_keys_;                // slot -> its parent's key, when linked
   std::vector<std::int32_t> out_slots_, out_victims_;  // reused by allocate
 
  private:
@@ -116,6 +138,21 @@ class KeyedHostIndex {
     return static_cast<std::uint32_t>(capacity);
   }
 };
+
+// A slot that holds a block (the setters' argument), else InvalidArgument.
+std::int32_t resident_slot_of(const KeyedHostIndex& k, std::int32_t slot) {
+  if (!k.core_.resident(slot))
+    throw Error(StatusCode::kInvalidArgument,
+                "host index: slot " + std::to_string(slot) + " holds no block");
+  return slot;
+}
+
+// A slot number of the index, else InvalidArgument.
+std::int32_t slot_in_range(const KeyedHostIndex& k, std::int32_t slot) {
+  if (slot < 0 || static_cast<std::uint32_t>(slot) >= k.core_.capacity())
+    throw Error(StatusCode::kInvalidArgument, "host index: no slot " + std::to_string(slot));
+  return slot;
+}
 
 std::uint8_t source_id(int source) {
   if (source < 0 || source > 255)
@@ -148,6 +185,54 @@ void bind_host_index(py::module_& m) {
       .def(
           "owner", [](const K& k, std::int32_t slot) { return k.key_at(slot); },
           "The key whose block is in `slot` (None: none).")
+      .def(
+          "answer", [](const K& k, const py::object& key) { return k.answer(key.ptr()); },
+          "What a lookup finds: 0 not resident, 1 ready, 2 being written, 3 a failed fill.")
+      .def(
+          "load_slots",
+          [](const K& k, const py::list& keys) {
+            const py::ssize_t n = PyList_GET_SIZE(keys.ptr());
+            py::list out(n);
+            for (py::ssize_t i = 0; i < n; ++i) {
+              std::int32_t s = k.slot_of(PyList_GET_ITEM(keys.ptr(), i));
+              if (s >= 0 && k.core_.ref(s) < 0) s = -1;
+              PyList_SET_ITEM(out.ptr(), i, PyLong_FromLong(s));
+            }
+            return out;
+          },
+          "Each key's slot when it is ready to load, else -1, in order.")
+      .def(
+          "complete_writes",
+          [](K& k, const py::iterable& keys, bool ready) {
+            py::list out;
+            for (py::handle key : keys) {
+              const std::int32_t s = k.slot_of(key.ptr());
+              if (s < 0 || k.core_.ref(s) != -1 || k.core_.source(s) != 0) continue;
+              if (ready) k.core_.mark_ready(s);
+              out.append(key);
+            }
+            return out;
+          },
+          py::arg("keys"), py::arg("ready"),
+          "The keys that are host writes in flight (ref -1, source 0: not promotions), in "
+          "order; with `ready`, each is made ready and the most recently used.")
+      .def(
+          "state",
+          [](const K& k, std::int32_t s) {
+            resident_slot_of(k, s);
+            const HostIndex& c = k.core_;
+            return py::make_tuple(c.ref(s), c.cascading(s), c.source(s), c.fill(s), c.fence(s));
+          },
+          "(ref, cascading, source, fill, fence) of the block in a slot.")
+      .def(
+          "parent_key",
+          [](const K& k, const py::object& key) -> py::object {
+            const py::object& p =
+                k.parent_keys_[static_cast<std::size_t>(k.resident_slot(key.ptr()))];
+            return p ? p : py::none();
+          },
+          "The key that was before `key` in its chain when it was written (it may have left "
+          "since; None: none was resident then).")
       .def(
           "entry",
           [](const K& k, const py::object& key) -> py::object {
@@ -264,23 +349,30 @@ void bind_host_index(py::module_& m) {
       .def(
           "detach", [](K& k, const py::object& key) { return k.detach(key.ptr()); },
           "The key leaves the index, its slot still allocated: its slot (-1: not resident).")
-      .def("release", [](K& k, std::int32_t slot) { k.core_.release(slot); })
-      .def("hold", [](K& k, std::int32_t slot) { k.core_.hold(slot); })
-      .def("unhold", [](K& k, std::int32_t slot) { k.core_.unhold(slot); })
-      .def("is_held", [](const K& k, std::int32_t slot) { return k.core_.held(slot); })
-      .def("set_ref", [](K& k, std::int32_t slot, std::int32_t ref) { k.core_.set_ref(slot, ref); })
+      .def("release", [](K& k, std::int32_t slot) { k.core_.release(slot_in_range(k, slot)); })
+      .def("hold", [](K& k, std::int32_t slot) { k.core_.hold(slot_in_range(k, slot)); })
+      .def("unhold", [](K& k, std::int32_t slot) { k.core_.unhold(slot_in_range(k, slot)); })
+      .def("is_held",
+           [](const K& k, std::int32_t slot) { return k.core_.held(slot_in_range(k, slot)); })
+      .def("set_ref", [](K& k, std::int32_t slot,
+                         std::int32_t ref) { k.core_.set_ref(resident_slot_of(k, slot), ref); })
       .def("add_cascading",
-           [](K& k, std::int32_t slot, std::int32_t d) { k.core_.add_cascading(slot, d); })
+           [](K& k, std::int32_t slot, std::int32_t d) {
+             k.core_.add_cascading(resident_slot_of(k, slot), d);
+           })
       .def("set_source",
-           [](K& k, std::int32_t slot, int source) { k.core_.set_source(slot, source_id(source)); })
+           [](K& k, std::int32_t slot, int source) {
+             k.core_.set_source(resident_slot_of(k, slot), source_id(source));
+           })
       .def("set_fill",
            [](K& k, std::int32_t slot, int fill, std::uint64_t fence) {
              if (fill < 0 || fill > 2)
                throw Error(StatusCode::kInvalidArgument, "set_fill: fill must be 0, 1 or 2");
-             k.core_.set_fill(slot, static_cast<std::uint8_t>(fill), fence);
+             k.core_.set_fill(resident_slot_of(k, slot), static_cast<std::uint8_t>(fill), fence);
            })
       .def(
-          "mark_ready", [](K& k, std::int32_t slot) { k.core_.mark_ready(slot); },
+          "mark_ready",
+          [](K& k, std::int32_t slot) { k.core_.mark_ready(resident_slot_of(k, slot)); },
           "The block in `slot` is ready and the most recently used.")
       .def(
           "lru", [](const K& k) { return k.keys_of(k.core_.lru_order()); },

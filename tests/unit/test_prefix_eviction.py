@@ -394,3 +394,22 @@ def test_a_branch_below_the_named_block_is_walked_whole() -> None:
     hinted, walked = run(HostTier(None, 6)), run(_NoHints(None, 6))
     assert set(walked[1:]) == {K(3), K(4), K(99)}  # K2 stays while a block after it does
     assert hinted == walked
+
+
+def test_a_block_taken_from_its_own_chain_is_not_taken_again_from_its_roots() -> None:
+    """A block after a chain's start, used longer ago than that start, goes
+    first as the start of its own part of the chain; the walk from the start
+    that follows, resumed from its hint below that block, must not take it a
+    second time (it did: the same key twice among the victims, and
+    prepare_store failed with a KeyError)."""
+    host = HostTier(None, 4, policy="lru")
+    keys = [K(i) for i in range(4)]
+    slots, _ = host.allocate(4)  # type: ignore[misc]
+    host.add_writing_many(keys, slots, [None, *keys[:-1]])  # K0 <- K1 <- K2 <- K3
+    host.mark_ready_many(keys, [host.entries[k] for k in keys])
+    got = host.allocate(1)  # the tail goes; the next walk from K0 starts at K2
+    assert got is not None and got[1] == [keys[3]]
+    host.pin_many([keys[2]])  # K2 cannot go
+    host.touch_many([keys[0]])  # K0 used last: K1 comes first
+    assert host.allocate(2) == ([slots[0], slots[1]], [keys[1], keys[0]])
+    assert set(host.entries) == {keys[2]}

@@ -387,13 +387,16 @@ class HostTier:
         i = walked - 1
         node, e = path[i], path_entries[i]
         while True:
-            # HostEntry.evictable, inlined: once per block of the chain.
+            # HostEntry.evictable, inlined: once per block of the chain. A
+            # block above a hint may have gone already in this call, as the
+            # start of its own part of the chain.
             if (
                 e.ref == 0
                 and e.cascading == 0
                 and e.fill is _FILL_NONE
                 and node not in prot
                 and e.slot not in held
+                and node not in taken
             ):
                 victims.append(node)
                 taken.add(node)
