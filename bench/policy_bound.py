@@ -41,7 +41,7 @@ from typing import Any
 from kvtier.manager import TieredOffloadingManager
 from kvtier.policy.belady import BeladyPolicy
 from kvtier.replay import Replayer, key_of, read_trace
-from kvtier.tiers.host import HostTier
+from kvtier.tiers.host_native import make_host_tier
 
 TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
 Trace = list[list[int]]
@@ -50,7 +50,7 @@ Trace = list[list[int]]
 def per_request_hits(trace: Trace, capacity: int, policy: Any) -> list[int]:
     """Prefix hits of each request, replayed through the manager."""
     advance = policy.advance if isinstance(policy, BeladyPolicy) else None
-    m = TieredOffloadingManager(HostTier(None, capacity, policy=policy))
+    m = TieredOffloadingManager(make_host_tier(None, capacity, policy=policy))
     marks: list[int] = []
     rep: Replayer | None = None
 

@@ -26,7 +26,7 @@ from kvtier.bench.interleaved import run_interleaved
 from kvtier.manager import TieredOffloadingManager
 from kvtier.policy.belady import BeladyPolicy
 from kvtier.replay import WORKLOADS, Replayer, key_of, read_trace
-from kvtier.tiers.host import HostTier
+from kvtier.tiers.host_native import make_host_tier
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "build" / "bench-policy"
 TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
@@ -50,7 +50,7 @@ def replay(
         hook = pol.advance
     opts = {} if partial is None else {"partial_stores": partial}
     m = TieredOffloadingManager(
-        HostTier(None, capacity, policy=pol, prefix_aware=prefix_aware), **opts
+        make_host_tier(None, capacity, policy=pol, prefix_aware=prefix_aware), **opts
     )
     t0 = time.perf_counter()
     r = Replayer(m, on_request=hook)

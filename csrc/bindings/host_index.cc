@@ -64,12 +64,14 @@ class KeyedHostIndex {
   }
 
   // What a lookup of `key` finds here: 0 not resident, 1 ready (HIT), 2
-  // being written, 3 a fenced fill that failed (a MISS).
+  // being written, 3 a fenced fill that failed (a MISS), 4 a fenced fill
+  // under way (a HIT whose load may still fail).
   int answer(PyObject* key) const {
     const std::int32_t s = slot_of(key);
     if (s < 0) return 0;
     if (core_.ref(s) < 0) return 2;
-    return core_.fill(s) == HostIndex::kFillFailed ? 3 : 1;
+    const std::uint8_t fill = core_.fill(s);
+    return fill == HostIndex::kFillNone ? 1 : fill == HostIndex::kFillFailed ? 3 : 4;
   }
 
   void forget(std::int32_t slot) {
@@ -187,7 +189,8 @@ void bind_host_index(py::module_& m) {
           "The key whose block is in `slot` (None: none).")
       .def(
           "answer", [](const K& k, const py::object& key) { return k.answer(key.ptr()); },
-          "What a lookup finds: 0 not resident, 1 ready, 2 being written, 3 a failed fill.")
+          "What a lookup finds: 0 not resident, 1 ready, 2 being written, 3 a failed fill, 4 "
+          "a fill under way.")
       .def(
           "load_slots",
           [](const K& k, const py::list& keys) {
@@ -254,10 +257,12 @@ void bind_host_index(py::module_& m) {
           "add_writing_many",
           [](K& k, const py::list& keys, const py::list& slots, const py::object& parents) {
             const py::ssize_t n = PyList_GET_SIZE(keys.ptr());
+            // Parents may run on past the keys (an offer's, of which only the
+            // head was stored): the first ones are the keys'.
             if (PyList_GET_SIZE(slots.ptr()) != n ||
-                (!parents.is_none() && PyObject_Length(parents.ptr()) != n))
+                (!parents.is_none() && PyObject_Length(parents.ptr()) < n))
               throw Error(StatusCode::kInvalidArgument,
-                          "add_writing_many: keys, slots and parents differ in length");
+                          "add_writing_many: a slot and a parent (or None) for each key");
             py::list ps = parents.is_none() ? py::list() : py::list(parents);
             for (py::ssize_t i = 0; i < n; ++i) {
               const long s = PyLong_AsLong(PyList_GET_ITEM(slots.ptr(), i));
@@ -267,7 +272,8 @@ void bind_host_index(py::module_& m) {
             }
           },
           py::arg("keys"), py::arg("slots"), py::arg("parents") = py::none(),
-          "add_writing of each key into its slot, with its parent (None: no chains).")
+          "add_writing of each key into its slot, with its parent (None: no chains; parents "
+          "past the keys are not read).")
       .def(
           "mark_ready_many",
           [](K& k, const py::iterable& keys) {
@@ -326,8 +332,7 @@ void bind_host_index(py::module_& m) {
             py::list victims = k.keys_of(k.out_victims_);
             for (py::handle key : victims)
               if (PyDict_DelItem(k.slots_.ptr(), key.ptr()) != 0) throw py::error_already_set();
-            for (std::int32_t v : k.out_victims_)
-              k.keys_[static_cast<std::size_t>(v)] = py::object();
+            for (std::int32_t v : k.out_victims_) k.forget(v);
             return py::make_tuple(py::cast(k.out_slots_), victims);
           },
           py::arg("n"), py::arg("protected") = py::none(), py::arg("partial") = false,
@@ -375,8 +380,27 @@ void bind_host_index(py::module_& m) {
           [](K& k, std::int32_t slot) { k.core_.mark_ready(resident_slot_of(k, slot)); },
           "The block in `slot` is ready and the most recently used.")
       .def(
-          "lru", [](const K& k) { return k.keys_of(k.core_.lru_order()); },
-          "Ready keys, least recently used first.")
+          "lru",
+          [](const K& k, std::int64_t limit) {
+            return k.keys_of(
+                k.core_.lru_order(limit < 0 ? SIZE_MAX : static_cast<std::size_t>(limit)));
+          },
+          py::arg("limit") = -1,
+          "Ready keys, least recently used first (at most `limit`; -1: all).")
+      .def(
+          "free_list", [](const K& k) { return k.core_.free_list(); },
+          "The free slots, the next one handed out last.")
+      .def(
+          "set_free",
+          [](K& k, const std::vector<std::int32_t>& slots) {
+            try {
+              k.core_.set_free(slots);
+            } catch (const std::invalid_argument& e) {
+              throw Error(StatusCode::kInvalidArgument, e.what());
+            }
+          },
+          "The free slots become these (the next one handed out last); InvalidArgument, "
+          "changing nothing, for a slot out of range, in use, held or named twice.")
       .def(
           "kids",
           [](const K& k, const py::object& key) {

@@ -125,6 +125,25 @@ TEST(HostIndex, WritingTwiceIntoASlotIsRefused) {
   EXPECT_THROW(h.add_writing(7, HostIndex::kNil, 0), std::out_of_range);
 }
 
+TEST(HostIndex, TheFreeSlotsCanBeGivenAndTakenAway) {
+  // A node's block size gets its slots a chunk at a time.
+  HostIndex h(8, true);
+  h.set_free({});
+  Slots slots, victims;
+  EXPECT_FALSE(h.allocate(1, false, nullptr, &slots, &victims));
+  h.set_free({6, 5, 4});
+  ASSERT_TRUE(h.allocate(1, false, nullptr, &slots, &victims));
+  EXPECT_EQ(slots, (Slots{4}));
+  h.add_writing(4, HostIndex::kNil, 0);
+  EXPECT_THROW(h.set_free({6, 4}), std::invalid_argument);  // in use
+  EXPECT_THROW(h.set_free({6, 6}), std::invalid_argument);  // twice
+  EXPECT_THROW(h.set_free({8}), std::invalid_argument);     // out of range
+  EXPECT_EQ(h.free_list(), (Slots{6, 5}));                  // unchanged
+  h.hold(7);
+  EXPECT_THROW(h.set_free({7}), std::invalid_argument);  // held
+  EXPECT_EQ(h.lru_order(1), Slots{});
+}
+
 // Random calls: every block is in exactly one place (resident or free or
 // held), the LRU holds the ready ones, and chain links agree both ways.
 TEST(HostIndex, RandomCallsKeepItConsistent) {

@@ -40,7 +40,7 @@ from kvtier.options.tiers import HostOptions
 from kvtier.scheduler.manager import TieredOffloadingManager
 from kvtier.tiers.base import LookupResult
 from kvtier.tiers.factory import TierConfig, build_lower_tiers, host_slot_bytes
-from kvtier.tiers.host import HostTier
+from kvtier.tiers.host_native import make_host_tier
 from kvtier.units import parse_size
 
 MAX_PENDING_STEPS = 1000
@@ -515,7 +515,7 @@ def main_replay(args: ReplayOptions) -> int:
         tiers opened from their configuration (a disk tier recovers its
         directory's index)."""
         lower = build_lower_tiers(tier_cfg, block_bytes, namespace=f"replay-{block_bytes}")
-        host = HostTier(
+        host = make_host_tier(
             pool,
             capacity,
             policy=policy,

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from kvtier.manager import TieredOffloadingManager
 from kvtier.pool import HostPool
-from kvtier.tiers import HostTier, LookupResult, MemoryTier
+from kvtier.tiers import LookupResult, MemoryTier
+from kvtier.tiers.host_native import make_host_tier
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 
@@ -34,7 +35,7 @@ def make(
     pool: HostPool | None, policy: str, lower=(), capacity: int | None = None, admit_after: int = 1
 ) -> TieredOffloadingManager:
     return TieredOffloadingManager(
-        HostTier(pool, capacity, policy=policy, admit_after=admit_after), list(lower)
+        make_host_tier(pool, capacity, policy=policy, admit_after=admit_after), list(lower)
     )
 
 
@@ -543,7 +544,7 @@ def test_cascade_on_hit_writes_a_block_below_on_its_first_reuse(
     host tier (a reuse), then it is, once; a block never reused never is.
     Without ``cascade_on_hit`` the load is no offer: nothing is written."""
     tier = MemoryTier(admit_after=2)
-    m = TieredOffloadingManager(HostTier(pool, policy=policy), [tier], cascade_on_hit=on_hit)
+    m = TieredOffloadingManager(make_host_tier(pool, policy=policy), [tier], cascade_on_hit=on_hit)
     out = m.prepare_store([K(1), K(2)])
     assert out is not None
     for k, slot in zip(out.keys_to_store, out.store_spec.slots.tolist()):

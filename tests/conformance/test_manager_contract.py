@@ -33,8 +33,9 @@ import pytest
 from conftest import block_content
 from kvtier.manager import TieredOffloadingManager
 from kvtier.pool import HostPool
-from kvtier.tiers import HostTier, LookupResult
+from kvtier.tiers import LookupResult
 from kvtier.tiers.disk import DiskTier, record_bytes
+from kvtier.tiers.host_native import make_host_tier
 from test_tiers import _flip_record_byte
 
 HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
@@ -94,7 +95,7 @@ def _build(request: pytest.FixtureRequest, tmp_path: Path, lower: str, policy: s
             assert isinstance(byte, bytes)
             client.setrange(remote.server_key(key), at, bytes([byte[0] ^ 0xFF]))
 
-    m = TieredOffloadingManager(HostTier(pool, policy=policy), tiers)
+    m = TieredOffloadingManager(make_host_tier(pool, policy=policy), tiers)
     return Setup(m, pool, corrupt, closers)
 
 

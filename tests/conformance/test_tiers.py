@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 from kvtier.manager import TieredOffloadingManager
 from kvtier.pool import HostPool
-from kvtier.tiers import HostTier, LookupResult, LowerTier, MemoryTier, TierCompletion
+from kvtier.tiers import LookupResult, LowerTier, MemoryTier, TierCompletion
 from kvtier.tiers.base import TierEvent, TierIO
 from kvtier.tiers.disk import DiskTier, key_digest, record_bytes
 from kvtier.tiers.events import vllm_event_id
+from kvtier.tiers.host_native import make_host_tier
 
 BLOCK = 16384
 SLOT = record_bytes(BLOCK)
@@ -285,7 +286,7 @@ def test_restore_of_present_key_is_ok(make_tier, pool: HostPool) -> None:  # typ
 
 def test_cascade_reset_promote_with_manager(make_tier, pool: HostPool) -> None:  # type: ignore[no-untyped-def]
     t = make_tier().tier
-    m = TieredOffloadingManager(HostTier(pool, 8), [t])
+    m = TieredOffloadingManager(make_host_tier(pool, 8), [t])
     keys = [K(i) for i in range(3)]
     out = m.prepare_store(keys)
     assert out is not None

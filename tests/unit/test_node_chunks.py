@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from kvtier.node.chunks import ChunkedHostTier, Region, chunk_bytes_for
+from kvtier.node.chunks import ChunkedHostTier, NativeChunkedHostTier, Region, chunk_bytes_for
 from kvtier.node.state import open_region
 from kvtier.options.tiers import HostOptions
 from kvtier.scheduler.manager import TieredOffloadingManager
@@ -20,6 +20,11 @@ def region() -> Iterator[Region]:
     r.pool.close()
 
 
+# Both host tiers a block size can have: the Python one (any policy) and
+# the native index (LRU, the default).
+TIERS = pytest.mark.parametrize("tier", [ChunkedHostTier, NativeChunkedHostTier])
+
+
 def key(i: int) -> bytes:
     return i.to_bytes(32, "big") + bytes(4)
 
@@ -30,8 +35,9 @@ def test_chunk_sizes_follow_the_region() -> None:
     assert chunk_bytes_for(8192) == 4096  # never under a page
 
 
-def test_a_chunk_with_a_slot_still_in_use_is_never_given(region: Region) -> None:
-    t = ChunkedHostTier(region.view(1024), HostOptions(), region)  # 4 slots a chunk
+@TIERS
+def test_a_chunk_with_a_slot_still_in_use_is_never_given(region: Region, tier: type) -> None:
+    t = tier(region.view(1024), HostOptions(), region)  # 4 slots a chunk
     m = TieredOffloadingManager(t, events=False)
     out = m.prepare_store([key(i) for i in range(64)])  # the whole region
     assert out is not None and len(t.chunks) == 16
@@ -48,16 +54,19 @@ def test_a_chunk_with_a_slot_still_in_use_is_never_given(region: Region) -> None
     assert t.give_chunk() == want
     assert all(k not in t.entries for k, c in chunk.items() if c == want)
     assert len(t.chunks) == 15 and region.owner[want] is None
-    assert not any(s // 4 == want for s in t._free)
+    assert not any(s // 4 == want for s in t._free_list())
     assert t.entries[key(40)].ref == 1
     m.complete_load([key(40)])
     t.release_slot(limbo_slot)  # the job ended: its slot free again
     assert limbo in {t.give_chunk() for _ in range(14)}  # it may go now
 
 
-def test_regret_is_a_block_stored_or_promoted_again_after_its_eviction(region: Region) -> None:
-    t = ChunkedHostTier(region.view(4096), HostOptions(), region)  # 16 slots at most
-    other = ChunkedHostTier(region.view(2048), HostOptions(), region)
+@TIERS
+def test_regret_is_a_block_stored_or_promoted_again_after_its_eviction(
+    region: Region, tier: type
+) -> None:
+    t = tier(region.view(4096), HostOptions(), region)  # 16 slots at most
+    other = tier(region.view(2048), HostOptions(), region)
     m = TieredOffloadingManager(t, events=False)
     for i in range(20):  # the region has 16 slots: 4 evicted, none regretted yet
         out = m.prepare_store([key(i)])

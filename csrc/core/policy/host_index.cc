@@ -135,10 +135,22 @@ std::vector<std::int32_t> HostIndex::kids(std::int32_t slot) const {
   return out;
 }
 
-std::vector<std::int32_t> HostIndex::lru_order() const {
+std::vector<std::int32_t> HostIndex::lru_order(std::size_t limit) const {
   std::vector<std::int32_t> out;
-  for (std::int32_t s = lru_head_; s != kNil; s = recs_[s].lru_next) out.push_back(s);
+  for (std::int32_t s = lru_head_; s != kNil && out.size() < limit; s = recs_[s].lru_next)
+    out.push_back(s);
   return out;
+}
+
+void HostIndex::set_free(const std::vector<std::int32_t>& slots) {
+  std::vector<bool> seen(recs_.size());
+  for (std::int32_t s : slots) {
+    if (!valid(s) || recs_[s].resident || recs_[s].holds > 0 || seen[static_cast<std::size_t>(s)])
+      throw std::invalid_argument("host index: slot " + std::to_string(s) +
+                                  " cannot be free (out of range, in use, held, or named twice)");
+    seen[static_cast<std::size_t>(s)] = true;
+  }
+  free_ = slots;
 }
 
 void HostIndex::end_call() {

@@ -86,8 +86,9 @@ class HostIndex {
     const Rec& r = recs_[slot];
     return r.ref == 0 && r.cascading == 0 && r.fill == kFillNone;
   }
-  // Resident blocks in the LRU (ready ones), least recently used first.
-  std::vector<std::int32_t> lru_order() const;
+  // Resident blocks in the LRU (ready ones), least recently used first; at
+  // most `limit` of them.
+  std::vector<std::int32_t> lru_order(std::size_t limit = SIZE_MAX) const;
 
   // -- slots ---------------------------------------------------------------
   // Whether a block may not be evicted by this call (an offer's own keys,
@@ -104,6 +105,13 @@ class HostIndex {
   // Up to `need` blocks allocate() would evict, in its order; changes
   // nothing but the tail hints.
   void victims(std::size_t need, const Protected* prot, std::vector<std::int32_t>* out);
+  // The free slots, the next one handed out last.
+  const std::vector<std::int32_t>& free_list() const { return free_; }
+  // The free slots become `slots` (the next one handed out last): a caller
+  // that gives the tier slots, or takes some away, a chunk at a time.
+  // Throws std::invalid_argument, changing nothing, for a slot out of range,
+  // holding a block, held, or named twice.
+  void set_free(const std::vector<std::int32_t>& slots);
   // `slot` is no longer used: free now, or when its last hold ends.
   void release(std::int32_t slot);
   // A job that timed out may still touch `slot`: not handed out (nor its
@@ -132,6 +140,8 @@ class HostIndex {
     bool in_lru = false;
     bool release_asked = false;
   };
+  // A cache line per slot (docs/concepts/policies.md says so).
+  static_assert(sizeof(Rec) == 64);
   struct Hint {
     std::int32_t deepest;
     std::uint32_t deepest_gen;

@@ -17,6 +17,7 @@ from kvtier.bench.harness import freeze_heap_as_engines_do
 from kvtier.scheduler.manager import TieredOffloadingManager
 from kvtier.tiers.base import LookupResult
 from kvtier.tiers.host import HostTier
+from kvtier.tiers.host_native import make_host_tier
 
 
 def cycles(m: Any, keys: list[bytes], batch: int, scan: bool = False) -> float:
@@ -97,7 +98,7 @@ def run_manager(num_keys: int = 1_000_000, policy: str = "lru", repeats: int = 3
     for batch in (1, 16):
         rates = []
         for _ in range(repeats):
-            m = TieredOffloadingManager(HostTier(None, capacity, policy=policy))
+            m = TieredOffloadingManager(make_host_tier(None, capacity, policy=policy))
             rates.append(cycles(m, keys, batch))
         out[f"cycles_per_s_batch{batch}"] = round(statistics.median(rates))
     if policy == "lru":  # the native index keeps LRU order only

@@ -24,7 +24,7 @@ from typing import Any
 from kvtier.bench.harness import freeze_heap_as_engines_do
 from kvtier.bench.manager import cycles
 from kvtier.scheduler.manager import TieredOffloadingManager
-from kvtier.tiers.host import HostTier
+from kvtier.tiers.host_native import make_host_tier
 
 PAYLOAD = 64  # bytes per block: the node's pool holds data, the bench moves none
 NS = "be" * 16
@@ -134,7 +134,7 @@ def run_node_manager(
                 local, one, many = [], [], []
                 for _ in range(repeats):
                     keys = _keys(num_keys, 0)
-                    m = TieredOffloadingManager(HostTier(None, capacity, policy=policy))
+                    m = TieredOffloadingManager(make_host_tier(None, capacity, policy=policy))
                     local.append(cycles(m, keys, batch, scan=True))
                     node = start_node(path, name, ["--host-bytes", str(capacity * PAYLOAD)])
                     try:

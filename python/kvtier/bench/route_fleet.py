@@ -40,7 +40,7 @@ from kvtier.replay import Replayer
 from kvtier.scheduler.manager import TieredOffloadingManager
 from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent, check_slots
 from kvtier.tiers.events import EventLog
-from kvtier.tiers.host import HostTier
+from kvtier.tiers.host_native import make_host_tier
 from kvtier.tiers.memory import MemoryTier
 
 BLOCK_TOKENS = 512  # the Mooncake trace's block: one hash id per 512 prompt tokens
@@ -206,7 +206,7 @@ class Fleet:
                 lower.append(MemoryTier(disk_blocks, name="disk"))
             if self.pool is not None:
                 lower.append(PoolView(self.pool, i))
-            m = TieredOffloadingManager(HostTier(None, host_blocks), lower)
+            m = TieredOffloadingManager(make_host_tier(None, host_blocks), lower)
             self.engines.append(Engine(i, m, Replayer(m, series_every=1 << 62)))
 
     def loads(self, now: float) -> list[int]:

@@ -102,7 +102,7 @@ def _child_run(c: dict[str, Any], out: TextIO) -> int:
     from kvtier.replay import FakeKV, Replayer, synthetic_requests
     from kvtier.scheduler.manager import TieredOffloadingManager
     from kvtier.tiers.factory import TierConfig, build_lower_tiers, host_slot_bytes
-    from kvtier.tiers.host import HostTier
+    from kvtier.tiers.host_native import make_host_tier
     from kvtier.tiers.remote.tier import RemoteTier
     from kvtier.worker.transfer import DeviceTransfer
 
@@ -137,7 +137,7 @@ def _child_run(c: dict[str, Any], out: TextIO) -> int:
         pool = HostPool(c["host_blocks"], host_slot_bytes(block, tier_cfg), name)
     kv = FakeKV(256, block, seed=int(c["seed"]))  # a prompt has at most 124 blocks
     transfer = DeviceTransfer(kv.layers, pool)
-    manager = TieredOffloadingManager(HostTier(pool, c["host_blocks"]), lower)
+    manager = TieredOffloadingManager(make_host_tier(pool, c["host_blocks"]), lower)
     # No chain map: it would hold every key the run names (RSS must stay flat).
     rep = Replayer(manager, transfer, kv, block, series_every=1 << 62, chains=False)
     emit({"event": "started", "startup_s": time.monotonic() - t_start})

@@ -83,7 +83,7 @@ def bench_managers(num_keys: int = 200_000, repeats: int = 3) -> dict[str, Any]:
     from kvtier.bench.harness import freeze_heap_as_engines_do
     from kvtier.integrations.vllm import KVTierManager
     from kvtier.scheduler.manager import TieredOffloadingManager
-    from kvtier.tiers.host import HostTier
+    from kvtier.tiers.host_native import make_host_tier
 
     keys = [_key(i) for i in range(num_keys)]
     cap = num_keys // 2
@@ -98,7 +98,7 @@ def bench_managers(num_keys: int = 200_000, repeats: int = 3) -> dict[str, Any]:
             theirs.append(_cycles(v, keys, ctx, batch))
             # Without events, as vLLM's manager here (enable_events=False)
             # and as the spec builds kvtier's for an engine without KV events.
-            k = KVTierManager(TieredOffloadingManager(HostTier(None, cap), events=False))
+            k = KVTierManager(TieredOffloadingManager(make_host_tier(None, cap), events=False))
             ours.append(_cycles(k, keys, ctx, batch))
         o, t = statistics.median(ours), statistics.median(theirs)
         # batch 1 keeps the names of the results before 16-key offers were measured
@@ -232,7 +232,7 @@ def bench_replay(
     from kvtier.integrations.vllm import KVTierManager
     from kvtier.replay import read_trace, synthetic_trace
     from kvtier.scheduler.manager import TieredOffloadingManager
-    from kvtier.tiers.host import HostTier
+    from kvtier.tiers.host_native import make_host_tier
 
     n = max_requests or 4000
     trace = read_trace(trace_path, max_requests) if trace_path else synthetic_trace(n)
@@ -247,7 +247,9 @@ def bench_replay(
         )
         out[f"kvtier_{policy}"] = round(
             _replay(
-                KVTierManager(TieredOffloadingManager(HostTier(None, capacity, policy=policy))),
+                KVTierManager(
+                    TieredOffloadingManager(make_host_tier(None, capacity, policy=policy))
+                ),
                 trace,
             ),
             4,
@@ -255,7 +257,7 @@ def bench_replay(
     out["kvtier_arc_admit2"] = round(
         _replay(
             KVTierManager(
-                TieredOffloadingManager(HostTier(None, capacity, policy="arc", admit_after=2))
+                TieredOffloadingManager(make_host_tier(None, capacity, policy="arc", admit_after=2))
             ),
             trace,
         ),

@@ -31,13 +31,16 @@ loses at most one block's bytes to a block size that does not divide it.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from kvtier.errors import InvalidArgument
 from kvtier.options.tiers import HostOptions
 from kvtier.pool import HostPool
-from kvtier.tiers.host import HostEntry, HostTier
+from kvtier.tiers.host import HostTier
+from kvtier.tiers.host_native import NativeHostTier
 
 #: The default chunk: what one block size gives up or gets at a time.
 CHUNK_BYTES = 64 << 20
@@ -72,9 +75,9 @@ class Region:
     def __init__(self, pool: HostPool) -> None:
         self.pool = pool
         self.chunk_bytes = pool.slot_bytes
-        self.owner: list[ChunkedHostTier | None] = [None] * pool.num_slots
+        self.owner: list[ChunkOwner | None] = [None] * pool.num_slots
         self._free = list(range(pool.num_slots - 1, -1, -1))  # chunk 0 first
-        self.tiers: list[ChunkedHostTier] = []
+        self.tiers: list[ChunkOwner] = []
         self._moved = 0.0  # bytes of regret counted since the last halving
         self.reassigned = 0  # chunks taken from one block size for another
 
@@ -91,7 +94,7 @@ class Region:
             )
         return HostPool.attach(self.pool.name, slot_bytes=slot_bytes)
 
-    def regret(self, tier: ChunkedHostTier, nbytes: int) -> None:
+    def regret(self, tier: ChunkOwner, nbytes: int) -> None:
         """``tier`` stored again ``nbytes`` of blocks it had evicted: decayed
         by halving every region's worth counted."""
         tier.regret += nbytes
@@ -101,7 +104,7 @@ class Region:
             for t in self.tiers:
                 t.regret /= 2
 
-    def grow(self, tier: ChunkedHostTier, short: int) -> None:
+    def grow(self, tier: ChunkOwner, short: int) -> None:
         """Give ``tier`` chunks until it has ``short`` more free slots, free
         chunks first, then chunks of tiers with far less regret (see the
         module); stops when none can be had."""
@@ -115,7 +118,7 @@ class Region:
             tier.add_free(slots)
             short -= len(slots)
 
-    def _reclaim_for(self, tier: ChunkedHostTier) -> int | None:
+    def _reclaim_for(self, tier: ChunkOwner) -> int | None:
         mine = tier.regret
         if mine <= 0 and tier.chunks:
             return None  # nothing says more room would have helped: it evicts its own
@@ -142,34 +145,44 @@ class Region:
             "reassigned": self.reassigned,
         }
 
-    def occupancy(self, tier: ChunkedHostTier) -> dict[str, int]:
+    def occupancy(self, tier: ChunkOwner) -> dict[str, int]:
         return {"chunks": len(tier.chunks), "chunk_bytes": self.chunk_bytes}
 
 
-class ChunkedHostTier(HostTier):
+class ChunkOwner(HostTier):
     """A block size's host tier over its view of the :class:`Region`: it
-    starts with no slots and gets them a chunk at a time as it needs room."""
+    starts with no slots and gets them a chunk at a time as it needs room.
+    The chunks' part of either host tier: :class:`ChunkedHostTier` (the
+    Python tier, every policy) and :class:`NativeChunkedHostTier` (the
+    native index, LRU); :func:`chunked_host_tier` picks."""
 
-    def __init__(self, pool: HostPool, options: HostOptions, region: Region) -> None:
-        super().__init__(
-            pool,
-            pool.num_slots,
-            options.policy,
-            options.admit_after,
-            options.max_tracked,
-            options.prefix_eviction,
-        )
-        self._free.clear()  # (the list the slot holds free into: kept)
+    def _init_chunks(self, region: Region) -> None:
+        """Called by the subclass's ``__init__`` once its tier exists (with
+        no free slot yet)."""
         self.region = region
         self.chunks: set[int] = set()
         self.regret = 0.0
-        slot = pool.slot_bytes
+        slot = self.pool.slot_bytes  # type: ignore[union-attr]
         self._ghost: OrderedDict[bytes, None] = OrderedDict()
         self._ghost_max = max(1, min(_GHOST_MAX, GHOST_CHUNKS * region.chunk_bytes // slot))
         # Who is told of blocks evicted to give a chunk away (the manager's
         # removal events): set by the node once the manager exists.
         self.on_evicted: Callable[[list[bytes]], None] = lambda keys: None
         region.tiers.append(self)
+
+    # The free list and held slots, as each tier keeps them.
+    def _free_list(self) -> list[int]:
+        raise NotImplementedError
+
+    def _set_free(self, slots: list[int]) -> None:
+        raise NotImplementedError
+
+    def _is_held(self, slot: int) -> bool:
+        raise NotImplementedError
+
+    def _coldest(self, n: int) -> list[bytes]:
+        """The ``n`` least recently used ready keys (or fewer)."""
+        raise NotImplementedError
 
     def slots_of(self, chunk: int) -> list[int]:
         """This view's slots wholly inside ``chunk``."""
@@ -178,12 +191,12 @@ class ChunkedHostTier(HostTier):
         return list(range(lo, min(hi, self.capacity or 0)))
 
     def add_free(self, slots: Iterable[int]) -> None:
-        self._free.extend(sorted(slots, reverse=True))
+        self._set_free(self._free_list() + sorted(slots, reverse=True))
 
     def allocate(
         self, n: int, protected: Iterable[bytes] = (), partial: bool = False
     ) -> tuple[list[int], list[bytes]] | None:
-        short = n - len(self._free)
+        short = n - self.free_slots
         if short > 0:
             self.region.grow(self, short)
         got = super().allocate(n, protected, partial)
@@ -217,14 +230,14 @@ class ChunkedHostTier(HostTier):
 
     def add_writing(
         self, key: bytes, slot: int, source: str = "host", parent: bytes | None = None
-    ) -> HostEntry:
+    ) -> None:
         # A promotion: a block read back from a lower tier after its eviction
         # here is regret too.
         if key in self._ghost:
             del self._ghost[key]
             self.region.regret(self, self.pool.slot_bytes)  # type: ignore[union-attr]
         self._trim()
-        return super().add_writing(key, slot, source, parent)
+        super().add_writing(key, slot, source, parent)
 
     def give_chunk(self) -> int | None:
         """Give up one chunk: one whose slots are all free, else the chunk of
@@ -232,8 +245,9 @@ class ChunkedHostTier(HostTier):
         block that can go now (evicted, and announced through
         ``on_evicted``); None when none can. A slot neither free nor held by
         a block (a detached block's, still under a job) keeps its chunk."""
-        owner, held, entries = self._owner, self._held, self.entries
-        free = set(self._free)
+        owner, held, entries = self.owner, self._is_held, self.entries
+        free_list = self._free_list()
+        free = set(free_list)
         best = None
         for c in self.chunks:
             if all(s in free for s in self.slots_of(c)):
@@ -241,9 +255,7 @@ class ChunkedHostTier(HostTier):
                 break
         if best is None:
             seen: set[int] = set()
-            for i, key in enumerate(self.policy.victims()):
-                if i >= _RECLAIM_SCAN:
-                    break
+            for key in self._coldest(_RECLAIM_SCAN):
                 e = entries.get(key)
                 if e is None:
                     continue
@@ -252,11 +264,12 @@ class ChunkedHostTier(HostTier):
                     continue
                 seen.add(c)
                 slots = self.slots_of(c)
-                if any(s in held for s in slots) or not all(
-                    s in free or (s in owner and entries[owner[s]].evictable) for s in slots
+                keys = [k for k in map(owner, slots) if k is not None]
+                if any(held(s) for s in slots) or not all(
+                    s in free or ((k := owner(s)) is not None and entries[k].evictable)
+                    for s in slots
                 ):
                     continue
-                keys = [owner[s] for s in slots if s in owner]
                 for k in keys:
                     self.drop(k)
                 self._forget(keys)
@@ -267,7 +280,64 @@ class ChunkedHostTier(HostTier):
         if best is None:
             return None
         gone = set(self.slots_of(best))
-        self._free[:] = [s for s in self._free if s not in gone]
+        self._set_free([s for s in self._free_list() if s not in gone])
         self.chunks.discard(best)
         self.region.owner[best] = None
         return best
+
+
+def _tier_args(pool: HostPool, options: HostOptions) -> tuple[Any, ...]:
+    """A host tier's arguments for the whole of ``pool`` as ``options`` say."""
+    o = options
+    return (pool, pool.num_slots, o.policy, o.admit_after, o.max_tracked, o.prefix_eviction)
+
+
+class ChunkedHostTier(ChunkOwner):
+    """:class:`ChunkOwner` over the Python host tier (any policy)."""
+
+    def __init__(self, pool: HostPool, options: HostOptions, region: Region) -> None:
+        HostTier.__init__(self, *_tier_args(pool, options))
+        self._free.clear()  # (the list the slot holds free into: kept)
+        self._init_chunks(region)
+
+    def _free_list(self) -> list[int]:
+        return list(self._free)
+
+    def _set_free(self, slots: list[int]) -> None:
+        self._free[:] = slots
+
+    def _is_held(self, slot: int) -> bool:
+        return slot in self._held
+
+    def _coldest(self, n: int) -> list[bytes]:
+        return list(itertools.islice(self.policy.victims(), n))
+
+
+class NativeChunkedHostTier(ChunkOwner, NativeHostTier):
+    """:class:`ChunkOwner` over the native index (LRU): the node's per-key
+    work in the core, as an engine's in-process tier."""
+
+    def __init__(self, pool: HostPool, options: HostOptions, region: Region) -> None:
+        NativeHostTier.__init__(self, *_tier_args(pool, options))
+        self._ix.set_free([])
+        self._init_chunks(region)
+
+    def _free_list(self) -> list[int]:
+        return self._ix.free_list()
+
+    def _set_free(self, slots: list[int]) -> None:
+        self._ix.set_free(slots)
+
+    def _is_held(self, slot: int) -> bool:
+        return self._ix.is_held(slot)
+
+    def _coldest(self, n: int) -> list[bytes]:
+        return self._ix.lru(n)
+
+
+def chunked_host_tier(pool: HostPool, options: HostOptions, region: Region) -> ChunkOwner:
+    """A block size's tier over ``region``: the native index under LRU (the
+    default), the Python tier under any other policy."""
+    if options.policy == "lru":
+        return NativeChunkedHostTier(pool, options, region)
+    return ChunkedHostTier(pool, options, region)

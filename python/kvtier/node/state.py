@@ -27,12 +27,12 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import InvalidArgument
-from kvtier.node.chunks import ChunkedHostTier, Region
+from kvtier.node.chunks import ChunkOwner, Region, chunked_host_tier
 from kvtier.node.protocol import ProtocolError
 from kvtier.pool import HostPool
 from kvtier.scheduler.manager import TieredOffloadingManager
 from kvtier.tiers.base import LookupResult, LowerTier
-from kvtier.tiers.host import Fill
+from kvtier.tiers.host_entry import Fill
 
 log = logging.getLogger("kvtier.node")
 
@@ -96,7 +96,7 @@ class SlotClass:
         occ = self.manager.occupancy()
         host = self.manager.host
         occ["capacity"] = int(host.capacity or 0)
-        if isinstance(host, ChunkedHostTier):
+        if isinstance(host, ChunkOwner):
             occ.update(host.region.occupancy(host))
         return occ
 
@@ -414,7 +414,7 @@ def build_class(
     host tier (slots a chunk at a time, as it needs room) and a manager
     over them."""
     pool = region.view(slot_bytes)
-    host = ChunkedHostTier(pool, host_options, region)
+    host = chunked_host_tier(pool, host_options, region)
     manager = TieredOffloadingManager(host, lower, promote=True)
     host.on_evicted = manager._core.removed
     return SlotClass(payload_bytes, pool, manager)

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvtier.scheduler.core import Core
 from kvtier.scheduler.slots import JobKind
-from kvtier.tiers.host import Fill, HostEntry
+from kvtier.tiers.host_entry import Fill, HostEntry
 
 
 class Fills:

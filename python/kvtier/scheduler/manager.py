@@ -34,7 +34,8 @@ from kvtier.scheduler.specs import HostSpec, PrepareStoreResult
 from kvtier.scheduler.stats import ManagerStats
 from kvtier.scheduler.streams import Streams
 from kvtier.tiers.base import LookupResult, LowerTier, TierEvent
-from kvtier.tiers.host import Fill, HostEntry, HostTier
+from kvtier.tiers.host import HostTier
+from kvtier.tiers.host_entry import Fill
 
 
 def _req_id(req_context: Any) -> Any:
@@ -144,10 +145,10 @@ class TieredOffloadingManager:
             self.read_ahead.read(key, req_context)
         # The common answers inline (a resident block; a miss with no lower
         # tier to ask), without _lookup's call and the host tier's get.
-        e = self.host.entries.get(key)
-        if e is not None and e.ref >= 0:
-            r = _MISS if e.fill is _FILL_FAILED else _HIT
-        elif e is None and not self.lower:
+        a = self.host.answer(key)
+        if a == 1 or a == 4:
+            r = _HIT
+        elif a == 3 or (a == 0 and not self.lower):
             r = _MISS
         else:
             r = self._lookup(key)
@@ -169,10 +170,10 @@ class TieredOffloadingManager:
         worker reads them from a lower tier itself (a stream). Who calls: the
         vLLM shim, right after the lookup (its synchronous loads must be ones
         that cannot fail). Non-blocking."""
-        e = self.host.entries.get(key)
-        if e is None:
+        a = self.host.answer(key)
+        if a == 0:
             return self._streams.tier_of(key) is not None
-        return e.fill is not Fill.NONE
+        return a >= 3
 
     def _scan_parent(self, key: bytes) -> bytes | None:
         """The key a scan looked up just before ``key``, of its chain."""
@@ -231,18 +232,18 @@ class TieredOffloadingManager:
         in key order, -1 with a :class:`StreamSpec` for streamed keys."""
         self._check_open()
         keys = _check_keys(keys)
-        slots = [-1] * len(keys)
+        slots = self.host.load_slots(keys)
         streamed: dict[int, list[int]] = {}  # tier -> positions in keys
-        entries = self.host.entries
-        for i, k in enumerate(keys):
-            e = entries.get(k)
-            if e is not None and e.ref >= 0:
-                slots[i] = e.slot
-                continue
-            t = self._streams.tier_of(k)
-            if t is None:
-                raise InvalidArgument(f"prepare_load of a key that is not a HIT: {k.hex()[:16]}")
-            streamed.setdefault(t, []).append(i)  # (a store of it may have begun since)
+        if -1 in slots:
+            for i, (k, s) in enumerate(zip(keys, slots)):
+                if s >= 0:
+                    continue
+                t = self._streams.tier_of(k)
+                if t is None:
+                    raise InvalidArgument(
+                        f"prepare_load of a key that is not a HIT: {k.hex()[:16]}"
+                    )
+                streamed.setdefault(t, []).append(i)  # (a store of it may have begun since)
         # Checked first, pinned after: a refused call changes nothing.
         loaded_from = self.stats.loaded_from
         on_hit = self.options.cascade_on_hit and self.lower
@@ -303,9 +304,8 @@ class TieredOffloadingManager:
             self._streams.load_failed(spec.stream)
 
     def touch(self, keys: Collection[bytes], req_context: Any = None) -> None:
-        for k in keys:
-            if k in self.host.entries:
-                self.host.policy.touch(k)
+        resident = self.host.resident
+        self.host.touch_many([k for k in keys if k in resident])
 
     def prepare_store(
         self, keys: Collection[bytes], req_context: Any = None
@@ -322,7 +322,7 @@ class TieredOffloadingManager:
         host = self.host
         to_store: list[bytes] = []
         seen: set[bytes] = set()
-        entries = host.entries
+        entries = host.resident
         touched: list[bytes] = []
         # Admission's call skipped when it admits every offer (the default).
         offer = host.admission.offer if host.admission.threshold > 1 else None
@@ -428,30 +428,26 @@ class TieredOffloadingManager:
 
         Who calls: the engine, once every worker finished the store job of
         ``keys`` (a :meth:`prepare_store` result). Non-blocking."""
-        stored: list[bytes] = []
-        ready: list[HostEntry] = []
-        failed = []
         host, writes, lower = self.host, self._streams.writes, self.lower
-        entries = host.entries
-        for k in keys:
+        if writes:
             # A streamed write needs no event either way here: until it is
             # committed its tier answers MISS (disk) or RETRY (Redis), never
             # HIT_PENDING, and the tier itself announces it once readable.
-            if writes and self._streams.commit(k, success):
-                continue  # written by the worker straight to a lower tier
-            e = entries.get(k)
-            if e is None or e.ref != -1 or e.source != "host":
-                continue  # not ours to complete (reset, or a promotion)
-            if not success:
+            commit = self._streams.commit
+            keys = [k for k in keys if not commit(k, success)]  # the rest: host writes
+        # Only the host tier's writes in flight are ours to complete (not a
+        # key reset since, nor a promotion): ready before their cascades,
+        # which hold them from there.
+        stored = host.complete_writes(keys, success)
+        failed: list[bytes] = []
+        if not success:
+            stored, failed = failed, stored
+            for k in failed:
                 host.drop(k)
-                failed.append(k)
-                continue
-            e.ref = 0  # ready: before its cascade, which holds it from here
-            stored.append(k)
-            ready.append(e)
-            if lower:
-                self._movement.cascade(k)
-        host.mark_ready_many(stored, ready)
+        elif lower:
+            cascade = self._movement.cascade
+            for k in stored:
+                cascade(k)
         if failed:
             self.stats.store_failures += len(failed)
             self._core.unannounced(failed)
@@ -496,7 +492,7 @@ class TieredOffloadingManager:
         ev, core.events = core.events, []
         if core.unannounced_events:  # rare: a write failed since the last call
             core.unannounced_events = 0
-            entries = self.host.entries
+            entries = self.host.resident
             kept = []
             for e in ev:
                 if e.metadata_only:

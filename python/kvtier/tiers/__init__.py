@@ -24,11 +24,12 @@ from kvtier._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent
-    from kvtier.tiers.host import HostEntry, HostTier
+    from kvtier.tiers.host import HostTier
+    from kvtier.tiers.host_entry import HostEntry
     from kvtier.tiers.memory import MemoryTier
 
 _LAZY = {
-    "HostEntry": "kvtier.tiers.host",
+    "HostEntry": "kvtier.tiers.host_entry",
     "HostTier": "kvtier.tiers.host",
     "LookupResult": "kvtier.tiers.base",
     "LowerTier": "kvtier.tiers.base",

@@ -10,7 +10,6 @@ held while lower tiers copy it (``cascading``).
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -18,44 +17,8 @@ from kvtier.errors import InvalidArgument
 from kvtier.options.tiers import HostOptions
 from kvtier.policy import AdmissionFilter, EvictionPolicy, make_policy
 from kvtier.pool import HostPool
-
-
-class Fill(enum.Enum):
-    """Where a fenced promotion (the manager's ``fenced`` option) stands.
-
-    A fenced block is readable (HIT) before its bytes are: loads copy from
-    its slot, each waiting on the slot's fence word, while a lower tier
-    still fills it."""
-
-    NONE = 0  # not a fenced fill, or its read ended well
-    FILLING = 1  # a lower tier still fills the slot; loads wait on ``fence``
-    FAILED = 2  # the read failed while the block was in use this step: a
-    # MISS from now on, its loads fail on the fence; dropped once none holds it
-
-
-# A global, not Fill.NONE, in the per-block checks: a member's lookup on its
-# class is a Python-level descriptor call in 3.11 (0.12 us against 0.02 us).
-_FILL_NONE = Fill.NONE
-
-
-@dataclass(slots=True)
-class HostEntry:
-    slot: int
-    ref: int = -1  # -1 being written, 0 ready, >0 pinned by loads
-    cascading: int = 0  # lower-tier copies in flight from this slot
-    source: str = "host"  # tier the bytes came from (promotion), until first load
-    fill: Fill = Fill.NONE
-    fence: int = 0  # the armed fence value while ``fill`` is not NONE
-    # Its prefix chain (prefix-aware eviction): the resident block before it
-    # when it was written, and the resident blocks after it.
-    parent: bytes | None = None
-    # The one block after it, or a set of them at a branch: a set per
-    # chained block cost 3% of kvtier bench manager's 16-key cycle.
-    kids: bytes | set[bytes] | None = None
-
-    @property
-    def evictable(self) -> bool:
-        return self.ref == 0 and self.cascading == 0 and self.fill is _FILL_NONE
+from kvtier.tiers.host_entry import FILL_NONE, Fill, HostEntry
+from kvtier.tiers.slot_holds import SlotHolds
 
 
 @dataclass(slots=True)
@@ -99,44 +62,17 @@ def _kid_list(kids: bytes | set[bytes] | None) -> Iterable[bytes]:
     return kids if type(kids) is set else (kids,)  # type: ignore[return-value]
 
 
-class SlotHolds:
-    """Slots a timed-out job may still read or write: a slot released while
-    held goes back to ``free`` (the owner's free list) only when its last
-    hold ends. Who calls: the owner of ``free``, under its lock."""
-
-    def __init__(self, free: list[int]) -> None:
-        self.free = free
-        self._held: dict[int, list[int]] = {}  # slot -> [holds, release asked]
-
-    def __contains__(self, slot: int) -> bool:
-        return slot in self._held
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def release(self, slot: int) -> None:
-        """``slot`` is no longer used: free now, or when its last hold ends."""
-        h = self._held.get(slot)
-        if h is not None:
-            h[1] = 1
-        else:
-            self.free.append(slot)
-
-    def hold(self, slot: int) -> None:
-        """A job that timed out may still touch ``slot``: never hand it out
-        again until :meth:`unhold`."""
-        self._held.setdefault(slot, [0, 0])[0] += 1
-
-    def unhold(self, slot: int) -> None:
-        """The job that held ``slot`` ended; freed now if released meanwhile."""
-        h = self._held.get(slot)
-        if h is None:
-            return
-        h[0] -= 1
-        if h[0] <= 0:
-            del self._held[slot]
-            if h[1]:
-                self.free.append(slot)
+def checked_capacity(pool: HostPool | None, capacity: int | None) -> int | None:
+    """The host tier's capacity in blocks: ``capacity``, else all of
+    ``pool`` (None: unbounded, without a pool); InvalidArgument when it is
+    not > 0 or exceeds the pool."""
+    if pool is not None:
+        capacity = pool.num_slots if capacity is None else capacity
+        if capacity > pool.num_slots:
+            raise InvalidArgument(f"capacity {capacity} exceeds the pool's {pool.num_slots} slots")
+    if capacity is not None and capacity <= 0:
+        raise InvalidArgument(f"host capacity must be > 0 blocks, got {capacity}")
+    return capacity
 
 
 class HostTier:
@@ -184,14 +120,7 @@ class HostTier:
         max_tracked: int = 1 << 20,
         prefix_aware: bool = True,
     ) -> None:
-        if pool is not None:
-            capacity = pool.num_slots if capacity is None else capacity
-            if capacity > pool.num_slots:
-                raise InvalidArgument(
-                    f"capacity {capacity} exceeds the pool's {pool.num_slots} slots"
-                )
-        if capacity is not None and capacity <= 0:
-            raise InvalidArgument(f"host capacity must be > 0 blocks, got {capacity}")
+        capacity = checked_capacity(pool, capacity)
         self.pool = pool
         self.capacity = capacity
         self.policy = make_policy(policy, capacity or (1 << 62))
@@ -204,6 +133,9 @@ class HostTier:
         )
         self.admission = AdmissionFilter(admit_after, max_tracked)
         self.entries: dict[bytes, HostEntry] = {}
+        # The resident keys, for membership tests (the native tier's is
+        # its index's dict).
+        self.resident: Container[bytes] = self.entries
         # slot -> key of the entry that owns it: who owns a slot is asked on
         # every tier completion and reset, so it must not scan the entries.
         self._owner: dict[int, bytes] = {}
@@ -230,6 +162,40 @@ class HostTier:
     # -- queries ---------------------------------------------------------
     def get(self, key: bytes) -> HostEntry | None:
         return self.entries.get(key)
+
+    def answer(self, key: bytes) -> int:
+        """What a lookup of ``key`` finds: 0 not resident, 1 ready, 2 being
+        written, 3 a fenced fill that failed (a MISS), 4 a fenced fill under
+        way (a HIT whose load may still fail)."""
+        e = self.entries.get(key)
+        if e is None:
+            return 0
+        if e.ref < 0:
+            return 2
+        fill = e.fill
+        return 1 if fill is FILL_NONE else 3 if fill is Fill.FAILED else 4
+
+    def load_slots(self, keys: list[bytes]) -> list[int]:
+        """Each key's slot when it is ready to load, else -1, in order."""
+        get = self.entries.get
+        return [e.slot if (e := get(k)) is not None and e.ref >= 0 else -1 for k in keys]
+
+    def complete_writes(self, keys: Iterable[bytes], ready: bool) -> list[bytes]:
+        """The keys among ``keys`` that are host writes in flight (not
+        promotions), in order; with ``ready`` each becomes ready and the most
+        recently used (a store's completion)."""
+        out = []
+        entries = self.entries
+        for k in keys:
+            e = entries.get(k)
+            if e is None or e.ref != -1 or e.source != "host":
+                continue
+            out.append(k)
+            if ready:
+                e.ref = 0
+        if ready:
+            self._insert_many(out)
+        return out
 
     def owner(self, slot: int) -> bytes | None:
         """The key whose entry holds ``slot`` (None: no entry does). O(1)."""
@@ -393,7 +359,7 @@ class HostTier:
             if (
                 e.ref == 0
                 and e.cascading == 0
-                and e.fill is _FILL_NONE
+                and e.fill is FILL_NONE
                 and node not in prot
                 and e.slot not in held
                 and node not in taken
@@ -424,7 +390,7 @@ class HostTier:
 
     def add_writing(
         self, key: bytes, slot: int, source: str = "host", parent: bytes | None = None
-    ) -> HostEntry:
+    ) -> None:
         """``key`` is being written into ``slot``; ``parent``: its predecessor
         in its prefix chain, kept from eviction while ``key`` is resident
         (with ``prefix_aware``; ignored otherwise)."""
@@ -448,7 +414,6 @@ class HostTier:
                     elif kids != key:
                         pe.kids = {kids, key}  # type: ignore[arg-type]  # bytes: not a set
                     self._cuts += 1
-        return e
 
     def add_writing_many(
         self, keys: list[bytes], slots: list[int], parents: list[bytes | None] | None = None

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.pool import HostPool
-from kvtier.tiers.host import SlotHolds
+from kvtier.tiers.slot_holds import SlotHolds
 
 
 class HostPages:

@@ -127,9 +127,9 @@ class PageMover(PageCopies):
         from kvtier.integrations.sglang.host_pages import HostPages
         from kvtier.pool import HostPool
         from kvtier.tiers.disk import DiskTier
-        from kvtier.tiers.host import SlotHolds
         from kvtier.tiers.jobs import JobTier
         from kvtier.tiers.records import record_bytes
+        from kvtier.tiers.slot_holds import SlotHolds
 
         self.plan = plan
         # The waits below go to each tier's engine jobs: data-moving tiers only.

@@ -290,10 +290,10 @@ class KVTierOffloadingSpec(OffloadingSpec):
         """The manager over kvtier's host tier and the lower tiers ``lower``."""
         from kvtier.integrations.vllm.scheduler import KVTierManager, LookupOrder
         from kvtier.scheduler.manager import TieredOffloadingManager
-        from kvtier.tiers.host import HostTier
+        from kvtier.tiers.host_native import host_tier_from_options
 
         opts: VllmOptions = self.kvtier.engine
-        host = HostTier.from_options(self.host_pool(), self.num_slots, self.kvtier.host)
+        host = host_tier_from_options(self.host_pool(), self.num_slots, self.kvtier.host)
         # Streaming needs one tier per record (no pipeline stages), and
         # stores a worker holding whole blocks (no tensor parallelism).
         streaming = self.pp_size == 1 and (opts.stream_slots is None or opts.stream_slots > 0)
