@@ -32,7 +32,6 @@ from kvtier.node.protocol import ProtocolError
 from kvtier.pool import HostPool
 from kvtier.scheduler.manager import TieredOffloadingManager
 from kvtier.tiers.base import LookupResult, LowerTier
-from kvtier.tiers.host_entry import Fill
 
 log = logging.getLogger("kvtier.node")
 
@@ -40,6 +39,9 @@ log = logging.getLogger("kvtier.node")
 # that stops asking loses the oldest (counted), never the node's memory.
 MAX_EVENTS = 1 << 16
 _CODE = {LookupResult.MISS: 0, LookupResult.HIT: 1, LookupResult.HIT_PENDING: 2}
+# A host block's code by the tier's answer (HostTier.answer: 1 ready, 2 being
+# written, 3 a failed fill, 4 a fill under way), as the manager would answer.
+_HELD_CODE = {1: 1, 2: 2, 3: 0, 4: 1}
 
 
 @dataclass
@@ -164,14 +166,14 @@ class Session:
         for nk in self._node_keys(keys):
             r = m.lookup(nk, ctx)
             if r is LookupResult.HIT:
-                e = host.entries.get(nk)
-                if e is None or e.ref < 0:  # not readable as a host block: ask again
+                (slot,) = host.load_slots([nk])
+                if slot < 0:  # not readable as a host block: ask again
                     out.append([2, -1])
                     continue
                 host.pin(nk)
                 self.scan_pins.append(nk)
                 self.scan_set.add(nk)
-                out.append([1, e.slot])
+                out.append([1, slot])
                 continue
             out.append([_CODE.get(r, 3), -1])
             if r is LookupResult.MISS:
@@ -187,18 +189,18 @@ class Session:
         lookup: 128 such keys took 144 us a round trip against 232 (three
         runs each, `NodeManager.contains` against a node child)."""
         m = self.cls.manager
-        entries = m.host.entries
+        answer = m.host.answer
         out: list[int] = []
         asked: list[bytes] = []
         held = [0, 0, 0]  # answered here: miss (a failed fill), hit, hit_pending
         for nk in self._node_keys(keys):
-            e = entries.get(nk)
-            if e is None:
+            a = answer(nk)
+            if a == 0:
                 # Only the manager knows the lower tiers (and starts a promotion).
                 asked.append(nk)
                 out.append(_CODE.get(m.lookup(nk), 3))
             else:  # a block in the host tier, answered as the manager would
-                code = 2 if e.ref < 0 else 0 if e.fill is Fill.FAILED else 1
+                code = _HELD_CODE[a]
                 held[code] += 1
                 out.append(code)
         counts = m.stats.lookups
@@ -209,14 +211,14 @@ class Session:
             m._core.scanned.difference_update(asked)
         return out
 
-    def _unscan(self, keys: list[bytes]) -> None:
-        """The lookups of ``keys`` (node keys) protect nothing until the
+    def _unscan(self, nks: list[bytes]) -> None:
+        """The lookups of ``nks`` (node keys) protect nothing until the
         class's step ends: a session pins what it will load instead, and an
         engine that never ends steps (SGLang) would otherwise keep every key
         it asked about from eviction until another engine's step end."""
         scanned = self.cls.manager._core.scanned
         if scanned:
-            scanned.difference_update(self._node_keys(keys))
+            scanned.difference_update(nks)
 
     def load_present(self, keys: list[bytes], req: Any) -> list[list[int]]:
         """Each key's answer and host slot (-1 unless HIT), every key asked,
@@ -231,14 +233,14 @@ class Session:
         for nk in nks:
             r = m.lookup(nk)
             if r is LookupResult.HIT:
-                e = host.entries.get(nk)
-                if e is not None and e.ref >= 0:
+                (slot,) = host.load_slots([nk])
+                if slot >= 0:
                     hits.append(nk)
-                    out.append([1, e.slot])
+                    out.append([1, slot])
                     continue
                 r = LookupResult.HIT_PENDING  # not readable as a host block yet
             out.append([_CODE.get(r, 3), -1])
-        self._unscan(keys)
+        self._unscan(nks)
         if hits:
             self._pin_loads(hits, req)
         return out
