@@ -6,7 +6,9 @@ engine's worker). Who calls: the manager, under its lock; see each module
 for what blocks.
 
 What each module owns: ``base`` the manager/tier interface, ``host`` the host
-tier, ``memory``/``disk``/``remote`` one medium each, ``staged`` one tier over
+tier (Python, every policy), ``host_native`` the host tier over the native
+index (LRU) and :func:`make_host_tier`, which picks one of them,
+``memory``/``disk``/``remote`` one medium each, ``staged`` one tier over
 pipeline stages, ``jobs`` the native-engine job machinery every data-moving
 tier shares, ``events`` the bounded log of a tier's stored/removed keys,
 ``records`` the record format and namespace/key digests, ``factory`` tiers
@@ -26,11 +28,14 @@ if TYPE_CHECKING:
     from kvtier.tiers.base import LookupResult, LowerTier, TierCompletion, TierEvent
     from kvtier.tiers.host import HostTier
     from kvtier.tiers.host_entry import HostEntry
+    from kvtier.tiers.host_native import NativeHostTier, make_host_tier
     from kvtier.tiers.memory import MemoryTier
 
 _LAZY = {
     "HostEntry": "kvtier.tiers.host_entry",
     "HostTier": "kvtier.tiers.host",
+    "NativeHostTier": "kvtier.tiers.host_native",
+    "make_host_tier": "kvtier.tiers.host_native",
     "LookupResult": "kvtier.tiers.base",
     "LowerTier": "kvtier.tiers.base",
     "MemoryTier": "kvtier.tiers.memory",
@@ -48,6 +53,8 @@ __all__ = [
     "LookupResult",
     "LowerTier",
     "MemoryTier",
+    "NativeHostTier",
     "TierCompletion",
     "TierEvent",
+    "make_host_tier",
 ]
