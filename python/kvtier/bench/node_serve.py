@@ -14,7 +14,14 @@ is its prefill (or load) alone. A trace block (512 tokens, one hash id)
 becomes 512 token ids drawn from a generator seeded with the hash id, so
 equal ids make equal prefixes on every server. After every request the
 serving server's own prefix cache is reset (vLLM's dev endpoint), so a
-returning prefix can only come from kvtier.
+returning prefix can only come from kvtier. Before every request, in every
+configuration, the replay waits :data:`SETTLE_S`: an idle vLLM worker keeps
+polling its step queue for a second after its last step (vLLM's
+``SpinCondition``, a full core), and on a 2-core machine the other server's
+spinning worker stretched a 20 ms load to 100-420 ms (one request right
+after the other server's, against 20-25 ms a second later; the spinner was
+the only busy thread in /proc over those 0.4 s, 3 December 2026). A machine
+with a core per server has no such contention.
 
 Configurations (the same total host memory, ``host_bytes``):
 
@@ -56,6 +63,7 @@ from kvtier.errors import InvalidArgument
 
 CONFIGS = ("none", "split", "node", "single", "split-restart", "node-restart")
 TOKENS_PER_HASH = 512  # the trace's block: one hash id
+SETTLE_S = 1.2  # past vLLM's 1 s of worker polling after a step (see above)
 FIRST_TOKEN = 16  # token ids below this are the tokenizer's specials
 
 
@@ -395,7 +403,8 @@ def run_node_bench(
             "trace": str(trace),
             "cut": info,
             "max_tokens": max_tokens,
-            "replay": "one request at a time, in arrival order; prefix cache reset after each",
+            "replay": "one request at a time, in arrival order; prefix cache reset after each; "
+            f"{SETTLE_S} s idle before each (vLLM workers poll 1 s after a step)",
             "working_set_blocks": working,
             "block_tokens": settings.block_size,
             "block_bytes": block_bytes,
@@ -458,6 +467,7 @@ def _run_config(
         restart_at = len(requests) // 2 if config.endswith("-restart") else -1
         done: list[dict[str, Any]] = []
         for k, req in enumerate(requests):
+            time.sleep(SETTLE_S)
             if k == restart_at:
                 say(f"{config}: SIGKILL of server 1, started again")
                 pgid = servers[1].proc.pid
