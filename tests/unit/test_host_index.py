@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from kvtier._native import HostIndex
 from kvtier.errors import InvalidArgument
 from kvtier.tiers.host import HostTier
+from kvtier.tiers.host_entry import Fill
+from kvtier.tiers.host_native import make_host_tier
 
 
 def _lru(t: HostTier) -> list[bytes]:
@@ -158,3 +160,25 @@ def test_bad_calls_are_refused_and_change_nothing() -> None:
     with pytest.raises(InvalidArgument, match="a slot and a parent"):
         nat.add_writing_many([b"x"], [], None)
     assert len(nat) == 1 and nat.entry(b"a") == (0, -1, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_census_counts_pinned_writing_and_cascading_blocks(native: bool) -> None:
+    """The occupancy gauges' counts, exactly, on either tier: 10 blocks, of
+    which 3 still written, 2 ready and pinned (one of them twice), 1
+    cascading, 1 filling from a lower tier."""
+    t = make_host_tier(None, 16, native=native)
+    keys = [bytes([i]) * 8 for i in range(10)]
+    got = t.allocate(10, protected=set(keys))
+    assert got is not None
+    for k, s in zip(keys, got[0]):
+        t.add_writing(k, int(s))
+    t.complete_writes(keys[3:], True)
+    t.pin_many([keys[3], keys[4], keys[4]])
+    t.entries[keys[5]].cascading = 1
+    t.entries[keys[6]].fill = Fill.FILLING
+    assert t.census() == (2, 4, 1)
+    t.unpin_many([keys[3], keys[4], keys[4]])
+    t.complete_writes(keys[:3], True)
+    t.entries[keys[6]].fill = Fill.NONE
+    assert t.census() == (0, 0, 1)

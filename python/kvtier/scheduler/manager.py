@@ -511,12 +511,12 @@ class TieredOffloadingManager:
         """Host blocks by state and tier jobs in flight: what a drained engine
         must have given back (pinned, writing, held and stale at 0, no job).
         Non-blocking; under the lock like every other call."""
-        entries = self.host.entries.values()
+        pinned, writing, cascading = self.host.census()
         return {
             "blocks": len(self.host),
-            "pinned": sum(1 for e in entries if e.ref > 0),
-            "writing": sum(1 for e in entries if e.ref < 0 or e.fill is Fill.FILLING),
-            "cascading": sum(1 for e in entries if e.cascading),
+            "pinned": pinned,
+            "writing": writing,
+            "cascading": cascading,
             "held": self.host.held_slots,
             "stale": len(self._core.slots.stale),
             "streaming": self._streams.in_flight(),

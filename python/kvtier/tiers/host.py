@@ -163,6 +163,20 @@ class HostTier:
     def get(self, key: bytes) -> HostEntry | None:
         return self.entries.get(key)
 
+    def census(self) -> tuple[int, int, int]:
+        """Resident blocks pinned by loads, being written (or filled by a
+        lower tier), and cascading, in that order: the manager's occupancy
+        gauges, which vLLM's shim asks for every half second on the
+        scheduler's thread. One pass; non-blocking."""
+        pinned = writing = cascading = 0
+        filling = Fill.FILLING
+        for e in self.entries.values():
+            ref = e.ref
+            pinned += ref > 0
+            writing += ref < 0 or e.fill is filling
+            cascading += e.cascading > 0
+        return pinned, writing, cascading
+
     def answer(self, key: bytes) -> int:
         """What a lookup of ``key`` finds: 0 not resident, 1 ready, 2 being
         written, 3 a fenced fill that failed (a MISS), 4 a fenced fill under
