@@ -228,6 +228,14 @@ void bind_host_index(py::module_& m) {
           },
           "(ref, cascading, source, fill, fence) of the block in a slot.")
       .def(
+          "census",
+          [](const K& k) {
+            const HostIndex::Census c = k.core_.census();
+            return py::make_tuple(c.pinned, c.writing, c.cascading);
+          },
+          "(pinned, writing, cascading): resident blocks pinned by loads, being written or "
+          "filled, and cascading, in one pass over the records.")
+      .def(
           "parent_key",
           [](const K& k, const py::object& key) -> py::object {
             const py::object& p =

@@ -44,6 +44,29 @@ TEST(HostIndex, SlotsComeAsTheFreeListPopsThem) {
   EXPECT_THROW(HostIndex(0, true), std::invalid_argument);
 }
 
+TEST(HostIndex, TheCensusCountsPinnedWritingAndCascadingBlocks) {
+  HostIndex h(8, true);
+  Slots s = write(h, 5, false);
+  Slots more, victims;
+  ASSERT_TRUE(h.allocate(2, false, nullptr, &more, &victims));
+  for (std::int32_t x : more) h.add_writing(x, HostIndex::kNil, 0);  // still written
+  h.pin(s[0]);
+  h.pin(s[1]);
+  h.pin(s[1]);  // two loads of one block: one pinned block
+  h.add_cascading(s[2], 1);
+  h.set_fill(s[3], HostIndex::kFillFilling, 7);  // a fill from a lower tier
+  h.set_fill(s[4], HostIndex::kFillFailed, 8);   // failed: not being written
+  HostIndex::Census c = h.census();
+  EXPECT_EQ(c.pinned, 2u);
+  EXPECT_EQ(c.writing, 3u);
+  EXPECT_EQ(c.cascading, 1u);
+  h.remove(more[0]);  // a write that failed leaves the index
+  h.unpin(s[0]);
+  c = h.census();
+  EXPECT_EQ(c.pinned, 1u);
+  EXPECT_EQ(c.writing, 2u);
+}
+
 TEST(HostIndex, LruVictimsSkipWhatCannotGo) {
   HostIndex h(4, true);
   Slots s = write(h, 4, false);

@@ -33,6 +33,17 @@ void HostIndex::lru_push_back(std::int32_t s) {
   r.in_lru = true;
 }
 
+HostIndex::Census HostIndex::census() const {
+  Census c;
+  for (const Rec& r : recs_) {
+    if (!r.resident) continue;
+    c.pinned += r.ref > 0;
+    c.writing += r.ref < 0 || r.fill == kFillFilling;
+    c.cascading += r.cascading > 0;
+  }
+  return c;
+}
+
 void HostIndex::add_writing(std::int32_t slot, std::int32_t parent, std::uint8_t source) {
   Rec& r = recs_.at(static_cast<std::size_t>(slot));
   if (r.resident) throw std::logic_error("host index: slot " + std::to_string(slot) + " is in use");

@@ -86,6 +86,15 @@ class HostIndex {
     const Rec& r = recs_[slot];
     return r.ref == 0 && r.cascading == 0 && r.fill == kFillNone;
   }
+  // Resident blocks pinned by loads, being written (or filled by a lower
+  // tier), and cascading: the manager's occupancy gauges, which vLLM's shim
+  // reads every half second on the scheduler's thread (host.py's census).
+  struct Census {
+    std::size_t pinned = 0;
+    std::size_t writing = 0;
+    std::size_t cascading = 0;
+  };
+  Census census() const;
   // Resident blocks in the LRU (ready ones), least recently used first; at
   // most `limit` of them.
   std::vector<std::int32_t> lru_order(std::size_t limit = SIZE_MAX) const;
