@@ -128,9 +128,10 @@ test: install lint test-cpp wheel test-py
 
 # KVTIER_ENGINE_PYTHON: the engine tests (tests/engine) run vLLM there and
 # fail, rather than skip, when it is missing; KVTIER_REQUIRE_SGLANG likewise
-# for SGLang's (the venv has it).
+# for SGLang's (the venv has it). The slowest tests are listed at the end:
+# `make test` has a time budget in CI, and the list says where it goes.
 test-py: engine-venv
-	KVTIER_ENGINE_PYTHON=$(CURDIR)/$(EPY) KVTIER_REQUIRE_SGLANG=1 $(PY) -m pytest -q tests
+	KVTIER_ENGINE_PYTHON=$(CURDIR)/$(EPY) KVTIER_REQUIRE_SGLANG=1 $(PY) -m pytest -q --durations=15 tests
 
 # The documentation site (docs/, mkdocs.yml) into build/site: the CLI reference
 # regenerated from the argparse parsers first, then a strict build (a broken
