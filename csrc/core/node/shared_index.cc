@@ -1,9 +1,10 @@
 #include "core/node/shared_index.h"
 
 #include <new>
-#include <stdexcept>
 #include <string>
 #include <thread>
+
+#include "core/status.h"
 
 namespace kvtier::node {
 
@@ -64,20 +65,20 @@ std::size_t SharedIndex::bytes_for(std::uint32_t slots) {
   // The layout is the wire format between processes (and kVersion's).
   static_assert(sizeof(Header) == 64 && sizeof(Bucket) == 8 && sizeof(Record) == 32);
   if (slots == 0 || slots > kMaxSlots)
-    throw std::invalid_argument("shared index: slots must be 1.." + std::to_string(kMaxSlots) +
-                                ", got " + std::to_string(slots));
-  return sizeof(Header) + sizeof(Bucket) * buckets_for(slots) + sizeof(Record) * slots +
-         sizeof(std::uint64_t) * slots;
+    throw_invalid("shared index: slots must be 1.." + std::to_string(kMaxSlots) + ", got " +
+                  std::to_string(slots));
+  const std::size_t n = sizeof(Header) + sizeof(Bucket) * buckets_for(slots) +
+                        sizeof(Record) * slots + sizeof(std::uint64_t) * slots;
+  return (n + 63) / 64 * 64;  // a whole number of cache lines (a pool slot's unit)
 }
 
 SharedIndex SharedIndex::create(void* base, std::size_t bytes, std::uint32_t slots) {
   const std::size_t need = bytes_for(slots);
   if (reinterpret_cast<std::uintptr_t>(base) % 64 != 0)
-    throw std::invalid_argument("shared index: the region must be 64-byte aligned");
+    throw_invalid("shared index: the region must be 64-byte aligned");
   if (bytes < need)
-    throw std::invalid_argument("shared index: " + std::to_string(slots) + " slots need " +
-                                std::to_string(need) + " bytes, the region has " +
-                                std::to_string(bytes));
+    throw_invalid("shared index: " + std::to_string(slots) + " slots need " + std::to_string(need) +
+                  " bytes, the region has " + std::to_string(bytes));
   const std::uint32_t nb = buckets_for(slots);
   auto* p = static_cast<unsigned char*>(base);
   auto* h = new (p) Header;
@@ -113,15 +114,15 @@ SharedIndex SharedIndex::create(void* base, std::size_t bytes, std::uint32_t slo
 
 SharedIndex SharedIndex::attach(void* base, std::size_t bytes) {
   if (reinterpret_cast<std::uintptr_t>(base) % 64 != 0 || bytes < sizeof(Header))
-    throw std::invalid_argument("shared index: the region is too small or misaligned");
+    throw_invalid("shared index: the region is too small or misaligned");
   auto* p = static_cast<unsigned char*>(base);
   auto* h = reinterpret_cast<Header*>(p);
   if (h->magic.load(std::memory_order_acquire) != kMagic || h->version != kVersion)
-    throw std::invalid_argument("shared index: the region is not a kvtier shared index (v" +
-                                std::to_string(kVersion) + ")");
+    throw_invalid("shared index: the region is not a kvtier shared index (v" +
+                  std::to_string(kVersion) + ")");
   if (h->slots == 0 || h->slots > kMaxSlots || h->buckets != buckets_for(h->slots) ||
       bytes < bytes_for(h->slots))
-    throw std::invalid_argument("shared index: the header does not fit the region");
+    throw_invalid("shared index: the header does not fit the region");
   const std::uint32_t nb = h->buckets;
   auto* b = reinterpret_cast<Bucket*>(p + sizeof(Header));
   auto* r = reinterpret_cast<Record*>(p + sizeof(Header) + sizeof(Bucket) * nb);
@@ -132,14 +133,14 @@ SharedIndex SharedIndex::attach(void* base, std::size_t bytes) {
 
 void SharedIndex::check_slot(std::uint32_t slot) const {
   if (slot >= slots_)
-    throw std::invalid_argument("shared index: slot " + std::to_string(slot) + " out of range (" +
-                                std::to_string(slots_) + " slots)");
+    throw_invalid("shared index: slot " + std::to_string(slot) + " out of range (" +
+                  std::to_string(slots_) + " slots)");
 }
 
 void SharedIndex::check_engine(std::uint32_t engine) const {
   if (engine >= kMaxEngines)
-    throw std::invalid_argument("shared index: engine index " + std::to_string(engine) +
-                                " out of range (" + std::to_string(kMaxEngines) + " engines)");
+    throw_invalid("shared index: engine index " + std::to_string(engine) + " out of range (" +
+                  std::to_string(kMaxEngines) + " engines)");
 }
 
 // -- the node -----------------------------------------------------------------
@@ -147,12 +148,11 @@ void SharedIndex::check_engine(std::uint32_t engine) const {
 void SharedIndex::publish(std::uint32_t slot, const Digest& digest, std::uint8_t state) {
   check_slot(slot);
   if (state != kWriting && state != kReady)
-    throw std::invalid_argument("shared index: publish as writing or ready, not " +
-                                std::to_string(state));
+    throw_invalid("shared index: publish as writing or ready, not " + std::to_string(state));
   std::atomic<std::uint64_t>& w = words_[slot];
   const std::uint64_t old = w.load(std::memory_order_acquire);
   if (state_of(old) != kFree)
-    throw std::logic_error("shared index: slot " + std::to_string(slot) + " is in use");
+    throw_invalid("shared index: slot " + std::to_string(slot) + " is in use");
   const std::uint32_t gen = gen_of(old);
   Record& r = records_[slot];
   Bucket& b = buckets_[bucket_of(digest)];
@@ -177,8 +177,7 @@ void SharedIndex::set_ready(std::uint32_t slot) {
   std::uint64_t old = w.load(std::memory_order_acquire);
   do {
     if (state_of(old) != kWriting)
-      throw std::logic_error("shared index: slot " + std::to_string(slot) +
-                             " is not being written");
+      throw_invalid("shared index: slot " + std::to_string(slot) + " is not being written");
   } while (!w.compare_exchange_weak(old, word(gen_of(old), kReady, pin_bits(old)),
                                     std::memory_order_acq_rel, std::memory_order_acquire));
 }
@@ -189,7 +188,7 @@ bool SharedIndex::retire(std::uint32_t slot) {
   std::uint64_t old = w.load(std::memory_order_acquire);
   do {
     if (state_of(old) == kFree)
-      throw std::logic_error("shared index: slot " + std::to_string(slot) + " is free");
+      throw_invalid("shared index: slot " + std::to_string(slot) + " is free");
     if (pin_bits(old) != 0) return false;
   } while (!w.compare_exchange_weak(old, word(gen_of(old) + 1, kFree, 0), std::memory_order_acq_rel,
                                     std::memory_order_acquire));
@@ -202,8 +201,8 @@ bool SharedIndex::retire(std::uint32_t slot) {
   std::uint32_t cur = b.head.load(std::memory_order_relaxed);
   for (std::uint32_t steps = 0; cur != slot; ++steps) {
     if (cur == kNil || steps >= slots_)
-      throw std::logic_error("shared index: slot " + std::to_string(slot) +
-                             " is not in its bucket's chain");
+      throw Error(StatusCode::kInternal,
+                  "shared index: slot " + std::to_string(slot) + " is not in its bucket's chain");
     prev = cur;
     cur = records_[cur].next.load(std::memory_order_relaxed);
   }
@@ -289,8 +288,8 @@ void SharedIndex::unpin(std::uint32_t engine, std::uint32_t slot) {
   std::uint64_t old = w.load(std::memory_order_acquire);
   do {
     if (!(old & pin_bit(engine)))
-      throw std::logic_error("shared index: engine " + std::to_string(engine) +
-                             " holds no pin on slot " + std::to_string(slot));
+      throw_invalid("shared index: engine " + std::to_string(engine) + " holds no pin on slot " +
+                    std::to_string(slot));
   } while (!w.compare_exchange_weak(old, old & ~pin_bit(engine), std::memory_order_acq_rel,
                                     std::memory_order_acquire));
 }
@@ -316,15 +315,14 @@ bool SharedIndex::pinned_by(std::uint32_t engine, std::uint32_t slot) const {
 EnginePins::EnginePins(SharedIndex index, std::uint32_t engine)
     : index_(index), engine_(engine), counts_(index.slots(), 0) {
   if (engine >= SharedIndex::kMaxEngines)
-    throw std::invalid_argument("shared index: engine index " + std::to_string(engine) +
-                                " out of range (" + std::to_string(SharedIndex::kMaxEngines) +
-                                " engines)");
+    throw_invalid("shared index: engine index " + std::to_string(engine) + " out of range (" +
+                  std::to_string(SharedIndex::kMaxEngines) + " engines)");
 }
 
 std::uint32_t& EnginePins::count(std::uint32_t slot) {
   if (slot >= counts_.size())
-    throw std::invalid_argument("shared index: slot " + std::to_string(slot) + " out of range (" +
-                                std::to_string(counts_.size()) + " slots)");
+    throw_invalid("shared index: slot " + std::to_string(slot) + " out of range (" +
+                  std::to_string(counts_.size()) + " slots)");
   return counts_[slot];
 }
 
@@ -345,8 +343,8 @@ bool EnginePins::pin(std::uint32_t slot, std::uint32_t gen) {
 void EnginePins::unpin(std::uint32_t slot) {
   std::uint32_t& n = count(slot);
   if (n == 0)
-    throw std::logic_error("shared index: engine " + std::to_string(engine_) +
-                           " holds no pin on slot " + std::to_string(slot));
+    throw_invalid("shared index: engine " + std::to_string(engine_) + " holds no pin on slot " +
+                  std::to_string(slot));
   if (--n == 0) {
     index_.unpin(engine_, slot);
     --pinned_;

@@ -39,6 +39,10 @@
 // Digests: 16 bytes of the caller's choosing (blake2b of the namespaced
 // key, as the disk tier's records carry); the directory never sees keys.
 //
+// Errors: kvtier::Error (core/status.h), InvalidArgument for bad input and
+// for calls out of turn (publishing a slot in use, unpinning a pin not
+// held), Internal for a chain that lost a slot (a corrupt region).
+//
 // Thread-safety: one writer (the node's thread) for publish, set_ready,
 // retire and unpin_all; any number of readers in any process for find, pin
 // and unpin.
@@ -77,14 +81,14 @@ class SharedIndex {
   };
 
   // The bytes a region for `slots` slots takes. Throws
-  // std::invalid_argument for 0 or more than kMaxSlots slots.
+  // InvalidArgument for 0 or more than kMaxSlots slots.
   static std::size_t bytes_for(std::uint32_t slots);
   // Formats `bytes` at `base` (64-byte aligned, zeroed or not) for `slots`
   // slots, all free and unpinned: the node, once, before any engine maps it.
-  // Throws std::invalid_argument when the span is too small or misaligned.
+  // Throws InvalidArgument when the span is too small or misaligned.
   static SharedIndex create(void* base, std::size_t bytes, std::uint32_t slots);
   // A view of a region create() formatted (an engine's mapping). Throws
-  // std::invalid_argument when the header is not one of ours or does not
+  // InvalidArgument when the header is not one of ours or does not
   // fit `bytes`.
   static SharedIndex attach(void* base, std::size_t bytes);
 
@@ -92,8 +96,8 @@ class SharedIndex {
 
   // -- the node (one thread) ------------------------------------------------
   // `slot` (free) now holds the block of `digest` in `state` (kWriting or
-  // kReady), findable from now on. Throws std::logic_error when the slot is
-  // not free and std::invalid_argument for a bad slot or state.
+  // kReady), findable from now on. Throws InvalidArgument when the slot is
+  // not free and InvalidArgument for a bad slot or state.
   void publish(std::uint32_t slot, const Digest& digest, std::uint8_t state);
   // A block being written is ready: pins may succeed from now on.
   void set_ready(std::uint32_t slot);
@@ -117,7 +121,7 @@ class SharedIndex {
   // `gen` (what find() returned); true also when the bit was set already.
   // False: the slot changed since the find (a MISS).
   bool pin(std::uint32_t engine, std::uint32_t slot, std::uint32_t gen);
-  // Clears engine `engine`'s pin bit on `slot`. Throws std::logic_error
+  // Clears engine `engine`'s pin bit on `slot`. Throws InvalidArgument
   // when it is not set (a caller that lost count of its pins).
   void unpin(std::uint32_t engine, std::uint32_t slot);
 
@@ -155,14 +159,14 @@ class SharedIndex {
 // thread-safe: the engine's scheduler calls it under its manager's lock.
 class EnginePins {
  public:
-  // Throws std::invalid_argument for an engine index out of range.
+  // Throws InvalidArgument for an engine index out of range.
   EnginePins(SharedIndex index, std::uint32_t engine);
   SharedIndex& index() { return index_; }
   std::uint32_t engine() const { return engine_; }
   // A pin of `slot` under `gen` (find()'s); false, counting nothing, when
   // the slot changed since.
   bool pin(std::uint32_t slot, std::uint32_t gen);
-  // One pin ends. Throws std::logic_error when this engine holds none.
+  // One pin ends. Throws InvalidArgument when this engine holds none.
   void unpin(std::uint32_t slot);
   std::uint32_t held(std::uint32_t slot) { return count(slot); }
   // Slots this engine pins now.
