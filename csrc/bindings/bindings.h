@@ -32,6 +32,7 @@ void bind_disk(py::module_& m, EngineClass& engine);
 void bind_disk_index(py::module_& m);
 void bind_plfu(py::module_& m);
 void bind_host_index(py::module_& m);
+void bind_shared_index(py::module_& m);
 void bind_remote(py::module_& m, EngineClass& engine);
 
 // Submits to the engine; a full queue is kvtier.Busy for the caller.
