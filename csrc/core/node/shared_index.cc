@@ -217,6 +217,13 @@ bool SharedIndex::retire(std::uint32_t slot) {
   return true;
 }
 
+void SharedIndex::restore(std::uint32_t slot) {
+  check_slot(slot);
+  const Record& r = records_[slot];
+  publish(slot, Digest{r.lo.load(std::memory_order_relaxed), r.hi.load(std::memory_order_relaxed)},
+          kReady);
+}
+
 bool SharedIndex::pinned(std::uint32_t slot) const {
   check_slot(slot);
   return pin_bits(words_[slot].load(std::memory_order_acquire)) != 0;

@@ -105,6 +105,10 @@ class SharedIndex {
   // nothing, while any engine pins it; else its generation moves on (every
   // pin named by an earlier find fails), it is unfindable and free.
   bool retire(std::uint32_t slot);
+  // A slot retire() freed is ready again with the digest it had (its
+  // block never left: the node chose it and then kept it), under the new
+  // generation. Throws InvalidArgument when the slot is not free.
+  void restore(std::uint32_t slot);
   // Whether any engine pins `slot` now (an eviction candidate's check
   // before retire, which decides).
   bool pinned(std::uint32_t slot) const;
