@@ -53,6 +53,13 @@ std::uint32_t slot_arg(std::int64_t slot) {
 
 }  // namespace
 
+node::SharedIndex* shared_index_of(const py::object& obj) {
+  if (!py::isinstance<PySharedIndex>(obj))
+    throw_invalid("a kvtier._native.SharedIndex is needed, got " +
+                  py::str(py::type::of(obj)).cast<std::string>());
+  return &obj.cast<PySharedIndex&>().index;
+}
+
 void bind_shared_index(py::module_& m) {
   using S = PySharedIndex;
   py::class_<S>(m, "SharedIndex",
@@ -117,6 +124,15 @@ void bind_shared_index(py::module_& m) {
           py::arg("engine"),
           "Engine `engine`'s pins end everywhere (its connection closed); how many slots it "
           "pinned.")
+      .def(
+          "engine_pins",
+          [](const S& s, std::int64_t engine) {
+            if (engine < 0 || engine >= static_cast<std::int64_t>(SharedIndex::kMaxEngines))
+              throw_invalid("shared index: engine index " + std::to_string(engine) +
+                            " out of range");
+            return s.index.pinned_slots(static_cast<std::uint32_t>(engine));
+          },
+          py::arg("engine"), "How many slots engine `engine` pins now (one pass).")
       .def(
           "state", [](const S& s, std::int64_t slot) { return s.index.state(slot_arg(slot)); },
           py::arg("slot"), "0 free, 1 being written, 2 ready.")

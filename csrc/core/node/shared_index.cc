@@ -238,6 +238,15 @@ std::size_t SharedIndex::unpin_all(std::uint32_t engine) {
   return n;
 }
 
+std::size_t SharedIndex::pinned_slots(std::uint32_t engine) const {
+  check_engine(engine);
+  const std::uint64_t bit = pin_bit(engine);
+  std::size_t n = 0;
+  for (std::uint32_t i = 0; i < slots_; ++i)
+    n += (words_[i].load(std::memory_order_relaxed) & bit) != 0;
+  return n;
+}
+
 // -- engines ------------------------------------------------------------------
 
 std::optional<SharedIndex::Found> SharedIndex::find(const Digest& digest) const {

@@ -115,6 +115,8 @@ class SharedIndex {
   // Engine `engine`'s pins on every slot are dropped (its connection
   // closed: crashed or gone). Returns how many slots it pinned.
   std::size_t unpin_all(std::uint32_t engine);
+  // How many slots engine `engine` pins now (one pass: the node's status).
+  std::size_t pinned_slots(std::uint32_t engine) const;
 
   // -- engines (any process, any number) ------------------------------------
   // Where `digest` is, when it is published (a consistent read of its

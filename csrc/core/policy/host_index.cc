@@ -44,9 +44,12 @@ void HostIndex::lru_push_back(std::int32_t s) {
 
 HostIndex::Census HostIndex::census() const {
   Census c;
-  for (const Rec& r : recs_) {
+  for (std::size_t i = 0; i < recs_.size(); ++i) {
+    const Rec& r = recs_[i];
     if (!r.resident) continue;
-    c.pinned += r.ref > 0;
+    // A block an engine pins in the mirror is pinned too (by a load the
+    // node never sees: the engine's own pin bit).
+    c.pinned += r.ref > 0 || engine_pinned(static_cast<std::int32_t>(i));
     c.writing += r.ref < 0 || r.fill == kFillFilling;
     c.cascading += r.cascading > 0;
   }

@@ -35,6 +35,7 @@ from kvtier.node.protocol import Op
 from kvtier.scheduler.specs import HostSpec, PrepareStoreResult
 from kvtier.scheduler.stats import ManagerStats
 from kvtier.tiers.base import LookupResult, TierEvent
+from kvtier.tiers.records import key_digest
 
 if TYPE_CHECKING:
     from kvtier.pool import HostPool
@@ -151,6 +152,15 @@ class NodeClient:
             raise InvalidArgument(msg)
         raise NodeError(f"kvtier node: {kind}: {msg}")
 
+    def peer_gone(self) -> bool:
+        """Whether the node closed this connection (or sent what no request
+        asked for, which only a refusal does): one poll(2) with no wait,
+        about a microsecond. Callers that answer without a round trip ask it
+        first, so that a dead node's shared index is never read."""
+        if self._sock is None:
+            return True
+        return bool(self._ready.poll(0))
+
     def _recv(self) -> bytes:
         assert self._sock is not None
         data = self._sock.recv(_RECV_BYTES)
@@ -257,6 +267,16 @@ class NodeManager:
         self._pending = False
         self._closed = False
         self._next_attach = 0.0
+        # The node's shared index, when it offers one: HITs found and pinned
+        # there without a round trip (this step's lookups' pins by slot, the
+        # keys they found, and each shared load's slots until complete_load).
+        self._prefix = bytes.fromhex(namespace)[:8]
+        self._shared: Any = None
+        self._index_pool: HostPool | None = None
+        self._index_lower = True
+        self._scan_pins: dict[int, int] = {}
+        self._shm_hits: set[bytes] = set()
+        self._shm_loads: dict[bytes, list[int]] = {}
         self.pool: dict[str, Any] = self._attach()  # raises when no node answers at start
         self.host = _HostView(int(self.pool["num_slots"]))
 
@@ -275,9 +295,40 @@ class NodeManager:
                 Op.HELLO, P.VERSION, self.namespace, self.payload_bytes, self.engine, self.events
             )
         )
+        self._open_index(info.pop("index", None))
         return info
 
+    def _open_index(self, ix: Any) -> None:
+        """Map the node's shared index (``ix`` from HELLO; None: it offers
+        none, every lookup is a round trip)."""
+        self._drop_index()
+        if not isinstance(ix, dict):
+            return
+        from kvtier._native import SharedIndex
+        from kvtier.pool import HostPool
+
+        try:
+            pool = HostPool.attach(str(ix["name"]))
+            self._shared = SharedIndex.attach(pool.native, int(ix["engine"]))
+        except (KvtierError, KeyError, ValueError) as e:
+            log.warning("kvtier: the node's shared index is not usable (%s): asking the node", e)
+            return
+        self._index_pool = pool
+        self._index_lower = bool(ix.get("lower", True))
+
+    def _drop_index(self) -> None:
+        """Forget the shared index (the node is gone: a node started again
+        reuses its slots, so nothing the old index says may be loaded)."""
+        self._shared = None
+        self._scan_pins.clear()
+        self._shm_hits.clear()
+        self._shm_loads.clear()
+        if self._index_pool is not None:
+            self._index_pool.close()
+            self._index_pool = None
+
     def _down(self, e: Exception) -> None:
+        self._drop_index()
         if self._client.connected:
             self._client.close()
         self.client_stats.node_failures += 1
@@ -342,6 +393,8 @@ class NodeManager:
         keys = [key]
         if self.key_order is not None:
             keys += self.key_order(key, req_context)[: SCAN_KEYS - 1]
+        if self._shared is not None:
+            return self._scan_shared(keys, req_context)
         try:
             out = self._call(Op.LOOKUP, keys, getattr(req_context, "req_id", None))
         except NodeUnavailable as e:
@@ -354,6 +407,36 @@ class NodeManager:
             if slot >= 0:
                 slots[k] = slot
         return answers.pop(key)
+
+    def _scan_shared(self, keys: list[bytes], req_context: Any) -> tuple[LookupResult, int]:
+        """A scan in the node's shared index: HITs pinned there, up to the
+        first MISS; that MISS goes to the node only when it has lower tiers
+        (a HIT there starts a promotion)."""
+        if self._client.peer_gone():
+            self._down(NodeUnavailable(0, f"kvtier node at {self.path}: the connection closed"))
+            self.client_stats.node_down_lookups += 1
+            return (LookupResult.MISS, -1)
+        p = self._prefix
+        out = self._shared.lookup(b"".join([key_digest(p + k) for k in keys]))
+        answers, slots, pins, shm = self._answers, self._hit_slots, self._scan_pins, self._shm_hits
+        for k, (code, slot) in zip(keys, out):
+            answers[k] = (_ANSWER[code], slot)
+            if slot >= 0:
+                slots[k] = slot
+                pins[slot] = pins.get(slot, 0) + 1
+                shm.add(k)
+        if out[-1][0] == 0 and self._index_lower:
+            rest = keys[len(out) - 1 :]
+            try:
+                got = self._call(Op.LOOKUP, rest, getattr(req_context, "req_id", None))
+            except NodeUnavailable as e:
+                self._down(e)
+                got = []
+            for k, (code, slot) in zip(rest, got):
+                answers[k] = (_ANSWER[code], slot)
+                if slot >= 0:
+                    slots[k] = slot  # pinned by the node for this step
+        return answers.pop(keys[0])
 
     def contains(self, keys: list[bytes]) -> list[LookupResult]:
         """Each key's answer (every key, in order; nothing pinned): one
@@ -403,6 +486,10 @@ class NodeManager:
         self.stats.loaded_from["host"] = self.stats.loaded_from.get("host", 0) + len(keys)
         req = getattr(req_context, "req_id", None)
         hit = self._hit_slots
+        if self._shm_hits and self.attached and all(k in hit for k in keys):
+            spec = self._load_shared(keys, req)
+            if spec is not None:
+                return spec
         if self.attached and all(k in hit for k in keys):
             # This step's lookups pinned them at the node and named their
             # slots: no need to wait for the node (the usual case: vLLM loads
@@ -423,8 +510,54 @@ class NodeManager:
             raise InvalidArgument("prepare_load of a key that is not a HIT")
         return HostSpec(np.asarray(slots, np.int64))
 
+    def _load_shared(self, keys: list[bytes], req: Any) -> HostSpec | None:
+        """This step's HITs loaded: each key's pin moves from the step's
+        lookups to its load (the shared ones), the node told after the fact
+        (recency, counters; the rest as LOAD_PINNED). None when a key's
+        lookup pin was taken by an earlier load this step (ask the node)."""
+        shm, pins = self._shm_hits, self._scan_pins
+        need: dict[int, int] = {}
+        for k in keys:
+            if k in shm:
+                s = self._hit_slots[k]
+                need[s] = need.get(s, 0) + 1
+        if any(pins.get(s, 0) < n for s, n in need.items()):
+            return None
+        for s, n in need.items():
+            left = pins[s] - n
+            if left:
+                pins[s] = left
+            else:
+                del pins[s]
+        shared_keys = [k for k in keys if k in shm]
+        for k in shared_keys:
+            self._shm_loads.setdefault(k, []).append(self._hit_slots[k])
+        self._send(Op.LOAD_SHARED, shared_keys, req)
+        rest = [k for k in keys if k not in shm]
+        if rest:
+            self._send(Op.LOAD_PINNED, rest, req)
+        return HostSpec(np.asarray([self._hit_slots[k] for k in keys], np.int64))
+
     def complete_load(self, keys: Collection[bytes], req_context: Any = None) -> None:
-        self._send(Op.COMPLETE_LOAD, list(keys), getattr(req_context, "req_id", None))
+        keys = list(keys)
+        loads = self._shm_loads
+        if loads:
+            slots: list[int] = []
+            rest: list[bytes] = []
+            for k in keys:
+                held = loads.get(k)
+                if held is None:
+                    rest.append(k)
+                    continue
+                slots.append(held.pop())
+                if not held:
+                    del loads[k]
+            if slots and self._shared is not None:
+                self._shared.unpin(slots)
+            if not rest:
+                return
+            keys = rest
+        self._send(Op.COMPLETE_LOAD, keys, getattr(req_context, "req_id", None))
 
     def load_failed(self, spec: HostSpec) -> None:
         self.stats.load_failures += len(spec.slots)
@@ -500,6 +633,7 @@ class NodeManager:
             raise ClosedError("manager is shut down")
         self._answers.clear()
         self._hit_slots.clear()
+        self._end_scan_pins()
         if not self.attached:
             self._reattach()
             if not self.attached:
@@ -513,6 +647,15 @@ class NodeManager:
             return
         for tier, removed, keys, ids, meta in events:
             self._events.append(TierEvent(keys, tier, removed, ids=ids, metadata_only=meta))
+
+    def _end_scan_pins(self) -> None:
+        """The step's lookup pins that no load took end (in the shared
+        index; the node ends its own at STEP_END)."""
+        self._shm_hits.clear()
+        pins = self._scan_pins
+        if pins and self._shared is not None:
+            self._shared.unpin([s for s, n in pins.items() for _ in range(n)])
+        pins.clear()
 
     def take_events(self) -> list[TierEvent]:
         ev, self._events = self._events, []
@@ -558,6 +701,7 @@ class NodeManager:
         with contextlib.suppress(NodeUnavailable):
             self._client.flush()
         self._client.close()
+        self._drop_index()
 
     def __enter__(self) -> NodeManager:
         return self

@@ -55,6 +55,7 @@ class Op(enum.IntEnum):
     LOAD_PINNED = 14
     CONTAINS = 15
     LOAD_PRESENT = 16
+    LOAD_SHARED = 17
 
 
 # Calls that change nothing the engine reads back: the client sends them
@@ -69,6 +70,7 @@ NO_REPLY = frozenset(
         Op.COMPLETE_STORE,
         Op.REQUEST_FINISHED,
         Op.LOAD_PINNED,
+        Op.LOAD_SHARED,
     }
 )
 

@@ -60,10 +60,36 @@ class SlotClass:
     pool: HostPool
     manager: TieredOffloadingManager
     sessions: set[Session] = field(default_factory=set)
+    # The shared index engines read without a round trip, in its own small
+    # shared-memory file (open_shared_index); None: engines ask the node.
+    index_pool: HostPool | None = None
+    shared: Any = None
 
     @property
     def name(self) -> str:
         return f"class-{self.payload_bytes}"
+
+    def open_shared_index(self, name: str) -> None:
+        """Give engines this class's host index in shared memory (named
+        ``name``): its blocks are published there as they are added. Only
+        over the native host index (LRU), before any block is added; other
+        tiers keep round trips."""
+        from kvtier._native import SharedIndex
+        from kvtier.tiers.host_native import NativeHostTier
+
+        host = self.manager.host
+        if not isinstance(host, NativeHostTier) or len(host):
+            return
+        n = self.pool.num_slots
+        self.index_pool = HostPool(1, SharedIndex.bytes_for(n), name=name)
+        self.shared = SharedIndex.create(self.index_pool.native, n)
+        host.mirror_into(self.shared)
+
+    def engine_index(self) -> int | None:
+        """The lowest engine index no session of this class holds (its
+        pin bit in the shared index); None when all 32 are taken."""
+        used = {s.engine_index for s in self.sessions}
+        return next((i for i in range(32) if i not in used), None)
 
     def events_wanted(self) -> None:
         """The class's manager makes host events only while an attached
@@ -133,6 +159,7 @@ class Session:
         # Whether the engine takes KV events (vLLM's enable_kv_cache_events;
         # SGLang takes none): the class makes them only while one does.
         self.wants_events = events
+        self.engine_index = cls.engine_index() if cls.shared is not None else None
         cls.sessions.add(self)
         cls.events_wanted()
 
@@ -264,6 +291,16 @@ class Session:
             raise ProtocolError("load of keys this engine's lookups did not pin")
         self._pin_loads(nks, req)
 
+    def load_shared(self, keys: list[bytes], req: Any) -> None:
+        """Loads this engine pinned in the shared index itself (no lease
+        here: its pin bits are its leases, reaped when it goes): the blocks
+        are used now, and counted."""
+        m = self.cls.manager
+        nks = self._node_keys(keys)
+        m.touch(nks)
+        m.stats.loads += len(nks)
+        m.stats.loaded_from["host"] = m.stats.loaded_from.get("host", 0) + len(nks)
+
     def complete_load(self, keys: list[bytes], req: Any) -> None:
         nks = self._node_keys(keys)
         pins = self.load_pins
@@ -353,6 +390,8 @@ class Session:
             "load_pins": sum(self.load_pins.values()),
             "writes": len(self.writes),
         }
+        if self.engine_index is not None and self.cls.shared is not None:
+            released["shared_pins"] = self.cls.shared.unpin_all(self.engine_index)
         m = self.cls.manager
         self._release_scan()
         if self.load_pins:
@@ -368,11 +407,16 @@ class Session:
         return released
 
     def leases(self) -> dict[str, int]:
-        return {
+        out = {
             "scan_pins": len(self.scan_pins),
             "load_pins": sum(self.load_pins.values()),
             "writes": len(self.writes),
         }
+        if self.engine_index is not None and self.cls.shared is not None:
+            # Slots this engine pins in the shared index itself (its
+            # lookups' and loads' pins there, counted once per slot).
+            out["shared_slots"] = self.cls.shared.engine_pins(self.engine_index)
+        return out
 
 
 def open_region(name: str, region_bytes: int, chunk_bytes: int) -> Region:
