@@ -25,7 +25,8 @@ import pytest
 from kvtier.errors import InvalidArgument
 from kvtier.node import client as node_client
 from kvtier.node import protocol as P
-from kvtier.node.client import NodeError, NodeManager, NodeUnavailable, node_status
+from kvtier.node.client import NodeManager
+from kvtier.node.connection import NodeError, NodeUnavailable, node_status
 from kvtier.node.server import NodeConfig, NodeServer
 from kvtier.options.tiers import HostOptions
 from kvtier.pool import HostPool

@@ -37,7 +37,7 @@ def _keys(n: int, client: int) -> list[bytes]:
 def start_node(path: str, name: str, flags: list[str]) -> subprocess.Popen[bytes]:
     """``kvtier node`` with ``flags`` in a child process, once it answers on
     ``path``. Who calls: the node's and the SGLang backend's benchmarks."""
-    from kvtier.node.client import NodeUnavailable, node_status
+    from kvtier.node.connection import NodeUnavailable, node_status
 
     cmd = [sys.executable, "-m", "kvtier.cli", "node", "--socket", path, "--name", name]
     p = subprocess.Popen(cmd + flags, stderr=subprocess.DEVNULL)
@@ -113,13 +113,19 @@ def _client_main(path: str, keys: list[bytes], batch: int, start: Any, q: Any) -
 
 
 def run_node_manager(
-    num_keys: int = 200_000, policy: str = "lru", repeats: int = 3, clients: int = 4
+    num_keys: int = 200_000,
+    policy: str = "lru",
+    repeats: int = 3,
+    clients: int = 4,
+    shared_index: bool = False,
 ) -> dict[str, Any]:
     """Cycles per second: in-process, one node client, ``clients`` node
-    clients at once (aggregate); medians of ``repeats``, alternating."""
+    clients at once (aggregate); medians of ``repeats``, alternating.
+    ``shared_index``: the node offers its shared index."""
     capacity = max(1, num_keys // 2)
+    flags = ["--shared-index"] if shared_index else []
     out: dict[str, Any] = {
-        "component": "manager-node",
+        "component": "manager-node-shared" if shared_index else "manager-node",
         "policy": policy,
         "keys": num_keys,
         "host_blocks": capacity,
@@ -136,7 +142,7 @@ def run_node_manager(
                     keys = _keys(num_keys, 0)
                     m = TieredOffloadingManager(make_host_tier(None, capacity, policy=policy))
                     local.append(cycles(m, keys, batch, scan=True))
-                    node = start_node(path, name, ["--host-bytes", str(capacity * PAYLOAD)])
+                    node = start_node(path, name, ["--host-bytes", str(capacity * PAYLOAD), *flags])
                     try:
                         one.append(_client_rate(path, keys, batch))
                         many.append(_aggregate(path, num_keys, batch, clients))

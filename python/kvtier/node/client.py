@@ -1,12 +1,15 @@
-"""The engine's side of the node: a connection (:class:`NodeClient`) and the
-offloading manager that forwards to it (:class:`NodeManager`).
+"""The engine's side of the node: the offloading manager that forwards to
+it (:class:`NodeManager`), over one connection
+(:class:`~kvtier.node.connection.NodeClient`) and, when the node offers
+one, its shared index (:class:`~kvtier.node.shared_view.SharedView`).
 
-Process: the engine's scheduler (the manager) and its workers (a one-shot
-:func:`pool_info` to learn which pool to map). Who calls: the vLLM shim's
+Process: the engine's scheduler. Who calls: the vLLM shim's
 :class:`~kvtier.integrations.vllm.scheduler.KVTierManager` (in place of an
 in-process :class:`~kvtier.scheduler.manager.TieredOffloadingManager`),
-tests and ``kvtier bench manager --node``. Each manager call is one request
-and blocks for its reply (a Unix-socket round trip), at most ``timeout_s``.
+SGLang's node backend, tests and ``kvtier bench manager --node``. A manager
+call that needs the node is one request and blocks for its reply (a
+Unix-socket round trip), at most ``timeout_s``; lookups and loads of HITs
+through the shared index need none.
 
 A node that is gone (killed, restarting) is the same degradation as a
 failed Redis: lookups miss, offers are not stored, both counted; the
@@ -18,9 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import select
-import socket
 import threading
 import time
 from collections.abc import Collection
@@ -29,178 +29,29 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtier.errors import ClosedError, InvalidArgument, IoError, KvtierError
+from kvtier.errors import ClosedError, InvalidArgument, KvtierError
 from kvtier.node import protocol as P
+from kvtier.node.connection import (
+    SPIN_S,
+    NodeClient,
+    NodeUnavailable,
+)
 from kvtier.node.protocol import Op
+from kvtier.node.shared_view import SharedView
 from kvtier.scheduler.specs import HostSpec, PrepareStoreResult
 from kvtier.scheduler.stats import ManagerStats
 from kvtier.tiers.base import LookupResult, TierEvent
-from kvtier.tiers.records import key_digest
 
 if TYPE_CHECKING:
     from kvtier.pool import HostPool
 
 log = logging.getLogger("kvtier.node")
-# Bytes asked of one recv: below glibc's mmap threshold. recv(1 MiB)
-# allocated and unmapped a megabyte per call: a trivial request's round trip
-# took 127 us against 13 us for a bare echo (kvtier bench manager --node).
-_RECV_BYTES = 1 << 16
 
 _ANSWER = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY)
 # Keys of a request's scan sent with its first lookup: the node answers up to
 # the first MISS, so a long prompt is one round trip, not one per key.
 SCAN_KEYS = 4096
 REATTACH_PERIOD_S = 1.0
-# How long a call polls for its reply before sleeping in recv: the node
-# answers most calls within tens of microseconds, and a sleeping CPU's
-# wake-up is most of a round trip on a VM (see NodeConfig.spin_us).
-SPIN_S = 200e-6
-
-
-class NodeUnavailable(IoError):
-    """The node did not answer (not running, restarting, or too slow)."""
-
-
-class NodeError(KvtierError):
-    """The node refused a request (its error kind and message)."""
-
-
-class NodeClient:
-    """One connection to the node. ``call`` sends a request and blocks for
-    its reply; not thread-safe (one per scheduler, used under its lock)."""
-
-    def __init__(self, path: str, timeout_s: float = 5.0, spin_s: float = SPIN_S) -> None:
-        self.path = path
-        self.timeout_s = timeout_s
-        self.spin_s = spin_s
-        self._sock: socket.socket | None = None
-        self._reader = P.FrameReader()
-        self._queued = bytearray()
-
-    def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout_s)
-        try:
-            s.connect(self.path)
-        except OSError as e:
-            s.close()
-            raise NodeUnavailable(
-                e.errno or 0, f"no kvtier node at {self.path}: {e.strerror or e}"
-            ) from None
-        self._sock = s
-        self._reader = P.FrameReader()
-        self._ready = select.poll()
-        self._ready.register(s, select.POLLIN)
-
-    @property
-    def connected(self) -> bool:
-        return self._sock is not None
-
-    def close(self) -> None:
-        self._queued = bytearray()
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-    def post(self, op: Op, *args: Any) -> None:
-        """Queue a call of :data:`~kvtier.node.protocol.NO_REPLY`: it goes
-        out with the next :meth:`call` (or :meth:`flush`), in order."""
-        if self._sock is None:
-            raise NodeUnavailable(0, f"kvtier node at {self.path}: not connected")
-        self._queued += P.pack([int(op), *args])
-
-    def flush(self) -> None:
-        """Send what :meth:`post` queued without waiting for anything."""
-        if self._queued and self._sock is not None:
-            data, self._queued = bytes(self._queued), bytearray()
-            try:
-                self._sock.sendall(data)
-            except OSError as e:
-                self.close()
-                raise NodeUnavailable(0, f"kvtier node at {self.path}: {e}") from None
-
-    def call(self, op: Op, *args: Any) -> Any:
-        """The result of one request; NodeUnavailable when the connection
-        fails (it is closed then), NodeError when the node refuses."""
-        if self._sock is None:
-            self.connect()
-        assert self._sock is not None
-        try:
-            data = P.pack([int(op), *args])
-            if self._queued:
-                data, self._queued = bytes(self._queued) + data, bytearray()
-            # The node may have refused us and closed first: its reason is
-            # waiting to be read (a refused peer's error frame).
-            with contextlib.suppress(OSError):
-                self._sock.sendall(data)
-            frames = self._reader.feed(self._poll()) if self.spin_s else []
-            while not frames:
-                frames = self._reader.feed(self._recv())
-        except (OSError, P.ProtocolError) as e:
-            self.close()
-            raise NodeUnavailable(0, f"kvtier node at {self.path}: {e}") from None
-        reply = P.unpack(frames[0])
-        if not isinstance(reply, list) or not reply:
-            self.close()
-            raise NodeUnavailable(0, "kvtier node sent a malformed reply")
-        if reply[0] is True:
-            return reply[1]
-        kind, msg = (reply + ["?", "?"])[1:3]
-        if kind in ("ProtocolError", "PermissionDenied"):
-            self.close()
-        if kind == "InvalidArgument":
-            raise InvalidArgument(msg)
-        raise NodeError(f"kvtier node: {kind}: {msg}")
-
-    def peer_gone(self) -> bool:
-        """Whether the node closed this connection (or sent what no request
-        asked for, which only a refusal does): one poll(2) with no wait,
-        about a microsecond. Callers that answer without a round trip ask it
-        first, so that a dead node's shared index is never read."""
-        if self._sock is None:
-            return True
-        return bool(self._ready.poll(0))
-
-    def _recv(self) -> bytes:
-        assert self._sock is not None
-        data = self._sock.recv(_RECV_BYTES)
-        if not data:
-            raise ConnectionResetError("the node closed the connection")
-        return data
-
-    def _poll(self) -> bytes:
-        """What arrives within ``spin_s`` without sleeping (b"": nothing yet).
-        Asked of poll(2) with no wait: a recv on a socket with a timeout
-        waits in poll(2) itself, MSG_DONTWAIT or not."""
-        assert self._sock is not None
-        ready, end = self._ready.poll, time.perf_counter() + self.spin_s
-        while not ready(0):
-            if time.perf_counter() > end:
-                return b""
-            # The CPU to whoever else can run on it (the node, when engines
-            # outnumber cores): polling alone made 4 clients on 2 cores
-            # 0.7x as fast.
-            os.sched_yield()
-        return self._recv()
-
-
-def pool_info(path: str, payload_bytes: int, timeout_s: float = 30.0) -> dict[str, Any]:
-    """Which pool the node keeps for blocks of ``payload_bytes`` (its name,
-    slots, slot size): what an engine's worker maps. Blocks for one round trip."""
-    c = NodeClient(path, timeout_s)
-    try:
-        return dict(c.call(Op.POOL, payload_bytes))
-    finally:
-        c.close()
-
-
-def node_status(path: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    """The node's status (``kvtier node status``). Blocks for one round trip."""
-    c = NodeClient(path, timeout_s)
-    try:
-        return dict(c.call(Op.STATUS))
-    finally:
-        c.close()
 
 
 @dataclass
@@ -267,16 +118,9 @@ class NodeManager:
         self._pending = False
         self._closed = False
         self._next_attach = 0.0
-        # The node's shared index, when it offers one: HITs found and pinned
-        # there without a round trip (this step's lookups' pins by slot, the
-        # keys they found, and each shared load's slots until complete_load).
-        self._prefix = bytes.fromhex(namespace)[:8]
-        self._shared: Any = None
-        self._index_pool: HostPool | None = None
-        self._index_lower = True
-        self._scan_pins: dict[int, int] = {}
-        self._shm_hits: set[bytes] = set()
-        self._shm_loads: dict[bytes, list[int]] = {}
+        # The node's shared index, when it offers one: HITs found, pinned and
+        # loaded there without a round trip.
+        self._view: SharedView | None = None
         self.pool: dict[str, Any] = self._attach()  # raises when no node answers at start
         self.host = _HostView(int(self.pool["num_slots"]))
 
@@ -299,33 +143,15 @@ class NodeManager:
         return info
 
     def _open_index(self, ix: Any) -> None:
-        """Map the node's shared index (``ix`` from HELLO; None: it offers
-        none, every lookup is a round trip)."""
         self._drop_index()
-        if not isinstance(ix, dict):
-            return
-        from kvtier._native import SharedIndex
-        from kvtier.pool import HostPool
-
-        try:
-            pool = HostPool.attach(str(ix["name"]))
-            self._shared = SharedIndex.attach(pool.native, int(ix["engine"]))
-        except (KvtierError, KeyError, ValueError) as e:
-            log.warning("kvtier: the node's shared index is not usable (%s): asking the node", e)
-            return
-        self._index_pool = pool
-        self._index_lower = bool(ix.get("lower", True))
+        self._view = SharedView.open(ix, bytes.fromhex(self.namespace)[:8])
 
     def _drop_index(self) -> None:
         """Forget the shared index (the node is gone: a node started again
         reuses its slots, so nothing the old index says may be loaded)."""
-        self._shared = None
-        self._scan_pins.clear()
-        self._shm_hits.clear()
-        self._shm_loads.clear()
-        if self._index_pool is not None:
-            self._index_pool.close()
-            self._index_pool = None
+        if self._view is not None:
+            self._view.close()
+            self._view = None
 
     def _down(self, e: Exception) -> None:
         self._drop_index()
@@ -387,56 +213,36 @@ class NodeManager:
         return r
 
     def _scan(self, key: bytes, req_context: Any) -> tuple[LookupResult, int]:
-        if not self.attached:
-            self.client_stats.node_down_lookups += 1
-            return (LookupResult.MISS, -1)
-        keys = [key]
+        scan = [key]
         if self.key_order is not None:
-            keys += self.key_order(key, req_context)[: SCAN_KEYS - 1]
-        if self._shared is not None:
-            return self._scan_shared(keys, req_context)
-        try:
-            out = self._call(Op.LOOKUP, keys, getattr(req_context, "req_id", None))
-        except NodeUnavailable as e:
-            self._down(e)
-            self.client_stats.node_down_lookups += 1
-            return (LookupResult.MISS, -1)
-        answers, slots = self._answers, self._hit_slots
-        for k, (code, slot) in zip(keys, out):
-            answers[k] = (_ANSWER[code], slot)
-            if slot >= 0:
-                slots[k] = slot
-        return answers.pop(key)
-
-    def _scan_shared(self, keys: list[bytes], req_context: Any) -> tuple[LookupResult, int]:
-        """A scan in the node's shared index: HITs pinned there, up to the
-        first MISS; that MISS goes to the node only when it has lower tiers
-        (a HIT there starts a promotion)."""
-        if self._client.peer_gone():
+            scan += self.key_order(key, req_context)[: SCAN_KEYS - 1]
+        out: list[tuple[int, int]] = []
+        ask = scan  # the keys the node is asked
+        view = self._view
+        if view is not None and self._client.peer_gone():  # never read a dead node's index
             self._down(NodeUnavailable(0, f"kvtier node at {self.path}: the connection closed"))
+        elif view is not None:
+            # HITs found and pinned in the shared index; its MISS goes to the
+            # node only when it has lower tiers (a HIT there starts a promotion).
+            out = view.scan(scan)
+            ask = scan[len(out) - 1 :] if out[-1][0] == 0 and view.lower else []
+            if ask:
+                del out[-1]
+        if ask and not self.attached:
             self.client_stats.node_down_lookups += 1
-            return (LookupResult.MISS, -1)
-        p = self._prefix
-        out = self._shared.lookup(b"".join([key_digest(p + k) for k in keys]))
-        answers, slots, pins, shm = self._answers, self._hit_slots, self._scan_pins, self._shm_hits
-        for k, (code, slot) in zip(keys, out):
-            answers[k] = (_ANSWER[code], slot)
-            if slot >= 0:
-                slots[k] = slot
-                pins[slot] = pins.get(slot, 0) + 1
-                shm.add(k)
-        if out[-1][0] == 0 and self._index_lower:
-            rest = keys[len(out) - 1 :]
+        elif ask:
             try:
-                got = self._call(Op.LOOKUP, rest, getattr(req_context, "req_id", None))
+                req = getattr(req_context, "req_id", None)
+                out += [(c, s) for c, s in self._call(Op.LOOKUP, ask, req)]
             except NodeUnavailable as e:
                 self._down(e)
-                got = []
-            for k, (code, slot) in zip(rest, got):
-                answers[k] = (_ANSWER[code], slot)
-                if slot >= 0:
-                    slots[k] = slot  # pinned by the node for this step
-        return answers.pop(keys[0])
+                self.client_stats.node_down_lookups += 1
+        answers, slots = self._answers, self._hit_slots
+        for k, (code, slot) in zip(scan, out):
+            answers[k] = (_ANSWER[code], slot)
+            if slot >= 0:
+                slots[k] = slot
+        return answers.pop(key, (LookupResult.MISS, -1))
 
     def contains(self, keys: list[bytes]) -> list[LookupResult]:
         """Each key's answer (every key, in order; nothing pinned): one
@@ -486,10 +292,17 @@ class NodeManager:
         self.stats.loaded_from["host"] = self.stats.loaded_from.get("host", 0) + len(keys)
         req = getattr(req_context, "req_id", None)
         hit = self._hit_slots
-        if self._shm_hits and self.attached and all(k in hit for k in keys):
-            spec = self._load_shared(keys, req)
-            if spec is not None:
-                return spec
+        view = self._view
+        if view is not None and view.hits and self.attached and all(k in hit for k in keys):
+            mine = view.take_loads(keys, hit)
+            if mine is not None:
+                # The node is told after the fact (recency, counters); keys
+                # the node pinned (a promotion's) as before.
+                self._send(Op.LOAD_SHARED, mine, req)
+                rest = [k for k in keys if k not in view.hits]
+                if rest:
+                    self._send(Op.LOAD_PINNED, rest, req)
+                return HostSpec(np.asarray([hit[k] for k in keys], np.int64))
         if self.attached and all(k in hit for k in keys):
             # This step's lookups pinned them at the node and named their
             # slots: no need to wait for the node (the usual case: vLLM loads
@@ -510,53 +323,12 @@ class NodeManager:
             raise InvalidArgument("prepare_load of a key that is not a HIT")
         return HostSpec(np.asarray(slots, np.int64))
 
-    def _load_shared(self, keys: list[bytes], req: Any) -> HostSpec | None:
-        """This step's HITs loaded: each key's pin moves from the step's
-        lookups to its load (the shared ones), the node told after the fact
-        (recency, counters; the rest as LOAD_PINNED). None when a key's
-        lookup pin was taken by an earlier load this step (ask the node)."""
-        shm, pins = self._shm_hits, self._scan_pins
-        need: dict[int, int] = {}
-        for k in keys:
-            if k in shm:
-                s = self._hit_slots[k]
-                need[s] = need.get(s, 0) + 1
-        if any(pins.get(s, 0) < n for s, n in need.items()):
-            return None
-        for s, n in need.items():
-            left = pins[s] - n
-            if left:
-                pins[s] = left
-            else:
-                del pins[s]
-        shared_keys = [k for k in keys if k in shm]
-        for k in shared_keys:
-            self._shm_loads.setdefault(k, []).append(self._hit_slots[k])
-        self._send(Op.LOAD_SHARED, shared_keys, req)
-        rest = [k for k in keys if k not in shm]
-        if rest:
-            self._send(Op.LOAD_PINNED, rest, req)
-        return HostSpec(np.asarray([self._hit_slots[k] for k in keys], np.int64))
-
     def complete_load(self, keys: Collection[bytes], req_context: Any = None) -> None:
         keys = list(keys)
-        loads = self._shm_loads
-        if loads:
-            slots: list[int] = []
-            rest: list[bytes] = []
-            for k in keys:
-                held = loads.get(k)
-                if held is None:
-                    rest.append(k)
-                    continue
-                slots.append(held.pop())
-                if not held:
-                    del loads[k]
-            if slots and self._shared is not None:
-                self._shared.unpin(slots)
-            if not rest:
+        if self._view is not None:
+            keys = self._view.complete(keys)
+            if not keys:
                 return
-            keys = rest
         self._send(Op.COMPLETE_LOAD, keys, getattr(req_context, "req_id", None))
 
     def load_failed(self, spec: HostSpec) -> None:
@@ -633,7 +405,8 @@ class NodeManager:
             raise ClosedError("manager is shut down")
         self._answers.clear()
         self._hit_slots.clear()
-        self._end_scan_pins()
+        if self._view is not None:
+            self._view.end_step()
         if not self.attached:
             self._reattach()
             if not self.attached:
@@ -647,15 +420,6 @@ class NodeManager:
             return
         for tier, removed, keys, ids, meta in events:
             self._events.append(TierEvent(keys, tier, removed, ids=ids, metadata_only=meta))
-
-    def _end_scan_pins(self) -> None:
-        """The step's lookup pins that no load took end (in the shared
-        index; the node ends its own at STEP_END)."""
-        self._shm_hits.clear()
-        pins = self._scan_pins
-        if pins and self._shared is not None:
-            self._shared.unpin([s for s, n in pins.items() for _ in range(n)])
-        pins.clear()
 
     def take_events(self) -> list[TierEvent]:
         ev, self._events = self._events, []

@@ -162,3 +162,26 @@ def req_arg(v: Any) -> str | int | None:
     if v is None or type(v) is int or (isinstance(v, str) and len(v) <= 1024):
         return v
     raise ProtocolError("a request id must be a str, an int or None")
+
+
+def hello_args(args: list[Any]) -> tuple[str, Any, str, bool]:
+    """HELLO's arguments checked: (namespace, payload_bytes as sent, engine,
+    whether it takes KV events); ProtocolError for anything else. A fifth
+    argument (later clients) says whether the engine takes KV events."""
+    if len(args) not in (4, 5):
+        raise ProtocolError(f"expected 4 or 5 arguments, got {len(args)}")
+    version, namespace, payload_bytes, engine = args[:4]
+    events = args[4] if len(args) == 5 else True
+    if type(events) is not bool:
+        raise ProtocolError("events must be a bool")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version!r}, this node speaks {VERSION}")
+    if not isinstance(namespace, str) or len(namespace) != 32:
+        raise ProtocolError("namespace must be 32 hex digits")
+    try:
+        bytes.fromhex(namespace)
+    except ValueError:
+        raise ProtocolError("namespace must be 32 hex digits") from None
+    if not isinstance(engine, str) or len(engine) > 256:
+        raise ProtocolError("engine must be a str")
+    return namespace, payload_bytes, engine, events

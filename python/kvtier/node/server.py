@@ -451,23 +451,7 @@ class NodeServer:
         }
 
     def _hello(self, conn: _Conn, *args: Any) -> dict[str, Any]:
-        # A fifth argument (later clients): whether the engine takes KV events.
-        if len(args) not in (4, 5):
-            raise ProtocolError(f"expected 4 or 5 arguments, got {len(args)}")
-        version, namespace, payload_bytes, engine = args[:4]
-        events = args[4] if len(args) == 5 else True
-        if type(events) is not bool:
-            raise ProtocolError("events must be a bool")
-        if version != P.VERSION:
-            raise ProtocolError(f"protocol version {version!r}, this node speaks {P.VERSION}")
-        if not isinstance(namespace, str) or len(namespace) != 32:
-            raise ProtocolError("namespace must be 32 hex digits")
-        try:
-            bytes.fromhex(namespace)
-        except ValueError:
-            raise ProtocolError("namespace must be 32 hex digits") from None
-        if not isinstance(engine, str) or len(engine) > 256:
-            raise ProtocolError("engine must be a str")
+        namespace, payload_bytes, engine, events = P.hello_args(list(args))
         if conn.session is not None:
             raise ProtocolError("HELLO twice")
         info = self._pool_info(_int(payload_bytes, "payload_bytes"))
