@@ -178,6 +178,15 @@ void bind_shared_index(py::module_& m) {
           },
           py::arg("slots"), "One of this engine's pins ends on each slot (in order).")
       .def(
+          "finish_writes",
+          [](S& s, const std::vector<std::int64_t>& slots) {
+            s.engine();
+            for (std::int64_t slot : slots) s.index.set_ready(slot_arg(slot));
+          },
+          py::arg("slots"),
+          "This engine's writes into these slots are complete: ready now (other engines may "
+          "pin them before the node hears of it).")
+      .def(
           "held", [](S& s, std::int64_t slot) { return s.engine().held(slot_arg(slot)); },
           py::arg("slot"), "This engine's pins on the slot.")
       .def_property_readonly("pinned_slots", [](S& s) { return s.engine().pinned_slots(); });

@@ -142,8 +142,12 @@ TEST(SharedIndex, BadInputIsRefused) {
   EXPECT_THROW(EnginePins(ix, SharedIndex::kMaxEngines), Error);
   EnginePins one(ix, 1);
   EXPECT_THROW(one.pin(16, 0), Error);
-  EXPECT_THROW(ix.retire(1), Error);  // free
-  EXPECT_THROW(ix.set_ready(1), Error);
+  EXPECT_THROW(ix.retire(1), Error);     // free
+  EXPECT_THROW(ix.set_ready(1), Error);  // free
+  ix.publish(2, key(2), SharedIndex::kWriting);
+  ix.set_ready(2);
+  ix.set_ready(2);  // its writer and the node may both say so
+  EXPECT_EQ(ix.state(2), SharedIndex::kReady);
 }
 
 // The node publishes, readies and retires keys over few slots while readers

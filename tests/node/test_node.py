@@ -344,8 +344,8 @@ def test_a_killed_engine_releases_its_leases_at_once(node: Node) -> None:
         (e,) = st["engines"]
         # The lookup's pin is in the shared index when there is one.
         want = {"scan_pins": 1, "load_pins": 2, "writes": 4}
-        if node.shared:
-            want.update(scan_pins=0, shared_slots=1)
+        if node.shared:  # every pin in the shared index: 1 lookup's, 2 loads'
+            want.update(scan_pins=0, load_pins=0, shared_slots=3)
         assert e["leases"] == want
         t0 = time.monotonic()
         child.send_signal(signal.SIGKILL)
@@ -562,3 +562,42 @@ def test_a_client_that_never_reads_is_dropped(node: Node, monkeypatch: pytest.Mo
     s.close()
     assert a.lookup(key(1)) is LookupResult.MISS  # the other engine is served
     assert node.status()["counters"]["protocol_errors"] == 1
+
+
+def test_a_store_its_engine_finished_is_loadable_at_once_and_kept_if_it_dies(
+    tmp_path: Path,
+) -> None:
+    """Through the shared index, a finished store is ready to every engine
+    before the node hears of it; an engine that dies then leaves it whole
+    (its bytes were in), while a store it never finished is dropped."""
+    n = Node(tmp_path, shared_index=True)
+    try:
+        a, b = n.engine(engine="a"), n.engine(engine="b")
+        pool = a.attach_pool()
+        keys = [key(i) for i in range(6)]
+        out = a.prepare_store(keys)
+        assert out is not None
+        for i, s in zip(range(6), out.store_spec.slots.tolist()):
+            pool.view(s)[:] = content(i)
+        assert a._view is not None
+        a._view.finish(keys[:4], True)  # as complete_store does, before its message
+        assert [b.lookup(k) for k in keys[:5]] == [LookupResult.HIT] * 4 + [
+            LookupResult.HIT_PENDING
+        ]
+        spec = b.prepare_load(keys[:4])
+        assert all(np.array_equal(pool.view(s), content(i)) for i, s in enumerate(spec.slots))
+        b.complete_load(keys[:4])
+        b.on_schedule_end()
+        a._client.close()  # dies: COMPLETE_STORE never sent
+        deadline = time.monotonic() + 5
+        while len(n.status()["engines"]) > 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        occ = n.status()["classes"][str(BLOCK)]["occupancy"]
+        assert (occ["blocks"], occ["writing"], occ["pinned"]) == (4, 0, 0)
+        assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 4 + [LookupResult.MISS] * 2
+        b.on_schedule_end()
+        b.shutdown()
+    finally:
+        n.stop()
+        _remove_pools(n.name)

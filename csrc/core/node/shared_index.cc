@@ -176,8 +176,9 @@ void SharedIndex::set_ready(std::uint32_t slot) {
   std::atomic<std::uint64_t>& w = words_[slot];
   std::uint64_t old = w.load(std::memory_order_acquire);
   do {
+    if (state_of(old) == kReady) return;  // its writer said so first
     if (state_of(old) != kWriting)
-      throw_invalid("shared index: slot " + std::to_string(slot) + " is not being written");
+      throw_invalid("shared index: slot " + std::to_string(slot) + " is free");
   } while (!w.compare_exchange_weak(old, word(gen_of(old), kReady, pin_bits(old)),
                                     std::memory_order_acq_rel, std::memory_order_acquire));
 }

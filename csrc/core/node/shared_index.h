@@ -43,9 +43,11 @@
 // for calls out of turn (publishing a slot in use, unpinning a pin not
 // held), Internal for a chain that lost a slot (a corrupt region).
 //
-// Thread-safety: one writer (the node's thread) for publish, set_ready,
-// retire and unpin_all; any number of readers in any process for find, pin
-// and unpin.
+// Thread-safety: one writer (the node's thread) for publish, retire and
+// unpin_all; any number of readers in any process for find, pin and unpin;
+// set_ready by the node or by the engine that wrote the block (it knows
+// first that its bytes are complete: loads need not wait for its message
+// to reach the node).
 #pragma once
 
 #include <atomic>
@@ -99,7 +101,8 @@ class SharedIndex {
   // kReady), findable from now on. Throws InvalidArgument when the slot is
   // not free and InvalidArgument for a bad slot or state.
   void publish(std::uint32_t slot, const Digest& digest, std::uint8_t state);
-  // A block being written is ready: pins may succeed from now on.
+  // A block being written is ready: pins may succeed from now on. A no-op
+  // when it is ready already; InvalidArgument when the slot is free.
   void set_ready(std::uint32_t slot);
   // The slot's block leaves (evicted, failed, dropped): false, changing
   // nothing, while any engine pins it; else its generation moves on (every

@@ -90,8 +90,9 @@ void HostIndex::add_writing(std::int32_t slot, std::int32_t parent, std::uint8_t
 void HostIndex::mark_ready(std::int32_t slot) {
   Rec& r = recs_[slot];
   r.ref = 0;
-  if (mirror_ != nullptr &&
-      mirror_->state(static_cast<std::uint32_t>(slot)) == SharedIndex::kWriting)
+  // Ready there too (a no-op when its writer said so first; a block never
+  // published there, an in-process tier's, is free there).
+  if (mirror_ != nullptr && mirror_->state(static_cast<std::uint32_t>(slot)) != SharedIndex::kFree)
     mirror_->set_ready(static_cast<std::uint32_t>(slot));
   lru_unlink(slot);
   lru_push_back(slot);

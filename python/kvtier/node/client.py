@@ -303,6 +303,11 @@ class NodeManager:
                 if rest:
                     self._send(Op.LOAD_PINNED, rest, req)
                 return HostSpec(np.asarray([hit[k] for k in keys], np.int64))
+        if view is not None and self.attached and not all(k in hit for k in keys):
+            slots = view.pin_present(keys)
+            if slots is not None:
+                self._send(Op.LOAD_SHARED, keys, req)
+                return HostSpec(np.asarray(slots, np.int64))
         if self.attached and all(k in hit for k in keys):
             # This step's lookups pinned them at the node and named their
             # slots: no need to wait for the node (the usual case: vLLM loads
@@ -361,6 +366,8 @@ class NodeManager:
             self.stats.allocation_failures += 1
             return None
         stored, slots, evicted = out
+        if self._view is not None:
+            self._view.writing.update((k, s) for k, s in zip(stored, slots) if s >= 0)
         if len(stored) < len(keys):
             self.stats.not_admitted += len(keys) - len(stored)
         return PrepareStoreResult(stored, HostSpec(np.asarray(slots, np.int64)), evicted)
@@ -376,6 +383,8 @@ class NodeManager:
             self.stats.stores += len(keys)
         else:
             self.stats.store_failures += len(keys)
+        if self._view is not None:
+            self._view.finish(keys, success)
         self._send(Op.COMPLETE_STORE, keys, getattr(req_context, "req_id", None), bool(success))
 
     def _send(self, op: Op, *args: Any) -> None:

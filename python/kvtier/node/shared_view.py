@@ -34,6 +34,7 @@ class SharedView:
         self.scan_pins: dict[int, int] = {}  # this step's lookup pins, by slot
         self.hits: set[bytes] = set()  # keys this step's scans found here
         self.loads: dict[bytes, list[int]] = {}  # key -> slots of its loads
+        self.writing: dict[bytes, int] = {}  # key -> slot of this engine's stores
 
     @classmethod
     def open(cls, ix: Any, prefix: bytes) -> SharedView | None:
@@ -57,6 +58,7 @@ class SharedView:
         self.scan_pins.clear()
         self.hits.clear()
         self.loads.clear()
+        self.writing.clear()
         self.pool.close()
 
     def scan(self, keys: list[bytes]) -> list[tuple[int, int]]:
@@ -91,6 +93,31 @@ class SharedView:
         for k in mine:
             self.loads.setdefault(k, []).append(slots[k])
         return mine
+
+    def pin_present(self, keys: list[bytes]) -> list[int] | None:
+        """Each key's slot, every key found ready here and pinned for its
+        load until :meth:`complete` (a load of keys this step's scans did not
+        find: blocks stored since); None, pinning nothing, unless all are."""
+        p = self.prefix
+        out = self.index.lookup(b"".join([key_digest(p + k) for k in keys]), False)
+        slots = [slot for _, slot in out]
+        if all(code == 1 for code, _ in out):
+            for k, s in zip(keys, slots):
+                self.loads.setdefault(k, []).append(s)
+            return slots
+        held = [s for s in slots if s >= 0]
+        if held:
+            self.index.unpin(held)
+        return None
+
+    def finish(self, keys: list[bytes], success: bool) -> None:
+        """This engine's stores of ``keys`` ended: when they succeeded, their
+        blocks are ready here now (their bytes are complete; the node's
+        COMPLETE_STORE follows), so any engine may load them at once."""
+        writing = self.writing
+        slots = [s for s in (writing.pop(k, -1) for k in keys) if s >= 0]
+        if success and slots:
+            self.index.finish_writes(slots)
 
     def complete(self, keys: list[bytes]) -> list[bytes]:
         """Loads of ``keys`` done: those loaded through this view unpinned;

@@ -398,13 +398,29 @@ class Session:
             m.complete_load([k for k, n in self.load_pins.items() for _ in range(n)])
             self.load_pins.clear()
         if self.writes:
-            m.complete_store(list(self.writes), None, False)
+            # A write its engine finished in the shared index is whole (it
+            # says so only once its bytes are in); the rest are dropped.
+            done: list[bytes] = []
+            torn: list[bytes] = []
+            for k in self.writes:
+                (done if self._finished(k) else torn).append(k)
+            if done:
+                m.complete_store(done, None, True)
+            if torn:
+                m.complete_store(torn, None, False)
             self.writes.clear()
         self.cls.sessions.discard(self)
         self.cls.events_wanted()
         m.on_schedule_end()
         self.cls.distribute_events()
         return released
+
+    def _finished(self, nk: bytes) -> bool:
+        """Whether the block of node key ``nk`` is ready in the shared
+        index (its writer finished it there)."""
+        shared = self.cls.shared
+        e = self.cls.manager.host.get(nk) if shared is not None else None
+        return e is not None and shared.state(e.slot) == 2
 
     def leases(self) -> dict[str, int]:
         out = {
