@@ -171,6 +171,24 @@ void bind_shared_index(py::module_& m) {
           "(pinned for this engine until unpin; its slot), 2 HIT_PENDING (being written; -1). "
           "With `stop_at_miss`, the list ends at the first MISS.")
       .def(
+          "states",
+          [](const S& s, const py::bytes& digests) {
+            std::string_view v = digests;
+            if (v.size() % kDigestBytes != 0)
+              throw_invalid("shared index: digests must be 16 bytes each, got " +
+                            std::to_string(v.size()) + " bytes");
+            const std::size_t n = v.size() / kDigestBytes;
+            py::list out(n);
+            for (std::size_t i = 0; i < n; ++i) {
+              auto f = s.index.find(digest_at(v.data() + i * kDigestBytes));
+              PyList_SET_ITEM(out.ptr(), static_cast<py::ssize_t>(i),
+                              PyLong_FromLong(f ? f->state : 0));
+            }
+            return out;
+          },
+          py::arg("digests"),
+          "Each digest's state now, nothing pinned: 0 absent, 1 being written, 2 ready.")
+      .def(
           "unpin",
           [](S& s, const std::vector<std::int64_t>& slots) {
             EnginePins& pins = s.engine();
@@ -181,11 +199,13 @@ void bind_shared_index(py::module_& m) {
           "finish_writes",
           [](S& s, const std::vector<std::int64_t>& slots) {
             s.engine();
-            for (std::int64_t slot : slots) s.index.set_ready(slot_arg(slot));
+            std::size_t n = 0;
+            for (std::int64_t slot : slots) n += s.index.finish(slot_arg(slot));
+            return n;
           },
           py::arg("slots"),
-          "This engine's writes into these slots are complete: ready now (other engines may "
-          "pin them before the node hears of it).")
+          "This engine's writes into these slots are complete: those the node published are "
+          "ready now (other engines may pin them before the node hears of it); how many.")
       .def(
           "held", [](S& s, std::int64_t slot) { return s.engine().held(slot_arg(slot)); },
           py::arg("slot"), "This engine's pins on the slot.")

@@ -148,6 +148,11 @@ TEST(SharedIndex, BadInputIsRefused) {
   ix.set_ready(2);
   ix.set_ready(2);  // its writer and the node may both say so
   EXPECT_EQ(ix.state(2), SharedIndex::kReady);
+  EXPECT_FALSE(ix.finish(3));  // a writer ahead of the node: not published yet
+  ix.publish(3, key(3), SharedIndex::kWriting);
+  EXPECT_TRUE(ix.finish(3));
+  EXPECT_FALSE(ix.finish(3));
+  EXPECT_EQ(ix.state(3), SharedIndex::kReady);
 }
 
 // The node publishes, readies and retires keys over few slots while readers

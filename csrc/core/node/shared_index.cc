@@ -298,6 +298,17 @@ bool SharedIndex::pin(std::uint32_t engine, std::uint32_t slot, std::uint32_t ge
   return true;
 }
 
+bool SharedIndex::finish(std::uint32_t slot) {
+  check_slot(slot);
+  std::atomic<std::uint64_t>& w = words_[slot];
+  std::uint64_t old = w.load(std::memory_order_acquire);
+  do {
+    if (state_of(old) != kWriting) return false;
+  } while (!w.compare_exchange_weak(old, word(gen_of(old), kReady, pin_bits(old)),
+                                    std::memory_order_acq_rel, std::memory_order_acquire));
+  return true;
+}
+
 void SharedIndex::unpin(std::uint32_t engine, std::uint32_t slot) {
   check_engine(engine);
   check_slot(slot);

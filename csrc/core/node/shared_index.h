@@ -130,6 +130,10 @@ class SharedIndex {
   // `gen` (what find() returned); true also when the bit was set already.
   // False: the slot changed since the find (a MISS).
   bool pin(std::uint32_t engine, std::uint32_t slot, std::uint32_t gen);
+  // The engine that wrote the block in `slot` says it is whole: ready now
+  // when it is being written; false, changing nothing, otherwise (the node
+  // has not published it yet, kept it for no key, or readied it itself).
+  bool finish(std::uint32_t slot);
   // Clears engine `engine`'s pin bit on `slot`. Throws InvalidArgument
   // when it is not set (a caller that lost count of its pins).
   void unpin(std::uint32_t engine, std::uint32_t slot);

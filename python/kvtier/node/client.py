@@ -354,10 +354,17 @@ class NodeManager:
         if not self.attached:
             self.client_stats.node_dropped_stores += len(keys)
             return None
+        req = getattr(req_context, "req_id", None)
+        view = self._view
+        if view is not None and self.attached and not self._client.peer_gone():
+            got = view.store_from_reserve([bytes(k) for k in keys])
+            if got is not None:  # into this engine's reserved slots: no round trip
+                stored, slots, evicted = got
+                if stored:
+                    self._send(Op.STORE_BEGIN, stored, slots, req)
+                return PrepareStoreResult(stored, HostSpec(np.asarray(slots, np.int64)), evicted)
         try:
-            out = self._call(
-                Op.PREPARE_STORE, [bytes(k) for k in keys], getattr(req_context, "req_id", None)
-            )
+            out = self._call(Op.PREPARE_STORE, [bytes(k) for k in keys], req)
         except NodeUnavailable as e:
             self._down(e)
             self.client_stats.node_dropped_stores += len(keys)
@@ -365,9 +372,11 @@ class NodeManager:
         if out is None:
             self.stats.allocation_failures += 1
             return None
-        stored, slots, evicted = out
-        if self._view is not None:
-            self._view.writing.update((k, s) for k, s in zip(stored, slots) if s >= 0)
+        stored, slots, evicted = out[:3]
+        if view is not None:
+            view.writing.update((k, s) for k, s in zip(stored, slots) if s >= 0)
+            if len(out) > 3:
+                view.reserved.extend(out[3])
         if len(stored) < len(keys):
             self.stats.not_admitted += len(keys) - len(stored)
         return PrepareStoreResult(stored, HostSpec(np.asarray(slots, np.int64)), evicted)
@@ -422,13 +431,16 @@ class NodeManager:
                 self._pending = False
                 return
         try:
-            events, self._pending, self.host.used = self._call(Op.STEP_END)
+            events, self._pending, self.host.used, *more = self._call(Op.STEP_END)
         except NodeUnavailable as e:
             self._down(e)
             self._pending = False
             return
         for tier, removed, keys, ids, meta in events:
             self._events.append(TierEvent(keys, tier, removed, ids=ids, metadata_only=meta))
+        if more and self._view is not None:  # slots added to the reservation, keys it evicted
+            self._view.reserved.extend(more[0])
+            self._view.evicted.extend(more[1])
 
     def take_events(self) -> list[TierEvent]:
         ev, self._events = self._events, []

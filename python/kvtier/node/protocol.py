@@ -56,6 +56,7 @@ class Op(enum.IntEnum):
     CONTAINS = 15
     LOAD_PRESENT = 16
     LOAD_SHARED = 17
+    STORE_BEGIN = 18
 
 
 # Calls that change nothing the engine reads back: the client sends them
@@ -71,6 +72,7 @@ NO_REPLY = frozenset(
         Op.REQUEST_FINISHED,
         Op.LOAD_PINNED,
         Op.LOAD_SHARED,
+        Op.STORE_BEGIN,
     }
 )
 

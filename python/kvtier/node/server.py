@@ -77,9 +77,8 @@ class NodeConfig:
     # VM (a bare echo here: 77-92 us asleep on both sides, 7-9 us with both
     # polling up to 200 us). 0: sleep at once.
     spin_us: int = 200
-    # Whether engines look up and pin host blocks in a shared index without
-    # a round trip (csrc/core/node/shared_index.h; docs/concepts/
-    # node-shared-index.md). Off while the work is in progress.
+    # Engines look up, pin and store host blocks without a round trip (in
+    # progress, off: docs/concepts/node-shared-index.md).
     shared_index: bool = False
 
 
@@ -578,6 +577,11 @@ _HANDLERS: dict[int, tuple[int | None, Any, bool]] = {
     Op.PREPARE_LOAD: (2, lambda s, a: s.prepare_load(P.keys_arg(a[0]), P.req_arg(a[1])), True),
     Op.LOAD_PINNED: (2, lambda s, a: s.load_pinned(P.keys_arg(a[0]), P.req_arg(a[1])), True),
     Op.LOAD_SHARED: (2, lambda s, a: s.load_shared(P.keys_arg(a[0]), P.req_arg(a[1])), True),
+    Op.STORE_BEGIN: (
+        3,
+        lambda s, a: s.store_begin(P.keys_arg(a[0]), P.int_list_arg(a[1]), P.req_arg(a[2])),
+        True,
+    ),
     Op.COMPLETE_LOAD: (2, lambda s, a: s.complete_load(P.keys_arg(a[0]), P.req_arg(a[1])), True),
     Op.LOAD_FAILED: (1, lambda s, a: s.load_failed(P.int_list_arg(a[0])), True),
     Op.TOUCH: (1, lambda s, a: s.touch(P.keys_arg(a[0])), True),

@@ -35,6 +35,8 @@ class SharedView:
         self.hits: set[bytes] = set()  # keys this step's scans found here
         self.loads: dict[bytes, list[int]] = {}  # key -> slots of its loads
         self.writing: dict[bytes, int] = {}  # key -> slot of this engine's stores
+        self.reserved: list[int] = []  # free slots the node keeps for our stores
+        self.evicted: list[bytes] = []  # evicted to fill them, not reported yet
 
     @classmethod
     def open(cls, ix: Any, prefix: bytes) -> SharedView | None:
@@ -59,6 +61,8 @@ class SharedView:
         self.hits.clear()
         self.loads.clear()
         self.writing.clear()
+        self.reserved.clear()
+        self.evicted.clear()
         self.pool.close()
 
     def scan(self, keys: list[bytes]) -> list[tuple[int, int]]:
@@ -109,6 +113,29 @@ class SharedView:
         if held:
             self.index.unpin(held)
         return None
+
+    def store_from_reserve(
+        self, keys: list[bytes]
+    ) -> tuple[list[bytes], list[int], list[bytes]] | None:
+        """An offer stored into reserved slots: the keys to store (not
+        here yet, each once, in order), their slots, and keys evicted since
+        the last report; None, taking nothing, when the reservation is short
+        (ask the node). Admission is the node's: it frees the slot of a key
+        it refuses when its write ends."""
+        p = self.prefix
+        states = self.index.states(b"".join([key_digest(p + k) for k in keys]))
+        seen: set[bytes] = set()
+        new: list[bytes] = []
+        for k, st in zip(keys, states):
+            if st == 0 and k not in seen:
+                seen.add(k)
+                new.append(k)
+        if len(new) > len(self.reserved):
+            return None
+        slots = [self.reserved.pop() for _ in new]
+        self.writing.update(zip(new, slots))
+        evicted, self.evicted = self.evicted, []
+        return new, slots, evicted
 
     def finish(self, keys: list[bytes], success: bool) -> None:
         """This engine's stores of ``keys`` ended: when they succeeded, their

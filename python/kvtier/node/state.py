@@ -42,6 +42,10 @@ _CODE = {LookupResult.MISS: 0, LookupResult.HIT: 1, LookupResult.HIT_PENDING: 2}
 # A host block's code by the tier's answer (HostTier.answer: 1 ready, 2 being
 # written, 3 a failed fill, 4 a fill under way), as the manager would answer.
 _HELD_CODE = {1: 1, 2: 2, 3: 0, 4: 1}
+# Free slots an engine with the shared index keeps for its stores, which it
+# takes without a round trip (STORE_BEGIN); topped up in the replies of
+# PREPARE_STORE and STEP_END. A few steps' offers: 16 a step at 16 keys.
+RESERVE = 256
 
 
 @dataclass
@@ -160,6 +164,8 @@ class Session:
         # SGLang takes none): the class makes them only while one does.
         self.wants_events = events
         self.engine_index = cls.engine_index() if cls.shared is not None else None
+        self.reserved: set[int] = set()  # slots reserved for this engine's stores
+        self.spare: dict[bytes, list[int]] = {}  # node key -> slots its writes free
         cls.sessions.add(self)
         cls.events_wanted()
 
@@ -330,24 +336,80 @@ class Session:
     def touch(self, keys: list[bytes]) -> None:
         self.cls.manager.touch(self._node_keys(keys))
 
-    def prepare_store(
-        self, keys: list[bytes], req: Any
-    ) -> tuple[list[bytes], list[int], list[bytes]] | None:
-        """(keys to store, their slots, evicted keys of this namespace) or None."""
+    def prepare_store(self, keys: list[bytes], req: Any) -> tuple[Any, ...] | None:
+        """(keys to store, their slots, evicted keys of this namespace) or
+        None; with the shared index, and slots added to the reservation."""
         out = self.cls.manager.prepare_store(self._node_keys(keys), self._ctx(req))
         if out is None:
             return None
         self.writes.update(out.keys_to_store)
+        evicted = self._ours(out.evicted_keys)
+        stored = [k[8:] for k in out.keys_to_store]
+        if self.engine_index is None:
+            return stored, out.store_spec.slots.tolist(), evicted
+        more, gone = self.top_up()
+        return stored, out.store_spec.slots.tolist(), evicted + gone, more
+
+    def _ours(self, node_keys: list[bytes]) -> list[bytes]:
+        """The keys of this namespace among ``node_keys``, prefix stripped."""
         p = self.prefix
-        evicted = [k[8:] for k in out.evicted_keys if k[:8] == p]
-        return [k[8:] for k in out.keys_to_store], out.store_spec.slots.tolist(), evicted
+        return [k[8:] for k in node_keys if k[:8] == p]
+
+    def top_up(self) -> tuple[list[int], list[bytes]]:
+        """Reserve slots for this engine's stores up to RESERVE (evicting
+        as a store would): the slots added and this namespace's evicted keys
+        (for the engine to report with its next offer)."""
+        m = self.cls.manager
+        # At most 1/32 of the class's slots: a small tier's blocks are not
+        # all evicted to hold room for stores that may not come.
+        n = min(RESERVE, self.cls.pool.num_slots // 32) - len(self.reserved)
+        got = m.host.allocate(n, partial=True) if n > 0 else None
+        if got is None:
+            return [], []
+        slots, evicted = got
+        m._core.removed(evicted)
+        self.reserved.update(slots)
+        return slots, self._ours(evicted)
+
+    def store_begin(self, keys: list[bytes], slots: list[int], req: Any) -> None:
+        """An offer this engine stores into slots of its reservation, which
+        it is writing already: the node takes the keys it would store
+        (adopt_store) and frees the other slots when their writes end."""
+        if len(keys) != len(slots) or len(set(slots)) != len(slots):
+            raise ProtocolError("store_begin needs one distinct slot per key")
+        if not self.reserved.issuperset(slots):
+            raise ProtocolError("store_begin of slots not reserved for this engine")
+        self.reserved.difference_update(slots)
+        nks = self._node_keys(keys)
+        stored, _, unused = self.cls.manager.adopt_store(nks, slots, self._ctx(req))
+        self.writes.update(stored)
+        if unused:
+            key_of = dict(zip(slots, nks))
+            for s in unused:
+                self.spare.setdefault(key_of[s], []).append(s)
 
     def complete_store(self, keys: list[bytes], req: Any, success: bool) -> None:
         nks = self._node_keys(keys)
+        if self.spare:
+            nks = self._free_spare(nks)
         if not self.writes.issuperset(nks):
             raise ProtocolError("complete_store of keys this engine is not writing")
         self.writes.difference_update(nks)
         self.cls.manager.complete_store(nks, self._ctx(req), success)
+
+    def _free_spare(self, nks: list[bytes]) -> list[bytes]:
+        """Writes into slots the node did not keep (their keys held already
+        or refused) ended: the slots are free again. Returns the other keys."""
+        spare, rest = self.spare, []
+        for k in nks:
+            held = spare.get(k)
+            if not held:
+                rest.append(k)
+                continue
+            self.cls.manager.host.release_slot(held.pop())
+            if not held:
+                del spare[k]
+        return rest
 
     def request_finished(self, req: Any) -> None:
         self.cls.manager.on_request_finished(self._ctx(req))
@@ -360,7 +422,10 @@ class Session:
         self.cls.manager.on_schedule_end()
         self.cls.distribute_events()
         ev, self.events = self.events, []
-        return [ev, self.cls.manager.has_pending_work(), len(self.cls.manager.host)]
+        out = [ev, self.cls.manager.has_pending_work(), len(self.cls.manager.host)]
+        if self.engine_index is not None:
+            out += self.top_up()  # the slots added, this namespace's evicted keys
+        return out
 
     def reset(self) -> int:
         """Drop every block of this namespace that no engine holds (vLLM's
@@ -409,6 +474,15 @@ class Session:
             if torn:
                 m.complete_store(torn, None, False)
             self.writes.clear()
+        free = m.host.release_slot
+        for s in self.reserved:
+            free(s)
+        for held in self.spare.values():
+            for s in held:
+                free(s)
+        released["reserved"] = len(self.reserved)
+        self.reserved.clear()
+        self.spare.clear()
         self.cls.sessions.discard(self)
         self.cls.events_wanted()
         m.on_schedule_end()
