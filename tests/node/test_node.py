@@ -603,3 +603,58 @@ def test_a_store_its_engine_finished_is_loadable_at_once_and_kept_if_it_dies(
     finally:
         n.stop()
         _remove_pools(n.name)
+
+
+def test_reserved_stores_of_one_key_keep_one_block_and_free_the_rest(tmp_path: Path) -> None:
+    """Two engines store the same keys into their reservations before the
+    node hears of either: the node keeps the blocks of the offer it serves
+    first, frees the other's slots when their writes end, and frees a closed
+    engine's reservation: no slot is lost."""
+    n = Node(tmp_path, blocks=256, shared_index=True)
+    try:
+        a, b = n.engine(engine="a"), n.engine(engine="b")
+        pool = a.attach_pool()
+        for m in (a, b):  # a first round trip, then room reserved (256 // 32)
+            store(m, pool, [1000 + id(m) % 997])
+            assert m._view is not None and len(m._view.reserved) == 8
+        keys = [key(i) for i in range(4)]
+        # b takes its slots before a's offer reaches the node (as b's
+        # prepare_store would), and its STORE_BEGIN comes after a's.
+        assert b._view is not None
+        got = b._view.store_from_reserve(keys)
+        assert got is not None and got[0] == keys
+        out = a.prepare_store(keys)
+        assert out is not None and out.keys_to_store == keys
+        b._send(P.Op.STORE_BEGIN, keys, got[1], None)
+        for slots, salt in ((out.store_spec.slots.tolist(), 1), (got[1], 2)):
+            for i, s in zip(range(4), slots):
+                pool.view(s)[:] = content(i, salt)
+        for m in (a, b):
+            m.complete_store(keys)
+            m.on_schedule_end()
+        cls = n.server.classes[BLOCK]
+        assert len(cls.manager.host) == 6  # 2 single blocks, 4 keys once
+        assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 4
+        spec = b.prepare_load(keys)
+        # One writer's blocks, whole (the node serves the two connections in
+        # either order): its slots, its bytes.
+        kept = spec.slots.tolist()
+        salt = 1 if kept == out.store_spec.slots.tolist() else 2
+        assert kept in (out.store_spec.slots.tolist(), got[1])
+        assert all(np.array_equal(pool.view(s), content(i, salt)) for i, s in enumerate(kept))
+        b.complete_load(keys)
+        b.on_schedule_end()
+        a.shutdown()
+        b.shutdown()
+        deadline = time.monotonic() + 5
+        while n.status()["engines"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        host = cls.manager.host
+        # Nothing reserved, nothing lost: every slot of the class's chunks is
+        # free or holds a block.
+        owned = sum(len(host.slots_of(c)) for c in host.chunks)
+        assert host.free_slots + len(host) == owned
+    finally:
+        n.stop()
+        _remove_pools(n.name)
