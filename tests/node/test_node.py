@@ -112,6 +112,7 @@ def test_engine_b_loads_what_engine_a_stored_byte_for_byte(node: Node) -> None:
     b.on_schedule_end()
     ev = a.take_events()
     assert [e.keys for e in ev if not e.removed] == [keys]
+    b.take_events()  # the gauges are as of the last step end answered (posted: taken here)
     assert (len(b.host), b.host.capacity) == (8, 64)  # the shim's usage gauge
     st = node.status()
     assert st["classes"][str(BLOCK)]["occupancy"]["blocks"] == 8
@@ -632,6 +633,7 @@ def test_reserved_stores_of_one_key_keep_one_block_and_free_the_rest(tmp_path: P
         for m in (a, b):
             m.complete_store(keys)
             m.on_schedule_end()
+            m.take_events()  # the step end's reply: the node has served both
         cls = n.server.classes[BLOCK]
         assert len(cls.manager.host) == 6  # 2 single blocks, 4 keys once
         assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 4

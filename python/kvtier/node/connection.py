@@ -53,6 +53,10 @@ class NodeClient:
         self._sock: socket.socket | None = None
         self._reader = P.FrameReader()
         self._queued = bytearray()
+        # Requests posted with post_call whose replies are owed, and the
+        # frames read so far that answer them (in order).
+        self._owed = 0
+        self._early: list[bytes] = []
 
     def connect(self) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -66,6 +70,8 @@ class NodeClient:
             ) from None
         self._sock = s
         self._reader = P.FrameReader()
+        self._owed = 0
+        self._early = []
         self._ready = select.poll()
         self._ready.register(s, select.POLLIN)
 
@@ -75,6 +81,8 @@ class NodeClient:
 
     def close(self) -> None:
         self._queued = bytearray()
+        self._owed = 0
+        self._early = []
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -85,6 +93,36 @@ class NodeClient:
         if self._sock is None:
             raise NodeUnavailable(0, f"kvtier node at {self.path}: not connected")
         self._queued += P.pack([int(op), *args])
+
+    def post_call(self, op: Op, *args: Any) -> None:
+        """Queue a request whose reply is read later, by :meth:`replies` or
+        by the next :meth:`call` (which keeps it for :meth:`replies`)."""
+        self.post(op, *args)
+        self._owed += 1
+
+    @property
+    def owed(self) -> int:
+        """Replies of :meth:`post_call` not taken yet."""
+        return self._owed
+
+    def replies(self, wait: bool = False, leave: int = 0) -> list[Any]:
+        """The results of posted calls that have come, oldest first; with
+        ``wait``, blocks until at most ``leave`` are still owed.
+        NodeUnavailable when the connection fails, NodeError when the node
+        refused one."""
+        try:
+            if wait:
+                self.flush()
+                self._read_frames(self._owed - leave)
+            else:
+                self._read_ready()
+        except (OSError, P.ProtocolError) as e:
+            self.close()
+            raise NodeUnavailable(0, f"kvtier node at {self.path}: {e}") from None
+        n = min(len(self._early), self._owed)
+        frames, self._early = self._early[:n], self._early[n:]
+        self._owed -= n
+        return [self._result(f) for f in frames]
 
     def flush(self) -> None:
         """Send what :meth:`post` queued without waiting for anything."""
@@ -110,13 +148,30 @@ class NodeClient:
             # waiting to be read (a refused peer's error frame).
             with contextlib.suppress(OSError):
                 self._sock.sendall(data)
-            frames = self._reader.feed(self._poll()) if self.spin_s else []
-            while not frames:
-                frames = self._reader.feed(self._recv())
+            self._read_frames(self._owed + 1)
         except (OSError, P.ProtocolError) as e:
             self.close()
             raise NodeUnavailable(0, f"kvtier node at {self.path}: {e}") from None
-        reply = P.unpack(frames[0])
+        # The posted calls' replies stay for replies(); ours is the next.
+        frame = self._early.pop(self._owed)
+        return self._result(frame)
+
+    def _read_frames(self, n: int) -> None:
+        """Reads until ``n`` frames are in hand (a reply takes one)."""
+        early = self._early
+        if len(early) < n and self.spin_s:
+            early += self._reader.feed(self._poll())
+        while len(early) < n:
+            early += self._reader.feed(self._recv())
+
+    def _read_ready(self) -> None:
+        """Reads what has come, without waiting."""
+        assert self._sock is not None
+        while self._ready.poll(0):
+            self._early += self._reader.feed(self._recv())
+
+    def _result(self, frame: bytes) -> Any:
+        reply = P.unpack(frame)
         if not isinstance(reply, list) or not reply:
             self.close()
             raise NodeUnavailable(0, "kvtier node sent a malformed reply")
@@ -132,11 +187,18 @@ class NodeClient:
     def peer_gone(self) -> bool:
         """Whether the node closed this connection (or sent what no request
         asked for, which only a refusal does): one poll(2) with no wait,
-        about a microsecond. Callers that answer without a round trip ask it
-        first, so that a dead node's shared index is never read."""
+        about a microsecond, and reading the replies of posted calls that
+        have come. Callers that answer without a round trip ask it first, so
+        that a dead node's shared index is never read."""
         if self._sock is None:
             return True
-        return bool(self._ready.poll(0))
+        if not self._ready.poll(0):
+            return False
+        try:
+            self._read_ready()
+        except (OSError, P.ProtocolError):
+            return True
+        return len(self._early) > self._owed
 
     def _recv(self) -> bytes:
         assert self._sock is not None
