@@ -19,6 +19,10 @@
 #include "../core/engine.h"
 #include "../core/status.h"
 
+namespace kvtier::node {
+class SharedIndex;
+}
+
 namespace kvtier::bindings {
 
 namespace py = pybind11;
@@ -32,7 +36,12 @@ void bind_disk(py::module_& m, EngineClass& engine);
 void bind_disk_index(py::module_& m);
 void bind_plfu(py::module_& m);
 void bind_host_index(py::module_& m);
+void bind_shared_index(py::module_& m);
 void bind_remote(py::module_& m, EngineClass& engine);
+
+// The core index of a kvtier._native.SharedIndex (InvalidArgument for
+// anything else); the object must be kept alive by the caller.
+node::SharedIndex* shared_index_of(const py::object& obj);
 
 // Submits to the engine; a full queue is kvtier.Busy for the caller.
 std::uint64_t submit_or_busy(Engine& e, std::unique_ptr<Job> job, std::size_t queue);

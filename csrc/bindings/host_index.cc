@@ -126,6 +126,7 @@ class KeyedHostIndex {
   }
 
   HostIndex core_;
+  py::object mirror_;  // the SharedIndex core_ mirrors into (kept alive), or None
   py::dict slots_;
   std::vector<py::object> keys_;
   std::vector<py::object> parent_keys_;                // slot -> its parent's key, when linked
@@ -174,6 +175,23 @@ void bind_host_index(py::module_& m) {
       .def_property_readonly("capacity", [](const K& k) { return k.core_.capacity(); })
       .def_property_readonly("free_slots", [](const K& k) { return k.core_.free_slots(); })
       .def_property_readonly("held_slots", [](const K& k) { return k.core_.held_slots(); })
+      .def(
+          "set_mirror",
+          [](K& k, const py::object& shared) {
+            k.core_.set_mirror(shared.is_none() ? nullptr : shared_index_of(shared));
+            k.mirror_ = shared;
+          },
+          py::arg("shared"),
+          "The node's SharedIndex this index mirrors into (None: none): blocks made ready "
+          "here become ready there, blocks leaving here are retired there, and blocks an "
+          "engine pins there are neither evicted nor removed. The caller publishes each "
+          "block there when it adds it (it has the digests).")
+      .def(
+          "engine_pinned",
+          [](const K& k, std::int32_t slot) {
+            return k.core_.engine_pinned(slot_in_range(k, slot));
+          },
+          py::arg("slot"), "Whether an engine pins the slot's block in the mirror.")
       .def_property_readonly(
           "slots", [](const K& k) { return k.slots_; },
           "The dict of resident keys to their slots, in the order they were written. "

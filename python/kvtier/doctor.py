@@ -165,7 +165,7 @@ def _node(socket_path: str | None) -> dict[str, Any]:
     (``--node``, else $KVTIER_NODE, else the default path), whether it
     answers, and what it serves. Not finding one is no failure (in-process
     tiers are the default): ``ok`` says whether one answers."""
-    from kvtier.node.client import node_status
+    from kvtier.node.connection import node_status
     from kvtier.node.server import DEFAULT_SOCKET
 
     path = socket_path or os.environ.get("KVTIER_NODE") or DEFAULT_SOCKET

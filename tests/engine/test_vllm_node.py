@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtier.node.client import NodeUnavailable, node_status
+from kvtier.node.connection import NodeUnavailable, node_status
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_vllm_engine import (

@@ -25,7 +25,8 @@ import pytest
 from kvtier.errors import InvalidArgument
 from kvtier.node import client as node_client
 from kvtier.node import protocol as P
-from kvtier.node.client import NodeError, NodeManager, NodeUnavailable, node_status
+from kvtier.node.client import NodeManager
+from kvtier.node.connection import NodeError, NodeUnavailable, node_status
 from kvtier.node.server import NodeConfig, NodeServer
 from kvtier.options.tiers import HostOptions
 from kvtier.pool import HostPool
@@ -61,6 +62,7 @@ class Node:
             name=self.name,
             **kw,  # type: ignore[arg-type]
         )
+        self.shared = self.config.shared_index
         self.server = NodeServer(self.config)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -76,9 +78,11 @@ class Node:
         self.thread.join(10)
 
 
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    n = Node(tmp_path)
+@pytest.fixture(params=[False, True], ids=["rpc", "shared"])
+def node(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
+    """A node whose engines ask it everything (rpc) or look up and load
+    its HITs in its shared index (shared)."""
+    n = Node(tmp_path, shared_index=request.param)
     yield n
     n.stop()
     _remove_pools(n.name)
@@ -108,6 +112,7 @@ def test_engine_b_loads_what_engine_a_stored_byte_for_byte(node: Node) -> None:
     b.on_schedule_end()
     ev = a.take_events()
     assert [e.keys for e in ev if not e.removed] == [keys]
+    b.take_events()  # the gauges are as of the last step end answered (posted: taken here)
     assert (len(b.host), b.host.capacity) == (8, 64)  # the shim's usage gauge
     st = node.status()
     assert st["classes"][str(BLOCK)]["occupancy"]["blocks"] == 8
@@ -158,7 +163,8 @@ def test_a_scan_is_one_round_trip(node: Node) -> None:
     b = NodeManager(node.path, NS_A, BLOCK, key_order=lambda k, ctx: keys[keys.index(k) + 1 :])
     before = b.client_stats.round_trips
     assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 16
-    assert b.client_stats.round_trips - before == 1
+    # Through the shared index, none: the HITs are found and pinned there.
+    assert b.client_stats.round_trips - before == (0 if node.shared else 1)
 
 
 def test_a_load_in_the_step_of_its_lookup_waits_for_no_reply(node: Node) -> None:
@@ -297,7 +303,9 @@ def test_lookup_hits_stay_pinned_until_the_step_ends(node: Node) -> None:
     store(a, pool, list(range(64)))  # the node is full
     assert b.lookup(key(0)) is LookupResult.HIT
     out = a.prepare_store([key(i) for i in range(100, 164)])
-    assert out is not None and key(0) not in out.evicted_keys and len(out.keys_to_store) == 63
+    # With the shared index, a's reservation holds 64 // 32 slots besides.
+    room = 63 - (2 if node.shared else 0)
+    assert out is not None and key(0) not in out.evicted_keys and len(out.keys_to_store) == room
     spec = b.prepare_load([key(0)])
     assert np.array_equal(pool.view(int(spec.slots[0])), content(0))
     b.complete_load([key(0)])
@@ -337,7 +345,11 @@ def test_a_killed_engine_releases_its_leases_at_once(node: Node) -> None:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
         st = node.status()
         (e,) = st["engines"]
-        assert e["leases"] == {"scan_pins": 1, "load_pins": 2, "writes": 4}
+        # The lookup's pin is in the shared index when there is one.
+        want = {"scan_pins": 1, "load_pins": 2, "writes": 4}
+        if node.shared:  # every pin in the shared index: 1 lookup's, 2 loads'
+            want.update(scan_pins=0, load_pins=0, shared_slots=3)
+        assert e["leases"] == want
         t0 = time.monotonic()
         child.send_signal(signal.SIGKILL)
         child.wait()
@@ -553,3 +565,98 @@ def test_a_client_that_never_reads_is_dropped(node: Node, monkeypatch: pytest.Mo
     s.close()
     assert a.lookup(key(1)) is LookupResult.MISS  # the other engine is served
     assert node.status()["counters"]["protocol_errors"] == 1
+
+
+def test_a_store_its_engine_finished_is_loadable_at_once_and_kept_if_it_dies(
+    tmp_path: Path,
+) -> None:
+    """Through the shared index, a finished store is ready to every engine
+    before the node hears of it; an engine that dies then leaves it whole
+    (its bytes were in), while a store it never finished is dropped."""
+    n = Node(tmp_path, shared_index=True)
+    try:
+        a, b = n.engine(engine="a"), n.engine(engine="b")
+        pool = a.attach_pool()
+        keys = [key(i) for i in range(6)]
+        out = a.prepare_store(keys)
+        assert out is not None
+        for i, s in zip(range(6), out.store_spec.slots.tolist()):
+            pool.view(s)[:] = content(i)
+        assert a._view is not None
+        a._view.finish(keys[:4], True)  # as complete_store does, before its message
+        assert [b.lookup(k) for k in keys[:5]] == [LookupResult.HIT] * 4 + [
+            LookupResult.HIT_PENDING
+        ]
+        spec = b.prepare_load(keys[:4])
+        assert all(np.array_equal(pool.view(s), content(i)) for i, s in enumerate(spec.slots))
+        b.complete_load(keys[:4])
+        b.on_schedule_end()
+        a._client.close()  # dies: COMPLETE_STORE never sent
+        deadline = time.monotonic() + 5
+        while len(n.status()["engines"]) > 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        occ = n.status()["classes"][str(BLOCK)]["occupancy"]
+        assert (occ["blocks"], occ["writing"], occ["pinned"]) == (4, 0, 0)
+        assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 4 + [LookupResult.MISS] * 2
+        b.on_schedule_end()
+        b.shutdown()
+    finally:
+        n.stop()
+        _remove_pools(n.name)
+
+
+def test_reserved_stores_of_one_key_keep_one_block_and_free_the_rest(tmp_path: Path) -> None:
+    """Two engines store the same keys into their reservations before the
+    node hears of either: the node keeps the blocks of the offer it serves
+    first, frees the other's slots when their writes end, and frees a closed
+    engine's reservation: no slot is lost."""
+    n = Node(tmp_path, blocks=256, shared_index=True)
+    try:
+        a, b = n.engine(engine="a"), n.engine(engine="b")
+        pool = a.attach_pool()
+        for m in (a, b):  # a first round trip, then room reserved (256 // 32)
+            store(m, pool, [1000 + id(m) % 997])
+            assert m._view is not None and len(m._view.reserved) == 8
+        keys = [key(i) for i in range(4)]
+        # b takes its slots before a's offer reaches the node (as b's
+        # prepare_store would), and its STORE_BEGIN comes after a's.
+        assert b._view is not None
+        got = b._view.store_from_reserve(keys)
+        assert got is not None and got[0] == keys
+        out = a.prepare_store(keys)
+        assert out is not None and out.keys_to_store == keys
+        b._send(P.Op.STORE_BEGIN, keys, got[1], None)
+        for slots, salt in ((out.store_spec.slots.tolist(), 1), (got[1], 2)):
+            for i, s in zip(range(4), slots):
+                pool.view(s)[:] = content(i, salt)
+        for m in (a, b):
+            m.complete_store(keys)
+            m.on_schedule_end()
+            m.take_events()  # the step end's reply: the node has served both
+        cls = n.server.classes[BLOCK]
+        assert len(cls.manager.host) == 6  # 2 single blocks, 4 keys once
+        assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 4
+        spec = b.prepare_load(keys)
+        # One writer's blocks, whole (the node serves the two connections in
+        # either order): its slots, its bytes.
+        kept = spec.slots.tolist()
+        salt = 1 if kept == out.store_spec.slots.tolist() else 2
+        assert kept in (out.store_spec.slots.tolist(), got[1])
+        assert all(np.array_equal(pool.view(s), content(i, salt)) for i, s in enumerate(kept))
+        b.complete_load(keys)
+        b.on_schedule_end()
+        a.shutdown()
+        b.shutdown()
+        deadline = time.monotonic() + 5
+        while n.status()["engines"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        host = cls.manager.host
+        # Nothing reserved, nothing lost: every slot of the class's chunks is
+        # free or holds a block.
+        owned = sum(len(host.slots_of(c)) for c in host.chunks)
+        assert host.free_slots + len(host) == owned
+    finally:
+        n.stop()
+        _remove_pools(n.name)

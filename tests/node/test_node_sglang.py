@@ -28,7 +28,8 @@ torch = pytest.importorskip("torch")
 from kvtier.bench.sglang_standin import fill, host_pool, page_bytes, token_indices  # noqa: E402
 from kvtier.errors import InvalidArgument  # noqa: E402
 from kvtier.node import client as node_client  # noqa: E402
-from kvtier.node.client import NodeManager, NodeUnavailable  # noqa: E402
+from kvtier.node.client import NodeManager  # noqa: E402
+from kvtier.node.connection import NodeUnavailable  # noqa: E402
 from kvtier.tiers.base import LookupResult  # noqa: E402
 from test_node import BLOCK, NS_A, Node, _node_proc, _remove_pools, content, store  # noqa: E402
 

@@ -4,7 +4,16 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/node/shared_index.h"
+#include "core/status.h"
+
 namespace kvtier::policy {
+
+using node::SharedIndex;
+
+bool HostIndex::engine_pinned(std::int32_t slot) const {
+  return mirror_ != nullptr && mirror_->pinned(static_cast<std::uint32_t>(slot));
+}
 
 HostIndex::HostIndex(std::uint32_t capacity, bool prefix_aware) : prefix_aware_(prefix_aware) {
   if (capacity == 0 || capacity > 0x7ffffffeu)
@@ -35,9 +44,12 @@ void HostIndex::lru_push_back(std::int32_t s) {
 
 HostIndex::Census HostIndex::census() const {
   Census c;
-  for (const Rec& r : recs_) {
+  for (std::size_t i = 0; i < recs_.size(); ++i) {
+    const Rec& r = recs_[i];
     if (!r.resident) continue;
-    c.pinned += r.ref > 0;
+    // A block an engine pins in the mirror is pinned too (by a load the
+    // node never sees: the engine's own pin bit).
+    c.pinned += r.ref > 0 || engine_pinned(static_cast<std::int32_t>(i));
     c.writing += r.ref < 0 || r.fill == kFillFilling;
     c.cascading += r.cascading > 0;
   }
@@ -78,6 +90,10 @@ void HostIndex::add_writing(std::int32_t slot, std::int32_t parent, std::uint8_t
 void HostIndex::mark_ready(std::int32_t slot) {
   Rec& r = recs_[slot];
   r.ref = 0;
+  // Ready there too (a no-op when its writer said so first; a block never
+  // published there, an in-process tier's, is free there).
+  if (mirror_ != nullptr && mirror_->state(static_cast<std::uint32_t>(slot)) != SharedIndex::kFree)
+    mirror_->set_ready(static_cast<std::uint32_t>(slot));
   lru_unlink(slot);
   lru_push_back(slot);
 }
@@ -134,6 +150,12 @@ void HostIndex::unlink_chain(std::int32_t s) {
 void HostIndex::remove(std::int32_t slot) {
   Rec& r = recs_.at(static_cast<std::size_t>(slot));
   if (!r.resident) return;
+  if (mirror_ != nullptr) {
+    const auto u = static_cast<std::uint32_t>(slot);
+    if (mirror_->state(u) != SharedIndex::kFree && !mirror_->retire(u))
+      throw_invalid("host index: the block in slot " + std::to_string(slot) +
+                    " is pinned by an engine");
+  }
   lru_unlink(slot);
   unlink_chain(slot);
   r.resident = false;
@@ -290,8 +312,29 @@ bool HostIndex::allocate(std::size_t n, bool partial, const Protected* prot,
   if (n > free_.size()) {
     const std::size_t need = n - free_.size();
     victims(need, prot, victims_out);
+    // An engine may pin a chosen block in the mirror between the walk and
+    // its retire: the walk again (that block cannot go now; those retired
+    // already can, and come first again), a few times at most.
+    for (int tries = 0; mirror_ != nullptr && !retire_victims(*victims_out); ++tries) {
+      std::vector<std::int32_t> retired;
+      for (std::int32_t v : *victims_out)
+        if (mirror_->state(static_cast<std::uint32_t>(v)) == SharedIndex::kFree)
+          retired.push_back(v);
+      if (tries == 8) {
+        restore_victims(retired);
+        victims_out->clear();
+        return false;
+      }
+      victims(need, prot, victims_out);
+      std::vector<std::int32_t> left;
+      for (std::int32_t v : retired)
+        if (std::find(victims_out->begin(), victims_out->end(), v) == victims_out->end())
+          left.push_back(v);
+      restore_victims(left);
+    }
     if (victims_out->size() < need) {
       if (!partial || free_.size() + victims_out->size() == 0) {
+        restore_victims(*victims_out);
         victims_out->clear();
         return false;
       }
@@ -306,6 +349,25 @@ bool HostIndex::allocate(std::size_t n, bool partial, const Protected* prot,
   slots->assign(free_.rbegin(), free_.rbegin() + static_cast<std::ptrdiff_t>(n));
   free_.resize(free_.size() - n);
   return true;
+}
+
+bool HostIndex::retire_victims(const std::vector<std::int32_t>& victims) {
+  bool all = true;
+  for (std::int32_t v : victims) {
+    const auto u = static_cast<std::uint32_t>(v);
+    if (mirror_->state(u) != SharedIndex::kFree) all &= mirror_->retire(u);
+  }
+  return all;
+}
+
+void HostIndex::restore_victims(const std::vector<std::int32_t>& victims) {
+  // Chosen but not evicted after all: ready again in the mirror, under a
+  // new generation (finds from before name the old one and miss).
+  if (mirror_ == nullptr) return;
+  for (std::int32_t v : victims) {
+    const auto u = static_cast<std::uint32_t>(v);
+    if (mirror_->state(u) == SharedIndex::kFree) mirror_->restore(u);
+  }
 }
 
 void HostIndex::release(std::int32_t slot) {

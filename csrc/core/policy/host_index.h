@@ -24,6 +24,10 @@
 #include <unordered_map>
 #include <vector>
 
+namespace kvtier::node {
+class SharedIndex;
+}
+
 namespace kvtier::policy {
 
 class HostIndex {
@@ -47,6 +51,17 @@ class HostIndex {
   std::size_t held_slots() const { return held_count_; }
   bool prefix_aware() const { return prefix_aware_; }
 
+  // The node's shared index (core/node/shared_index.h), which engines read
+  // and pin without asking the node: blocks ready here become ready there
+  // (the caller publishes them there when it adds them: it has their
+  // digests), every block that leaves here is retired there, and a block an
+  // engine pins there cannot go. Null (the default): none, as in an
+  // engine's own tier. Not owned; it must outlive this index.
+  void set_mirror(node::SharedIndex* mirror) { mirror_ = mirror; }
+  node::SharedIndex* mirror() const { return mirror_; }
+  // Whether an engine pins the slot's block in the mirror.
+  bool engine_pinned(std::int32_t slot) const;
+
   // -- blocks ------------------------------------------------------------
   // A block is being written into `slot` (not resident, not free: a slot
   // allocate() handed out, or one the caller owns). `parent`: the resident
@@ -63,7 +78,9 @@ class HostIndex {
   // Most recently used, when in the LRU (a block being written is not).
   void touch(std::int32_t slot);
   // The block leaves the index; its slot stays allocated (the caller
-  // releases it, now or when its user is done).
+  // releases it, now or when its user is done). With a mirror, it is
+  // retired there first; a block an engine pins there is refused
+  // (kvtier::Error InvalidArgument, nothing changed: ask engine_pinned()).
   void remove(std::int32_t slot);
 
   bool resident(std::int32_t slot) const { return valid(slot) && recs_[slot].resident; }
@@ -84,7 +101,7 @@ class HostIndex {
   std::vector<std::int32_t> kids(std::int32_t slot) const;
   bool evictable(std::int32_t slot) const {
     const Rec& r = recs_[slot];
-    return r.ref == 0 && r.cascading == 0 && r.fill == kFillNone;
+    return r.ref == 0 && r.cascading == 0 && r.fill == kFillNone && !engine_pinned(slot);
   }
   // Resident blocks pinned by loads, being written (or filled by a lower
   // tier), and cascading: the manager's occupancy gauges, which vLLM's shim
@@ -169,8 +186,12 @@ class HostIndex {
   bool can_go(std::int32_t s) const {
     const Rec& r = recs_[s];
     return r.ref == 0 && r.cascading == 0 && r.fill == kFillNone && r.holds == 0 &&
-           (prot_ == nullptr || !(*prot_)(s));
+           (prot_ == nullptr || !(*prot_)(s)) && !engine_pinned(s);
   }
+  // Retires `victims` in the mirror; false when an engine pinned one since
+  // they were chosen (those retired so far stay retired: see allocate).
+  bool retire_victims(const std::vector<std::int32_t>& victims);
+  void restore_victims(const std::vector<std::int32_t>& victims);
   bool taken(std::int32_t s) const { return recs_[s].taken == take_epoch_; }
   void take(std::int32_t s, Taking* t) {
     recs_[s].taken = take_epoch_;
@@ -196,6 +217,7 @@ class HostIndex {
   std::size_t links_ = 0;            // resident blocks with a resident parent
   std::uint64_t cuts_ = 0;           // changes that can put a hint off its chain
   const Protected* prot_ = nullptr;  // during victims()
+  node::SharedIndex* mirror_ = nullptr;
   std::uint32_t take_epoch_ = 1;
   bool prefix_aware_;
 };

@@ -119,6 +119,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
             node = run_node_manager(args.keys, args.policy, args.repeats, args.clients)
             results.append(node)
+            if args.shared_index:
+                results.append(
+                    run_node_manager(
+                        args.keys, args.policy, args.repeats, args.clients, shared_index=True
+                    )
+                )
     else:  # pragma: no cover - argparse restricts choices
         raise KvtierError(f"unknown component {args.component}")
     out = output_dir(args.out, "bench")

@@ -39,6 +39,46 @@ def cycles(m: Any, keys: list[bytes], batch: int, scan: bool = False) -> float:
     return len(keys) / (time.perf_counter() - t0)
 
 
+def returning_cycles(
+    m: Any, keys: list[bytes], batch: int, lag: int, barrier: Any = None
+) -> tuple[float, int]:
+    """Cycles per second of a key's life in vLLM, ``batch`` keys a call: a
+    scan that MISSes, its store, and ``lag`` calls later the key's return,
+    a scan that HITs and its load (vLLM loads only what a lookup found, in
+    a later step than the store); each call one scheduler step, ended by
+    ``on_schedule_end`` (the worst case: one request a step). Returns the rate and how many returning
+    keys missed (0 unless the manager fell more than ``lag`` calls behind).
+    ``barrier``: called once at the end, timed (a node client's round trip:
+    what the node had queued is then done)."""
+    miss, hit = LookupResult.MISS, LookupResult.HIT
+    back = lag * batch
+    missed = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(keys) + back, batch):
+        ks = keys[i : i + batch]
+        if ks:
+            for k in ks:
+                if m.lookup(k) is miss:
+                    break
+            out = m.prepare_store(ks)
+            assert out is not None
+            m.complete_store(out.keys_to_store)
+        if i >= back:
+            found = []
+            for k in keys[i - back : i - back + batch]:
+                if m.lookup(k) is not hit:
+                    break
+                found.append(k)
+            missed += min(batch, len(keys) - (i - back)) - len(found)
+            if found:
+                m.prepare_load(found)
+                m.complete_load(found)
+        m.on_schedule_end()
+    if barrier is not None:
+        barrier()
+    return len(keys) / (time.perf_counter() - t0), missed
+
+
 def index_cycles(index: Any, keys: list[bytes], batch: int) -> float:
     """The host tier's own share of :func:`cycles` (no manager around it),
     in keys per second: allocate for a batch (its keys protected), write it

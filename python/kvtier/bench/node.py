@@ -1,6 +1,6 @@
-"""``kvtier bench manager --node``: the manager's cycle (lookup +
-prepare_store + complete_store + prepare_load + complete_load) through a
-node, against the in-process manager of the same run.
+"""``kvtier bench manager --node``: a key's life in the manager (a scan
+that misses, its store, and later its return: a scan that hits and its
+load) through a node, against the in-process manager of the same run.
 
 A command-line tool: runs in the ``kvtier`` process; the node is a
 ``kvtier node`` child process (its own interpreter, as in production), the
@@ -22,12 +22,17 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.harness import freeze_heap_as_engines_do
-from kvtier.bench.manager import cycles
+from kvtier.bench.manager import returning_cycles
 from kvtier.scheduler.manager import TieredOffloadingManager
 from kvtier.tiers.host_native import make_host_tier
 
 PAYLOAD = 64  # bytes per block: the node's pool holds data, the bench moves none
 NS = "be" * 16
+# Calls between a key's store and its return. vLLM loads only what a lookup
+# found, in a later step than the store (a returning turn comes back
+# seconds later); 64 calls of 16 keys is about 2 ms of the in-process
+# manager, time for a node to have taken the store in.
+RETURN_LAG = 64
 
 
 def _keys(n: int, client: int) -> list[bytes]:
@@ -37,7 +42,7 @@ def _keys(n: int, client: int) -> list[bytes]:
 def start_node(path: str, name: str, flags: list[str]) -> subprocess.Popen[bytes]:
     """``kvtier node`` with ``flags`` in a child process, once it answers on
     ``path``. Who calls: the node's and the SGLang backend's benchmarks."""
-    from kvtier.node.client import NodeUnavailable, node_status
+    from kvtier.node.connection import NodeUnavailable, node_status
 
     cmd = [sys.executable, "-m", "kvtier.cli", "node", "--socket", path, "--name", name]
     p = subprocess.Popen(cmd + flags, stderr=subprocess.DEVNULL)
@@ -53,7 +58,7 @@ def start_node(path: str, name: str, flags: list[str]) -> subprocess.Popen[bytes
             time.sleep(0.05)
 
 
-def _client_rate(path: str, keys: list[bytes], batch: int) -> float:
+def _client_rate(path: str, keys: list[bytes], batch: int) -> tuple[float, int]:
     from kvtier.node.client import NodeManager
 
     order = {k: i for i, k in enumerate(keys)}
@@ -66,7 +71,7 @@ def _client_rate(path: str, keys: list[bytes], batch: int) -> float:
     with NodeManager(
         path, NS, PAYLOAD, engine=f"bench-{os.getpid()}", key_order=following, timeout_s=120
     ) as m:
-        return cycles(m, keys, batch, scan=True)
+        return returning_cycles(m, keys, batch, RETURN_LAG, barrier=m.status)
 
 
 def _echo_main(path: str) -> None:
@@ -113,13 +118,19 @@ def _client_main(path: str, keys: list[bytes], batch: int, start: Any, q: Any) -
 
 
 def run_node_manager(
-    num_keys: int = 200_000, policy: str = "lru", repeats: int = 3, clients: int = 4
+    num_keys: int = 200_000,
+    policy: str = "lru",
+    repeats: int = 3,
+    clients: int = 4,
+    shared_index: bool = False,
 ) -> dict[str, Any]:
     """Cycles per second: in-process, one node client, ``clients`` node
-    clients at once (aggregate); medians of ``repeats``, alternating."""
+    clients at once (aggregate); medians of ``repeats``, alternating.
+    ``shared_index``: the node offers its shared index."""
     capacity = max(1, num_keys // 2)
+    flags = ["--shared-index"] if shared_index else []
     out: dict[str, Any] = {
-        "component": "manager-node",
+        "component": "manager-node-shared" if shared_index else "manager-node",
         "policy": policy,
         "keys": num_keys,
         "host_blocks": capacity,
@@ -132,20 +143,26 @@ def run_node_manager(
         try:
             for batch in (1, 16):
                 local, one, many = [], [], []
+                missed = 0
                 for _ in range(repeats):
                     keys = _keys(num_keys, 0)
                     m = TieredOffloadingManager(make_host_tier(None, capacity, policy=policy))
-                    local.append(cycles(m, keys, batch, scan=True))
-                    node = start_node(path, name, ["--host-bytes", str(capacity * PAYLOAD)])
+                    rate, miss = returning_cycles(m, keys, batch, RETURN_LAG)
+                    local.append(rate)
+                    node = start_node(path, name, ["--host-bytes", str(capacity * PAYLOAD), *flags])
                     try:
-                        one.append(_client_rate(path, keys, batch))
-                        many.append(_aggregate(path, num_keys, batch, clients))
+                        rate, m1 = _client_rate(path, keys, batch)
+                        one.append(rate)
+                        rate, m4 = _aggregate(path, num_keys, batch, clients)
+                        many.append(rate)
+                        missed += miss + m1 + m4
                     finally:
                         node.terminate()
                         node.wait()
                 out[f"in_process_batch{batch}"] = round(statistics.median(local))
                 out[f"node_1_client_batch{batch}"] = round(statistics.median(one))
                 out[f"node_{clients}_clients_batch{batch}"] = round(statistics.median(many))
+                out[f"returning_misses_batch{batch}"] = missed
                 out[f"ratio_1_client_batch{batch}"] = round(
                     statistics.median(one) / statistics.median(local), 3
                 )
@@ -159,15 +176,17 @@ def run_node_manager(
         statistics.median(round_trip_floor_us() for _ in range(repeats)), 1
     )
     out["note"] = (
-        "cycles per second of lookup + prepare_store + complete_store + prepare_load + "
-        "complete_load per key; ratios against the in-process manager of the same run; "
+        "cycles per second of a key's life: a scan that misses, prepare_store + "
+        f"complete_store, {RETURN_LAG} calls later a scan that hits, prepare_load + "
+        "complete_load; returning_misses: returning keys a scan missed (0: every load ran); "
+        "ratios against the in-process manager of the same run; "
         f"{clients} clients: their aggregate, each cycling {num_keys // clients} keys of its own; "
         "round_trip_floor_us: a bare echo over a Unix socket between two processes"
     )
     return out
 
 
-def _aggregate(path: str, num_keys: int, batch: int, clients: int) -> float:
+def _aggregate(path: str, num_keys: int, batch: int, clients: int) -> tuple[float, int]:
     ctx = mp.get_context("spawn")
     start, q = ctx.Event(), ctx.Queue()
     per = num_keys // clients
@@ -185,5 +204,4 @@ def _aggregate(path: str, num_keys: int, batch: int, clients: int) -> float:
     for p in procs:
         p.join()
     # Each client's keys over the wall time of all: the node's throughput.
-    del rates
-    return per * clients / wall
+    return per * clients / wall, sum(miss for _, miss in rates)

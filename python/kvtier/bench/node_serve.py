@@ -301,7 +301,7 @@ class _Node:
     """``kvtier node`` in a child process of this Python."""
 
     def __init__(self, work: Path, host_bytes: int) -> None:
-        from kvtier.node.client import NodeUnavailable, node_status
+        from kvtier.node.connection import NodeUnavailable, node_status
 
         self.socket, self.name = str(work / "node.sock"), f"bench{os.getpid()}"
         cmd = [sys.executable, "-m", "kvtier.cli", "node", "--socket", self.socket]
@@ -319,7 +319,7 @@ class _Node:
                 time.sleep(0.05)
 
     def stop(self) -> dict[str, Any]:
-        from kvtier.node.client import node_status
+        from kvtier.node.connection import node_status
 
         status: dict[str, Any] = {}
         with contextlib.suppress(Exception):

@@ -149,6 +149,11 @@ def _manager(p: Parser) -> None:
         "once, against the in-process manager of the same run",
     )
     p.add_argument("--clients", type=int, default=4, help="with --node: clients at once")
+    p.add_argument(
+        "--shared-index",
+        action="store_true",
+        help="with --node: the node's shared index as well (kvtier node --shared-index)",
+    )
     _repeats(p, 3, ", the median reported")
     _common(p, "'' to skip; default: build/bench", json_path=False)
 

@@ -270,11 +270,21 @@ class ChunkOwner(HostTier):
                     for s in slots
                 ):
                     continue
+                # An engine may pin one of them in the node's shared index
+                # between the check above and its drop: that block stays,
+                # and so does its chunk.
+                dropped: list[bytes] = []
                 for k in keys:
-                    self.drop(k)
-                self._forget(keys)
+                    try:
+                        self.drop(k)
+                    except InvalidArgument:
+                        break
+                    dropped.append(k)
+                self._forget(dropped)
                 self._trim()
-                self.on_evicted(keys)
+                self.on_evicted(dropped)
+                if len(dropped) < len(keys):
+                    continue
                 best = c
                 break
         if best is None:

@@ -61,6 +61,12 @@ def add_node_parser(sub: Any) -> None:
         help="after a request, poll this long for the next before sleeping (default 200; "
         "0: sleep at once): a woken CPU is most of a round trip's time",
     )
+    n.add_argument(
+        "--shared-index",
+        action="store_true",
+        help="engines look up and load host blocks in shared memory, without a round trip "
+        "(in progress: docs/concepts/node-shared-index.md)",
+    )
     n.add_argument("--json", action="store_true", help="status: print JSON")
     add_tier_arguments(n)
     n.set_defaults(func=_cmd_node)
@@ -97,6 +103,7 @@ def _cmd_node(args: argparse.Namespace) -> int:
             name=args.name,
             metrics_port=args.metrics_port,
             spin_us=args.spin_us,
+            shared_index=args.shared_index,
         )
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -112,7 +119,7 @@ def _cmd_node(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from kvtier.node.client import node_status
+    from kvtier.node.connection import node_status
 
     st = node_status(args.socket)
     if args.json:

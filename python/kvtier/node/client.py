@@ -1,12 +1,15 @@
-"""The engine's side of the node: a connection (:class:`NodeClient`) and the
-offloading manager that forwards to it (:class:`NodeManager`).
+"""The engine's side of the node: the offloading manager that forwards to
+it (:class:`NodeManager`), over one connection
+(:class:`~kvtier.node.connection.NodeClient`) and, when the node offers
+one, its shared index (:class:`~kvtier.node.shared_view.SharedView`).
 
-Process: the engine's scheduler (the manager) and its workers (a one-shot
-:func:`pool_info` to learn which pool to map). Who calls: the vLLM shim's
+Process: the engine's scheduler. Who calls: the vLLM shim's
 :class:`~kvtier.integrations.vllm.scheduler.KVTierManager` (in place of an
 in-process :class:`~kvtier.scheduler.manager.TieredOffloadingManager`),
-tests and ``kvtier bench manager --node``. Each manager call is one request
-and blocks for its reply (a Unix-socket round trip), at most ``timeout_s``.
+SGLang's node backend, tests and ``kvtier bench manager --node``. A manager
+call that needs the node is one request and blocks for its reply (a
+Unix-socket round trip), at most ``timeout_s``; lookups and loads of HITs
+through the shared index need none.
 
 A node that is gone (killed, restarting) is the same degradation as a
 failed Redis: lookups miss, offers are not stored, both counted; the
@@ -18,9 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import select
-import socket
 import threading
 import time
 from collections.abc import Collection
@@ -29,9 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtier.errors import ClosedError, InvalidArgument, IoError, KvtierError
+from kvtier.errors import ClosedError, InvalidArgument, KvtierError
 from kvtier.node import protocol as P
+from kvtier.node.connection import (
+    SPIN_S,
+    NodeClient,
+    NodeUnavailable,
+)
 from kvtier.node.protocol import Op
+from kvtier.node.shared_view import SharedView
 from kvtier.scheduler.specs import HostSpec, PrepareStoreResult
 from kvtier.scheduler.stats import ManagerStats
 from kvtier.tiers.base import LookupResult, TierEvent
@@ -40,157 +46,20 @@ if TYPE_CHECKING:
     from kvtier.pool import HostPool
 
 log = logging.getLogger("kvtier.node")
-# Bytes asked of one recv: below glibc's mmap threshold. recv(1 MiB)
-# allocated and unmapped a megabyte per call: a trivial request's round trip
-# took 127 us against 13 us for a bare echo (kvtier bench manager --node).
-_RECV_BYTES = 1 << 16
 
 _ANSWER = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY)
 # Keys of a request's scan sent with its first lookup: the node answers up to
 # the first MISS, so a long prompt is one round trip, not one per key.
 SCAN_KEYS = 4096
 REATTACH_PERIOD_S = 1.0
-# How long a call polls for its reply before sleeping in recv: the node
-# answers most calls within tens of microseconds, and a sleeping CPU's
-# wake-up is most of a round trip on a VM (see NodeConfig.spin_us).
-SPIN_S = 200e-6
-
-
-class NodeUnavailable(IoError):
-    """The node did not answer (not running, restarting, or too slow)."""
-
-
-class NodeError(KvtierError):
-    """The node refused a request (its error kind and message)."""
-
-
-class NodeClient:
-    """One connection to the node. ``call`` sends a request and blocks for
-    its reply; not thread-safe (one per scheduler, used under its lock)."""
-
-    def __init__(self, path: str, timeout_s: float = 5.0, spin_s: float = SPIN_S) -> None:
-        self.path = path
-        self.timeout_s = timeout_s
-        self.spin_s = spin_s
-        self._sock: socket.socket | None = None
-        self._reader = P.FrameReader()
-        self._queued = bytearray()
-
-    def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout_s)
-        try:
-            s.connect(self.path)
-        except OSError as e:
-            s.close()
-            raise NodeUnavailable(
-                e.errno or 0, f"no kvtier node at {self.path}: {e.strerror or e}"
-            ) from None
-        self._sock = s
-        self._reader = P.FrameReader()
-        self._ready = select.poll()
-        self._ready.register(s, select.POLLIN)
-
-    @property
-    def connected(self) -> bool:
-        return self._sock is not None
-
-    def close(self) -> None:
-        self._queued = bytearray()
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-    def post(self, op: Op, *args: Any) -> None:
-        """Queue a call of :data:`~kvtier.node.protocol.NO_REPLY`: it goes
-        out with the next :meth:`call` (or :meth:`flush`), in order."""
-        if self._sock is None:
-            raise NodeUnavailable(0, f"kvtier node at {self.path}: not connected")
-        self._queued += P.pack([int(op), *args])
-
-    def flush(self) -> None:
-        """Send what :meth:`post` queued without waiting for anything."""
-        if self._queued and self._sock is not None:
-            data, self._queued = bytes(self._queued), bytearray()
-            try:
-                self._sock.sendall(data)
-            except OSError as e:
-                self.close()
-                raise NodeUnavailable(0, f"kvtier node at {self.path}: {e}") from None
-
-    def call(self, op: Op, *args: Any) -> Any:
-        """The result of one request; NodeUnavailable when the connection
-        fails (it is closed then), NodeError when the node refuses."""
-        if self._sock is None:
-            self.connect()
-        assert self._sock is not None
-        try:
-            data = P.pack([int(op), *args])
-            if self._queued:
-                data, self._queued = bytes(self._queued) + data, bytearray()
-            # The node may have refused us and closed first: its reason is
-            # waiting to be read (a refused peer's error frame).
-            with contextlib.suppress(OSError):
-                self._sock.sendall(data)
-            frames = self._reader.feed(self._poll()) if self.spin_s else []
-            while not frames:
-                frames = self._reader.feed(self._recv())
-        except (OSError, P.ProtocolError) as e:
-            self.close()
-            raise NodeUnavailable(0, f"kvtier node at {self.path}: {e}") from None
-        reply = P.unpack(frames[0])
-        if not isinstance(reply, list) or not reply:
-            self.close()
-            raise NodeUnavailable(0, "kvtier node sent a malformed reply")
-        if reply[0] is True:
-            return reply[1]
-        kind, msg = (reply + ["?", "?"])[1:3]
-        if kind in ("ProtocolError", "PermissionDenied"):
-            self.close()
-        if kind == "InvalidArgument":
-            raise InvalidArgument(msg)
-        raise NodeError(f"kvtier node: {kind}: {msg}")
-
-    def _recv(self) -> bytes:
-        assert self._sock is not None
-        data = self._sock.recv(_RECV_BYTES)
-        if not data:
-            raise ConnectionResetError("the node closed the connection")
-        return data
-
-    def _poll(self) -> bytes:
-        """What arrives within ``spin_s`` without sleeping (b"": nothing yet).
-        Asked of poll(2) with no wait: a recv on a socket with a timeout
-        waits in poll(2) itself, MSG_DONTWAIT or not."""
-        assert self._sock is not None
-        ready, end = self._ready.poll, time.perf_counter() + self.spin_s
-        while not ready(0):
-            if time.perf_counter() > end:
-                return b""
-            # The CPU to whoever else can run on it (the node, when engines
-            # outnumber cores): polling alone made 4 clients on 2 cores
-            # 0.7x as fast.
-            os.sched_yield()
-        return self._recv()
-
-
-def pool_info(path: str, payload_bytes: int, timeout_s: float = 30.0) -> dict[str, Any]:
-    """Which pool the node keeps for blocks of ``payload_bytes`` (its name,
-    slots, slot size): what an engine's worker maps. Blocks for one round trip."""
-    c = NodeClient(path, timeout_s)
-    try:
-        return dict(c.call(Op.POOL, payload_bytes))
-    finally:
-        c.close()
-
-
-def node_status(path: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    """The node's status (``kvtier node status``). Blocks for one round trip."""
-    c = NodeClient(path, timeout_s)
-    try:
-        return dict(c.call(Op.STATUS))
-    finally:
-        c.close()
+# Posted calls that wait for the next message out (a step's end, a store's
+# end, a round trip: at most one step): measured, kvtier bench manager
+# --node --shared-index at 16 keys a call, one sendall a call each cost
+# about 12 us, a third of the in-process manager's whole cycle.
+_INFORM = frozenset({Op.STORE_BEGIN, Op.LOAD_SHARED, Op.LOAD_PINNED, Op.TOUCH})
+# Step ends posted and not answered yet before the next waits for them: the
+# events and reservation they carry arrive at most this many steps late.
+OWED_STEPS = 2
 
 
 @dataclass
@@ -255,8 +124,12 @@ class NodeManager:
         self._hit_slots: dict[bytes, int] = {}
         self._events: list[TierEvent] = []
         self._pending = False
+        self._asked = False  # this step asked the node to look (it may start work)
         self._closed = False
         self._next_attach = 0.0
+        # The node's shared index, when it offers one: HITs found, pinned and
+        # loaded there without a round trip.
+        self._view: SharedView | None = None
         self.pool: dict[str, Any] = self._attach()  # raises when no node answers at start
         self.host = _HostView(int(self.pool["num_slots"]))
 
@@ -275,9 +148,22 @@ class NodeManager:
                 Op.HELLO, P.VERSION, self.namespace, self.payload_bytes, self.engine, self.events
             )
         )
+        self._open_index(info.pop("index", None))
         return info
 
+    def _open_index(self, ix: Any) -> None:
+        self._drop_index()
+        self._view = SharedView.open(ix, bytes.fromhex(self.namespace)[:8])
+
+    def _drop_index(self) -> None:
+        """Forget the shared index (the node is gone: a node started again
+        reuses its slots, so nothing the old index says may be loaded)."""
+        if self._view is not None:
+            self._view.close()
+            self._view = None
+
     def _down(self, e: Exception) -> None:
+        self._drop_index()
         if self._client.connected:
             self._client.close()
         self.client_stats.node_failures += 1
@@ -315,7 +201,13 @@ class NodeManager:
 
     def _call(self, op: Op, *args: Any) -> Any:
         self.client_stats.round_trips += 1
-        return self._client.call(op, *args)
+        if op is Op.LOOKUP or op is Op.LOAD_PRESENT:
+            self._asked = True
+        out = self._client.call(op, *args)
+        if self._client.owed:  # the replies of posted step ends came before ours
+            for r in self._client.replies():
+                self._step_reply(r)
+        return out
 
     # -- the manager interface -----------------------------------------------
     @property
@@ -336,24 +228,36 @@ class NodeManager:
         return r
 
     def _scan(self, key: bytes, req_context: Any) -> tuple[LookupResult, int]:
-        if not self.attached:
-            self.client_stats.node_down_lookups += 1
-            return (LookupResult.MISS, -1)
-        keys = [key]
+        scan = [key]
         if self.key_order is not None:
-            keys += self.key_order(key, req_context)[: SCAN_KEYS - 1]
-        try:
-            out = self._call(Op.LOOKUP, keys, getattr(req_context, "req_id", None))
-        except NodeUnavailable as e:
-            self._down(e)
+            scan += self.key_order(key, req_context)[: SCAN_KEYS - 1]
+        out: list[tuple[int, int]] = []
+        ask = scan  # the keys the node is asked
+        view = self._view
+        if view is not None and self._client.peer_gone():  # never read a dead node's index
+            self._down(NodeUnavailable(0, f"kvtier node at {self.path}: the connection closed"))
+        elif view is not None:
+            # HITs found and pinned in the shared index; its MISS goes to the
+            # node only when it has lower tiers (a HIT there starts a promotion).
+            out = view.scan(scan)
+            ask = scan[len(out) - 1 :] if out[-1][0] == 0 and view.lower else []
+            if ask:
+                del out[-1]
+        if ask and not self.attached:
             self.client_stats.node_down_lookups += 1
-            return (LookupResult.MISS, -1)
+        elif ask:
+            try:
+                req = getattr(req_context, "req_id", None)
+                out += [(c, s) for c, s in self._call(Op.LOOKUP, ask, req)]
+            except NodeUnavailable as e:
+                self._down(e)
+                self.client_stats.node_down_lookups += 1
         answers, slots = self._answers, self._hit_slots
-        for k, (code, slot) in zip(keys, out):
+        for k, (code, slot) in zip(scan, out):
             answers[k] = (_ANSWER[code], slot)
             if slot >= 0:
                 slots[k] = slot
-        return answers.pop(key)
+        return answers.pop(key, (LookupResult.MISS, -1))
 
     def contains(self, keys: list[bytes]) -> list[LookupResult]:
         """Each key's answer (every key, in order; nothing pinned): one
@@ -403,6 +307,22 @@ class NodeManager:
         self.stats.loaded_from["host"] = self.stats.loaded_from.get("host", 0) + len(keys)
         req = getattr(req_context, "req_id", None)
         hit = self._hit_slots
+        view = self._view
+        if view is not None and view.hits and self.attached and all(k in hit for k in keys):
+            mine = view.take_loads(keys, hit)
+            if mine is not None:
+                # The node is told after the fact (recency, counters); keys
+                # the node pinned (a promotion's) as before.
+                self._send(Op.LOAD_SHARED, mine, req)
+                rest = [k for k in keys if k not in view.hits]
+                if rest:
+                    self._send(Op.LOAD_PINNED, rest, req)
+                return HostSpec(np.asarray([hit[k] for k in keys], np.int64))
+        if view is not None and self.attached and not all(k in hit for k in keys):
+            slots = view.pin_present(keys)
+            if slots is not None:
+                self._send(Op.LOAD_SHARED, keys, req)
+                return HostSpec(np.asarray(slots, np.int64))
         if self.attached and all(k in hit for k in keys):
             # This step's lookups pinned them at the node and named their
             # slots: no need to wait for the node (the usual case: vLLM loads
@@ -424,7 +344,12 @@ class NodeManager:
         return HostSpec(np.asarray(slots, np.int64))
 
     def complete_load(self, keys: Collection[bytes], req_context: Any = None) -> None:
-        self._send(Op.COMPLETE_LOAD, list(keys), getattr(req_context, "req_id", None))
+        keys = list(keys)
+        if self._view is not None:
+            keys = self._view.complete(keys)
+            if not keys:
+                return
+        self._send(Op.COMPLETE_LOAD, keys, getattr(req_context, "req_id", None))
 
     def load_failed(self, spec: HostSpec) -> None:
         self.stats.load_failures += len(spec.slots)
@@ -444,10 +369,17 @@ class NodeManager:
         if not self.attached:
             self.client_stats.node_dropped_stores += len(keys)
             return None
+        req = getattr(req_context, "req_id", None)
+        view = self._view
+        if view is not None and self.attached and not self._client.peer_gone():
+            got = view.store_from_reserve([bytes(k) for k in keys])
+            if got is not None:  # into this engine's reserved slots: no round trip
+                stored, slots, evicted = got
+                if stored:
+                    self._send(Op.STORE_BEGIN, stored, slots, req)
+                return PrepareStoreResult(stored, HostSpec(np.asarray(slots, np.int64)), evicted)
         try:
-            out = self._call(
-                Op.PREPARE_STORE, [bytes(k) for k in keys], getattr(req_context, "req_id", None)
-            )
+            out = self._call(Op.PREPARE_STORE, [bytes(k) for k in keys], req)
         except NodeUnavailable as e:
             self._down(e)
             self.client_stats.node_dropped_stores += len(keys)
@@ -455,7 +387,11 @@ class NodeManager:
         if out is None:
             self.stats.allocation_failures += 1
             return None
-        stored, slots, evicted = out
+        stored, slots, evicted = out[:3]
+        if view is not None:
+            view.writing.update((k, s) for k, s in zip(stored, slots) if s >= 0)
+            if len(out) > 3:
+                view.reserved.extend(out[3])
         if len(stored) < len(keys):
             self.stats.not_admitted += len(keys) - len(stored)
         return PrepareStoreResult(stored, HostSpec(np.asarray(slots, np.int64)), evicted)
@@ -471,19 +407,23 @@ class NodeManager:
             self.stats.stores += len(keys)
         else:
             self.stats.store_failures += len(keys)
+        if self._view is not None:
+            self._view.finish(keys, success)
         self._send(Op.COMPLETE_STORE, keys, getattr(req_context, "req_id", None), bool(success))
 
     def _send(self, op: Op, *args: Any) -> None:
         """A call whose effect dies with the node anyway (its leases): when
-        the node is gone there is nothing to give back."""
+        the node is gone there is nothing to give back. No reply is awaited.
+        Calls that only inform the node (recency, counters, a store's start)
+        go with the next message sent; the rest are sent now: an engine that
+        goes idle after a store or a load must not leave its blocks
+        unreadable to the others, or held, until its next call."""
         if not self.attached:
             return
         try:
-            # Sent now, not with the next request: an engine that goes idle
-            # after a store would otherwise leave its blocks unreadable to
-            # the others until its next call. No reply is awaited.
             self._client.post(op, *args)
-            self._client.flush()
+            if op not in _INFORM:
+                self._client.flush()
         except NodeUnavailable as e:
             self._down(e)
 
@@ -495,30 +435,69 @@ class NodeManager:
 
     def on_schedule_end(self, context: Any = None) -> None:
         """Ends the step at the node: this step's lookup pins are released
-        and the events since the last step end come back."""
+        and the events since the last step end come back. With a shared
+        index and nothing asked of the node this step, the step's end is
+        posted and its reply (events, reservation, pending work) taken at a
+        later call: no round trip."""
         if self._closed:
             raise ClosedError("manager is shut down")
         self._answers.clear()
         self._hit_slots.clear()
+        view = self._view
+        if view is not None:
+            view.end_step()
         if not self.attached:
             self._reattach()
             if not self.attached:
                 self._pending = False
                 return
+        asked, self._asked = self._asked, False
+        client = self._client
         try:
-            events, self._pending, self.host.used = self._call(Op.STEP_END)
+            if view is not None and not (asked or self._pending):
+                client.post_call(Op.STEP_END)
+                client.flush()
+                replies = client.replies(client.owed > OWED_STEPS, OWED_STEPS)
+            else:
+                out = self._call(Op.STEP_END)
+                replies = [*client.replies(), out]
         except NodeUnavailable as e:
             self._down(e)
             self._pending = False
             return
+        for r in replies:
+            self._step_reply(r)
+
+    def _step_reply(self, reply: Any) -> None:
+        events, self._pending, self.host.used, *more = reply
         for tier, removed, keys, ids, meta in events:
             self._events.append(TierEvent(keys, tier, removed, ids=ids, metadata_only=meta))
+        if more and self._view is not None:  # slots added to the reservation, keys it evicted
+            self._view.reserved.extend(more[0])
+            self._view.evicted.extend(more[1])
+
+    def _settle(self, wait: bool) -> None:
+        """Takes the replies of posted step ends that have come (all of
+        them, blocking, with ``wait``)."""
+        if self._client.owed:
+            try:
+                for r in self._client.replies(wait):
+                    self._step_reply(r)
+            except NodeUnavailable as e:
+                self._down(e)
 
     def take_events(self) -> list[TierEvent]:
+        """The events up to the last step end, oldest first. Blocks for a
+        posted step end's reply when it has not come (vLLM takes events
+        after the step's model run: it has)."""
+        self._settle(True)
         ev, self._events = self._events, []
         return ev
 
     def has_pending_work(self) -> bool:
+        """As of the last step end answered (a step that asked the node to
+        look, or followed pending work, waits for its step end's answer)."""
+        self._settle(False)
         return self._pending
 
     def reset_cache(self) -> None:
@@ -558,6 +537,7 @@ class NodeManager:
         with contextlib.suppress(NodeUnavailable):
             self._client.flush()
         self._client.close()
+        self._drop_index()
 
     def __enter__(self) -> NodeManager:
         return self

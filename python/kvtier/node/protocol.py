@@ -55,6 +55,8 @@ class Op(enum.IntEnum):
     LOAD_PINNED = 14
     CONTAINS = 15
     LOAD_PRESENT = 16
+    LOAD_SHARED = 17
+    STORE_BEGIN = 18
 
 
 # Calls that change nothing the engine reads back: the client sends them
@@ -69,6 +71,8 @@ NO_REPLY = frozenset(
         Op.COMPLETE_STORE,
         Op.REQUEST_FINISHED,
         Op.LOAD_PINNED,
+        Op.LOAD_SHARED,
+        Op.STORE_BEGIN,
     }
 )
 
@@ -160,3 +164,26 @@ def req_arg(v: Any) -> str | int | None:
     if v is None or type(v) is int or (isinstance(v, str) and len(v) <= 1024):
         return v
     raise ProtocolError("a request id must be a str, an int or None")
+
+
+def hello_args(args: list[Any]) -> tuple[str, Any, str, bool]:
+    """HELLO's arguments checked: (namespace, payload_bytes as sent, engine,
+    whether it takes KV events); ProtocolError for anything else. A fifth
+    argument (later clients) says whether the engine takes KV events."""
+    if len(args) not in (4, 5):
+        raise ProtocolError(f"expected 4 or 5 arguments, got {len(args)}")
+    version, namespace, payload_bytes, engine = args[:4]
+    events = args[4] if len(args) == 5 else True
+    if type(events) is not bool:
+        raise ProtocolError("events must be a bool")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version!r}, this node speaks {VERSION}")
+    if not isinstance(namespace, str) or len(namespace) != 32:
+        raise ProtocolError("namespace must be 32 hex digits")
+    try:
+        bytes.fromhex(namespace)
+    except ValueError:
+        raise ProtocolError("namespace must be 32 hex digits") from None
+    if not isinstance(engine, str) or len(engine) > 256:
+        raise ProtocolError("engine must be a str")
+    return namespace, payload_bytes, engine, events

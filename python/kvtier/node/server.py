@@ -77,6 +77,9 @@ class NodeConfig:
     # VM (a bare echo here: 77-92 us asleep on both sides, 7-9 us with both
     # polling up to 200 us). 0: sleep at once.
     spin_us: int = 200
+    # Engines look up, pin and store host blocks without a round trip (in
+    # progress, off: docs/concepts/node-shared-index.md).
+    shared_index: bool = False
 
 
 @dataclass
@@ -226,6 +229,8 @@ class NodeServer:
         for c in self.classes.values():
             c.manager.shutdown()
             c.pool.close()
+            if c.index_pool is not None:
+                c.index_pool.close()
         if self.region is not None:
             # The region's name stays: engines' workers keep it mapped, and a
             # node started again serves them from it (open_region).
@@ -395,6 +400,14 @@ class NodeServer:
             cfg = TierConfig(disk, cfg.remote)
         lower = build_lower_tiers(cfg, payload_bytes, f"kvtier-node-{payload_bytes}")
         c = build_class(payload_bytes, slot_bytes, region, self.config.host, lower)
+        if self.config.shared_index:
+            # Named per node process: engines attached to an earlier node map
+            # its index until they reattach to this one.
+            c.open_shared_index(
+                f"kvnode-{_safe(self.config.name)}-ix-{payload_bytes}-{os.getpid()}"
+            )
+            if c.index_pool is not None:
+                self._share_pool(c.index_pool.name)
         self.classes[payload_bytes] = c
         log.info(
             "kvtier node: class %d B: slots of %d B in %s", payload_bytes, slot_bytes, c.pool.name
@@ -437,28 +450,20 @@ class NodeServer:
         }
 
     def _hello(self, conn: _Conn, *args: Any) -> dict[str, Any]:
-        # A fifth argument (later clients): whether the engine takes KV events.
-        if len(args) not in (4, 5):
-            raise ProtocolError(f"expected 4 or 5 arguments, got {len(args)}")
-        version, namespace, payload_bytes, engine = args[:4]
-        events = args[4] if len(args) == 5 else True
-        if type(events) is not bool:
-            raise ProtocolError("events must be a bool")
-        if version != P.VERSION:
-            raise ProtocolError(f"protocol version {version!r}, this node speaks {P.VERSION}")
-        if not isinstance(namespace, str) or len(namespace) != 32:
-            raise ProtocolError("namespace must be 32 hex digits")
-        try:
-            bytes.fromhex(namespace)
-        except ValueError:
-            raise ProtocolError("namespace must be 32 hex digits") from None
-        if not isinstance(engine, str) or len(engine) > 256:
-            raise ProtocolError("engine must be a str")
+        namespace, payload_bytes, engine, events = P.hello_args(list(args))
         if conn.session is not None:
             raise ProtocolError("HELLO twice")
         info = self._pool_info(_int(payload_bytes, "payload_bytes"))
         c = self.classes[payload_bytes]
-        conn.session = Session(c, namespace, engine, conn.pid, conn.uid, events)
+        conn.session = sess = Session(c, namespace, engine, conn.pid, conn.uid, events)
+        if c.index_pool is not None and sess.engine_index is not None:
+            # Lookups and loads of HITs without a round trip (the engine's
+            # MISS is final unless the class has lower tiers to ask).
+            info["index"] = {
+                "name": c.index_pool.name,
+                "engine": sess.engine_index,
+                "lower": bool(c.manager.lower),
+            }
         self.counters["attached"] += 1
         log.info(
             "kvtier node: engine %s (pid %d, uid %d) attached, namespace %s, class %d B",
@@ -571,6 +576,12 @@ _HANDLERS: dict[int, tuple[int | None, Any, bool]] = {
     Op.LOAD_PRESENT: (2, lambda s, a: s.load_present(P.keys_arg(a[0]), P.req_arg(a[1])), True),
     Op.PREPARE_LOAD: (2, lambda s, a: s.prepare_load(P.keys_arg(a[0]), P.req_arg(a[1])), True),
     Op.LOAD_PINNED: (2, lambda s, a: s.load_pinned(P.keys_arg(a[0]), P.req_arg(a[1])), True),
+    Op.LOAD_SHARED: (2, lambda s, a: s.load_shared(P.keys_arg(a[0]), P.req_arg(a[1])), True),
+    Op.STORE_BEGIN: (
+        3,
+        lambda s, a: s.store_begin(P.keys_arg(a[0]), P.int_list_arg(a[1]), P.req_arg(a[2])),
+        True,
+    ),
     Op.COMPLETE_LOAD: (2, lambda s, a: s.complete_load(P.keys_arg(a[0]), P.req_arg(a[1])), True),
     Op.LOAD_FAILED: (1, lambda s, a: s.load_failed(P.int_list_arg(a[0])), True),
     Op.TOUCH: (1, lambda s, a: s.touch(P.keys_arg(a[0])), True),

@@ -42,6 +42,10 @@ _CODE = {LookupResult.MISS: 0, LookupResult.HIT: 1, LookupResult.HIT_PENDING: 2}
 # A host block's code by the tier's answer (HostTier.answer: 1 ready, 2 being
 # written, 3 a failed fill, 4 a fill under way), as the manager would answer.
 _HELD_CODE = {1: 1, 2: 2, 3: 0, 4: 1}
+# Free slots an engine with the shared index keeps for its stores, which it
+# takes without a round trip (STORE_BEGIN); topped up in the replies of
+# PREPARE_STORE and STEP_END. A few steps' offers: 16 a step at 16 keys.
+RESERVE = 256
 
 
 @dataclass
@@ -60,10 +64,36 @@ class SlotClass:
     pool: HostPool
     manager: TieredOffloadingManager
     sessions: set[Session] = field(default_factory=set)
+    # The shared index engines read without a round trip, in its own small
+    # shared-memory file (open_shared_index); None: engines ask the node.
+    index_pool: HostPool | None = None
+    shared: Any = None
 
     @property
     def name(self) -> str:
         return f"class-{self.payload_bytes}"
+
+    def open_shared_index(self, name: str) -> None:
+        """Give engines this class's host index in shared memory (named
+        ``name``): its blocks are published there as they are added. Only
+        over the native host index (LRU), before any block is added; other
+        tiers keep round trips."""
+        from kvtier._native import SharedIndex
+        from kvtier.tiers.host_native import NativeHostTier
+
+        host = self.manager.host
+        if not isinstance(host, NativeHostTier) or len(host):
+            return
+        n = self.pool.num_slots
+        self.index_pool = HostPool(1, SharedIndex.bytes_for(n), name=name)
+        self.shared = SharedIndex.create(self.index_pool.native, n)
+        host.mirror_into(self.shared)
+
+    def engine_index(self) -> int | None:
+        """The lowest engine index no session of this class holds (its
+        pin bit in the shared index); None when all 32 are taken."""
+        used = {s.engine_index for s in self.sessions}
+        return next((i for i in range(32) if i not in used), None)
 
     def events_wanted(self) -> None:
         """The class's manager makes host events only while an attached
@@ -133,6 +163,9 @@ class Session:
         # Whether the engine takes KV events (vLLM's enable_kv_cache_events;
         # SGLang takes none): the class makes them only while one does.
         self.wants_events = events
+        self.engine_index = cls.engine_index() if cls.shared is not None else None
+        self.reserved: set[int] = set()  # slots reserved for this engine's stores
+        self.spare: dict[bytes, list[int]] = {}  # node key -> slots its writes free
         cls.sessions.add(self)
         cls.events_wanted()
 
@@ -264,6 +297,16 @@ class Session:
             raise ProtocolError("load of keys this engine's lookups did not pin")
         self._pin_loads(nks, req)
 
+    def load_shared(self, keys: list[bytes], req: Any) -> None:
+        """Loads this engine pinned in the shared index itself (no lease
+        here: its pin bits are its leases, reaped when it goes): the blocks
+        are used now, and counted."""
+        m = self.cls.manager
+        nks = self._node_keys(keys)
+        m.touch(nks)
+        m.stats.loads += len(nks)
+        m.stats.loaded_from["host"] = m.stats.loaded_from.get("host", 0) + len(nks)
+
     def complete_load(self, keys: list[bytes], req: Any) -> None:
         nks = self._node_keys(keys)
         pins = self.load_pins
@@ -293,24 +336,80 @@ class Session:
     def touch(self, keys: list[bytes]) -> None:
         self.cls.manager.touch(self._node_keys(keys))
 
-    def prepare_store(
-        self, keys: list[bytes], req: Any
-    ) -> tuple[list[bytes], list[int], list[bytes]] | None:
-        """(keys to store, their slots, evicted keys of this namespace) or None."""
+    def prepare_store(self, keys: list[bytes], req: Any) -> tuple[Any, ...] | None:
+        """(keys to store, their slots, evicted keys of this namespace) or
+        None; with the shared index, and slots added to the reservation."""
         out = self.cls.manager.prepare_store(self._node_keys(keys), self._ctx(req))
         if out is None:
             return None
         self.writes.update(out.keys_to_store)
+        evicted = self._ours(out.evicted_keys)
+        stored = [k[8:] for k in out.keys_to_store]
+        if self.engine_index is None:
+            return stored, out.store_spec.slots.tolist(), evicted
+        more, gone = self.top_up()
+        return stored, out.store_spec.slots.tolist(), evicted + gone, more
+
+    def _ours(self, node_keys: list[bytes]) -> list[bytes]:
+        """The keys of this namespace among ``node_keys``, prefix stripped."""
         p = self.prefix
-        evicted = [k[8:] for k in out.evicted_keys if k[:8] == p]
-        return [k[8:] for k in out.keys_to_store], out.store_spec.slots.tolist(), evicted
+        return [k[8:] for k in node_keys if k[:8] == p]
+
+    def top_up(self) -> tuple[list[int], list[bytes]]:
+        """Reserve slots for this engine's stores up to RESERVE (evicting
+        as a store would): the slots added and this namespace's evicted keys
+        (for the engine to report with its next offer)."""
+        m = self.cls.manager
+        # At most 1/32 of the class's slots: a small tier's blocks are not
+        # all evicted to hold room for stores that may not come.
+        n = min(RESERVE, self.cls.pool.num_slots // 32) - len(self.reserved)
+        got = m.host.allocate(n, partial=True) if n > 0 else None
+        if got is None:
+            return [], []
+        slots, evicted = got
+        m._core.removed(evicted)
+        self.reserved.update(slots)
+        return slots, self._ours(evicted)
+
+    def store_begin(self, keys: list[bytes], slots: list[int], req: Any) -> None:
+        """An offer this engine stores into slots of its reservation, which
+        it is writing already: the node takes the keys it would store
+        (adopt_store) and frees the other slots when their writes end."""
+        if len(keys) != len(slots) or len(set(slots)) != len(slots):
+            raise ProtocolError("store_begin needs one distinct slot per key")
+        if not self.reserved.issuperset(slots):
+            raise ProtocolError("store_begin of slots not reserved for this engine")
+        self.reserved.difference_update(slots)
+        nks = self._node_keys(keys)
+        stored, _, unused = self.cls.manager.adopt_store(nks, slots, self._ctx(req))
+        self.writes.update(stored)
+        if unused:
+            key_of = dict(zip(slots, nks))
+            for s in unused:
+                self.spare.setdefault(key_of[s], []).append(s)
 
     def complete_store(self, keys: list[bytes], req: Any, success: bool) -> None:
         nks = self._node_keys(keys)
+        if self.spare:
+            nks = self._free_spare(nks)
         if not self.writes.issuperset(nks):
             raise ProtocolError("complete_store of keys this engine is not writing")
         self.writes.difference_update(nks)
         self.cls.manager.complete_store(nks, self._ctx(req), success)
+
+    def _free_spare(self, nks: list[bytes]) -> list[bytes]:
+        """Writes into slots the node did not keep (their keys held already
+        or refused) ended: the slots are free again. Returns the other keys."""
+        spare, rest = self.spare, []
+        for k in nks:
+            held = spare.get(k)
+            if not held:
+                rest.append(k)
+                continue
+            self.cls.manager.host.release_slot(held.pop())
+            if not held:
+                del spare[k]
+        return rest
 
     def request_finished(self, req: Any) -> None:
         self.cls.manager.on_request_finished(self._ctx(req))
@@ -323,7 +422,10 @@ class Session:
         self.cls.manager.on_schedule_end()
         self.cls.distribute_events()
         ev, self.events = self.events, []
-        return [ev, self.cls.manager.has_pending_work(), len(self.cls.manager.host)]
+        out = [ev, self.cls.manager.has_pending_work(), len(self.cls.manager.host)]
+        if self.engine_index is not None:
+            out += self.top_up()  # the slots added, this namespace's evicted keys
+        return out
 
     def reset(self) -> int:
         """Drop every block of this namespace that no engine holds (vLLM's
@@ -353,26 +455,58 @@ class Session:
             "load_pins": sum(self.load_pins.values()),
             "writes": len(self.writes),
         }
+        if self.engine_index is not None and self.cls.shared is not None:
+            released["shared_pins"] = self.cls.shared.unpin_all(self.engine_index)
         m = self.cls.manager
         self._release_scan()
         if self.load_pins:
             m.complete_load([k for k, n in self.load_pins.items() for _ in range(n)])
             self.load_pins.clear()
         if self.writes:
-            m.complete_store(list(self.writes), None, False)
+            # A write its engine finished in the shared index is whole (it
+            # says so only once its bytes are in); the rest are dropped.
+            done: list[bytes] = []
+            torn: list[bytes] = []
+            for k in self.writes:
+                (done if self._finished(k) else torn).append(k)
+            if done:
+                m.complete_store(done, None, True)
+            if torn:
+                m.complete_store(torn, None, False)
             self.writes.clear()
+        free = m.host.release_slot
+        for s in self.reserved:
+            free(s)
+        for held in self.spare.values():
+            for s in held:
+                free(s)
+        released["reserved"] = len(self.reserved)
+        self.reserved.clear()
+        self.spare.clear()
         self.cls.sessions.discard(self)
         self.cls.events_wanted()
         m.on_schedule_end()
         self.cls.distribute_events()
         return released
 
+    def _finished(self, nk: bytes) -> bool:
+        """Whether the block of node key ``nk`` is ready in the shared
+        index (its writer finished it there)."""
+        shared = self.cls.shared
+        e = self.cls.manager.host.get(nk) if shared is not None else None
+        return e is not None and shared.state(e.slot) == 2
+
     def leases(self) -> dict[str, int]:
-        return {
+        out = {
             "scan_pins": len(self.scan_pins),
             "load_pins": sum(self.load_pins.values()),
             "writes": len(self.writes),
         }
+        if self.engine_index is not None and self.cls.shared is not None:
+            # Slots this engine pins in the shared index itself (its
+            # lookups' and loads' pins there, counted once per slot).
+            out["shared_slots"] = self.cls.shared.engine_pins(self.engine_index)
+        return out
 
 
 def open_region(name: str, region_bytes: int, chunk_bytes: int) -> Region:

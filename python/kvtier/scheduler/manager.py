@@ -320,25 +320,8 @@ class TieredOffloadingManager:
         self._check_open()
         keys = _check_keys(keys)
         host = self.host
-        to_store: list[bytes] = []
-        seen: set[bytes] = set()
-        entries = host.resident
-        touched: list[bytes] = []
-        # Admission's call skipped when it admits every offer (the default).
-        offer = host.admission.offer if host.admission.threshold > 1 else None
-        for k in keys:
-            if k in seen:
-                continue
-            seen.add(k)
-            if k in entries:
-                touched.append(k)
-                continue
-            if offer is not None and not offer(k):
-                self.stats.not_admitted += 1
-                continue
-            to_store.append(k)
-        if touched:
-            host.touch_many(touched)
+        to_store, seen, refused = host.offered(keys)
+        self.stats.not_admitted += refused
         if not to_store:
             got: tuple[list[int], list[bytes]] | None = ([], [])
         elif self.options.partial_stores == "prefix":
@@ -346,13 +329,7 @@ class TieredOffloadingManager:
         else:
             got = self._allocate(len(to_store), seen)
         slots, evicted = got if got is not None else ([], [])
-        if req_context is None and len(keys) == 1 and not self._miss_prev:
-            parents = None  # a plain caller's one-key offer: no chain to learn
-        else:
-            parents = self._parents(keys, _req_id(req_context))
-            if parents is not None and len(to_store) != len(keys):  # some kept or refused
-                by_key = dict(zip(keys, parents))
-                parents = [by_key[k] for k in to_store]
+        parents = self._offer_parents(keys, to_store, req_context)
         if len(slots) == len(to_store):  # all fit (the common case: no copies of lists)
             host.add_writing_many(to_store, slots, parents)
             self._core.removed(evicted)
@@ -371,6 +348,38 @@ class TieredOffloadingManager:
         self._core.removed(evicted)
         all_slots = np.asarray(list(slots) + [-1] * len(streamed), np.int64)
         return PrepareStoreResult(host_keys + streamed, HostSpec(all_slots, stream), evicted)
+
+    def adopt_store(
+        self, keys: Collection[bytes], slots: list[int], req_context: Any = None
+    ) -> tuple[list[bytes], list[int], list[int]]:
+        """:meth:`prepare_store` of an offer its engine gave slots already
+        (co-indexed: the node's reservation for it, written without waiting):
+        the keys stored, their slots, and the others' slots (held already,
+        refused or offered twice) for the caller to free when their writes
+        end. Node only; non-blocking."""
+        self._check_open()
+        keys = _check_keys(keys)
+        to_store, _, refused = self.host.offered(keys)
+        self.stats.not_admitted += refused
+        by_key = dict(zip(keys, slots))
+        used = [by_key[k] for k in to_store]
+        taken = set(used)
+        unused = [s for s in slots if s not in taken]
+        parents = self._offer_parents(keys, to_store, req_context)
+        self.host.add_writing_many(to_store, used, parents)
+        return to_store, used, unused
+
+    def _offer_parents(
+        self, keys: list[bytes], to_store: list[bytes], req_context: Any
+    ) -> list[bytes | None] | None:
+        """Each key to store's parent in its chain, as :meth:`_parents`."""
+        if req_context is None and len(keys) == 1 and not self._miss_prev:
+            return None  # a plain caller's one-key offer: no chain to learn
+        parents = self._parents(keys, _req_id(req_context))
+        if parents is not None and len(to_store) != len(keys):  # some kept or refused
+            by_key = dict(zip(keys, parents))
+            parents = [by_key[k] for k in to_store]
+        return parents
 
     def _allocate(self, n: int, offer: set[bytes]) -> tuple[list[int], list[bytes]] | None:
         """Slots for ``n`` new blocks of an offer under ``partial_stores``

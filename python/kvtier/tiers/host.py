@@ -177,6 +177,32 @@ class HostTier:
             cascading += e.cascading > 0
         return pinned, writing, cascading
 
+    def offered(self, keys: list[bytes]) -> tuple[list[bytes], set[bytes], int]:
+        """Of an offer to store: the keys this tier would take (not held
+        already, admitted, each once) in order, every key offered, and how
+        many admission refused. Held ones count as used now. The manager
+        calls it for each offer; non-blocking."""
+        to_store: list[bytes] = []
+        seen: set[bytes] = set()
+        entries = self.resident
+        touched: list[bytes] = []
+        refused = 0
+        # Admission's call skipped when it admits every offer (the default).
+        offer = self.admission.offer if self.admission.threshold > 1 else None
+        for k in keys:
+            if k in seen:
+                continue
+            seen.add(k)
+            if k in entries:
+                touched.append(k)
+            elif offer is not None and not offer(k):
+                refused += 1
+            else:
+                to_store.append(k)
+        if touched:
+            self.touch_many(touched)
+        return to_store, seen, refused
+
     def answer(self, key: bytes) -> int:
         """What a lookup of ``key`` finds: 0 not resident, 1 ready, 2 being
         written, 3 a fenced fill that failed (a MISS), 4 a fenced fill under

@@ -22,13 +22,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from kvtier._native import HostIndex
+from kvtier._native import HostIndex, SharedIndex
 from kvtier.errors import InvalidArgument
 from kvtier.options.tiers import HostOptions
 from kvtier.policy import AdmissionFilter, EvictionPolicy
 from kvtier.pool import HostPool
 from kvtier.tiers.host import HostTier, checked_capacity
 from kvtier.tiers.host_entry import Fill, HostEntry
+from kvtier.tiers.records import key_digest
 
 _FILLS = (Fill.NONE, Fill.FILLING, Fill.FAILED)
 
@@ -116,7 +117,7 @@ class NativeEntry:
     @property
     def evictable(self) -> bool:
         ref, cascading, _, fill, _ = self._state()
-        return ref == 0 and cascading == 0 and fill == 0
+        return ref == 0 and cascading == 0 and fill == 0 and not self._ix.engine_pinned(self.slot)
 
     def copy(self) -> HostEntry:
         """The block's fields now, as a :class:`HostEntry`."""
@@ -214,6 +215,16 @@ class NativeHostTier(HostTier):
         self.entries = _Entries(ix, self._sources)  # type: ignore[assignment]
         self.resident = ix.slots
         self.policy = _LruOrder(ix)  # type: ignore[assignment]
+        self.shared: SharedIndex | None = None
+
+    def mirror_into(self, shared: SharedIndex | None) -> None:
+        """The node's shared index, which engines read and pin without a
+        round trip (csrc/core/node/shared_index.h): each block added here is
+        published there by its key's digest, ready there when ready here,
+        retired there when it leaves; a block an engine pins there is not
+        evicted. Called by the node once, before any block is added."""
+        self._ix.set_mirror(shared)
+        self.shared = shared
 
     def _slot(self, key: bytes) -> int:
         s = self._ix.slot(key)
@@ -265,11 +276,17 @@ class NativeHostTier(HostTier):
         self, key: bytes, slot: int, source: str = "host", parent: bytes | None = None
     ) -> None:
         self._ix.add_writing(key, slot, self._sources.id_of(source), parent)
+        if self.shared is not None:
+            self.shared.publish(slot, key_digest(key))
 
     def add_writing_many(
         self, keys: list[bytes], slots: list[int], parents: list[bytes | None] | None = None
     ) -> None:
         self._ix.add_writing_many(keys, slots, parents)
+        shared = self.shared
+        if shared is not None:
+            for k, s in zip(keys, slots):
+                shared.publish(s, key_digest(k))
 
     # -- references ----------------------------------------------------------
     def pin(self, key: bytes) -> str:

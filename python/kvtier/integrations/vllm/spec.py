@@ -188,7 +188,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
         """Attached to a node: its pool for this engine's block size (every
         process of the engine asks; the node answers the same). Blocks for
         one round trip."""
-        from kvtier.node.client import pool_info
+        from kvtier.node.connection import pool_info
 
         if self.pp_size > 1:
             raise InvalidArgument(

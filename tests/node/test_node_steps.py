@@ -1,0 +1,91 @@
+"""An engine's step through the node's shared index without a round trip:
+its store from the reservation, its step end posted and answered later, the
+answers (events, reservation) taken in order, none lost.
+
+The node runs in a thread of this test; the engines are NodeManagers here."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvtier.node import protocol as P
+from kvtier.node.connection import NodeClient, NodeUnavailable
+from kvtier.tiers.base import LookupResult
+from test_node import Node, _remove_pools, content, store
+
+
+def test_a_step_that_asks_nothing_posts_its_end_and_takes_the_reply_later(tmp_path: Path) -> None:
+    n = Node(tmp_path, blocks=256, shared_index=True)
+    try:
+        a, b = n.engine(engine="a"), n.engine(engine="b")
+        pool = a.attach_pool()
+        store(a, pool, [900])  # a round trip, then 8 slots reserved (256 // 32)
+        a.take_events()
+        assert a._view is not None and len(a._view.reserved) == 8
+        trips = a.client_stats.round_trips
+        first = store(a, pool, [0, 1, 2])  # from the reservation; its step end posted
+        assert a._client.owed in (0, 1)
+        time.sleep(0.2)  # the reply is waiting: the next call must not take it for a hang-up
+        second = store(a, pool, [3, 4])
+        assert a.client_stats.round_trips == trips
+        ev = a.take_events()  # blocks for what is still owed
+        assert a._client.owed == 0
+        assert [e.keys for e in ev if not e.removed] == [first, second]
+        assert a.client_stats.round_trips == trips
+        # The reservation was topped up by the posted step ends' replies.
+        assert len(a._view.reserved) == 8
+        # Another engine finds and loads them, byte for byte.
+        keys = first + second
+        assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 5
+        spec = b.prepare_load(keys)
+        for i, s in zip(range(5), spec.slots.tolist()):
+            assert np.array_equal(pool.view(s), content(i))
+        b.complete_load(keys)
+        b.on_schedule_end()
+        b.take_events()
+        occ = n.status()["classes"]["4096"]["occupancy"]
+        assert (occ["blocks"], occ["pinned"], occ["writing"]) == (6, 0, 0)
+        a.shutdown()
+        b.shutdown()
+    finally:
+        n.stop()
+        _remove_pools(n.name)
+
+
+def test_posted_calls_replies_are_taken_in_order_and_waited_for(tmp_path: Path) -> None:
+    """NodeClient's posted calls: replies that came are taken without
+    waiting (and are not a hang-up), ``leave`` bounds what stays owed, a
+    reply that never comes is NodeUnavailable after the timeout, and a
+    call's own reply comes after the posted ones'."""
+    path = str(tmp_path / "fake.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    c = NodeClient(path, timeout_s=0.3, spin_s=0.0)
+    c.connect()
+    peer, _ = srv.accept()
+    try:
+        for _ in range(3):
+            c.post_call(P.Op.STEP_END)
+        c.flush()
+        assert c.owed == 3 and c.replies() == []
+        peer.sendall(P.pack([True, "one"]) + P.pack([True, "two"]))
+        time.sleep(0.1)
+        assert not c.peer_gone()  # replies waiting are not a hang-up
+        assert c.replies(True, 1) == ["one", "two"] and c.owed == 1
+        peer.sendall(P.pack([True, "three"]) + P.pack([True, "status"]))
+        assert c.call(P.Op.STATUS) == "status"  # its own reply after the posted one
+        assert c.replies() == ["three"] and c.owed == 0
+        c.post_call(P.Op.STEP_END)
+        t0 = time.monotonic()
+        with pytest.raises(NodeUnavailable):
+            c.replies(True)  # never answered
+        assert time.monotonic() - t0 >= 0.25 and not c.connected
+    finally:
+        c.close()
+        peer.close()
+        srv.close()

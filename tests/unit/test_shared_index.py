@@ -1,0 +1,112 @@
+"""The node's shared index through the binding (csrc/bindings/shared_index.cc):
+an engine's mapping finds and pins what the node published, a request's
+lookup stops at its first MISS, a pinned slot cannot be retired, and an
+engine process killed while it pins slots leaves pins that the node reaps
+exactly (its bit on every slot, no one else's)."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+from kvtier import _native
+from kvtier.errors import InvalidArgument
+from kvtier.pool import HostPool
+
+SLOTS = 64
+MISS, HIT, PENDING = 0, 1, 2
+
+
+def digest(key: bytes) -> bytes:
+    return hashlib.blake2b(key, digest_size=16).digest()
+
+
+def _index_pool() -> HostPool:
+    return HostPool(1, _native.SharedIndex.bytes_for(SLOTS))
+
+
+def test_an_engine_finds_and_pins_what_the_node_published() -> None:
+    with _index_pool() as pool:
+        node = _native.SharedIndex.create(pool.native, SLOTS)
+        engine = _native.SharedIndex.attach(HostPool.attach(pool.name).native, 3)
+        keys = [bytes([i]) * 36 for i in range(4)]
+        node.publish(10, digest(keys[0]), ready=True)
+        node.publish(11, digest(keys[1]))  # being written
+        node.publish(12, digest(keys[3]), ready=True)
+        both = b"".join(digest(k) for k in keys)
+        # The scan stops at the first MISS (keys[2]): keys[3] is not asked.
+        assert engine.lookup(both) == [(HIT, 10), (PENDING, -1), (MISS, -1)]
+        assert engine.lookup(both, stop_at_miss=False) == [
+            (HIT, 10),
+            (PENDING, -1),
+            (MISS, -1),
+            (HIT, 12),
+        ]
+        assert engine.held(10) == 2 and engine.held(12) == 1 and engine.pinned_slots == 2
+        assert node.pinned(10) and not node.pinned(11)
+        assert node.retire(10) is False  # an engine reads it
+        engine.unpin([10, 10, 12])
+        assert engine.pinned_slots == 0
+        assert node.retire(10) is True
+        assert engine.lookup(digest(keys[0])) == [(MISS, -1)]
+        node.set_ready(11)
+        assert engine.lookup(digest(keys[1])) == [(HIT, 11)]
+        engine.unpin([11])
+
+
+def test_bad_input_is_refused() -> None:
+    with _index_pool() as pool:
+        node = _native.SharedIndex.create(pool.native, SLOTS)
+        engine = _native.SharedIndex.attach(pool.native, 0)
+        with pytest.raises(InvalidArgument, match="16 bytes each"):
+            engine.lookup(b"x" * 17)
+        with pytest.raises(InvalidArgument, match="a digest is 16 bytes"):
+            node.publish(1, b"short")
+        with pytest.raises(InvalidArgument, match="out of range"):
+            node.publish(SLOTS, digest(b"k"))
+        with pytest.raises(InvalidArgument, match="engine index 32 out of range"):
+            _native.SharedIndex.attach(pool.native, 32)
+        with pytest.raises(InvalidArgument, match="holds no pin"):
+            engine.unpin([1])
+        with pytest.raises(InvalidArgument, match="pins nothing"):
+            node.lookup(digest(b"k"))
+        node.publish(1, digest(b"k"))
+        with pytest.raises(InvalidArgument, match="in use"):
+            node.publish(1, digest(b"j"))
+    with HostPool(1, 64) as small, pytest.raises(InvalidArgument, match="need"):
+        _native.SharedIndex.create(small.native, SLOTS)
+    with HostPool(1, 4096) as blank, pytest.raises(InvalidArgument, match="not a kvtier"):
+        _native.SharedIndex.attach(blank.native, 0)
+
+
+def _engine_pins_and_waits(name: str, keys: list[bytes], q: mp.Queue) -> None:
+    engine = _native.SharedIndex.attach(HostPool.attach(name).native, 5)
+    q.put(engine.lookup(b"".join(digest(k) for k in keys)))
+    signal.pause()  # killed here, pins held
+
+
+def test_a_killed_engines_pins_are_reaped_exactly() -> None:
+    with _index_pool() as pool:
+        node = _native.SharedIndex.create(pool.native, SLOTS)
+        keys = [b"k%d" % i for i in range(8)]
+        for i, k in enumerate(keys):
+            node.publish(i, digest(k), ready=True)
+        other = _native.SharedIndex.attach(pool.native, 6)
+        assert other.lookup(digest(keys[0])) == [(HIT, 0)]
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        proc = ctx.Process(target=_engine_pins_and_waits, args=(pool.name, keys[:5], q))
+        proc.start()
+        assert q.get(timeout=60) == [(HIT, i) for i in range(5)]
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(60)
+        assert [node.retire(i) for i in range(5)] == [False] * 5
+        assert node.unpin_all(5) == 5
+        # Slot 0 is still engine 6's; the rest can go now.
+        assert [node.retire(i) for i in range(5)] == [False, True, True, True, True]
+        other.unpin([0])
+        assert node.retire(0) is True
