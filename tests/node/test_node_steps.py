@@ -6,7 +6,10 @@ The node runs in a thread of this test; the engines are NodeManagers here."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -89,3 +92,31 @@ def test_posted_calls_replies_are_taken_in_order_and_waited_for(tmp_path: Path) 
         c.close()
         peer.close()
         srv.close()
+
+
+def test_a_node_removes_the_index_files_of_dead_nodes_of_its_name(tmp_path: Path) -> None:
+    """A SIGKILLed node leaves its index file (named by its pid) in
+    /dev/shm: the next node of its name removes it, and leaves alone the
+    file of a live process and the files of other names."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    n = Node(tmp_path, shared_index=True)
+    prefix = f"/dev/shm/kvnode-{n.name}-ix-4096-"
+    other = f"/dev/shm/kvnode-{n.name}x-ix-4096-{dead.pid}"
+    files = [f"{prefix}{dead.pid}", f"{prefix}{live.pid}", other]
+    try:
+        for f in files:
+            Path(f).write_bytes(b"\0" * 64)
+        a = n.engine(engine="a")  # the class and its index are made now
+        assert a._view is not None
+        assert [Path(f).exists() for f in files] == [False, True, True]
+        assert Path(f"{prefix}{os.getpid()}").exists()  # this node's own
+        a.shutdown()
+    finally:
+        live.kill()
+        live.wait()
+        n.stop()
+        for f in files:
+            Path(f).unlink(missing_ok=True)
+        _remove_pools(n.name)
