@@ -57,6 +57,7 @@ def returning_cycles(
     for i in range(0, len(keys) + back, batch):
         ks = keys[i : i + batch]
         if ks:
+            m.on_new_request()  # each scan a request's: not the last one's successor
             for k in ks:
                 if m.lookup(k) is miss:
                     break
@@ -64,6 +65,7 @@ def returning_cycles(
             assert out is not None
             m.complete_store(out.keys_to_store)
         if i >= back:
+            m.on_new_request()
             found = []
             for k in keys[i - back : i - back + batch]:
                 if m.lookup(k) is not hit:
