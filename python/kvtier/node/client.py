@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.node")
 
 _ANSWER = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY)
+_NAME = {id(r): r.name.lower() for r in LookupResult}  # stats' keys, without enum lookups
 # Keys of a request's scan sent with its first lookup: the node answers up to
 # the first MISS, so a long prompt is one round trip, not one per key.
 SCAN_KEYS = 4096
@@ -224,7 +225,7 @@ class NodeManager:
         if got is None:
             got = self._scan(key, req_context)
         r = got[0]
-        self.stats.lookups[r.name.lower()] += 1
+        self.stats.lookups[_NAME[id(r)]] += 1
         return r
 
     def _scan(self, key: bytes, req_context: Any) -> tuple[LookupResult, int]:
@@ -308,7 +309,8 @@ class NodeManager:
         req = getattr(req_context, "req_id", None)
         hit = self._hit_slots
         view = self._view
-        if view is not None and view.hits and self.attached and all(k in hit for k in keys):
+        found = all(k in hit for k in keys)  # this step's lookups named every slot
+        if view is not None and view.hits and found and self.attached:
             mine = view.take_loads(keys, hit)
             if mine is not None:
                 # The node is told after the fact (recency, counters); keys
@@ -318,12 +320,12 @@ class NodeManager:
                 if rest:
                     self._send(Op.LOAD_PINNED, rest, req)
                 return HostSpec(np.asarray([hit[k] for k in keys], np.int64))
-        if view is not None and self.attached and not all(k in hit for k in keys):
+        if view is not None and not found and self.attached:
             slots = view.pin_present(keys)
             if slots is not None:
                 self._send(Op.LOAD_SHARED, keys, req)
                 return HostSpec(np.asarray(slots, np.int64))
-        if self.attached and all(k in hit for k in keys):
+        if found and self.attached:
             # This step's lookups pinned them at the node and named their
             # slots: no need to wait for the node (the usual case: vLLM loads
             # in the step it looked up), one round trip less per load.
