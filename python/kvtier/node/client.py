@@ -57,7 +57,7 @@ REATTACH_PERIOD_S = 1.0
 # end, a round trip: at most one step): measured, kvtier bench manager
 # --node --shared-index at 16 keys a call, one sendall a call each cost
 # about 12 us, a third of the in-process manager's whole cycle.
-_INFORM = frozenset({Op.STORE_BEGIN, Op.LOAD_SHARED, Op.LOAD_PINNED, Op.TOUCH})
+_INFORM = frozenset({Op.STORE_BEGIN, Op.LOAD_SHARED, Op.LOAD_PINNED, Op.TOUCH, Op.REQUEST_FINISHED})
 # Step ends posted and not answered yet before the next waits for them: the
 # events and reservation they carry arrive at most this many steps late.
 # Measured (one engine, 16 keys a step, node and engine about as fast): at
@@ -419,10 +419,11 @@ class NodeManager:
     def _send(self, op: Op, *args: Any) -> None:
         """A call whose effect dies with the node anyway (its leases): when
         the node is gone there is nothing to give back. No reply is awaited.
-        Calls that only inform the node (recency, counters, a store's start)
-        go with the next message sent; the rest are sent now: an engine that
-        goes idle after a store or a load must not leave its blocks
-        unreadable to the others, or held, until its next call."""
+        Calls that only inform the node (recency, counters, a store's start,
+        a request's end: the node only forgets its chain ends) go with the
+        next message sent; the rest are sent now: an engine that goes idle
+        after a store or a load must not leave its blocks unreadable to the
+        others, or held, until its next call."""
         if not self.attached:
             return
         try:

@@ -71,6 +71,10 @@ class SlotClass:
     # shared-memory file (open_shared_index); None: engines ask the node.
     index_pool: HostPool | None = None
     shared: Any = None
+    # The (session, request) of the last scan: the manager's scan hints
+    # (a MISS's parent is the HIT before it) must not chain one request's
+    # MISS to another's HITs, another engine's least of all.
+    last_scan: Any = None
 
     @property
     def name(self) -> str:
@@ -218,6 +222,9 @@ class Session:
         m = self.cls.manager
         host = m.host
         ctx = self._ctx(req)
+        if self.cls.last_scan != (self.id, req):
+            self.cls.last_scan = (self.id, req)
+            m.on_new_request(ctx)
         out: list[list[int]] = []
         for nk in self._node_keys(keys):
             r = m.lookup(nk, ctx)
