@@ -6,7 +6,10 @@ The node runs in a thread of this test; the engines are NodeManagers here."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import pytest
 from kvtier.node import protocol as P
 from kvtier.node.connection import NodeClient, NodeUnavailable
 from kvtier.tiers.base import LookupResult
-from test_node import Node, _remove_pools, content, store
+from test_node import NS_A, Node, _remove_pools, content, key, store
 
 
 def test_a_step_that_asks_nothing_posts_its_end_and_takes_the_reply_later(tmp_path: Path) -> None:
@@ -89,3 +92,89 @@ def test_posted_calls_replies_are_taken_in_order_and_waited_for(tmp_path: Path) 
         c.close()
         peer.close()
         srv.close()
+
+
+def test_a_node_removes_the_index_files_of_dead_nodes_of_its_name(tmp_path: Path) -> None:
+    """A SIGKILLed node leaves its index file (named by its pid) in
+    /dev/shm: the next node of its name removes it, and leaves alone the
+    file of a live process and the files of other names."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    n = Node(tmp_path, shared_index=True)
+    prefix = f"/dev/shm/kvnode-{n.name}-ix-4096-"
+    other = f"/dev/shm/kvnode-{n.name}x-ix-4096-{dead.pid}"
+    files = [f"{prefix}{dead.pid}", f"{prefix}{live.pid}", other]
+    try:
+        for f in files:
+            Path(f).write_bytes(b"\0" * 64)
+        a = n.engine(engine="a")  # the class and its index are made now
+        assert a._view is not None
+        assert [Path(f).exists() for f in files] == [False, True, True]
+        assert Path(f"{prefix}{os.getpid()}").exists()  # this node's own
+        a.shutdown()
+    finally:
+        live.kill()
+        live.wait()
+        n.stop()
+        for f in files:
+            Path(f).unlink(missing_ok=True)
+        _remove_pools(n.name)
+
+
+def test_one_requests_miss_is_chained_to_its_own_hits_not_another_engines(tmp_path: Path) -> None:
+    """The node's scan hint (a MISS's parent is the HIT its scan found
+    before it) stays within one engine's request: engine B's first MISS is
+    not chained to the blocks engine A's scan hit just before."""
+    n = Node(tmp_path)
+    try:
+        a, b = n.engine(engine="a"), n.engine(engine="b")
+        pool = a.attach_pool()
+        keys = store(a, pool, [0, 1, 2, 3])
+        m = n.server.classes[4096].manager
+        ns = bytes.fromhex(NS_A)[:8]
+        assert [a.lookup(k) for k in keys] == [LookupResult.HIT] * 4  # ends on a HIT
+        assert b.lookup(key(100)) is LookupResult.MISS
+        assert ns + key(100) not in m._miss_prev
+        for mgr in (a, b):
+            mgr.on_schedule_end()
+        # Within one request the hint is kept: its MISS follows its HITs.
+        assert [a.lookup(k) for k in keys] == [LookupResult.HIT] * 4
+        assert a.lookup(key(101)) is LookupResult.MISS
+        assert m._miss_prev[ns + key(101)] == ns + keys[-1]
+        a.on_schedule_end()
+        a.shutdown()
+        b.shutdown()
+    finally:
+        n.stop()
+        _remove_pools(n.name)
+
+
+def test_a_keys_life_through_the_shared_index_makes_no_round_trip(tmp_path: Path) -> None:
+    """kvtier bench manager --node's cycle against a node in this process:
+    after the first store (which reserves), every lookup, store, load and
+    step end goes without a round trip, and every returning key is found."""
+    from kvtier.bench.manager import returning_cycles
+    from kvtier.node.client import NodeManager
+
+    n = Node(tmp_path, blocks=8192, shared_index=True)
+    try:
+        keys = [key(i) for i in range(2000)]
+        order = {k: i for i, k in enumerate(keys)}
+
+        def following(k: bytes, ctx: object) -> list[bytes]:
+            i = order[k]
+            return keys[i + 1 : (i // 16 + 1) * 16]
+
+        m = NodeManager(n.path, NS_A, 4096, engine="bench", key_order=following)
+        _, missed = returning_cycles(m, keys, 16, 16)  # more than OWED_STEPS behind
+        assert missed == 0
+        assert m.client_stats.round_trips == 1  # the first PREPARE_STORE
+        assert m.stats.loads == 2000 and m.stats.lookups["hit"] == 2000
+        m.take_events()
+        occ = n.status()["classes"]["4096"]["occupancy"]
+        assert (occ["blocks"], occ["pinned"], occ["writing"]) == (2000, 0, 0)
+        m.shutdown()
+    finally:
+        n.stop()
+        _remove_pools(n.name)

@@ -39,17 +39,29 @@ def cycles(m: Any, keys: list[bytes], batch: int, scan: bool = False) -> float:
     return len(keys) / (time.perf_counter() - t0)
 
 
+class _Req:
+    """A request's context as vLLM hands it to the manager (its id)."""
+
+    __slots__ = ("req_id",)
+
+    def __init__(self, req_id: str) -> None:
+        self.req_id = req_id
+
+
 def returning_cycles(
     m: Any, keys: list[bytes], batch: int, lag: int, barrier: Any = None
 ) -> tuple[float, int]:
     """Cycles per second of a key's life in vLLM, ``batch`` keys a call: a
-    scan that MISSes, its store, and ``lag`` calls later the key's return,
-    a scan that HITs and its load (vLLM loads only what a lookup found, in
-    a later step than the store); each call one scheduler step, ended by
-    ``on_schedule_end`` (the worst case: one request a step). Returns the rate and how many returning
-    keys missed (0 unless the manager fell more than ``lag`` calls behind).
-    ``barrier``: called once at the end, timed (a node client's round trip:
-    what the node had queued is then done)."""
+    request whose scan MISSes and that stores the keys, and ``lag`` calls
+    later the keys' return, a request whose scan HITs and that loads them
+    (vLLM loads only what a lookup found, in a later step than the store).
+    Each request is announced, passed as vLLM's context and finished, as
+    vLLM does; each call is one scheduler step, ended by ``on_schedule_end``
+    (the worst case: one request a step). Returns the rate and how many
+    returning keys missed (0 unless the manager lost some: fell more than
+    ``lag`` calls behind, or evicted them). ``barrier``: called once at the
+    end, timed (a node client's round trip: what the node had queued is
+    then done)."""
     miss, hit = LookupResult.MISS, LookupResult.HIT
     back = lag * batch
     missed = 0
@@ -57,22 +69,28 @@ def returning_cycles(
     for i in range(0, len(keys) + back, batch):
         ks = keys[i : i + batch]
         if ks:
+            req = _Req(f"s{i}")
+            m.on_new_request(req)
             for k in ks:
-                if m.lookup(k) is miss:
+                if m.lookup(k, req) is miss:
                     break
-            out = m.prepare_store(ks)
+            out = m.prepare_store(ks, req)
             assert out is not None
-            m.complete_store(out.keys_to_store)
+            m.complete_store(out.keys_to_store, req)
+            m.on_request_finished(req)
         if i >= back:
+            req = _Req(f"r{i}")
+            m.on_new_request(req)
             found = []
             for k in keys[i - back : i - back + batch]:
-                if m.lookup(k) is not hit:
+                if m.lookup(k, req) is not hit:
                     break
                 found.append(k)
             missed += min(batch, len(keys) - (i - back)) - len(found)
             if found:
-                m.prepare_load(found)
-                m.complete_load(found)
+                m.prepare_load(found, req)
+                m.complete_load(found, req)
+            m.on_request_finished(req)
         m.on_schedule_end()
     if barrier is not None:
         barrier()

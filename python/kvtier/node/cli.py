@@ -64,8 +64,8 @@ def add_node_parser(sub: Any) -> None:
     n.add_argument(
         "--shared-index",
         action="store_true",
-        help="engines look up and load host blocks in shared memory, without a round trip "
-        "(in progress: docs/concepts/node-shared-index.md)",
+        help="engines look up, load and store host blocks in shared memory, without a "
+        "round trip (off by default; docs/concepts/node-shared-index.md)",
     )
     n.add_argument("--json", action="store_true", help="status: print JSON")
     add_tier_arguments(n)

@@ -72,16 +72,16 @@ class SharedView:
 
     def digests(self, keys: list[bytes]) -> bytes:
         """The keys' digests as the node indexes them, joined."""
-        memo, p = self._memo, self.prefix
-        out = []
-        for k in keys:
-            d = memo.get(k)
-            if d is None:
-                d = memo[k] = key_digest(p + k)
-            out.append(d)
-        if len(memo) > _MEMO_KEYS:
-            memo.clear()
-        return b"".join(out)
+        memo = self._memo
+        out = list(map(memo.get, keys))
+        if None in out:
+            p = self.prefix
+            for i, (k, d) in enumerate(zip(keys, out)):
+                if d is None:
+                    out[i] = memo[k] = key_digest(p + k)
+            if len(memo) > _MEMO_KEYS:
+                memo.clear()
+        return b"".join(out)  # type: ignore[arg-type]
 
     def scan(self, keys: list[bytes]) -> list[tuple[int, int]]:
         """(code, slot) per key up to and including the first MISS: 0 MISS,

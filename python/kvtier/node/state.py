@@ -17,11 +17,14 @@ completed is dropped, so a half-written slot never becomes readable).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -68,6 +71,10 @@ class SlotClass:
     # shared-memory file (open_shared_index); None: engines ask the node.
     index_pool: HostPool | None = None
     shared: Any = None
+    # The (session, request) of the last scan: the manager's scan hints
+    # (a MISS's parent is the HIT before it) must not chain one request's
+    # MISS to another's HITs, another engine's least of all.
+    last_scan: Any = None
 
     @property
     def name(self) -> str:
@@ -85,6 +92,7 @@ class SlotClass:
         if not isinstance(host, NativeHostTier) or len(host):
             return
         n = self.pool.num_slots
+        remove_dead_indexes(name.rpartition("-")[0] + "-")
         self.index_pool = HostPool(1, SharedIndex.bytes_for(n), name=name)
         self.shared = SharedIndex.create(self.index_pool.native, n)
         host.mirror_into(self.shared)
@@ -131,6 +139,25 @@ class SlotClass:
         if isinstance(host, ChunkOwner):
             occ.update(host.region.occupancy(host))
         return occ
+
+
+def remove_dead_indexes(prefix: str) -> None:
+    """Removes the index files named ``prefix`` + a pid of nodes that died
+    without removing them (SIGKILL, OOM). An engine that still maps one
+    keeps its mapping until it sees its node gone; a file of a live
+    process is left alone."""
+    for f in Path("/dev/shm").glob(f"{prefix}*"):
+        pid = f.name[len(prefix) :]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                f.unlink()
+                log.info("kvtier node: removed %s (its node is gone)", f.name)
+        except PermissionError:  # another user's live process
+            continue
 
 
 _session_ids = itertools.count(1)
@@ -195,6 +222,9 @@ class Session:
         m = self.cls.manager
         host = m.host
         ctx = self._ctx(req)
+        if self.cls.last_scan != (self.id, req):
+            self.cls.last_scan = (self.id, req)
+            m.on_new_request(ctx)
         out: list[list[int]] = []
         for nk in self._node_keys(keys):
             r = m.lookup(nk, ctx)
