@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "../core/node/shared_index.h"
 #include "bindings.h"
 
 namespace kvtier::bindings {
@@ -42,6 +43,8 @@ class KeyedHostIndex {
   }
 
   void add(PyObject* key, std::int32_t slot, PyObject* parent, std::uint8_t source) {
+    if (core_.mirror() != nullptr && !PyBytes_Check(key))
+      throw Error(StatusCode::kInvalidArgument, "host index: a mirrored index's keys are bytes");
     if (slot < 0 || static_cast<std::uint32_t>(slot) >= core_.capacity())
       throw Error(StatusCode::kInvalidArgument, "host index: slot " + std::to_string(slot) +
                                                     " outside 0.." +
@@ -56,6 +59,11 @@ class KeyedHostIndex {
     if (!s || PyDict_SetItem(slots_.ptr(), key, s.ptr()) != 0) throw py::error_already_set();
     keys_[static_cast<std::size_t>(slot)] = py::reinterpret_borrow<py::object>(key);
     core_.add_writing(slot, p, source);
+    if (core_.mirror() != nullptr)  // engines find it by its key's digest
+      core_.mirror()->publish(
+          static_cast<std::uint32_t>(slot),
+          node::digest_of(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), nullptr, 0),
+          node::SharedIndex::kWriting);
     // The parent's key, kept after the parent leaves (host.py's entries
     // keep it too): a lower tier is told a block's parent when the block
     // cascades, and the parent may be on that tier by then.

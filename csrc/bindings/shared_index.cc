@@ -62,6 +62,27 @@ node::SharedIndex* shared_index_of(const py::object& obj) {
 
 void bind_shared_index(py::module_& m) {
   using S = PySharedIndex;
+  m.def(
+      "key_digests",
+      [](const py::list& keys, const py::bytes& prefix) {
+        std::string_view p = prefix;
+        const py::ssize_t n = PyList_GET_SIZE(keys.ptr());
+        std::string out(static_cast<std::size_t>(n) * kDigestBytes, '\0');
+        for (py::ssize_t i = 0; i < n; ++i) {
+          PyObject* k = PyList_GET_ITEM(keys.ptr(), i);
+          char* kb = nullptr;
+          Py_ssize_t kn = 0;
+          if (!PyBytes_Check(k) || PyBytes_AsStringAndSize(k, &kb, &kn) != 0)
+            throw_invalid("key_digests: keys must be bytes");
+          const KeyDigest d = node::digest_of(p.data(), p.size(), kb, static_cast<std::size_t>(kn));
+          std::memcpy(out.data() + i * kDigestBytes, &d.lo, 8);
+          std::memcpy(out.data() + i * kDigestBytes + 8, &d.hi, 8);
+        }
+        return py::bytes(out);
+      },
+      py::arg("keys"), py::arg("prefix") = py::bytes(),
+      "Each key's digest in the shared index (blake2b, 16 bytes, of `prefix` + the key: "
+      "kvtier.tiers.records.key_digest), joined in order.");
   py::class_<S>(m, "SharedIndex",
                 "The node's host index in shared memory (core/node/shared_index.h): key digests "
                 "to slots, and a word per slot with its generation, state and each engine's pin "

@@ -12,6 +12,8 @@ import os
 import signal
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvtier import _native
 from kvtier.errors import InvalidArgument
 from kvtier.pool import HostPool
@@ -110,3 +112,41 @@ def test_a_killed_engines_pins_are_reaped_exactly() -> None:
         assert [node.retire(i) for i in range(5)] == [False, True, True, True, True]
         other.unpin([0])
         assert node.retire(0) is True
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    keys=st.lists(st.binary(min_size=0, max_size=400), max_size=8),
+    prefix=st.binary(max_size=16),
+)
+def test_key_digests_are_pythons_blake2b_of_prefix_and_key(
+    keys: list[bytes], prefix: bytes
+) -> None:
+    # Lengths across the 128-byte block edges: the native digest names keys
+    # in the index, Python's in the disk and remote records.
+    assert _native.key_digests(keys, prefix) == b"".join(digest(prefix + k) for k in keys)
+
+
+def test_key_digests_refuses_keys_that_are_not_bytes() -> None:
+    with pytest.raises(InvalidArgument, match="keys must be bytes"):
+        _native.key_digests([b"a", "b"], b"")  # type: ignore[list-item]
+
+
+def test_a_mirrored_host_index_publishes_each_added_key_under_its_digest() -> None:
+    with _index_pool() as pool:
+        node = _native.SharedIndex.create(pool.native, SLOTS)
+        engine = _native.SharedIndex.attach(pool.native, 1)
+        ix = _native.HostIndex(SLOTS)
+        ix.set_mirror(node)
+        keys = [b"ns-12345" + bytes([i]) * 40 for i in range(3)]
+        ix.add_writing_many(keys, [4, 9, 2], None)
+        ix.add_writing(b"ns-12345-one", 7)
+        assert [node.state(s) for s in (4, 9, 2, 7)] == [1, 1, 1, 1]  # being written
+        ix.mark_ready_many(keys)
+        found = engine.lookup(b"".join(digest(k) for k in [*keys, b"ns-12345-one"]), False)
+        assert found == [(HIT, 4), (HIT, 9), (HIT, 2), (PENDING, -1)]
+        engine.unpin([4, 9, 2])
+        with pytest.raises(InvalidArgument, match="keys are bytes"):
+            ix.add_writing("a str", 11)  # type: ignore[arg-type]
+        assert node.state(11) == 0
+        assert ix.slot("a str") == -1 and len(ix) == 4  # refused whole

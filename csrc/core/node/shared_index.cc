@@ -1,12 +1,34 @@
 #include "core/node/shared_index.h"
 
+#include <cstring>
 #include <new>
 #include <string>
 #include <thread>
 
+#include "core/blake2b.h"
 #include "core/status.h"
 
 namespace kvtier::node {
+
+Digest digest_of(const void* prefix, std::size_t np, const void* key, std::size_t nk) {
+  // Keys are tens of bytes (vLLM's block hashes and a group): joined on
+  // the stack, a heap copy only past that.
+  std::uint8_t small[256];
+  std::vector<std::uint8_t> big;
+  std::uint8_t* buf = small;
+  if (np + nk > sizeof small) {
+    big.resize(np + nk);
+    buf = big.data();
+  }
+  if (np) std::memcpy(buf, prefix, np);
+  if (nk) std::memcpy(buf + np, key, nk);
+  std::uint8_t out[16];
+  blake2b(buf, np + nk, out, sizeof out);
+  Digest d;
+  std::memcpy(&d.lo, out, 8);
+  std::memcpy(&d.hi, out + 8, 8);
+  return d;
+}
 
 // The region is shared between processes: its atomics must not hide a lock.
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free);

@@ -36,8 +36,9 @@
 // field is an atomic (relaxed where the seqlock orders it), so a torn read
 // is retried, never undefined, and ThreadSanitizer sees no race.
 //
-// Digests: 16 bytes of the caller's choosing (blake2b of the namespaced
-// key, as the disk tier's records carry); the directory never sees keys.
+// Digests: 16 bytes, blake2b of the namespaced key (digest_of: as the disk
+// tier's records carry and Python's key_digest computes); the directory
+// never sees keys.
 //
 // Errors: kvtier::Error (core/status.h), InvalidArgument for bad input and
 // for calls out of turn (publishing a slot in use, unpinning a pin not
@@ -64,6 +65,11 @@ struct Digest {
   std::uint64_t hi = 0;
   bool operator==(const Digest& o) const { return lo == o.lo && hi == o.hi; }
 };
+
+// The digest of the key [prefix, prefix+np) + [key, key+nk) (a namespace's
+// prefix and an engine's key, or a node key with nk = 0): its 16-byte
+// blake2b, as kvtier.tiers.records.key_digest of their concatenation.
+Digest digest_of(const void* prefix, std::size_t np, const void* key, std::size_t nk);
 
 class SharedIndex {
  public:

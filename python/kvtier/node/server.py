@@ -182,6 +182,12 @@ class NodeServer:
                 busy = (not spinning or now >= drive_due) and any(
                     c.manager.has_pending_work() for c in self.classes.values()
                 )
+                if spinning and not busy and now >= drive_due:
+                    # Nothing in flight: not asked again while spinning until
+                    # poll_s has passed (asked every spin, it was 10 calls a
+                    # step, a tenth of the node's CPU in kvtier bench
+                    # manager --node --shared-index).
+                    drive_due = now + poll_s
                 if spinning:
                     os.sched_yield()  # polling, not keeping a runnable engine off the CPU
                 events = self._sel.select(0.0 if spinning else poll_s if busy else 0.5)

@@ -29,7 +29,6 @@ from kvtier.policy import AdmissionFilter, EvictionPolicy
 from kvtier.pool import HostPool
 from kvtier.tiers.host import HostTier, checked_capacity
 from kvtier.tiers.host_entry import Fill, HostEntry
-from kvtier.tiers.records import key_digest
 
 _FILLS = (Fill.NONE, Fill.FILLING, Fill.FAILED)
 
@@ -276,17 +275,11 @@ class NativeHostTier(HostTier):
         self, key: bytes, slot: int, source: str = "host", parent: bytes | None = None
     ) -> None:
         self._ix.add_writing(key, slot, self._sources.id_of(source), parent)
-        if self.shared is not None:
-            self.shared.publish(slot, key_digest(key))
 
     def add_writing_many(
         self, keys: list[bytes], slots: list[int], parents: list[bytes | None] | None = None
     ) -> None:
         self._ix.add_writing_many(keys, slots, parents)
-        shared = self.shared
-        if shared is not None:
-            for k, s in zip(keys, slots):
-                shared.publish(s, key_digest(k))
 
     # -- references ----------------------------------------------------------
     def pin(self, key: bytes) -> str:
