@@ -176,17 +176,12 @@ class NodeServer:
             while not self._stop.is_set():
                 now = time.monotonic()
                 spinning = now < spin_until
-                # Asked only where it decides something (the wait; a drive
-                # that is due), not on every poll while spinning: that was
-                # 9% of the node's time in kvtier bench manager --node (cProfile).
+                # Asked where it decides (the wait, a due drive), spinning once a
+                # poll_s: each spin it was a tenth of the node's CPU (bench manager).
                 busy = (not spinning or now >= drive_due) and any(
                     c.manager.has_pending_work() for c in self.classes.values()
                 )
                 if spinning and not busy and now >= drive_due:
-                    # Nothing in flight: not asked again while spinning until
-                    # poll_s has passed (asked every spin, it was 10 calls a
-                    # step, a tenth of the node's CPU in kvtier bench
-                    # manager --node --shared-index).
                     drive_due = now + poll_s
                 if spinning:
                     os.sched_yield()  # polling, not keeping a runnable engine off the CPU
@@ -551,8 +546,7 @@ def _safe(name: str) -> str:
 
 
 def _share(disk: DiskOptions, n: int) -> Any:
-    cap = disk.capacity_bytes
-    return cap // n if isinstance(cap, int) else cap
+    return disk.capacity_bytes // n if isinstance(disk.capacity_bytes, int) else disk.capacity_bytes
 
 
 def _pool_id(name: str) -> int:
