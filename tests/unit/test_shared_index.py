@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import signal
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -150,3 +151,79 @@ def test_a_mirrored_host_index_publishes_each_added_key_under_its_digest() -> No
             ix.add_writing("a str", 11)  # type: ignore[arg-type]
         assert node.state(11) == 0
         assert ix.slot("a str") == -1 and len(ix) == 4  # refused whole
+
+
+CHURN_KEYS = 256
+CHURN_SLOT_BYTES = 256
+
+
+def _pattern(key: bytes) -> bytes:
+    return digest(key) * (CHURN_SLOT_BYTES // 16)
+
+
+def _engine_reads_while_the_node_churns(
+    index_name: str, data_name: str, seconds: float, q: mp.Queue
+) -> None:
+    import random
+    import time
+
+    engine = _native.SharedIndex.attach(HostPool.attach(index_name).native, 2)
+    data = HostPool.attach(data_name)
+    keys = [b"churn-%d" % i for i in range(CHURN_KEYS)]
+    hits = bad = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        k = random.choice(keys)
+        [(code, slot)] = engine.lookup(digest(k), False)
+        if code != HIT:
+            continue
+        hits += 1
+        if data.view(slot).tobytes() != _pattern(k):
+            bad += 1
+        engine.unpin([slot])
+    q.put((hits, bad))
+
+
+def test_an_engine_process_never_reads_another_keys_bytes_while_the_node_churns() -> None:
+    """The node publishes, fills, readies and retires keys over few slots
+    (writing another key's bytes into a slot as soon as it is retired)
+    while an engine process looks keys up, pins, reads and unpins them:
+    every pinned read holds its own key's bytes."""
+    import random
+    import time
+
+    with _index_pool() as ipool, HostPool(SLOTS, CHURN_SLOT_BYTES) as data:
+        node = _native.SharedIndex.create(ipool.native, SLOTS)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        proc = ctx.Process(
+            target=_engine_reads_while_the_node_churns, args=(ipool.name, data.name, 2.0, q)
+        )
+        proc.start()
+        keys = [b"churn-%d" % i for i in range(CHURN_KEYS)]
+        where: dict[int, bytes] = {}  # slot -> its key
+        free = list(range(SLOTS))
+        retired = refused = 0
+        while proc.is_alive() and q.empty():
+            if free:
+                slot = free.pop()
+                k = random.choice([k for k in keys if k not in where.values()])
+                node.publish(slot, digest(k))
+                data.view(slot)[:] = np.frombuffer(_pattern(k), np.uint8)
+                node.set_ready(slot)
+                where[slot] = k
+            slot = random.choice(list(where))
+            if node.retire(slot):
+                data.view(slot)[:] = 0xEE  # the next key's bytes, as soon as it is free
+                del where[slot]
+                free.append(slot)
+                retired += 1
+            else:
+                refused += 1
+            time.sleep(0)
+        hits, bad = q.get(timeout=60)
+        proc.join(60)
+    assert bad == 0
+    # The churn was real: the engine read many blocks, and held some of them
+    # while the node tried to retire them.
+    assert hits > 500 and retired > 500 and refused > 0, (hits, retired, refused)
