@@ -1,7 +1,8 @@
 #include "blake2b.h"
 
 #include <cstring>
-#include <stdexcept>
+
+#include "status.h"
 
 namespace kvtier {
 
@@ -77,7 +78,8 @@ void compress(std::uint64_t* h, const std::uint8_t* block, std::uint64_t bytes, 
 }  // namespace
 
 void blake2b(const void* in, std::size_t n, std::uint8_t* out, std::size_t outlen) {
-  if (outlen < 1 || outlen > 64) throw std::invalid_argument("blake2b: digest of 1 to 64 bytes");
+  if (outlen < 1 || outlen > 64)
+    throw Error(StatusCode::kInvalidArgument, "blake2b: a digest is 1 to 64 bytes");
   std::uint64_t h[8];
   std::memcpy(h, kIv, sizeof h);
   h[0] ^= 0x01010000ULL ^ outlen;  // parameter block: no key, fanout 1, depth 1

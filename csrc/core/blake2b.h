@@ -1,11 +1,10 @@
 // BLAKE2b (RFC 7693), unkeyed: the 16-byte digest under which the node's
-// shared index names a key (python's hashlib.blake2b(key, digest_size=16),
+// shared index names a key (Python's hashlib.blake2b(key, digest_size=16),
 // kvtier.tiers.records.key_digest). Written here, not linked: OpenSSL is
-// optional in this build and its 3.0 EVP digest has no output-size setting,
-// and the engines' and node's per-key digests from Python were a tenth of
-// each side's CPU per key (kvtier bench manager --node --shared-index, 16
-// keys a call: 16 hashlib calls 7.4 us, a call of this for all of them
-// under 2 us).
+// optional in this build and its 3.0 digest has no output-size setting.
+// Native so that the node's mirror publishes a block as it adds it, with
+// no Python call per key, and an engine digests a scan in one call: 16
+// keys 4.6 us, against 7.4 us for 16 hashlib calls from Python.
 #pragma once
 
 #include <cstddef>
