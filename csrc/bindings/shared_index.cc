@@ -7,6 +7,7 @@
 #include <cstring>
 #include <optional>
 
+#include "../core/node/engine_view.h"
 #include "../core/pool.h"
 #include "bindings.h"
 
@@ -45,6 +46,45 @@ KeyDigest one_digest(const py::bytes& b) {
   return digest_at(v.data());
 }
 
+// An engine's view and the mapping it reads (kvtier.node.shared_view's).
+struct PyEngineView {
+  std::shared_ptr<HostPool> mem;
+  node::EngineView view;
+  std::vector<std::string_view> keys;  // the call's keys, borrowed from its list
+  std::vector<node::EngineView::Answer> answers;
+  std::vector<bool> flags;
+  std::vector<std::int64_t> slots;
+  std::vector<std::size_t> taken;
+
+  // `list`'s keys (bytes), borrowed for the call: the list keeps them alive.
+  const std::vector<std::string_view>& borrow(const py::list& list) {
+    const py::ssize_t n = PyList_GET_SIZE(list.ptr());
+    keys.resize(static_cast<std::size_t>(n));
+    for (py::ssize_t i = 0; i < n; ++i) {
+      PyObject* k = PyList_GET_ITEM(list.ptr(), i);
+      if (!PyBytes_Check(k)) throw_invalid("engine view: keys must be bytes");
+      keys[static_cast<std::size_t>(i)] =
+          std::string_view(PyBytes_AS_STRING(k), static_cast<std::size_t>(PyBytes_GET_SIZE(k)));
+    }
+    return keys;
+  }
+};
+
+// The items of `list` where `flags` is `want`, in order.
+py::list where(const py::list& list, const std::vector<bool>& flags, bool want) {
+  py::list out;
+  for (std::size_t i = 0; i < flags.size(); ++i)
+    if (flags[i] == want) out.append(PyList_GET_ITEM(list.ptr(), static_cast<py::ssize_t>(i)));
+  return out;
+}
+
+py::list int_list(const std::vector<std::int64_t>& v) {
+  py::list out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i)
+    PyList_SET_ITEM(out.ptr(), static_cast<py::ssize_t>(i), PyLong_FromLongLong(v[i]));
+  return out;
+}
+
 std::uint32_t slot_arg(std::int64_t slot) {
   if (slot < 0 || slot > static_cast<std::int64_t>(SharedIndex::kMaxSlots))
     throw_invalid("shared index: slot " + std::to_string(slot) + " out of range");
@@ -59,6 +99,131 @@ node::SharedIndex* shared_index_of(const py::object& obj) {
                   py::str(py::type::of(obj)).cast<std::string>());
   return &obj.cast<PySharedIndex&>().index;
 }
+
+namespace {
+
+void bind_engine_view(py::module_& m) {
+  using V = PyEngineView;
+  py::class_<V>(m, "EngineView",
+                "One engine's bookkeeping over the node's shared index (core/node/engine_view.h): "
+                "its step's scan pins and hits, its loads' pins, its writes and the slots the node "
+                "reserved for them. Keys are the engine's (bytes), digested under its prefix.")
+      .def_static(
+          "attach",
+          [](const std::shared_ptr<HostPool>& pool, std::int64_t engine, const py::bytes& prefix) {
+            if (pool->closed()) throw Error(StatusCode::kClosed, "host pool is closed");
+            if (engine < 0 || engine >= static_cast<std::int64_t>(SharedIndex::kMaxEngines))
+              throw_invalid("shared index: engine index " + std::to_string(engine) +
+                            " out of range (" + std::to_string(SharedIndex::kMaxEngines) +
+                            " engines)");
+            return std::make_unique<V>(
+                V{pool,
+                  node::EngineView(SharedIndex::attach(pool->data(), pool->data_bytes()),
+                                   static_cast<std::uint32_t>(engine), std::string(prefix)),
+                  {},
+                  {},
+                  {},
+                  {},
+                  {}});
+          },
+          py::arg("pool"), py::arg("engine"), py::arg("prefix"),
+          "Engine `engine`'s view of the index the node formatted in `pool`, its keys under "
+          "namespace `prefix`.")
+      .def(
+          "scan",
+          [](V& v, const py::list& keys) {
+            v.view.scan(v.borrow(keys), &v.answers);
+            py::list out(v.answers.size());
+            for (std::size_t i = 0; i < v.answers.size(); ++i)
+              PyList_SET_ITEM(out.ptr(), static_cast<py::ssize_t>(i),
+                              py::make_tuple(v.answers[i].code, v.answers[i].slot).release().ptr());
+            return out;
+          },
+          py::arg("keys"),
+          "(code, slot) per key up to and including the first MISS: 0 MISS, 1 HIT (pinned "
+          "until a load takes it or the step ends), 2 HIT_PENDING (slot -1).")
+      .def(
+          "take_loads",
+          [](V& v, const py::list& keys) -> py::object {
+            if (!v.view.take_loads(v.borrow(keys), &v.flags, &v.slots)) return py::none();
+            return where(keys, v.flags, true);
+          },
+          py::arg("keys"),
+          "The keys this step's scans found, their scan pins now their loads' (until "
+          "complete), in order; None, changing nothing, when a pin was taken already.")
+      .def(
+          "pin_present",
+          [](V& v, const py::list& keys) -> py::object {
+            if (!v.view.pin_present(v.borrow(keys), &v.slots)) return py::none();
+            return int_list(v.slots);
+          },
+          py::arg("keys"),
+          "Each key's slot, every key ready here and pinned as a load until complete; None, "
+          "pinning nothing, unless all are.")
+      .def(
+          "store_from_reserve",
+          [](V& v, const py::list& keys) -> py::object {
+            if (!v.view.store_from_reserve(v.borrow(keys), &v.taken, &v.slots)) return py::none();
+            py::list taken(v.taken.size());
+            for (std::size_t i = 0; i < v.taken.size(); ++i) {
+              PyObject* k = PyList_GET_ITEM(keys.ptr(), static_cast<py::ssize_t>(v.taken[i]));
+              Py_INCREF(k);
+              PyList_SET_ITEM(taken.ptr(), static_cast<py::ssize_t>(i), k);
+            }
+            return py::make_tuple(taken, int_list(v.slots));
+          },
+          py::arg("keys"),
+          "(keys, slots): the offer's keys not in the index (each once, in order) in reserved "
+          "slots, now this engine's writes; None, taking nothing, when the reservation is "
+          "short.")
+      .def(
+          "add_writing",
+          [](V& v, const py::list& keys, const std::vector<std::int64_t>& slots) {
+            const auto& ks = v.borrow(keys);
+            if (ks.size() != slots.size())
+              throw_invalid("engine view: add_writing needs a slot per key");
+            for (std::size_t i = 0; i < ks.size(); ++i)
+              if (slots[i] >= 0) v.view.add_writing(ks[i], slot_arg(slots[i]));
+          },
+          py::arg("keys"), py::arg("slots"),
+          "Writes the node gave slots to (-1: none) are this engine's.")
+      .def(
+          "reserve",
+          [](V& v, const std::vector<std::int64_t>& slots) {
+            for (std::int64_t s : slots) v.view.reserve(slot_arg(s));
+          },
+          py::arg("slots"), "Free slots the node reserved for this engine's stores.")
+      .def(
+          "finish",
+          [](V& v, const py::list& keys, bool success) {
+            return v.view.finish(v.borrow(keys), success);
+          },
+          py::arg("keys"), py::arg("success"),
+          "This engine's writes of `keys` ended (ready here with `success`); how many became "
+          "ready.")
+      .def(
+          "complete",
+          [](V& v, const py::list& keys) -> py::list {
+            v.view.complete(v.borrow(keys), &v.flags);
+            return where(keys, v.flags, true);
+          },
+          py::arg("keys"),
+          "Loads of `keys` ended: those pinned here are unpinned; the others (loads the node "
+          "pinned), in order.")
+      .def(
+          "end_step", [](V& v) { v.view.end_step(); },
+          "The step's scan pins no load took end; its hits are forgotten.")
+      .def(
+          "clear", [](V& v) { v.view.clear(); }, "Forget everything (the node is gone).")
+      .def_property_readonly("reserved", [](const V& v) { return v.view.reserved(); })
+      .def_property_readonly("hits", [](const V& v) { return v.view.hits(); })
+      .def_property_readonly("loads", [](const V& v) { return v.view.loads(); })
+      .def_property_readonly("writing", [](const V& v) { return v.view.writing(); })
+      .def_property_readonly("scan_pins", [](const V& v) { return v.view.scan_pins(); })
+      .def_property_readonly("pinned_slots", [](V& v) { return v.view.pins().pinned_slots(); });
+}
+
+}  // namespace
 
 void bind_shared_index(py::module_& m) {
   using S = PySharedIndex;
@@ -231,6 +396,7 @@ void bind_shared_index(py::module_& m) {
           "held", [](S& s, std::int64_t slot) { return s.engine().held(slot_arg(slot)); },
           py::arg("slot"), "This engine's pins on the slot.")
       .def_property_readonly("pinned_slots", [](S& s) { return s.engine().pinned_slots(); });
+  bind_engine_view(m);
 }
 
 }  // namespace kvtier::bindings

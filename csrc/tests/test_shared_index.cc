@@ -15,20 +15,12 @@
 
 #include "core/node/shared_index.h"
 #include "core/status.h"
+#include "index_region.h"
 
 namespace kvtier::node {
 namespace {
 
-// A 64-byte-aligned buffer the index is formatted in.
-struct Region {
-  explicit Region(std::size_t bytes) : words(bytes / 8 + 16), size(bytes) {}
-  void* base() {
-    auto p = reinterpret_cast<std::uintptr_t>(words.data());
-    return reinterpret_cast<void*>((p + 63) & ~std::uintptr_t{63});
-  }
-  std::vector<std::uint64_t> words;
-  std::size_t size;
-};
+using testing::Region;
 
 Digest key(std::uint64_t i) { return Digest{i * 0x9E3779B97F4A7C15ull, ~i}; }
 

@@ -617,7 +617,7 @@ def test_reserved_stores_of_one_key_keep_one_block_and_free_the_rest(tmp_path: P
         pool = a.attach_pool()
         for m in (a, b):  # a first round trip, then room reserved (256 // 32)
             store(m, pool, [1000 + id(m) % 997])
-            assert m._view is not None and len(m._view.reserved) == 8
+            assert m._view is not None and m._view.reserved == 8
         keys = [key(i) for i in range(4)]
         # b takes its slots before a's offer reaches the node (as b's
         # prepare_store would), and its STORE_BEGIN comes after a's.

@@ -28,7 +28,7 @@ def test_a_step_that_asks_nothing_posts_its_end_and_takes_the_reply_later(tmp_pa
         pool = a.attach_pool()
         store(a, pool, [900])  # a round trip, then 8 slots reserved (256 // 32)
         a.take_events()
-        assert a._view is not None and len(a._view.reserved) == 8
+        assert a._view is not None and a._view.reserved == 8
         trips = a.client_stats.round_trips
         first = store(a, pool, [0, 1, 2])  # from the reservation; its step end posted
         assert a._client.owed in (0, 1)
@@ -40,7 +40,7 @@ def test_a_step_that_asks_nothing_posts_its_end_and_takes_the_reply_later(tmp_pa
         assert [e.keys for e in ev if not e.removed] == [first, second]
         assert a.client_stats.round_trips == trips
         # The reservation was topped up by the posted step ends' replies.
-        assert len(a._view.reserved) == 8
+        assert a._view.reserved == 8
         # Another engine finds and loads them, byte for byte.
         keys = first + second
         assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 5

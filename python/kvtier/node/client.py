@@ -314,13 +314,14 @@ class NodeManager:
         view = self._view
         found = all(k in hit for k in keys)  # this step's lookups named every slot
         if view is not None and view.hits and found and self.attached:
-            mine = view.take_loads(keys, hit)
+            mine = view.take_loads(keys)
             if mine is not None:
                 # The node is told after the fact (recency, counters); keys
                 # the node pinned (a promotion's) as before.
                 self._send(Op.LOAD_SHARED, mine, req)
-                rest = [k for k in keys if k not in view.hits]
-                if rest:
+                if len(mine) < len(keys):
+                    taken = set(mine)
+                    rest = [k for k in keys if k not in taken]
                     self._send(Op.LOAD_PINNED, rest, req)
                 return HostSpec(np.asarray([hit[k] for k in keys], np.int64))
         if view is not None and not found and self.attached:
@@ -394,9 +395,9 @@ class NodeManager:
             return None
         stored, slots, evicted = out[:3]
         if view is not None:
-            view.writing.update((k, s) for k, s in zip(stored, slots) if s >= 0)
+            view.add_writing(stored, slots)
             if len(out) > 3:
-                view.reserved.extend(out[3])
+                view.reserve(out[3])
         if len(stored) < len(keys):
             self.stats.not_admitted += len(keys) - len(stored)
         return PrepareStoreResult(stored, HostSpec(np.asarray(slots, np.int64)), evicted)
@@ -479,7 +480,7 @@ class NodeManager:
         for tier, removed, keys, ids, meta in events:
             self._events.append(TierEvent(keys, tier, removed, ids=ids, metadata_only=meta))
         if more and self._view is not None:  # slots added to the reservation, keys it evicted
-            self._view.reserved.extend(more[0])
+            self._view.reserve(more[0])
             self._view.evicted.extend(more[1])
 
     def _settle(self, wait: bool) -> None:
