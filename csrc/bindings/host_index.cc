@@ -345,6 +345,29 @@ void bind_host_index(py::module_& m) {
           },
           "One load's pin of each resident key ends (keys not pinned: no-op).")
       .def(
+          "offered",
+          [](K& k, const py::list& keys) {
+            py::list to_store;
+            py::set seen;
+            const py::ssize_t n = PyList_GET_SIZE(keys.ptr());
+            for (py::ssize_t i = 0; i < n; ++i) {
+              PyObject* key = PyList_GET_ITEM(keys.ptr(), i);
+              const int was = PySet_Contains(seen.ptr(), key);
+              if (was < 0 || (was == 0 && PySet_Add(seen.ptr(), key) != 0))
+                throw py::error_already_set();
+              if (was) continue;
+              const std::int32_t s = k.slot_of(key);
+              if (s >= 0)
+                k.core_.touch(s);
+              else if (PyList_Append(to_store.ptr(), key) != 0)
+                throw py::error_already_set();
+            }
+            return py::make_tuple(to_store, seen);
+          },
+          py::arg("keys"),
+          "(keys to store, keys offered): of an offer, the keys not resident, each once, in "
+          "order, and the set of every key offered; resident ones are used now (touched).")
+      .def(
           "touch_many",
           [](K& k, const py::iterable& keys) {
             for (py::handle key : keys) {

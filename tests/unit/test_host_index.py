@@ -79,10 +79,17 @@ def _run(seed: int, capacity: int, steps: int) -> None:
             ks = rng.sample(pinned, min(len(pinned), 2))
             py.unpin_many(ks)
             nat.unpin_many(ks)
-        elif op < 0.85 and py.entries:  # touched by an offer
+        elif op < 0.8 and py.entries:  # touched by an offer
             ks = rng.sample(list(py.entries), min(len(py.entries), 3))
             py.touch_many(ks)
             nat.touch_many(ks)
+        elif op < 0.85 and py.entries:  # an offer of held keys (used), repeats and new keys
+            ks = rng.sample(list(py.entries), min(len(py.entries), 3))
+            ks += [rng.choice(ks), nxt.to_bytes(8, "little"), (nxt + 1).to_bytes(8, "little")]
+            rng.shuffle(ks)
+            to_store, seen, refused = py.offered(ks)
+            assert refused == 0
+            assert nat.offered(ks) == (to_store, seen)
         elif op < 0.93 and py.entries:  # dropped (a failed load, a reset)
             k = rng.choice(list(py.entries))
             if k in written:

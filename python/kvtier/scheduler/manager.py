@@ -304,8 +304,7 @@ class TieredOffloadingManager:
             self._streams.load_failed(spec.stream)
 
     def touch(self, keys: Collection[bytes], req_context: Any = None) -> None:
-        resident = self.host.resident
-        self.host.touch_many([k for k in keys if k in resident])
+        self.host.touch_many(keys)
 
     def prepare_store(
         self, keys: Collection[bytes], req_context: Any = None
@@ -361,10 +360,13 @@ class TieredOffloadingManager:
         keys = _check_keys(keys)
         to_store, _, refused = self.host.offered(keys)
         self.stats.not_admitted += refused
-        by_key = dict(zip(keys, slots))
-        used = [by_key[k] for k in to_store]
-        taken = set(used)
-        unused = [s for s in slots if s not in taken]
+        if len(to_store) == len(keys):  # every key new (the common case): no maps
+            used, unused = list(slots), []
+        else:
+            by_key = dict(zip(keys, slots))
+            used = [by_key[k] for k in to_store]
+            taken = set(used)
+            unused = [s for s in slots if s not in taken]
         parents = self._offer_parents(keys, to_store, req_context)
         self.host.add_writing_many(to_store, used, parents)
         return to_store, used, unused

@@ -10,7 +10,7 @@ held while lower tiers copy it (``cascading``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Collection, Container, Iterable, Iterator
 from dataclasses import dataclass
 
 from kvtier.errors import InvalidArgument
@@ -529,9 +529,10 @@ class HostTier:
                 e.ref -= 1
                 e.source = "host"
 
-    def touch_many(self, keys: list[bytes]) -> None:
-        """The policy's touch of each key, all resident, in one call."""
-        self._touch_many(keys)
+    def touch_many(self, keys: Collection[bytes]) -> None:
+        """The policy's touch of each resident key of ``keys``, in one call."""
+        entries = self.entries
+        self._touch_many([k for k in keys if k in entries])
 
     def unpin(self, key: bytes) -> None:
         """End one load's pin of ``key`` (no-op when not pinned). Its bytes
