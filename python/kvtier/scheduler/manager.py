@@ -349,15 +349,14 @@ class TieredOffloadingManager:
         return PrepareStoreResult(host_keys + streamed, HostSpec(all_slots, stream), evicted)
 
     def adopt_store(
-        self, keys: Collection[bytes], slots: list[int], req_context: Any = None
+        self, keys: list[bytes], slots: list[int], req_context: Any = None
     ) -> tuple[list[bytes], list[int], list[int]]:
         """:meth:`prepare_store` of an offer its engine gave slots already
         (co-indexed: the node's reservation for it, written without waiting):
         the keys stored, their slots, and the others' slots (held already,
         refused or offered twice) for the caller to free when their writes
-        end. Node only; non-blocking."""
+        end. Node only (its protocol checked the keys are bytes); non-blocking."""
         self._check_open()
-        keys = _check_keys(keys)
         to_store, _, refused = self.host.offered(keys)
         self.stats.not_admitted += refused
         if len(to_store) == len(keys):  # every key new (the common case): no maps
