@@ -1,8 +1,8 @@
 """The node's shared index through the binding (csrc/bindings/shared_index.cc):
-an engine's mapping finds and pins what the node published, a request's
-lookup stops at its first MISS, a pinned slot cannot be retired, and an
-engine process killed while it pins slots leaves pins that the node reaps
-exactly (its bit on every slot, no one else's)."""
+an engine's view (EngineView) finds and pins what the node published under
+its keys' digests, a request's scan stops at its first MISS, a pinned slot
+cannot be retired, and an engine process killed while it pins slots leaves
+pins that the node reaps exactly (its bit on every slot, no one else's)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,17 @@ from kvtier.pool import HostPool
 
 SLOTS = 64
 MISS, HIT, PENDING = 0, 1, 2
+NS = b"ns-12345"  # an engine's namespace prefix
 
 
 def digest(key: bytes) -> bytes:
+    """A node key's digest as Python computes it (the disk and remote
+    records' ``key_digest``): the node publishes blocks under it."""
     return hashlib.blake2b(key, digest_size=16).digest()
+
+
+def view(pool: HostPool, engine: int, prefix: bytes = NS) -> _native.EngineView:
+    return _native.EngineView.attach(pool.native, engine, prefix)
 
 
 def _index_pool() -> HostPool:
@@ -34,60 +41,57 @@ def _index_pool() -> HostPool:
 def test_an_engine_finds_and_pins_what_the_node_published() -> None:
     with _index_pool() as pool:
         node = _native.SharedIndex.create(pool.native, SLOTS)
-        engine = _native.SharedIndex.attach(HostPool.attach(pool.name).native, 3)
+        engine = view(HostPool.attach(pool.name), 3)
         keys = [bytes([i]) * 36 for i in range(4)]
-        node.publish(10, digest(keys[0]), ready=True)
-        node.publish(11, digest(keys[1]))  # being written
-        node.publish(12, digest(keys[3]), ready=True)
-        both = b"".join(digest(k) for k in keys)
+        node.publish(10, digest(NS + keys[0]), ready=True)
+        node.publish(11, digest(NS + keys[1]))  # being written
+        node.publish(12, digest(NS + keys[3]), ready=True)
         # The scan stops at the first MISS (keys[2]): keys[3] is not asked.
-        assert engine.lookup(both) == [(HIT, 10), (PENDING, -1), (MISS, -1)]
-        assert engine.lookup(both, stop_at_miss=False) == [
-            (HIT, 10),
-            (PENDING, -1),
-            (MISS, -1),
-            (HIT, 12),
-        ]
-        assert engine.held(10) == 2 and engine.held(12) == 1 and engine.pinned_slots == 2
+        assert engine.scan(keys) == [(HIT, 10), (PENDING, -1), (MISS, -1)]
+        assert engine.scan_pins == 1 and engine.hits == 1
+        assert engine.pin_present([keys[0], keys[3]]) == [10, 12]
+        assert engine.pin_present(keys) is None  # all or nothing
+        assert engine.pinned_slots == 2
         assert node.pinned(10) and not node.pinned(11)
         assert node.retire(10) is False  # an engine reads it
-        engine.unpin([10, 10, 12])
+        engine.end_step()  # the scan's pin
+        assert node.pinned(10)  # pin_present's are loads: held until complete
+        assert engine.complete([keys[0], keys[3], b"other"]) == [b"other"]
         assert engine.pinned_slots == 0
         assert node.retire(10) is True
-        assert engine.lookup(digest(keys[0])) == [(MISS, -1)]
+        assert engine.scan([keys[0]]) == [(MISS, -1)]
         node.set_ready(11)
-        assert engine.lookup(digest(keys[1])) == [(HIT, 11)]
-        engine.unpin([11])
+        assert engine.scan([keys[1]]) == [(HIT, 11)]
+        engine.end_step()
+        assert not node.pinned(11)
 
 
 def test_bad_input_is_refused() -> None:
     with _index_pool() as pool:
         node = _native.SharedIndex.create(pool.native, SLOTS)
-        engine = _native.SharedIndex.attach(pool.native, 0)
-        with pytest.raises(InvalidArgument, match="16 bytes each"):
-            engine.lookup(b"x" * 17)
+        engine = view(pool, 0)
+        with pytest.raises(InvalidArgument, match="keys must be bytes"):
+            engine.scan([b"a", "b"])  # type: ignore[list-item]
         with pytest.raises(InvalidArgument, match="a digest is 16 bytes"):
             node.publish(1, b"short")
         with pytest.raises(InvalidArgument, match="out of range"):
             node.publish(SLOTS, digest(b"k"))
         with pytest.raises(InvalidArgument, match="engine index 32 out of range"):
-            _native.SharedIndex.attach(pool.native, 32)
-        with pytest.raises(InvalidArgument, match="holds no pin"):
-            engine.unpin([1])
-        with pytest.raises(InvalidArgument, match="pins nothing"):
-            node.lookup(digest(b"k"))
+            view(pool, 32)
+        with pytest.raises(InvalidArgument, match="a slot per key"):
+            engine.add_writing([b"a"], [])
         node.publish(1, digest(b"k"))
         with pytest.raises(InvalidArgument, match="in use"):
             node.publish(1, digest(b"j"))
     with HostPool(1, 64) as small, pytest.raises(InvalidArgument, match="need"):
         _native.SharedIndex.create(small.native, SLOTS)
     with HostPool(1, 4096) as blank, pytest.raises(InvalidArgument, match="not a kvtier"):
-        _native.SharedIndex.attach(blank.native, 0)
+        view(blank, 0)
 
 
 def _engine_pins_and_waits(name: str, keys: list[bytes], q: mp.Queue) -> None:
-    engine = _native.SharedIndex.attach(HostPool.attach(name).native, 5)
-    q.put(engine.lookup(b"".join(digest(k) for k in keys)))
+    engine = view(HostPool.attach(name), 5)
+    q.put(engine.scan(keys))
     signal.pause()  # killed here, pins held
 
 
@@ -96,9 +100,9 @@ def test_a_killed_engines_pins_are_reaped_exactly() -> None:
         node = _native.SharedIndex.create(pool.native, SLOTS)
         keys = [b"k%d" % i for i in range(8)]
         for i, k in enumerate(keys):
-            node.publish(i, digest(k), ready=True)
-        other = _native.SharedIndex.attach(pool.native, 6)
-        assert other.lookup(digest(keys[0])) == [(HIT, 0)]
+            node.publish(i, digest(NS + k), ready=True)
+        other = view(pool, 6)
+        assert other.scan([keys[0]]) == [(HIT, 0)]
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         proc = ctx.Process(target=_engine_pins_and_waits, args=(pool.name, keys[:5], q))
@@ -111,42 +115,43 @@ def test_a_killed_engines_pins_are_reaped_exactly() -> None:
         assert node.unpin_all(5) == 5
         # Slot 0 is still engine 6's; the rest can go now.
         assert [node.retire(i) for i in range(5)] == [False, True, True, True, True]
-        other.unpin([0])
+        other.end_step()
         assert node.retire(0) is True
 
 
 @settings(max_examples=300, deadline=None)
 @given(
-    keys=st.lists(st.binary(min_size=0, max_size=400), max_size=8),
+    keys=st.lists(st.binary(min_size=0, max_size=400), max_size=8, unique=True),
     prefix=st.binary(max_size=16),
 )
-def test_key_digests_are_pythons_blake2b_of_prefix_and_key(
+def test_an_engine_finds_keys_under_pythons_blake2b_of_prefix_and_key(
     keys: list[bytes], prefix: bytes
 ) -> None:
     # Lengths across the 128-byte block edges: the native digest names keys
     # in the index, Python's in the disk and remote records.
-    assert _native.key_digests(keys, prefix) == b"".join(digest(prefix + k) for k in keys)
-
-
-def test_key_digests_refuses_keys_that_are_not_bytes() -> None:
-    with pytest.raises(InvalidArgument, match="keys must be bytes"):
-        _native.key_digests([b"a", "b"], b"")  # type: ignore[list-item]
+    with _index_pool() as pool:
+        node = _native.SharedIndex.create(pool.native, SLOTS)
+        for i, k in enumerate(keys):
+            node.publish(i, digest(prefix + k), ready=True)
+        engine = view(pool, 0, prefix)
+        assert engine.scan(keys) == [(HIT, i) for i in range(len(keys))]
+        engine.end_step()
 
 
 def test_a_mirrored_host_index_publishes_each_added_key_under_its_digest() -> None:
     with _index_pool() as pool:
         node = _native.SharedIndex.create(pool.native, SLOTS)
-        engine = _native.SharedIndex.attach(pool.native, 1)
+        engine = view(pool, 1)
         ix = _native.HostIndex(SLOTS)
         ix.set_mirror(node)
-        keys = [b"ns-12345" + bytes([i]) * 40 for i in range(3)]
-        ix.add_writing_many(keys, [4, 9, 2], None)
-        ix.add_writing(b"ns-12345-one", 7)
+        keys = [bytes([i]) * 40 for i in range(3)]
+        ix.add_writing_many([NS + k for k in keys], [4, 9, 2], None)
+        ix.add_writing(NS + b"-one", 7)
         assert [node.state(s) for s in (4, 9, 2, 7)] == [1, 1, 1, 1]  # being written
-        ix.mark_ready_many(keys)
-        found = engine.lookup(b"".join(digest(k) for k in [*keys, b"ns-12345-one"]), False)
+        ix.mark_ready_many([NS + k for k in keys])
+        found = engine.scan([*keys, b"-one"])
         assert found == [(HIT, 4), (HIT, 9), (HIT, 2), (PENDING, -1)]
-        engine.unpin([4, 9, 2])
+        engine.end_step()
         with pytest.raises(InvalidArgument, match="keys are bytes"):
             ix.add_writing("a str", 11)  # type: ignore[arg-type]
         assert node.state(11) == 0
@@ -167,20 +172,21 @@ def _engine_reads_while_the_node_churns(
     import random
     import time
 
-    engine = _native.SharedIndex.attach(HostPool.attach(index_name).native, 2)
+    engine = view(HostPool.attach(index_name), 2)
     data = HostPool.attach(data_name)
     keys = [b"churn-%d" % i for i in range(CHURN_KEYS)]
     hits = bad = 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         k = random.choice(keys)
-        [(code, slot)] = engine.lookup(digest(k), False)
+        [(code, slot)] = engine.scan([k])
         if code != HIT:
+            engine.end_step()
             continue
         hits += 1
         if data.view(slot).tobytes() != _pattern(k):
             bad += 1
-        engine.unpin([slot])
+        engine.end_step()
     q.put((hits, bad))
 
 
@@ -208,7 +214,7 @@ def test_an_engine_process_never_reads_another_keys_bytes_while_the_node_churns(
             if free:
                 slot = free.pop()
                 k = random.choice([k for k in keys if k not in where.values()])
-                node.publish(slot, digest(k))
+                node.publish(slot, digest(NS + k))
                 data.view(slot)[:] = np.frombuffer(_pattern(k), np.uint8)
                 node.set_ready(slot)
                 where[slot] = k

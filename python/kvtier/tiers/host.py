@@ -200,7 +200,7 @@ class HostTier:
             else:
                 to_store.append(k)
         if touched:
-            self.touch_many(touched)
+            self._touch_many(touched)  # all resident: no filter
         return to_store, seen, refused
 
     def answer(self, key: bytes) -> int:
