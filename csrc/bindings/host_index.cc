@@ -377,6 +377,23 @@ void bind_host_index(py::module_& m) {
           },
           "Each resident ready key becomes the most recently used, in order.")
       .def(
+          "touch_slots",
+          [](K& k, const std::vector<std::int64_t>& slots) {
+            // By slot: the node's engines name the blocks they loaded
+            // through its shared index by slot (their step end), and a key
+            // lookup per block (cold keys) was most of a touch's cost there.
+            const auto cap = static_cast<std::int64_t>(k.core_.capacity());
+            for (std::int64_t s : slots)
+              if (s < 0 || s >= cap)
+                throw Error(StatusCode::kInvalidArgument, "touch_slots: slot " + std::to_string(s) +
+                                                              " out of range (" +
+                                                              std::to_string(cap) + " slots)");
+            for (std::int64_t s : slots) k.core_.touch(static_cast<std::int32_t>(s));
+          },
+          py::arg("slots"),
+          "The ready block in each slot becomes the most recently used, in order (slots "
+          "without one: no-op). InvalidArgument, touching nothing, for a slot out of range.")
+      .def(
           "allocate",
           [](K& k, std::int64_t n, const py::object& prot, bool partial) -> py::object {
             if (n < 0) throw Error(StatusCode::kInvalidArgument, "allocate: n must be >= 0");

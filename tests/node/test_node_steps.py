@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kvtier.node import protocol as P
-from kvtier.node.connection import NodeClient, NodeUnavailable
+from kvtier.node.connection import NodeClient, NodeError, NodeUnavailable
 from kvtier.tiers.base import LookupResult
 from test_node import NS_A, Node, _remove_pools, content, key, store
 
@@ -175,6 +175,57 @@ def test_a_keys_life_through_the_shared_index_makes_no_round_trip(tmp_path: Path
         occ = n.status()["classes"]["4096"]["occupancy"]
         assert (occ["blocks"], occ["pinned"], occ["writing"]) == (2000, 0, 0)
         m.shutdown()
+    finally:
+        n.stop()
+        _remove_pools(n.name)
+
+
+def test_loads_through_the_index_are_told_with_the_step_end(tmp_path: Path) -> None:
+    """An engine's loads through the shared index send the node nothing
+    per load: their slots and the finished request go with the step end,
+    where the node counts the loads and uses the blocks (a loaded block
+    outlives older ones it was behind); a slot outside the pool there
+    closes the connection."""
+    n = Node(tmp_path, blocks=64, shared_index=True)
+    try:
+        a, b = n.engine(engine="a"), n.engine(engine="b")
+        pool = a.attach_pool()
+        for i in range(0, 8, 2):  # single-block chains 0..7, oldest first
+            store(a, pool, [i])
+            store(a, pool, [i + 1])
+        a.take_events()
+        m = n.server.classes[4096].manager
+        ns = bytes.fromhex(NS_A)[:8]
+
+        class Req:
+            req_id = "r"
+
+        assert b.lookup(key(0), Req) is LookupResult.HIT
+        spec = b.prepare_load([key(0)], Req)
+        assert np.array_equal(pool.view(int(spec.slots[0])), content(0))
+        b.complete_load([key(0)], Req)
+        b.on_request_finished(Req)
+        assert b._finished == ["r"] and b._loaded == [int(spec.slots[0])]
+        assert m.stats.loads == 0  # nothing sent yet
+        b.on_schedule_end()
+        b.take_events()
+        assert b._finished == [] and m.stats.loads == 1
+        # Fill the tier: the oldest blocks go, but key 0, used since, stays.
+        i = 100
+        while ns + key(1) in m.host.entries:
+            store(a, pool, [i])
+            i += 1
+        assert ns + key(0) in m.host.entries
+        assert b.lookup(key(0)) is LookupResult.HIT
+        b.on_schedule_end()
+        b.take_events()
+        refused = n.server.counters["protocol_errors"]
+        with pytest.raises(NodeError, match="loaded slots outside the pool"):
+            b._client.call(P.Op.STEP_END, [], [n.server.classes[4096].pool.num_slots])
+        assert not b._client.connected
+        assert n.server.counters["protocol_errors"] == refused + 1
+        a.shutdown()
+        b.shutdown()
     finally:
         n.stop()
         _remove_pools(n.name)

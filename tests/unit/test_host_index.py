@@ -149,6 +149,24 @@ def test_a_branch_goes_after_the_blocks_after_it() -> None:
     assert order.index(k[3]) > order.index(k[5])
 
 
+def test_touching_by_slot_is_touching_by_key() -> None:
+    """touch_slots (the node's engines name their shared-index loads by
+    slot) moves ready blocks as touch_many of their keys does; a slot
+    without a ready block is passed over, one out of range refused with
+    nothing touched."""
+    by_key, by_slot = HostIndex(8, False), HostIndex(8, False)
+    k = [bytes([i]) * 8 for i in range(6)]
+    for nat in (by_key, by_slot):
+        nat.add_writing_many(k, list(range(6)), None)
+        nat.mark_ready_many(k[:5])  # k[5] still written
+    by_key.touch_many([k[1], k[0], k[3]])
+    by_slot.touch_slots([1, 0, 5, 7, 3])
+    assert by_slot.victims(5) == by_key.victims(5) == [k[2], k[4], k[1], k[0], k[3]]
+    with pytest.raises(InvalidArgument, match=r"slot 8 out of range \(8 slots\)"):
+        by_slot.touch_slots([2, 8])
+    assert by_slot.victims(5) == by_key.victims(5)  # k[2] not touched
+
+
 def test_bad_calls_are_refused_and_change_nothing() -> None:
     nat = HostIndex(2)
     with pytest.raises(InvalidArgument, match="capacity must be 1 to"):

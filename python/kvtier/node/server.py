@@ -576,7 +576,6 @@ _HANDLERS: dict[int, tuple[int | None, Any, bool]] = {
     Op.LOAD_PRESENT: (2, lambda s, a: s.load_present(P.keys_arg(a[0]), P.req_arg(a[1])), True),
     Op.PREPARE_LOAD: (2, lambda s, a: s.prepare_load(P.keys_arg(a[0]), P.req_arg(a[1])), True),
     Op.LOAD_PINNED: (2, lambda s, a: s.load_pinned(P.keys_arg(a[0]), P.req_arg(a[1])), True),
-    Op.LOAD_SHARED: (2, lambda s, a: s.load_shared(P.keys_arg(a[0]), P.req_arg(a[1])), True),
     Op.STORE_BEGIN: (
         3,
         lambda s, a: s.store_begin(P.keys_arg(a[0]), P.int_list_arg(a[1]), P.req_arg(a[2])),
@@ -592,7 +591,7 @@ _HANDLERS: dict[int, tuple[int | None, Any, bool]] = {
         True,
     ),
     Op.REQUEST_FINISHED: (1, lambda s, a: s.request_finished(P.req_arg(a[0])), True),
-    Op.STEP_END: (0, lambda s, a: s.step_end(), True),
+    Op.STEP_END: (2, lambda s, a: s.step_end(P.reqs_arg(a[0]), P.int_list_arg(a[1])), True),
     Op.RESET: (0, lambda s, a: s.reset(), True),
 }
 _HANDLERS = {int(k): v for k, v in _HANDLERS.items()}

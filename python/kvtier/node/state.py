@@ -327,16 +327,6 @@ class Session:
             raise ProtocolError("load of keys this engine's lookups did not pin")
         self._pin_loads(nks, req)
 
-    def load_shared(self, keys: list[bytes], req: Any) -> None:
-        """Loads this engine pinned in the shared index itself (no lease
-        here: its pin bits are its leases, reaped when it goes): the blocks
-        are used now, and counted."""
-        m = self.cls.manager
-        nks = self._node_keys(keys)
-        m.touch(nks)
-        m.stats.loads += len(nks)
-        m.stats.loaded_from["host"] = m.stats.loaded_from.get("host", 0) + len(nks)
-
     def complete_load(self, keys: list[bytes], req: Any) -> None:
         nks = self._node_keys(keys)
         pins = self.load_pins
@@ -444,10 +434,28 @@ class Session:
     def request_finished(self, req: Any) -> None:
         self.cls.manager.on_request_finished(self._ctx(req))
 
-    def step_end(self) -> list[Any]:
-        """Release this step's lookup pins, run the class's step end, and
-        hand over the events kept for this engine (oldest first), whether
-        the class has work in flight, and its blocks held (every engine's)."""
+    def step_end(self, finished: list[Any], loaded: list[int]) -> list[Any]:
+        """The requests ``finished`` since the last step end are done, and
+        the engine loaded the blocks in slots ``loaded`` through the shared
+        index (pinned there: no lease here) since: they are used now, and
+        counted. Release this step's lookup pins, run the class's step end,
+        and hand over the events kept for this engine (oldest first),
+        whether the class has work in flight, and its blocks held (every
+        engine's)."""
+        m = self.cls.manager
+        for req in finished:
+            m.on_request_finished(self._ctx(req))
+        if loaded:
+            if self.engine_index is None:
+                raise ProtocolError("loads through a shared index this engine was not given")
+            cap = self.cls.pool.num_slots
+            if min(loaded) < 0 or max(loaded) >= cap:
+                raise ProtocolError("step_end names loaded slots outside the pool")
+            # A slot evicted and reused since holds a block stored since:
+            # most recently used already, touched again, no harm.
+            m.host.touch_slots(loaded)  # type: ignore[attr-defined]
+            m.stats.loads += len(loaded)
+            m.stats.loaded_from["host"] = m.stats.loaded_from.get("host", 0) + len(loaded)
         self._release_scan()
         self.cls.manager.on_schedule_end()
         self.cls.distribute_events()

@@ -309,6 +309,12 @@ class NativeHostTier(HostTier):
     def touch_many(self, keys: Iterable[bytes]) -> None:
         self._ix.touch_many(keys)  # skips keys that are not resident
 
+    def touch_slots(self, slots: list[int]) -> None:
+        """The ready blocks in ``slots`` become the most recently used, in
+        order (the node's engines name their shared-index loads by slot).
+        InvalidArgument, touching nothing, for a slot out of range."""
+        self._ix.touch_slots(slots)
+
     def begin_cascade(self, key: bytes) -> None:
         self._ix.add_cascading(self._slot(key), 1)
 
