@@ -81,6 +81,19 @@ def test_a_requests_later_offers_continue_its_chain(policy: str) -> None:
     assert chain_leaves(m, [K(0), K(1), K(2), K(3)]) == [K(3), K(2), K(1), K(0)]
 
 
+def test_a_finished_requests_chain_ends_go_and_no_other_requests() -> None:
+    m = make(8, "lru")
+    a, b = SimpleNamespace(req_id="a"), SimpleNamespace(req_id="b")
+    store(m, [K(0), K(1)], a)
+    store(m, [K(10)], b)
+    m.on_request_finished(a)
+    assert list(m._last_offer) == ["b"]
+    store(m, [K(11)], b)  # b's next offer still follows its last
+    m.on_request_finished(b)
+    assert m._last_offer == {}
+    assert chain_leaves(m, [K(10), K(11)]) == [K(11), K(10)]
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_key_a_scan_stopped_at_continues_the_hit_prefix(policy: str) -> None:
     m = make(4, policy)

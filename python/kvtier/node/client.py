@@ -137,6 +137,7 @@ class NodeManager:
         self._loaded: list[int] = []  # slots loaded through the shared index, likewise
         self._pending = False
         self._asked = False  # this step asked the node to look (it may start work)
+        self._alive = False  # the connection was polled this step (_index)
         self._closed = False
         self._next_attach = 0.0
         # The node's shared index, when it offers one: HITs found, pinned and
@@ -213,6 +214,22 @@ class NodeManager:
         self.client_stats.reattaches += 1
         log.warning("kvtier: reattached to the node at %s", self.path)
 
+    def _index(self) -> SharedView | None:
+        """The shared index, when there is one and the node is alive: its
+        connection is polled at the first use of a step (a dead node's index
+        is never read past the step that noticed). Once a step, not once a
+        call: only a node started again reuses the old one's slots, which
+        takes far longer than a step, and each poll was 3% of the engine's
+        time a key (bench manager --node --shared-index, 16 keys a call)."""
+        view = self._view
+        if view is None or self._alive:
+            return view
+        if self._client.peer_gone():
+            self._down(NodeUnavailable(0, f"kvtier node at {self.path}: the connection closed"))
+            return None
+        self._alive = True
+        return view
+
     def _call(self, op: Op, *args: Any) -> Any:
         self.client_stats.round_trips += 1
         if op is Op.LOOKUP or op is Op.LOAD_PRESENT:
@@ -247,10 +264,8 @@ class NodeManager:
             scan += self.key_order(key, req_context)[: SCAN_KEYS - 1]
         out: list[tuple[int, int]] = []
         ask = scan  # the keys the node is asked
-        view = self._view
-        if view is not None and self._client.peer_gone():  # never read a dead node's index
-            self._down(NodeUnavailable(0, f"kvtier node at {self.path}: the connection closed"))
-        elif view is not None:
+        view = self._index()
+        if view is not None:
             # HITs found and pinned in the shared index; its MISS goes to the
             # node only when it has lower tiers (a HIT there starts a promotion).
             out = view.scan(scan)
@@ -321,7 +336,7 @@ class NodeManager:
         self.stats.loaded_from["host"] = self.stats.loaded_from.get("host", 0) + len(keys)
         req = getattr(req_context, "req_id", None)
         hit = self._hit_slots
-        view = self._view
+        view = self._index()
         found = all(k in hit for k in keys)  # this step's lookups named every slot
         if view is not None and view.hits and found and self.attached:
             mine = view.take_loads(keys)
@@ -386,8 +401,8 @@ class NodeManager:
             self.client_stats.node_dropped_stores += len(keys)
             return None
         req = getattr(req_context, "req_id", None)
-        view = self._view
-        if view is not None and self.attached and not self._client.peer_gone():
+        view = self._index()
+        if view is not None and self.attached:
             got = view.store_from_reserve([bytes(k) for k in keys])
             if got is not None:  # into this engine's reserved slots: no round trip
                 stored, slots, evicted = got
@@ -466,6 +481,7 @@ class NodeManager:
             raise ClosedError("manager is shut down")
         self._answers.clear()
         self._hit_slots.clear()
+        self._alive = False
         view = self._view
         if view is not None:
             view.end_step()
