@@ -229,3 +229,17 @@ def test_loads_through_the_index_are_told_with_the_step_end(tmp_path: Path) -> N
     finally:
         n.stop()
         _remove_pools(n.name)
+
+
+def test_an_engine_of_another_protocol_version_is_refused_with_both(tmp_path: Path) -> None:
+    n = Node(tmp_path)
+    try:
+        c = NodeClient(n.path, timeout_s=5.0)
+        with pytest.raises(NodeError, match=r"protocol version 1, this node speaks 2"):
+            c.call(P.Op.HELLO, 1, NS_A, 4096, "old", False)
+        assert not c.connected
+        assert n.server.counters["protocol_errors"] == 1
+        assert n.status()["engines"] == []
+    finally:
+        n.stop()
+        _remove_pools(n.name)

@@ -34,6 +34,7 @@ from kvtier.node import protocol as P
 from kvtier.node.connection import (
     SPIN_S,
     NodeClient,
+    NodeError,
     NodeUnavailable,
 )
 from kvtier.node.protocol import Op
@@ -140,6 +141,7 @@ class NodeManager:
         self._alive = False  # the connection was polled this step (_index)
         self._closed = False
         self._next_attach = 0.0
+        self._refused = ""  # the node's last refusal at a reattach (logged once)
         # The node's shared index, when it offers one: HITs found, pinned and
         # loaded there without a round trip.
         self._view: SharedView | None = None
@@ -195,6 +197,12 @@ class NodeManager:
         self._next_attach = time.monotonic() + REATTACH_PERIOD_S
         try:
             info = self._attach()
+        except NodeError as e:  # it answers but refuses us (another protocol version)
+            self._client.close()
+            if str(e) != self._refused:  # once, not at every try
+                self._refused = str(e)
+                log.error("kvtier: the node at %s refused this engine: %s", self.path, e)
+            return
         except KvtierError:
             self._client.close()
             return
