@@ -111,3 +111,25 @@ def test_the_memory_split_benchmark_reports_both_configurations(tmp_path: object
         assert run["fixed"]["hit_bytes"] > 0 and run["by_use"]["hit_bytes"] > 0
         assert sum(run["by_use"]["chunks"]) == 16
         assert run["ratio"] == round(run["by_use"]["hit_bytes"] / run["fixed"]["hit_bytes"], 3)
+
+
+@TIERS
+def test_a_region_for_one_block_size_counts_no_regret(tier: type) -> None:
+    """Regret only moves chunks between block sizes: a node of one
+    (--max-classes 1) remembers none of its evictions; one of two does."""
+    for classes, remembered in ((1, 0), (2, 8)):
+        r = open_region(f"kvtest-chunks1-{os.getpid()}", 4 * 4096, 4096, classes)
+        try:
+            t = tier(r.view(1024), HostOptions(), r)  # 16 slots in all
+            m = TieredOffloadingManager(t, events=False)
+            for i in range(0, 24, 8):  # the third offer evicts 8 blocks
+                out = m.prepare_store([key(j) for j in range(i, i + 8)])
+                assert out is not None
+                m.complete_store(out.keys_to_store)
+            assert len(t._ghost) == remembered
+            out = m.prepare_store([key(0)])  # stored again: regret, with two
+            assert out is not None
+            assert (t.regret > 0) == (classes > 1)
+            m.shutdown()
+        finally:
+            r.pool.close()

@@ -72,8 +72,13 @@ class Region:
     """The chunks of the node's region (``pool``: the region as created, one
     header slot per chunk) and the tiers that own them."""
 
-    def __init__(self, pool: HostPool) -> None:
+    def __init__(self, pool: HostPool, regret: bool = True) -> None:
         self.pool = pool
+        # Whether its tiers count regret (remember what they evicted): only
+        # where another block size may come to share it. The ghost list's
+        # upkeep was 4% of the node's time with one size (cProfile, bench
+        # manager --node --shared-index, 16 keys a call).
+        self.counts_regret = regret
         self.chunk_bytes = pool.slot_bytes
         self.owner: list[ChunkOwner | None] = [None] * pool.num_slots
         self._free = list(range(pool.num_slots - 1, -1, -1))  # chunk 0 first
@@ -200,7 +205,7 @@ class ChunkOwner(HostTier):
         if short > 0:
             self.region.grow(self, short)
         got = super().allocate(n, protected, partial)
-        if got is not None and got[1]:
+        if got is not None and got[1] and self.region.counts_regret:
             self._forget(got[1])
         return got
 
@@ -220,7 +225,7 @@ class ChunkOwner(HostTier):
         self, keys: list[bytes], slots: list[int], parents: list[bytes | None] | None = None
     ) -> None:
         ghost = self._ghost
-        back = [k for k in keys if k in ghost]
+        back = [k for k in keys if k in ghost] if ghost else None
         if back:
             for k in back:
                 del ghost[k]

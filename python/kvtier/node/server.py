@@ -421,7 +421,7 @@ class NodeServer:
             total = int(self.config.host.bytes)
             chunk = chunk_bytes_for(total, self.config.chunk_bytes)
             name = f"kvnode-{_safe(self.config.name)}-region"
-            self.region = open_region(name, total // chunk * chunk, chunk)
+            self.region = open_region(name, total // chunk * chunk, chunk, self.config.max_classes)
             self._share_pool(self.region.pool.name)
             log.info(
                 "kvtier node: region %s, %d chunks of %d B",
