@@ -428,3 +428,43 @@ def test_a_block_taken_from_its_own_chain_is_not_taken_again_from_its_roots() ->
     host.touch_many([keys[0]])  # K0 used last: K1 comes first
     assert host.allocate(2) == ([slots[0], slots[1]], [keys[1], keys[0]])
     assert set(host.entries) == {keys[2]}
+
+
+def _parents_by_rule(
+    offer: list[bytes], last: dict[bytes, bytes], miss: dict[bytes, bytes]
+) -> list[bytes | None]:
+    """Each key's parent as _parents' docstring says, one key at a time."""
+    out: list[bytes | None] = []
+    prev: dict[bytes, bytes] = {}
+    for k in offer:
+        g = k[-4:] if len(k) >= 12 else b""
+        if out and g == (offer[len(out) - 1][-4:] if len(offer[len(out) - 1]) >= 12 else b""):
+            out.append(offer[len(out) - 1])
+        else:
+            p = prev.get(g) or last.get(g) or miss.pop(k, None)
+            out.append(p)
+        prev[g] = k
+        last[g] = k
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.tuples(st.integers(0, 30), st.sampled_from([0, 0, 0, 1, 2, -1])), max_size=12),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_an_offers_parents_follow_the_rule_with_one_group_or_many(
+    offers: list[list[tuple[int, int]]],
+) -> None:
+    """_parents' one-group path and its general loop give what the rule
+    says, over a request's offers in turn (-1: a key too short for a group)."""
+    m = make(64, "lru")
+    req = SimpleNamespace(req_id="r")
+    last: dict[bytes, bytes] = {}
+    for offer in offers:
+        keys = [bytes([i]) * 8 if g < 0 else K(i, g) for i, g in offer]
+        assert m._parents(keys, "r") == _parents_by_rule(keys, last, {})
+    m.on_request_finished(req)
