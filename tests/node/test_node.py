@@ -396,7 +396,7 @@ def _fuzz_frames(n: int, rng: random.Random) -> Iterator[bytes]:
         P.pack([int(P.Op.PREPARE_STORE), [key(2), key(3)], "r"]),
         P.pack([int(P.Op.COMPLETE_STORE), [key(2)], "r", True]),
         P.pack([int(P.Op.PREPARE_LOAD), [key(1)], None]),
-        P.pack([int(P.Op.STEP_END), ["r"], 0]),
+        P.pack([int(P.Op.STEP_END), ["r"], []]),
     ]
     for _ in range(n):
         kind = rng.randrange(5)

@@ -243,3 +243,38 @@ def test_an_engine_of_another_protocol_version_is_refused_with_both(tmp_path: Pa
     finally:
         n.stop()
         _remove_pools(n.name)
+
+
+def test_a_node_back_with_another_pool_is_not_read_through_its_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node started again with another pool (another name) answers, but
+    this engine's workers map the old pool: the engine serves without the
+    node (lookups miss) and never reads the new node's index."""
+    from kvtier.node import client as node_client
+
+    monkeypatch.setattr(node_client, "REATTACH_PERIOD_S", 0.0)
+    n = Node(tmp_path, shared_index=True)
+    m = None
+    try:
+        a = n.engine(engine="a")
+        pool = a.attach_pool()
+        keys = store(a, pool, [0, 1])
+        n.stop()
+        _remove_pools(n.name)
+        n = Node(tmp_path, shared_index=True)  # the same socket, another pool
+        m = n.engine(engine="m")
+        mpool = m.attach_pool()
+        store(m, mpool, [0, 1])  # the same keys, held by the new node
+        a.on_schedule_end()  # notices the old connection closed
+        a.on_schedule_end()  # reattaches: another pool
+        assert a.client_stats.pool_changed and a._view is None
+        assert [a.lookup(k) for k in keys] == [LookupResult.MISS] * 2
+        assert a.prepare_store(keys) is None
+        a.on_schedule_end()
+        a.shutdown()
+    finally:
+        if m is not None:
+            m.shutdown()
+        n.stop()
+        _remove_pools(n.name)

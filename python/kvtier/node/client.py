@@ -211,6 +211,7 @@ class NodeManager:
             # them to map it again, which only an engine restart does.
             self.client_stats.pool_changed = True
             self._client.close()
+            self._drop_index()  # the new pool's: the workers map the old one
             log.error(
                 "kvtier: the node at %s came back with another pool (%s, not %s): "
                 "this engine serves without it until restarted",

@@ -119,6 +119,8 @@ class SlotClass:
         if not events or not self.sessions:
             return
         prefixes = {s.prefix for s in self.sessions if s.wants_events}
+        if not prefixes:  # no engine takes them (vLLM's default)
+            return
         only = next(iter(prefixes)) if len(prefixes) == 1 else None
         for e in events:
             if e.ids:
