@@ -29,3 +29,30 @@ def test_keys_the_manager_lost_are_counted_as_missed() -> None:
     _, missed = returning_cycles(m, keys, batch, lag)
     assert missed > n // 2  # most were evicted before they came back
     assert missed + m.stats.loads == n  # each returning key loaded or counted
+
+
+def test_a_processes_cpu_time_is_read_for_itself_and_for_a_child() -> None:
+    """process_cpu_s, which splits ``bench manager --node``'s cost between
+    the node and its client: a child that used 0.2 s of CPU reads at least
+    that (less a clock tick), this process counts its own work, and a
+    process that is gone is an OSError."""
+    import subprocess
+    import sys
+
+    import pytest
+    from kvtier.bench.harness import process_cpu_s
+
+    burn = "import time\nwhile time.process_time() < 0.2: pass\nprint(flush=True)\ninput()"
+    child = subprocess.Popen(
+        [sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "\n"
+        assert process_cpu_s(child.pid) >= 0.2 - 0.02
+    finally:
+        child.communicate("\n")
+    with pytest.raises(OSError):
+        process_cpu_s(child.pid)
+    t0 = process_cpu_s()
+    sum(range(2_000_000))
+    assert process_cpu_s() > t0

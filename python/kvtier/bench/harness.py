@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -39,6 +40,18 @@ def freeze_heap_as_engines_do() -> None:
     Who calls: the manager benches, before timing anything."""
     gc.collect()
     gc.freeze()
+
+
+def process_cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system, every thread) a process has used so far:
+    this one when ``pid`` is None, else a child's from /proc (Linux). Who
+    calls: benches that split a run's cost between processes (the node's
+    and its client's). Raises OSError when the process is gone."""
+    if pid is None:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return ru.ru_utime + ru.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def median_rate(

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.harness import freeze_heap_as_engines_do
+from kvtier.bench.harness import freeze_heap_as_engines_do, process_cpu_s
 from kvtier.bench.manager import returning_cycles
 from kvtier.scheduler.manager import TieredOffloadingManager
 from kvtier.tiers.host_native import make_host_tier
@@ -143,15 +143,21 @@ def run_node_manager(
         try:
             for batch in (1, 16):
                 local, one, many = [], [], []
+                cpu: dict[str, list[float]] = {"in_process": [], "client": [], "node": []}
                 missed = 0
                 for _ in range(repeats):
                     keys = _keys(num_keys, 0)
                     m = TieredOffloadingManager(make_host_tier(None, capacity, policy=policy))
+                    c0 = process_cpu_s()
                     rate, miss = returning_cycles(m, keys, batch, RETURN_LAG)
+                    cpu["in_process"].append(process_cpu_s() - c0)
                     local.append(rate)
                     node = start_node(path, name, ["--host-bytes", str(capacity * PAYLOAD), *flags])
                     try:
+                        c0, n0 = process_cpu_s(), process_cpu_s(node.pid)
                         rate, m1 = _client_rate(path, keys, batch)
+                        cpu["client"].append(process_cpu_s() - c0)
+                        cpu["node"].append(process_cpu_s(node.pid) - n0)
                         one.append(rate)
                         rate, m4 = _aggregate(path, num_keys, batch, clients)
                         many.append(rate)
@@ -163,6 +169,9 @@ def run_node_manager(
                 out[f"node_1_client_batch{batch}"] = round(statistics.median(one))
                 out[f"node_{clients}_clients_batch{batch}"] = round(statistics.median(many))
                 out[f"returning_misses_batch{batch}"] = missed
+                for who, used in cpu.items():  # one client's run: each side's share
+                    us = statistics.median(used) / num_keys * 1e6
+                    out[f"cpu_us_per_key_{who}_batch{batch}"] = round(us, 2)
                 out[f"ratio_1_client_batch{batch}"] = round(
                     statistics.median(one) / statistics.median(local), 3
                 )
@@ -181,7 +190,10 @@ def run_node_manager(
         "complete_load; returning_misses: returning keys a scan missed (0: every load ran); "
         "ratios against the in-process manager of the same run; "
         f"{clients} clients: their aggregate, each cycling {num_keys // clients} keys of its own; "
-        "round_trip_floor_us: a bare echo over a Unix socket between two processes"
+        "round_trip_floor_us: a bare echo over a Unix socket between two processes; "
+        "cpu_us_per_key: CPU time (user + system) a key of the in-process manager, and of "
+        "the one-client run's client and node processes (both poll briefly while they "
+        "wait: included)"
     )
     return out
 

@@ -10,7 +10,6 @@ whole run.
 
 from __future__ import annotations
 
-import resource
 import shutil
 import statistics
 import subprocess
@@ -24,7 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.bench.harness import PAIRED, default_output_dir, drive_tier, paired_ratio
+from kvtier.bench.harness import (
+    PAIRED,
+    default_output_dir,
+    drive_tier,
+    paired_ratio,
+    process_cpu_s,
+)
 from kvtier.bench.peers import (
     LMCACHE_BATCH,
     LMCACHE_VERSION,
@@ -132,12 +137,6 @@ def _redis_benchmark(
                     if cpu:
                         best[f"{what}_server_cpu_s_per_gb"] = used / (n * size / 1e9)
     return best
-
-
-def _own_cpu() -> float:
-    """CPU seconds (user + system) of every thread of this process so far."""
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
 
 
 def _delete(host: str, port: int, password: str, cluster: bool, keys: list[bytes]) -> None:
@@ -267,13 +266,13 @@ def run_remote(
             if what == "load":
                 buf.clear()
             c0 = cpu() if cpu else 0.0
-            own0 = _own_cpu()
+            own0 = process_cpu_s()
             t0 = time.perf_counter()
             c.move(what == "store")
             secs = time.perf_counter() - t0
             r[what].append(round(n * block_bytes / secs / 1e9, 3))
             client_gb.setdefault(f"{c.name} {what}", []).append(
-                (_own_cpu() - own0) / (n * block_bytes / 1e9)
+                (process_cpu_s() - own0) / (n * block_bytes / 1e9)
             )
             if cpu:
                 used = cpu() - c0
