@@ -128,11 +128,7 @@ class SlotClass:
                     s.add_event(e.tier, e.removed, [], list(e.ids), e.metadata_only)
             if not e.keys:
                 continue
-            if only is not None:
-                # One namespace takes events (one engine, or replicas of one
-                # model): a comprehension, not a dict of lists: the split
-                # was a tenth of the node's time (cProfile, bench manager
-                # --node --shared-index, one engine, 16 keys a call).
+            if only is not None:  # a dict of lists was a tenth of the node's time (cProfile)
                 by_ns = {only: [k[8:] for k in e.keys if k[:8] == only]}
             else:
                 by_ns = {}
@@ -446,13 +442,11 @@ class Session:
         self.cls.manager.on_request_finished(self._ctx(req))
 
     def step_end(self, finished: list[Any], loaded: list[int]) -> list[Any]:
-        """The requests ``finished`` since the last step end are done, and
-        the engine loaded the blocks in slots ``loaded`` through the shared
-        index (pinned there: no lease here) since: they are used now, and
-        counted. Release this step's lookup pins, run the class's step end,
-        and hand over the events kept for this engine (oldest first),
-        whether the class has work in flight, and its blocks held (every
-        engine's)."""
+        """Requests ``finished`` since the last step end are done; blocks in
+        slots ``loaded`` (through the shared index, no lease here) are used
+        and counted. Release this step's lookup pins, run the class's step
+        end, and hand over this engine's events (oldest first), whether the
+        class has work in flight, and its blocks held (every engine's)."""
         m = self.cls.manager
         for req in finished:
             m.on_request_finished(self._ctx(req))

@@ -114,11 +114,9 @@ class TieredOffloadingManager:
         # scan looked up last (HIT or pending: the one before the next); the
         # predecessor of each key a scan stopped at (MISS: the first block
         # the request will offer); each live request's last offered key per
-        # group (the predecessor of its next offer's first).
+        # group (the predecessor of its next offer's first), by request.
         self._scan_prev: bytes | None = None
         self._miss_prev: dict[bytes, bytes] = {}
-        # By request, then group: a request's end drops its entry in one
-        # step (a scan of every live request's ends was a finish's cost).
         self._last_offer: dict[Any, dict[bytes, bytes]] = {}
         self._closed = False
         # The shared state again as plain attributes: the calls below run per
@@ -407,26 +405,20 @@ class TieredOffloadingManager:
         key its scan looked up before it. Remembers the offer's last key per
         group for the request's next offer; an offer with no request (None)
         is chained within itself only: such callers may never say it ended.
-        A list, not a dict: prepare_store hands it to the host tier as is
-        (callgrind, kvtier bench manager's 16-key offers: a dict's store and
-        fetch per key were 2% of a lookup + store + load cycle)."""
+        A list, not a dict: the host tier takes it as is (a dict was 2% of
+        a cycle: callgrind, kvtier bench manager, 16-key offers)."""
         miss = self._miss_prev
         if req is None and len(offer) == 1:  # the common call of a plain caller
             p = miss.pop(offer[0], None) if miss else None
             return [p] if p is not None else None
-        last: dict[bytes, bytes] | None = None
-        if req is not None:
-            last = self._last_offer.get(req)
-            if last is None:
-                last = self._last_offer[req] = {}
+        last = None if req is None else self._last_offer.setdefault(req, {})
         if len(set(map(_TAIL, offer))) == 1 and min(map(len, offer)) >= 12:
-            # One group (every offer of a one-group model): each key follows
-            # the one before it, found in C; the loop below was a node
-            # step's largest Python item (cProfile, 16-key offers).
+            # One group: each key follows the one before (in C; the loop was
+            # a node step's largest Python item, cProfile, 16-key offers).
             g = offer[0][-4:]
-            p = last.get(g) if last is not None else None
-            if p is None and miss:
-                p = miss.pop(offer[0], None)
+            p = (last.get(g) if last is not None else None) or (
+                miss.pop(offer[0], None) if miss else None
+            )
             if last is not None:
                 last[g] = offer[-1]
             return [p, *offer[:-1]]
