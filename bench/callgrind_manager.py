@@ -13,6 +13,7 @@ each under callgrind). Who calls: a developer, for the benchmark pages:
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -33,20 +34,38 @@ cycles(TieredOffloadingManager(make(None, n // 2)), keys, batch)
 """
 
 
-def instructions(n: int, batch: int, tier: str) -> int:
-    """Instructions callgrind counted for one child run."""
+# Runs that count the same twice: no hash randomization (dicts and sets
+# resize and iterate alike), and no OpenBLAS thread pool, whose threads spin
+# for a time-dependent while after numpy starts them (millions of
+# instructions a run, measured).
+STEADY_ENV = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"}
+
+
+def collected(stderr: str) -> int:
+    """The instruction count in callgrind's report (its stderr)."""
+    m = re.search(r"Collected : (\d+)", stderr)
+    if m is None:
+        raise SystemExit(f"no instruction count in callgrind's output:\n{stderr[-2000:]}")
+    return int(m.group(1))
+
+
+def count(code: str, *args: str) -> int:
+    """Instructions callgrind counted for ``python -c code args...``."""
     with tempfile.NamedTemporaryFile(suffix=".out") as out:
         p = subprocess.run(
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out.name}"]
-            + [sys.executable, "-c", _CHILD, str(n), str(batch), tier],
+            + [sys.executable, "-c", code, *args],
             capture_output=True,
             text=True,
             check=True,
+            env=STEADY_ENV,
         )
-    m = re.search(r"Collected : (\d+)", p.stderr)
-    if m is None:
-        raise SystemExit(f"no instruction count in callgrind's output:\n{p.stderr[-2000:]}")
-    return int(m.group(1))
+    return collected(p.stderr)
+
+
+def instructions(n: int, batch: int, tier: str) -> int:
+    """Instructions callgrind counted for one child run."""
+    return count(_CHILD, str(n), str(batch), tier)
 
 
 def main() -> None:
