@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from kvtier.errors import InvalidArgument
 from kvtier.node import protocol as P
 from kvtier.node.connection import NodeClient, NodeError, NodeUnavailable
 from kvtier.tiers.base import LookupResult
@@ -276,5 +277,46 @@ def test_a_node_back_with_another_pool_is_not_read_through_its_index(
     finally:
         if m is not None:
             m.shutdown()
+        n.stop()
+        _remove_pools(n.name)
+
+
+def test_a_reused_packer_frames_as_pack_does_and_resets_after_a_failure() -> None:
+    pack = P.packer()
+    frames = [
+        [int(P.Op.STORE_BEGIN), [key(i) for i in range(16)], list(range(16)), "r"],
+        [10, [], []],
+    ]
+    for f in frames:
+        assert pack(f) == P.pack(f)
+    with pytest.raises(TypeError):
+        pack([1, object()])  # not packable: nothing of it may lead the next frame
+    body = pack(frames[1])
+    assert body == P.pack(frames[1])
+    assert P.unpack(body[P.HEADER.size :]) == frames[1]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_an_offer_takes_bytes_and_bytearrays_and_refuses_anything_else(
+    tmp_path: Path, shared: bool
+) -> None:
+    class Key(bytes):
+        pass
+
+    n = Node(tmp_path, blocks=256, shared_index=shared)
+    try:
+        a = n.engine(engine="a")
+        with pytest.raises(InvalidArgument, match=r"^keys must be bytes, got str$"):
+            a.prepare_store([key(1), "k2"])  # type: ignore[list-item]
+        offer = [key(1), bytearray(key(2)), Key(key(3))]
+        out = a.prepare_store(offer)  # type: ignore[arg-type]
+        assert out is not None
+        assert out.keys_to_store == [key(1), key(2), key(3)]
+        assert [type(k) for k in out.keys_to_store] == [bytes] * 3
+        a.complete_store(out.keys_to_store)
+        a.on_schedule_end()
+        assert [a.lookup(key(i)) for i in (1, 2, 3)] == [LookupResult.HIT] * 3
+        a.shutdown()
+    finally:
         n.stop()
         _remove_pools(n.name)

@@ -50,26 +50,23 @@ log = logging.getLogger("kvtier.node")
 
 _ANSWER = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY)
 _NAME = {id(r): r.name.lower() for r in LookupResult}  # stats' keys, without enum lookups
+_BYTES = {bytes}
 # Keys of a request's scan sent with its first lookup: the node answers up to
 # the first MISS, so a long prompt is one round trip, not one per key.
 SCAN_KEYS = 4096
 REATTACH_PERIOD_S = 1.0
-# Posted calls that wait for the next message out (a step's end, a store's
-# end, a round trip: at most one step): measured, kvtier bench manager
-# --node --shared-index at 16 keys a call, one sendall a call each cost
-# about 12 us, a third of the in-process manager's whole cycle.
+# Posted calls that wait for the next message out (at most one step): a
+# sendall each cost about 12 us, a third of the in-process manager's cycle
+# (kvtier bench manager --node --shared-index, 16 keys a call).
 _INFORM = frozenset({Op.STORE_BEGIN, Op.LOAD_PINNED, Op.TOUCH, Op.REQUEST_FINISHED})
-# Finished requests told with the next step end (the node only forgets
-# their chain ends); an engine that rarely ends steps (SGLang) tells them
-# this many at a time. Measured (bench manager --node --shared-index, 16
-# keys a call): a REQUEST_FINISHED frame per request was 7% of the node's
-# time per key.
+# Finished requests go with the step end (the node only forgets their chain
+# ends), this many at once if steps are rare (SGLang). A frame each was 7% of
+# the node's time a key (bench manager --node --shared-index, 16 keys a call).
 FINISHED_BATCH = 64
-# Step ends posted and not answered yet before the next waits for them: the
-# events and reservation they carry arrive at most this many steps late.
-# Measured (one engine, 16 keys a step, node and engine about as fast): at
-# 2 the engine waited in a third of its steps, at 8 in a ninth. A step of
-# 16 keys takes 16 of the 256 reserved slots: 8 steps leave half in hand.
+# Step ends posted, unanswered, before the next waits (their events and
+# reservation arrive at most this many steps late). One engine, 16 keys a
+# step: at 2 it waited in a third of its steps, at 8 in a ninth; 8 steps of
+# 16 keys leave half of the 256 reserved slots in hand.
 OWED_STEPS = 8
 
 
@@ -346,18 +343,18 @@ class NodeManager:
         req = getattr(req_context, "req_id", None)
         hit = self._hit_slots
         view = self._index()
-        found = all(k in hit for k in keys)  # this step's lookups named every slot
+        found = all(map(hit.__contains__, keys))  # this step's lookups named every slot
         if view is not None and view.hits and found and self.attached:
             mine = view.take_loads(keys)
             if mine is not None:
                 # Told by slot with the step end (recency, counters); keys
                 # the node pinned (a promotion's) as before.
-                self._loaded += [hit[k] for k in mine]
+                self._loaded += map(hit.__getitem__, mine)
                 if len(mine) < len(keys):
                     taken = set(mine)
                     rest = [k for k in keys if k not in taken]
                     self._send(Op.LOAD_PINNED, rest, req)
-                return HostSpec(np.asarray([hit[k] for k in keys], np.int64))
+                return HostSpec(np.fromiter(map(hit.__getitem__, keys), np.int64, len(keys)))
         if view is not None and not found and self.attached:
             slots = view.pin_present(keys)
             if slots is not None:
@@ -402,9 +399,8 @@ class NodeManager:
         self, keys: Collection[bytes], req_context: Any = None
     ) -> PrepareStoreResult | None:
         keys = list(keys)
-        for k in keys:
-            if not isinstance(k, (bytes, bytearray)):
-                raise InvalidArgument(f"keys must be bytes, got {type(k).__name__}")
+        if keys and set(map(type, keys)) != _BYTES:  # the types in C, not a check a key
+            keys = _plain_bytes(keys)
         self._answers.clear()
         if not self.attached:
             self.client_stats.node_dropped_stores += len(keys)
@@ -412,14 +408,14 @@ class NodeManager:
         req = getattr(req_context, "req_id", None)
         view = self._index()
         if view is not None and self.attached:
-            got = view.store_from_reserve([bytes(k) for k in keys])
+            got = view.store_from_reserve(keys)
             if got is not None:  # into this engine's reserved slots: no round trip
                 stored, slots, evicted = got
                 if stored:
                     self._send(Op.STORE_BEGIN, stored, slots, req)
                 return PrepareStoreResult(stored, HostSpec(np.asarray(slots, np.int64)), evicted)
         try:
-            out = self._call(Op.PREPARE_STORE, [bytes(k) for k in keys], req)
+            out = self._call(Op.PREPARE_STORE, keys, req)
         except NodeUnavailable as e:
             self._down(e)
             self.client_stats.node_dropped_stores += len(keys)
@@ -594,3 +590,11 @@ class NodeManager:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _plain_bytes(keys: list[Any]) -> list[bytes]:
+    """``keys`` as plain bytes (bytearrays, subclasses copied); InvalidArgument else."""
+    for k in keys:
+        if not isinstance(k, (bytes, bytearray)):
+            raise InvalidArgument(f"keys must be bytes, got {type(k).__name__}")
+    return [bytes(k) for k in keys]

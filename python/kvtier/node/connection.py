@@ -53,6 +53,7 @@ class NodeClient:
         self._sock: socket.socket | None = None
         self._reader = P.FrameReader()
         self._queued = bytearray()
+        self._pack = P.packer()
         # Requests posted with post_call whose replies are owed, and the
         # frames read so far that answer them (in order).
         self._owed = 0
@@ -92,7 +93,7 @@ class NodeClient:
         out with the next :meth:`call` (or :meth:`flush`), in order."""
         if self._sock is None:
             raise NodeUnavailable(0, f"kvtier node at {self.path}: not connected")
-        self._queued += P.pack([int(op), *args])
+        self._queued += self._pack([int(op), *args])
 
     def post_call(self, op: Op, *args: Any) -> None:
         """Queue a request whose reply is read later, by :meth:`replies` or
@@ -141,7 +142,7 @@ class NodeClient:
             self.connect()
         assert self._sock is not None
         try:
-            data = P.pack([int(op), *args])
+            data = self._pack([int(op), *args])
             if self._queued:
                 data, self._queued = bytes(self._queued) + data, bytearray()
             # The node may have refused us and closed first: its reason is

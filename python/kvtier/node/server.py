@@ -117,6 +117,7 @@ class NodeServer:
             "refused_calls": 0,
         }
         self.started = time.time()
+        self._pack = P.packer()  # the replies' (this thread's only)
         self._stop = threading.Event()
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -285,7 +286,7 @@ class NodeServer:
             for body in frames:
                 reply = self._dispatch(conn, P.unpack(body))
                 if reply is not None:
-                    conn.out += P.pack(reply)
+                    conn.out += self._pack(reply)
             if len(conn.out) > MAX_UNREAD:
                 raise ProtocolError(f"{len(conn.out)} bytes of replies left unread")
         except ProtocolError as e:
