@@ -268,30 +268,29 @@ class NodeManager:
         scan = [key]
         if self.key_order is not None:
             scan += self.key_order(key, req_context)[: SCAN_KEYS - 1]
-        out: list[tuple[int, int]] = []
         ask = scan  # the keys the node is asked
+        answers, slots = self._answers, self._hit_slots
         view = self._index()
         if view is not None:
-            # HITs found and pinned in the shared index; its MISS goes to the
-            # node only when it has lower tiers (a HIT there starts a promotion).
-            out = view.scan(scan)
-            ask = scan[len(out) - 1 :] if out[-1][0] == 0 and view.lower else []
+            # HITs found and pinned in the shared index, stored as answers;
+            # its MISS goes to the node only when it has lower tiers (a HIT
+            # there starts a promotion).
+            n, last = view.scan_into(scan, answers, slots, _ANSWER)
+            ask = scan[n - 1 :] if last == 0 and view.lower else []
             if ask:
-                del out[-1]
+                del answers[ask[0]]
         if ask and not self.attached:
             self.client_stats.node_down_lookups += 1
         elif ask:
             try:
                 req = getattr(req_context, "req_id", None)
-                out += [(c, s) for c, s in self._call(Op.LOOKUP, ask, req)]
+                for k, (code, slot) in zip(ask, self._call(Op.LOOKUP, ask, req)):
+                    answers[k] = (_ANSWER[code], slot)
+                    if slot >= 0:
+                        slots[k] = slot
             except NodeUnavailable as e:
                 self._down(e)
                 self.client_stats.node_down_lookups += 1
-        answers, slots = self._answers, self._hit_slots
-        for k, (code, slot) in zip(scan, out):
-            answers[k] = (_ANSWER[code], slot)
-            if slot >= 0:
-                slots[k] = slot
         return answers.pop(key, (LookupResult.MISS, -1))
 
     def contains(self, keys: list[bytes]) -> list[LookupResult]:

@@ -39,6 +39,7 @@ class SharedView:
         self.evicted: list[bytes] = []  # evicted to fill the reservation, not reported yet
         # The native calls, bound once: the manager calls them per request.
         self.scan = native.scan
+        self.scan_into = native.scan_into
         self.take_loads = native.take_loads
         self.pin_present = native.pin_present
         self.complete = native.complete
