@@ -66,6 +66,34 @@ def test_an_engine_finds_and_pins_what_the_node_published() -> None:
         assert not node.pinned(11)
 
 
+def test_scan_into_stores_what_scan_returns() -> None:
+    with _index_pool() as pool:
+        node = _native.SharedIndex.create(pool.native, SLOTS)
+        keys = [b"k0", b"k1", b"k2", b"k3"]
+        node.publish(10, digest(NS + keys[0]), ready=True)
+        node.publish(11, digest(NS + keys[1]))  # being written
+        node.publish(12, digest(NS + keys[3]), ready=True)
+        engine = view(pool, 0)
+        answers: dict[bytes, object] = {b"old": ("x", 1)}
+        slots: dict[bytes, int] = {}
+        names = ("miss", "hit", "pending", "retry")
+        # Up to and including the first MISS, as scan: keys[3] is not asked.
+        assert engine.scan_into(keys, answers, slots, names) == (3, MISS)
+        assert answers == {
+            b"old": ("x", 1),
+            keys[0]: ("hit", 10),
+            keys[1]: ("pending", -1),
+            keys[2]: ("miss", -1),
+        }
+        assert slots == {keys[0]: 10}  # only HITs have a slot
+        assert engine.scan_pins == 1 and engine.hits == 1
+        assert engine.scan_into([keys[3]], answers, slots, names) == (1, HIT)
+        assert answers[keys[3]] == ("hit", 12) and slots[keys[3]] == 12
+        with pytest.raises(InvalidArgument, match="an answer code has no result"):
+            engine.scan_into([keys[3]], {}, {}, ("miss",))
+        engine.end_step()
+
+
 def test_bad_input_is_refused() -> None:
     with _index_pool() as pool:
         node = _native.SharedIndex.create(pool.native, SLOTS)
