@@ -94,6 +94,29 @@ def test_scan_into_stores_what_scan_returns() -> None:
         engine.end_step()
 
 
+def test_take_all_loads_takes_every_key_or_none() -> None:
+    with _index_pool() as pool:
+        node = _native.SharedIndex.create(pool.native, SLOTS)
+        keys = [b"k0", b"k1", b"k2"]
+        for i, k in enumerate(keys):
+            node.publish(20 + i, digest(NS + k), ready=True)
+        engine = view(pool, 0)
+        assert engine.scan(keys[:2]) == [(HIT, 20), (HIT, 21)]
+        loaded: list[int] = [7]
+        # keys[2] was not found by this step's scans: nothing is taken.
+        assert engine.take_all_loads(keys, loaded) is None
+        assert loaded == [7] and engine.scan_pins == 2 and engine.loads == 0
+        got = engine.take_all_loads(keys[:2], loaded)
+        assert got is not None and got.dtype == np.int64 and got.tolist() == [20, 21]
+        assert loaded == [7, 20, 21]
+        assert engine.scan_pins == 0 and engine.loads == 2  # the scan pins are the loads' now
+        assert engine.take_all_loads(keys[:2], loaded) is None  # taken already
+        engine.end_step()
+        assert node.pinned(20) and node.pinned(21)  # held by the loads past the step
+        assert engine.complete(keys[:2]) == []
+        assert not node.pinned(20) and not node.pinned(21)
+
+
 def test_bad_input_is_refused() -> None:
     with _index_pool() as pool:
         node = _native.SharedIndex.create(pool.native, SLOTS)

@@ -32,7 +32,7 @@ bool EngineView::take_loads(const std::vector<std::string_view>& keys, std::vect
   slots->assign(keys.size(), -1);
   std::unordered_map<std::uint32_t, std::uint32_t> need;
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    auto it = hits_.find(std::string(keys[i]));
+    auto it = hits_.find(key_of(keys[i]));
     if (it == hits_.end()) continue;
     (*mine)[i] = true;
     (*slots)[i] = it->second;
@@ -55,6 +55,13 @@ bool EngineView::take_loads(const std::vector<std::string_view>& keys, std::vect
   for (std::size_t i = 0; i < keys.size(); ++i)
     if ((*mine)[i]) loads_[std::string(keys[i])].push_back(static_cast<std::uint32_t>((*slots)[i]));
   return true;
+}
+
+bool EngineView::take_all_loads(const std::vector<std::string_view>& keys, std::vector<bool>* mine,
+                                std::vector<std::int64_t>* slots) {
+  for (std::string_view k : keys)
+    if (hits_.find(key_of(k)) == hits_.end()) return false;
+  return take_loads(keys, mine, slots);
 }
 
 bool EngineView::pin_present(const std::vector<std::string_view>& keys,
@@ -113,7 +120,7 @@ void EngineView::add_writing(std::string_view key, std::uint32_t slot) {
 std::size_t EngineView::finish(const std::vector<std::string_view>& keys, bool success) {
   std::size_t ready = 0;
   for (std::string_view k : keys) {
-    auto it = writing_.find(std::string(k));
+    auto it = writing_.find(key_of(k));
     if (it == writing_.end()) continue;
     if (success) ready += pins_.index().finish(it->second);
     writing_.erase(it);
@@ -125,7 +132,7 @@ void EngineView::complete(const std::vector<std::string_view>& keys, std::vector
   rest->assign(keys.size(), true);
   if (loads_.empty()) return;
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    auto it = loads_.find(std::string(keys[i]));
+    auto it = loads_.find(key_of(keys[i]));
     if (it == loads_.end()) continue;
     const std::uint32_t s = it->second.back();
     it->second.pop_back();

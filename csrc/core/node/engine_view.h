@@ -56,6 +56,10 @@ class EngineView {
   // when a scan pin a key needs was taken by an earlier load of this step.
   bool take_loads(const std::vector<std::string_view>& keys, std::vector<bool>* mine,
                   std::vector<std::int64_t>* slots);
+  // take_loads when this step's scans found every key here (the usual
+  // load); false, changing nothing, otherwise.
+  bool take_all_loads(const std::vector<std::string_view>& keys, std::vector<bool>* mine,
+                      std::vector<std::int64_t>* slots);
   // Every key ready here, each pinned as a load: their slots in order;
   // false, pinning nothing, unless all are (a load of keys stored since
   // this step's scans).
@@ -96,6 +100,14 @@ class EngineView {
   std::string prefix_;
   std::unordered_map<std::uint32_t, std::uint32_t> scan_pins_;  // slot -> this step's scan pins
   std::size_t scan_pin_count_ = 0;
+  // The maps below are searched through one reused string, not a
+  // std::string made for each key (a heap allocation a key: vLLM's keys are
+  // 36 bytes, past the short-string buffer; C++17 has no lookup by view).
+  const std::string& key_of(std::string_view k) {
+    scratch_.assign(k.data(), k.size());
+    return scratch_;
+  }
+  std::string scratch_;
   std::unordered_map<std::string, std::uint32_t> hits_;                // key -> slot its scan found
   std::unordered_map<std::string, std::vector<std::uint32_t>> loads_;  // key -> slots it loads
   std::unordered_map<std::string, std::uint32_t> writing_;  // key -> slot this engine writes

@@ -340,14 +340,17 @@ class NodeManager:
         self.stats.loads += len(keys)
         self.stats.loaded_from["host"] = self.stats.loaded_from.get("host", 0) + len(keys)
         req = getattr(req_context, "req_id", None)
-        hit = self._hit_slots
         view = self._index()
+        if view is not None and self.attached:  # the usual load: every key a HIT here
+            got = view.take_all_loads(keys, self._loaded)
+            if got is not None:
+                return HostSpec(got)
+        hit = self._hit_slots
         found = all(map(hit.__contains__, keys))  # this step's lookups named every slot
         if view is not None and view.hits and found and self.attached:
             mine = view.take_loads(keys)
             if mine is not None:
-                # Told by slot with the step end (recency, counters); keys
-                # the node pinned (a promotion's) as before.
+                # Told by slot with the step end; a promotion's (node-pinned) as before.
                 self._loaded += map(hit.__getitem__, mine)
                 if len(mine) < len(keys):
                     taken = set(mine)
@@ -360,9 +363,8 @@ class NodeManager:
                 self._loaded += slots
                 return HostSpec(np.asarray(slots, np.int64))
         if found and self.attached:
-            # This step's lookups pinned them at the node and named their
-            # slots: no need to wait for the node (the usual case: vLLM loads
-            # in the step it looked up), one round trip less per load.
+            # This step's lookups pinned them at the node and named their slots:
+            # no need to wait for it (vLLM loads in the step it looked up).
             self._send(Op.LOAD_PINNED, keys, req)
             if self.attached:
                 return HostSpec(np.asarray([hit[k] for k in keys], np.int64))
@@ -372,8 +374,7 @@ class NodeManager:
                 return HostSpec(np.asarray(slots, np.int64))
             except NodeUnavailable as e:
                 self._down(e)
-        # The node went away after this step's lookup: its pins went with
-        # it, but nothing has reused the slots it named yet.
+        # The node went after this step's lookup: nothing has reused its slots yet.
         slots = [self._hit_slots.get(k, -1) for k in keys]
         if any(s < 0 for s in slots):
             raise InvalidArgument("prepare_load of a key that is not a HIT")

@@ -41,6 +41,7 @@ class SharedView:
         self.scan = native.scan
         self.scan_into = native.scan_into
         self.take_loads = native.take_loads
+        self.take_all_loads = native.take_all_loads
         self.pin_present = native.pin_present
         self.complete = native.complete
         self.end_step = native.end_step
