@@ -41,7 +41,8 @@ def _keys(n: int, client: int) -> list[bytes]:
 
 def start_node(path: str, name: str, flags: list[str]) -> subprocess.Popen[bytes]:
     """``kvtier node`` with ``flags`` in a child process, once it answers on
-    ``path``. Who calls: the node's and the SGLang backend's benchmarks."""
+    ``path``. Who calls: the node's and the SGLang backend's benchmarks,
+    tests/gpu/test_cuda_node.py."""
     from kvtier.node.connection import NodeUnavailable, node_status
 
     cmd = [sys.executable, "-m", "kvtier.cli", "node", "--socket", path, "--name", name]
