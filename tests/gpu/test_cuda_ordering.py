@@ -42,11 +42,20 @@ def kv() -> torch.Tensor:
 
 def _warm(t: DeviceTransfer) -> None:
     """One store and one load first, so that nothing lazy (events, streams)
-    lands inside the measured submit."""
+    lands inside the measured submit; and one launch of each kernel the
+    tests queue behind their sleep. CUDA loads a kernel at its first launch
+    (lazy loading, its default), and that load waits for the work already on
+    the GPU: on an H200 a first ``index_select`` behind the sleep held the
+    host 159 ms, until the sleep ended, while kvtier's submit took 0.4 ms
+    (gpu-check, 2026-12-04)."""
     assert t.submit_store(900, [0], [15])
     case.assert_ok(t, [900])
     assert t.submit_load(901, [15], [0])
     case.assert_ok(t, [901])
+    scratch = torch.zeros(4, PAGE, dtype=torch.uint8, device="cuda")
+    scratch[1].fill_(0x11)
+    scratch.index_select(0, torch.tensor([0, 2, 3], device="cuda"))
+    torch.cuda._sleep(1)
     torch.cuda.synchronize()
 
 
