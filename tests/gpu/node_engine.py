@@ -12,6 +12,11 @@ JSON line on stdout for each command line on stdin, in order:
   ROUND into poisoned blocks of its own cache and compares them byte for
   byte with that engine's bytes (made again from SEED); answers
   ``{"loaded": n}`` or ``{"error": "..."}``;
+- ``hang ROUND``: begins a store of round ROUND behind about 1.5 s of GPU
+  work on the compute stream, so its copies are still in flight, and
+  never completes it; answers ``{"in_flight": n}`` (the test kills it);
+- ``miss SEED ROUND``: looks up engine SEED's keys of ROUND; answers
+  ``{"missed": n}`` when none is found;
 - ``quit``.
 
 DEVICE "cpu" runs the same steps on CPU tensors (the cpu backend): a check
@@ -110,6 +115,22 @@ def main() -> None:
                         want[dst] = case.snapshot(theirs.tensors[i])[src]
                         case.assert_bytes_equal(case.snapshot(x), want, f"{engine}: tensor {i}")
                     out = {"loaded": len(keys)}
+                elif cmd[0] == "hang":
+                    rnd = int(cmd[1])
+                    keys = [key(seed, rnd, i) for i in range(MOVED)]
+                    got = m.prepare_store(keys)
+                    assert got is not None and got.keys_to_store == keys, "not admitted"
+                    if device == "cuda":  # the store waits for the compute stream's work
+                        torch.cuda._sleep(10 * case.SLEEP_CYCLES)
+                    assert t.submit_store(next(jobs), sources(seed, rnd), got.store_spec.slots)
+                    out = {"in_flight": len(keys)}
+                elif cmd[0] == "miss":
+                    other, rnd = int(cmd[1]), int(cmd[2])
+                    keys = [key(other, rnd, i) for i in range(MOVED)]
+                    found = [m.lookup(k) for k in keys]
+                    m.on_schedule_end()
+                    assert found == [LookupResult.MISS] * MOVED, f"lookups {found}"
+                    out = {"missed": len(keys)}
                 else:
                     out = {"error": f"unknown command {cmd!r}"}
             except Exception as e:

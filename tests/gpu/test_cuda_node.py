@@ -3,7 +3,9 @@ attach to one ``kvtier node``, each maps the node's pool and registers it
 with CUDA once, and copies straight between its own CUDA KV cache and the
 node's slots (one copy, no CUDA IPC). Each loads what the other stored,
 byte for byte: one engine after the other, then both at once. The node's
-occupancy is exact afterwards and no lease is left.
+occupancy is exact afterwards and no lease is left. An engine SIGKILLed
+with a store's copies in flight on its GPU loses its leases at once and
+leaves nothing readable; started again, it loads what the other stored.
 
 The engines are node_engine.py in child processes (a process loads one CUDA
 runtime, and two are what the node is for); this process runs no CUDA.
@@ -16,6 +18,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,6 +111,40 @@ def test_two_engines_copy_between_their_gpus_and_one_node_pool(node: str) -> Non
         assert cls["occupancy"]["pinned"] == 0
         for e in st["engines"]:
             assert e["leases"]["load_pins"] == e["leases"]["writes"] == 0, e
+    finally:
+        a.close()
+        b.close()
+
+
+def _engine_status(path: str, name: str) -> dict[str, Any] | None:
+    return next((e for e in node_status(path)["engines"] if e["engine"] == name), None)
+
+
+def test_an_engine_killed_with_copies_in_flight_leaves_nothing_readable(node: str) -> None:
+    a, b = Engine(node, "a", SEEDS["a"]), Engine(node, "b", SEEDS["b"])
+    try:
+        a.send("store 1")
+        assert a.answer() == {"stored": 40}
+        b.send("hang 2")
+        assert b.answer() == {"in_flight": 40}
+        deadline = time.monotonic() + 10  # the node takes the store's start in its own time
+        while (_engine_status(node, "b") or {}).get("leases", {}).get("writes") != 40:
+            assert time.monotonic() < deadline, _engine_status(node, "b")
+            time.sleep(0.01)
+        b.p.kill()
+        t0 = time.monotonic()
+        b.p.wait()
+        while _engine_status(node, "b") is not None:
+            assert time.monotonic() - t0 < 1.0, "the killed engine's leases outlived 1 s"
+            time.sleep(0.005)
+        (cls,) = node_status(node)["classes"].values()
+        occ = cls["occupancy"]
+        assert (occ["blocks"], occ["pinned"], occ["writing"]) == (40, 0, 0), occ
+        a.send(f"miss {SEEDS['b']} 2")  # half-written blocks never become readable
+        assert a.answer() == {"missed": 40}
+        b = Engine(node, "b", SEEDS["b"])  # started again: the node's blocks are there
+        b.send(f"load {a.seed} 1")
+        assert b.answer() == {"loaded": 40}
     finally:
         a.close()
         b.close()

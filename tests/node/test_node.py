@@ -25,6 +25,8 @@ import pytest
 from kvtier.errors import InvalidArgument
 from kvtier.node import client as node_client
 from kvtier.node import protocol as P
+from kvtier.node import quarantine
+from kvtier.node import state as node_state
 from kvtier.node.client import NodeManager
 from kvtier.node.connection import NodeError, NodeUnavailable, node_status
 from kvtier.node.server import NodeConfig, NodeServer
@@ -365,6 +367,50 @@ def test_a_killed_engine_releases_its_leases_at_once(node: Node) -> None:
     assert [b.lookup(key(i)) for i in range(4)] == [LookupResult.HIT] * 4
 
 
+def test_a_dead_engines_unfinished_slots_wait_out_their_grace(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its copies may still land after its connection closed (a vLLM
+    worker outlives its scheduler): the slots of its unfinished stores and
+    of its reservation go to no other engine until the grace has passed."""
+    monkeypatch.setattr(quarantine, "GRACE_S", 0.5)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, node.path, NS_A, str(BLOCK)], stdout=subprocess.PIPE
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        while node.status()["engines"]:
+            time.sleep(0.01)
+    finally:
+        child.kill()
+    q = node.server.classes[BLOCK].quarantine
+    held = q.held()
+    # Its 4 half-written slots, and in the shared mode its reservation
+    # (a 32nd of the 64 slots here).
+    assert len(held) == (4 + min(node_state.RESERVE, 64 // 32) if node.shared else 4), held
+    st = node.status()["classes"][str(BLOCK)]
+    assert st["quarantined"] == st["occupancy"]["held"] == len(held)
+    b = node.engine(engine="b")
+    used: set[int] = set()
+    for i in range(100, 400, 4):  # many times what is free: every free slot, evicted and reused
+        keys = [key(j) for j in range(i, i + 4)]
+        out = b.prepare_store(keys)
+        assert out is not None and out.keys_to_store == keys
+        used.update(out.store_spec.slots.tolist())
+        b.complete_store(keys)
+        b.on_schedule_end()
+    # Every other slot went to b's stores, but the 2 b holds in reserve now.
+    assert not used & held and len(used) == 64 - len(held) - (2 if node.shared else 0)
+    deadline = time.monotonic() + 5  # the grace, then the node's once-a-second tick
+    while node.status()["classes"][str(BLOCK)]["occupancy"]["held"]:
+        assert time.monotonic() < deadline, "held past the grace"
+        time.sleep(0.05)
+    assert q.slots == 0 and not q.held()
+    b.shutdown()
+
+
 def test_claims_on_slots_not_leased_close_only_that_connection(node: Node) -> None:
     a, b = node.engine(engine="a"), node.engine(engine="b")
     pool = a.attach_pool()
@@ -606,11 +652,14 @@ def test_a_store_its_engine_finished_is_loadable_at_once_and_kept_if_it_dies(
         _remove_pools(n.name)
 
 
-def test_reserved_stores_of_one_key_keep_one_block_and_free_the_rest(tmp_path: Path) -> None:
+def test_reserved_stores_of_one_key_keep_one_block_and_free_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two engines store the same keys into their reservations before the
     node hears of either: the node keeps the blocks of the offer it serves
     first, frees the other's slots when their writes end, and frees a closed
     engine's reservation: no slot is lost."""
+    monkeypatch.setattr(quarantine, "GRACE_S", 0.5)
     n = Node(tmp_path, blocks=256, shared_index=True)
     try:
         a, b = n.engine(engine="a"), n.engine(engine="b")
@@ -654,8 +703,14 @@ def test_reserved_stores_of_one_key_keep_one_block_and_free_the_rest(tmp_path: P
             time.sleep(0.01)
         host = cls.manager.host
         # Nothing reserved, nothing lost: every slot of the class's chunks is
-        # free or holds a block.
+        # free, holds a block or is held a while (the engines' reservations:
+        # their workers might still write them), and then free.
         owned = sum(len(host.slots_of(c)) for c in host.chunks)
+        assert cls.quarantine.slots == 16
+        assert host.free_slots + len(host) + cls.quarantine.slots == owned
+        while cls.quarantine.slots:  # the node's once-a-second tick after the grace
+            assert time.monotonic() < deadline + 5
+            time.sleep(0.05)
         assert host.free_slots + len(host) == owned
     finally:
         n.stop()

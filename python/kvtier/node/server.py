@@ -214,6 +214,7 @@ class NodeServer:
                     # handed on once a second, kept only by who takes them.
                     for c in self.classes.values():
                         c.distribute_events()
+                        c.quarantine.expire()  # a dead engine's slots, past their grace
                     if self.metrics is not None:
                         self.metrics.refresh()
         finally:
@@ -325,13 +326,8 @@ class NodeServer:
             released = conn.session.release_all()
             n = sum(released.values())
             self.counters["leases_released"] += n
-            log.info(
-                "kvtier node: engine %s (pid %d) %s; released %s",
-                conn.session.engine,
-                conn.pid,
-                why,
-                released,
-            )
+            e = conn.session.engine
+            log.info("kvtier node: engine %s (pid %d) %s; released %s", e, conn.pid, why, released)
 
     # -- requests ----------------------------------------------------------
     def _dispatch(self, conn: _Conn, msg: Any) -> list[Any] | None:
@@ -505,6 +501,7 @@ class NodeServer:
                 "pool": c.pool.name,
                 "slot_bytes": c.pool.slot_bytes,
                 "occupancy": c.occupancy(),
+                "quarantined": c.quarantine.slots,  # held since an engine died (its copies)
                 "stats": {
                     "stores": c.manager.stats.stores,
                     "loads": c.manager.stats.loads,

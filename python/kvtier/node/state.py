@@ -32,6 +32,7 @@ import numpy as np
 from kvtier.errors import InvalidArgument
 from kvtier.node.chunks import ChunkOwner, Region, chunked_host_tier
 from kvtier.node.protocol import ProtocolError
+from kvtier.node.quarantine import Quarantine
 from kvtier.pool import HostPool
 from kvtier.scheduler.manager import TieredOffloadingManager
 from kvtier.tiers.base import LookupResult, LowerTier
@@ -75,6 +76,7 @@ class SlotClass:
     # (a MISS's parent is the HIT before it) must not chain one request's
     # MISS to another's HITs, another engine's least of all.
     last_scan: Any = None
+    quarantine: Quarantine = field(default_factory=Quarantine)  # a dead engine's slots
 
     @property
     def name(self) -> str:
@@ -501,28 +503,26 @@ class Session:
         if self.engine_index is not None and self.cls.shared is not None:
             released["shared_pins"] = self.cls.shared.unpin_all(self.engine_index)
         m = self.cls.manager
+        done: list[bytes] = []
+        torn: list[bytes] = []
+        for k in self.writes:  # finished in the shared index: whole (said once its bytes are in)
+            (done if self._finished(k) else torn).append(k)
+        # Slots it may still be writing: held a while (node/quarantine.py).
+        spare = [s for held in self.spare.values() for s in held]
+        writing = [e.slot for k in torn if (e := m.host.get(k)) is not None]
+        cap = self.cls.pool.num_slots // 8
+        self.cls.quarantine.hold(m.host, [*writing, *self.reserved, *spare], cap)
         self._release_scan()
         if self.load_pins:
             m.complete_load([k for k, n in self.load_pins.items() for _ in range(n)])
             self.load_pins.clear()
-        if self.writes:
-            # A write its engine finished in the shared index is whole (it
-            # says so only once its bytes are in); the rest are dropped.
-            done: list[bytes] = []
-            torn: list[bytes] = []
-            for k in self.writes:
-                (done if self._finished(k) else torn).append(k)
-            if done:
-                m.complete_store(done, None, True)
-            if torn:
-                m.complete_store(torn, None, False)
-            self.writes.clear()
-        free = m.host.release_slot
-        for s in self.reserved:
-            free(s)
-        for held in self.spare.values():
-            for s in held:
-                free(s)
+        if done:
+            m.complete_store(done, None, True)
+        if torn:
+            m.complete_store(torn, None, False)
+        self.writes.clear()
+        for s in [*self.reserved, *spare]:
+            m.host.release_slot(s)
         released["reserved"] = len(self.reserved)
         self.reserved.clear()
         self.spare.clear()
