@@ -142,7 +142,8 @@ def _status(args: argparse.Namespace) -> int:
         o = c["occupancy"]
         print(
             f"class {b} B: {o['blocks']} blocks in {o.get('chunks', '?')} chunks "
-            f"(at most {o['capacity']} blocks), pinned {o['pinned']}, writing {o['writing']}; "
+            f"(at most {o['capacity']} blocks), pinned {o['pinned']}, writing {o['writing']}, "
+            f"held {o['held']} ({c.get('quarantined', 0)} of engines that died); "
             f"stats {c['stats']}"
         )
     print(f"counters: {st['counters']}")
