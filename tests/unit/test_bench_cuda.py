@@ -1,12 +1,13 @@
 """``kvtier bench copy --device cuda`` where there is no GPU: its arguments,
 its refusal (one line, exit status 2, before any work), and the pure parts
 of kvtier.bench.device_cuda: vLLM's layout arithmetic, how much a run
-moves, the report's table. The measurements themselves need a GPU
+moves, the report's table and plot. The measurements themselves need a GPU
 (``make gpu-check`` runs them)."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from kvtier.bench.device_cuda import (
     settings,
     shape_of,
 )
-from kvtier.bench.device_cuda_report import table
+from kvtier.bench.device_cuda_report import plot, table
 from kvtier.cli import build_parser, main
 from kvtier.errors import InvalidArgument
 
@@ -126,7 +127,8 @@ def _row(**kw: Any) -> dict[str, Any]:
     return {"component": "copy", "device": "cuda", "gpu": "H100", **kw}
 
 
-def test_the_table_shows_every_measurement() -> None:
+def _measured() -> dict[str, Any]:
+    """A result as a run on an H100 makes it: each kind of row once."""
     copy = {
         "measure": "copy",
         "layout": "mla",
@@ -135,7 +137,7 @@ def test_the_table_shows_every_measurement() -> None:
         "direction": "h2d",
         "ceiling_gbps": 50.0,
     }
-    result = {
+    return {
         "gpu": {
             "gpu": "NVIDIA H100",
             "driver": "580.1",
@@ -182,7 +184,10 @@ def test_the_table_shows_every_measurement() -> None:
         ],
         "seconds": 180.0,
     }
-    text = table(result)
+
+
+def test_the_table_shows_every_measurement() -> None:
+    text = table(_measured())
     assert "NVIDIA H100" in text and "PCIe gen5 x16" in text and "libcudart.so.13" in text
     assert "ceiling  h2d: 50.0 GB/s" in text
     (line,) = [ln for ln in text.splitlines() if ln.lstrip().startswith("mla") and "KiB" in ln]
@@ -190,3 +195,28 @@ def test_the_table_shows_every_measurement() -> None:
     assert "pool of 1024 MiB" in text and "skipped (/dev/shm has 64 MiB free)" in text
     assert "slowdown 1.025" in text
     assert "skipped: past the budget" in text
+
+
+def test_the_plot_draws_each_contender_by_page_size_and_the_ceiling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    from kvtier.bench import plots
+
+    drawn = []
+    real_save = plots.save_figure
+    monkeypatch.setattr(
+        plots, "save_figure", lambda fig, path: (drawn.append(fig), real_save(fig, path))
+    )
+    plot(_measured(), tmp_path / "copy.png")
+    assert (tmp_path / "copy.png").read_bytes()[:4] == b"\x89PNG"
+    (fig,) = drawn
+    loads = fig.axes[0]
+    lines = {
+        ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in loads.get_lines()
+    }
+    assert lines["kvtier, batched"] == ([18432], [45.0])
+    assert lines["torch: gather + one copy"] == ([18432], [30.0])
+    assert lines["contiguous pinned copy"][1] == [50.0, 50.0]
+    assert loads.get_title() == "loads (host to GPU)"
+    assert not fig.axes[1].get_lines()  # no store was measured (a skipped row is not drawn)

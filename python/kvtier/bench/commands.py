@@ -145,7 +145,7 @@ def _cmd_bench_copy_cuda(args: argparse.Namespace) -> int:
     """``kvtier bench copy --device cuda``: see :mod:`kvtier.bench.device_cuda`.
     Without a CUDA GPU: InvalidArgument (one line, status 2) before any work."""
     from kvtier.bench.device_cuda import settings
-    from kvtier.bench.device_cuda_report import table
+    from kvtier.bench.device_cuda_report import plot, table
     from kvtier.bench.device_cuda_run import run_device_cuda
     from kvtier.bench.harness import output_dir, save_result
 
@@ -154,7 +154,14 @@ def _cmd_bench_copy_cuda(args: argparse.Namespace) -> int:
     s = settings(args.tokens, args.layouts, args.repeats, args.quick)
     result = run_device_cuda(s, progress=lambda m: print(m, file=sys.stderr, flush=True))
     path = save_result(result, output_dir(args.out, "bench"))
-    return _table_or_json(args, result, table(result), path)
+    text = table(result)
+    if path is not None:
+        try:
+            plot(result, path.with_suffix(".png"))
+            text += f"\n  plot  {path.with_suffix('.png')}"
+        except ImportError:  # matplotlib is the bench extra's
+            pass
+    return _table_or_json(args, result, text, path)
 
 
 def _cmd_bench_disk_index(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ link, CUDA and torch versions) and the human-readable table.
 A command-line tool's module: runs in the ``kvtier`` process. Who calls:
 :func:`kvtier.bench.device_cuda_run.run_device_cuda` (:func:`gpu_facts`, which
 blocks up to 10 s on nvidia-smi) and :mod:`kvtier.bench.commands`
-(:func:`table`, pure).
+(:func:`table`, pure; :func:`plot`, which writes a PNG).
 """
 
 from __future__ import annotations
@@ -134,3 +134,51 @@ def table(result: dict[str, Any]) -> str:
             )
     lines.append(f"  {result.get('seconds', '?')} s in all")
     return "\n".join(lines)
+
+
+# What each contender is drawn as: kvtier's two paths solid, torch's dashed.
+_LINES = {
+    "kvtier_batched": ("kvtier, batched", "-", "o"),
+    "kvtier_per_copy": ("kvtier, a copy per page", "-", "s"),
+    "torch_gather": ("torch: gather + one copy", "--", "^"),
+    "torch_per_block": ("torch: copy_ per block", "--", "v"),
+}
+
+
+_TITLES = {"h2d": "loads (host to GPU)", "d2h": "stores (GPU to host)", "both": "both at once"}
+
+
+def plot(result: dict[str, Any], path: Any) -> None:
+    """GB/s against page size, one panel per direction, each contender a
+    line over every layout's pages (what decides the speed is the page),
+    the contiguous pinned ceiling dashed across. Who calls: ``kvtier bench
+    copy --device cuda`` beside its JSON. Blocks while it draws; raises
+    ImportError without matplotlib."""
+    from kvtier.bench.plots import pyplot, save_figure
+
+    plt = pyplot()
+    rows = [r for r in result["rows"] if r.get("measure") == "copy" and "gbps" in r]
+    ways = ("h2d", "d2h", "both")
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), sharex=True)
+    for ax, way in zip(axes, ways):
+        for who, (label, style, marker) in _LINES.items():
+            pts = sorted(
+                (r["page_bytes"], r["gbps"])
+                for r in rows
+                if r["direction"] == way and r["contender"] == who
+            )
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, style, marker=marker, markersize=4, label=label)
+        ceiling = [r["ceiling_gbps"] for r in rows if r["direction"] == way]
+        if ceiling:
+            ax.axhline(max(ceiling), color="grey", linestyle=":", label="contiguous pinned copy")
+        ax.set_xscale("log", base=2)
+        ax.set_title(_TITLES[way])
+        ax.set_xlabel("page bytes (one layer's part of a block)")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[0].legend(fontsize=8)
+    gpu = result.get("gpu", {}).get("gpu", "GPU")
+    fig.suptitle(f"KV copies between {gpu} and registered host memory")
+    save_figure(fig, path)
