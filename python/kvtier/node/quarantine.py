@@ -16,8 +16,8 @@ for keys the node already had. They stay held (``held`` in the class's
 occupancy) for :data:`GRACE_S`, then are freed. Everything else the engine
 held is released at once, and none of these slots is readable meanwhile:
 their keys are dropped. At most an eighth of a class's slots are held
-(the oldest go first past that). Who calls: the node's sessions when a connection
-closes (:meth:`Quarantine.hold`), and its serving loop once a second
+(the oldest go first past that). Who calls: the node's sessions when a
+connection closes (:meth:`Quarantine.hold`), and its serving loop once a second
 (:meth:`Quarantine.expire`). Non-blocking.
 """
 
@@ -66,7 +66,7 @@ class Quarantine:
         return len(held)
 
     def held(self) -> set[int]:
-        """The slots held now (``kvtier node status`` counts them)."""
+        """The slots held now (status reports their count, :attr:`slots`)."""
         return {s for _, _, slots in self._due for s in slots}
 
     def expire(self, now: float | None = None) -> int:
