@@ -320,3 +320,94 @@ def test_an_offer_takes_bytes_and_bytearrays_and_refuses_anything_else(
     finally:
         n.stop()
         _remove_pools(n.name)
+
+
+def test_an_engine_idle_after_a_store_has_it_completed_at_the_node(tmp_path: Path) -> None:
+    """With the shared index a store's completion is posted, not sent at
+    once: an engine that then goes idle (vLLM's last step) has it sent by
+    its connection's flusher within FLUSH_AFTER_S, so the node does not keep
+    the block as being written (unevictable) until the engine's next call."""
+    from kvtier.node.connection import FLUSH_AFTER_S
+
+    n = Node(tmp_path, blocks=8192, shared_index=True)  # 256 slots reserved an engine
+    try:
+        a = n.engine(engine="a")
+        pool = a.attach_pool()
+        store(a, pool, [900])  # the first: a round trip, which reserves
+        a.take_events()
+        keys = [key(i) for i in range(4)]
+        out = a.prepare_store(keys)
+        assert out is not None and a.client_stats.round_trips == 1  # the first PREPARE_STORE
+        for i, s in zip(range(4), out.store_spec.slots.tolist()):
+            pool.view(s)[:] = content(i)
+        a.complete_store(keys)  # posted: the engine makes no call after this
+        assert a._client._queued
+        deadline = time.monotonic() + 30 * FLUSH_AFTER_S + 2.0
+        while True:
+            # Asked on another connection: a's own call would flush its queue.
+            occ = n.status()["classes"]["4096"]["occupancy"]
+            if occ["writing"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(FLUSH_AFTER_S)
+        assert (occ["blocks"], occ["writing"]) == (5, 0)
+        assert not a._client._queued
+        a.shutdown()
+    finally:
+        n.stop()
+        _remove_pools(n.name)
+
+
+def test_quiet_steps_are_ended_at_the_node_a_few_at_a_time_and_lose_nothing(
+    tmp_path: Path,
+) -> None:
+    """Steps of an engine with the shared index that asked the node nothing
+    end there STEPS_PER_END at a time (one frame); their loads, finished
+    requests and events all arrive, and a step that asks the node ends at
+    once."""
+    from kvtier.node.client import STEPS_PER_END
+
+    n = Node(tmp_path, blocks=8192, shared_index=True)
+    try:
+        a, b = n.engine(engine="a"), n.engine(engine="b")
+        pool = a.attach_pool()
+        store(a, pool, [900])
+        a.take_events()
+        ends: list[int] = []
+        post_call = a._client.post_call
+
+        def counting(op: P.Op, *args: object) -> None:
+            if op is P.Op.STEP_END:
+                ends.append(len(args[1]))  # type: ignore[arg-type]
+            post_call(op, *args)
+
+        a._client.post_call = counting  # type: ignore[method-assign]
+        stored = [store(a, pool, [10 * s, 10 * s + 1]) for s in range(2 * STEPS_PER_END)]
+        assert len(ends) == 2
+        # Loads through the index: told by slot with the step end that covers them.
+        for keys in stored[:STEPS_PER_END]:
+            assert [a.lookup(k) for k in keys] == [LookupResult.HIT] * 2
+            a.prepare_load(keys)
+            a.complete_load(keys)
+            a.on_schedule_end()
+        while a._unsent_steps:  # quiet steps until the node has them all
+            a.on_schedule_end()
+        assert len(ends) == 4 and sum(ends) == 2 * STEPS_PER_END
+        ev = a.take_events()
+        # Every store's event, the first's too (its step was not ended at once).
+        want = [key(900)] + [k for ks in stored for k in ks]
+        assert [k for e in ev if not e.removed for k in e.keys] == want
+        status = n.status()
+        assert status["classes"]["4096"]["occupancy"]["blocks"] == 1 + 4 * STEPS_PER_END
+        # A step that asked the node ends there at once, with the steps before it.
+        a.on_schedule_end()
+        assert a._unsent_steps == 1 and len(ends) == 4
+        trips = a.client_stats.round_trips
+        a.load_present([key(5000)])  # a round trip
+        a.on_schedule_end()  # another
+        assert a.client_stats.round_trips == trips + 2 and a._unsent_steps == 0
+        assert len(ends) == 4 and a._client.owed == 0
+        a.shutdown()
+        b.shutdown()
+    finally:
+        n.stop()
+        _remove_pools(n.name)

@@ -1,7 +1,6 @@
-"""The engine's side of the node: the offloading manager that forwards to
-it (:class:`NodeManager`), over one connection
-(:class:`~kvtier.node.connection.NodeClient`) and, when the node offers
-one, its shared index (:class:`~kvtier.node.shared_view.SharedView`).
+"""The engine's side of the node: the offloading manager that forwards to it
+(:class:`NodeManager`), over one connection (:class:`~kvtier.node.connection.
+NodeClient`) and its shared index (:class:`~kvtier.node.shared_view.SharedView`).
 
 Process: the engine's scheduler. Who calls: the vLLM shim's
 :class:`~kvtier.integrations.vllm.scheduler.KVTierManager` (in place of an
@@ -55,19 +54,23 @@ _BYTES = {bytes}
 # the first MISS, so a long prompt is one round trip, not one per key.
 SCAN_KEYS = 4096
 REATTACH_PERIOD_S = 1.0
-# Posted calls that wait for the next message out (at most one step): a
-# sendall each cost about 12 us, a third of the in-process manager's cycle
-# (kvtier bench manager --node --shared-index, 16 keys a call).
+# Posted calls that wait for the next message out: a sendall each cost 12 us, a
+# third of the in-process manager's cycle (bench manager --node, 16 keys a call).
 _INFORM = frozenset({Op.STORE_BEGIN, Op.LOAD_PINNED, Op.TOUCH, Op.REQUEST_FINISHED})
-# Finished requests go with the step end (the node only forgets their chain
-# ends), this many at once if steps are rare (SGLang). A frame each was 7% of
-# the node's time a key (bench manager --node --shared-index, 16 keys a call).
+# Finished requests go with the step end (the node forgets their chain ends),
+# this many at once if steps are rare (SGLang): a frame each was 7% of the
+# node's time a key (bench manager --node --shared-index, 16 keys a call).
 FINISHED_BATCH = 64
-# Step ends posted, unanswered, before the next waits (their events and
-# reservation arrive at most this many steps late). One engine, 16 keys a
-# step: at 2 it waited in a third of its steps, at 8 in a ninth; 8 steps of
-# 16 keys leave half of the 256 reserved slots in hand.
-OWED_STEPS = 8
+# Step ends posted, unanswered, before the next waits (events and reservation
+# arrive at most this many late). At 2 one engine waited in a third of its
+# steps, at 8 in a ninth (16 keys a step, one step an end).
+OWED_STEPS = 4
+# Quiet steps (shared index, nothing asked of the node) end there this many
+# at a time, one frame; sooner when the reservation is under LOW_RESERVE.
+# With its flusher, client and node CPU a key fell by about a tenth each
+# (bench manager --node --shared-index, 16 keys a call, five runs).
+STEPS_PER_END = 4
+LOW_RESERVE = 160
 
 
 @dataclass
@@ -125,9 +128,8 @@ class NodeManager:
         self.stats = ManagerStats()
         self.client_stats = NodeClientStats()
         self.lower: list[Any] = []
-        # The node's answers for the keys a scan has not asked yet (each
-        # used once, dropped when this engine changes what the node holds or
-        # the step ends) and the slots of this step's HITs (pinned for us).
+        # The node's answers for keys a scan has not asked yet (each used
+        # once, dropped at a change or the step's end); this step's HITs' slots.
         self._answers: dict[bytes, tuple[LookupResult, int]] = {}
         self._hit_slots: dict[bytes, int] = {}
         self._events: list[TierEvent] = []
@@ -135,12 +137,12 @@ class NodeManager:
         self._loaded: list[int] = []  # slots loaded through the shared index, likewise
         self._pending = False
         self._asked = False  # this step asked the node to look (it may start work)
+        self._unsent_steps = 0  # steps ended here, not yet at the node (STEPS_PER_END)
         self._alive = False  # the connection was polled this step (_index)
         self._closed = False
         self._next_attach = 0.0
         self._refused = ""  # the node's last refusal at a reattach (logged once)
-        # The node's shared index, when it offers one: HITs found, pinned and
-        # loaded there without a round trip.
+        # The node's shared index, when it offers one (no round trips).
         self._view: SharedView | None = None
         self.pool: dict[str, Any] = self._attach()  # raises when no node answers at start
         self.host = _HostView(int(self.pool["num_slots"]))
@@ -400,7 +402,7 @@ class NodeManager:
     ) -> PrepareStoreResult | None:
         keys = list(keys)
         if keys and set(map(type, keys)) != _BYTES:  # the types in C, not a check a key
-            keys = _plain_bytes(keys)
+            keys = P.plain_keys(keys)
         self._answers.clear()
         if not self.attached:
             self.client_stats.node_dropped_stores += len(keys)
@@ -450,16 +452,15 @@ class NodeManager:
     def _send(self, op: Op, *args: Any) -> None:
         """A call whose effect dies with the node anyway (its leases): when
         the node is gone there is nothing to give back. No reply is awaited.
-        Calls that only inform the node (recency, counters, a store's start,
-        a request's end: the node only forgets its chain ends) go with the
-        next message sent; the rest are sent now: an engine that goes idle
-        after a store or a load must not leave its blocks unreadable to the
-        others, or held, until its next call."""
+        Calls that only inform the node go with the next message sent (or
+        FLUSH_AFTER_S later: the connection's flusher); so do the rest with
+        a shared index, which shows a finished store to every engine at
+        once. Without one the rest are sent now."""
         if not self.attached:
             return
         try:
             self._client.post(op, *args)
-            if op not in _INFORM:
+            if op not in _INFORM and self._view is None:
                 self._client.flush()
         except NodeUnavailable as e:
             self._down(e)
@@ -479,9 +480,9 @@ class NodeManager:
     def on_schedule_end(self, context: Any = None) -> None:
         """Ends the step at the node: this step's lookup pins are released
         and the events since the last step end come back. With a shared
-        index and nothing asked of the node this step, the step's end is
-        posted and its reply (events, reservation, pending work) taken at a
-        later call: no round trip."""
+        index and nothing asked of the node, STEPS_PER_END steps end there
+        in one posted frame, its reply (events, reservation, pending work)
+        taken at a later call: no round trip, events a few steps later."""
         if self._closed:
             raise ClosedError("manager is shut down")
         self._answers.clear()
@@ -497,10 +498,17 @@ class NodeManager:
                 return
         asked, self._asked = self._asked, False
         client = self._client
+        quiet = view is not None and not (asked or self._pending)
+        if quiet:
+            self._unsent_steps += 1
+            stocked = view is not None and view.reserved >= LOW_RESERVE
+            if self._unsent_steps < STEPS_PER_END and stocked:
+                return  # ended with the next one: nothing here waits on the node
+        self._unsent_steps = 0
         fin, self._finished = self._finished, []
         loads, self._loaded = self._loaded, []
         try:
-            if view is not None and not (asked or self._pending):
+            if quiet:
                 client.post_call(Op.STEP_END, fin, loads)
                 client.flush()
                 replies = client.replies(client.owed > OWED_STEPS, OWED_STEPS)
@@ -590,11 +598,3 @@ class NodeManager:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _plain_bytes(keys: list[Any]) -> list[bytes]:
-    """``keys`` as plain bytes (bytearrays, subclasses copied); InvalidArgument else."""
-    for k in keys:
-        if not isinstance(k, (bytes, bytearray)):
-            raise InvalidArgument(f"keys must be bytes, got {type(k).__name__}")
-    return [bytes(k) for k in keys]

@@ -5,7 +5,10 @@ Process: the engine's scheduler (through :class:`~kvtier.node.client.
 NodeManager`), its workers (a one-shot :func:`pool_info` to learn which pool
 to map) and tools (``kvtier node status``, ``kvtier doctor``). Who calls:
 those, one thread per connection. Each call blocks for one Unix-socket round
-trip, at most its timeout; posted calls do not wait.
+trip, at most its timeout; posted calls do not wait. Posted calls go out
+with the next call or flush, or at the latest FLUSH_AFTER_S later, sent by
+the connection's flusher thread (an engine that goes idle after a store must
+not keep its blocks from the node).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 import os
 import select
 import socket
+import threading
 import time
 from typing import Any
 
@@ -32,6 +36,13 @@ _RECV_BYTES = 1 << 16
 # answers most calls within tens of microseconds, and a sleeping CPU's
 # wake-up is most of a round trip on a VM (see NodeConfig.spin_us).
 SPIN_S = 200e-6
+# The longest a posted call waits for the caller's next flush before the
+# flusher thread sends it: calls posted, not flushed, cost the engine one
+# sendall a step less, and the node one wake-up, read and loop. At 2 ms the
+# flusher's wake-ups (a GIL hand-off each) cost a busy engine 0.15 us a key;
+# at 10 ms nothing measurable (kvtier bench manager --node --shared-index,
+# 16 keys a call, CPU a key, five runs each).
+FLUSH_AFTER_S = 0.01
 
 
 class NodeUnavailable(IoError):
@@ -58,6 +69,11 @@ class NodeClient:
         # frames read so far that answer them (in order).
         self._owed = 0
         self._early: list[bytes] = []
+        # The flusher thread shares the queue and the socket's sending side
+        # (never its reading side): both under _send_lock.
+        self._send_lock = threading.Lock()
+        self._queued_at = 0.0
+        self._flusher: _Flusher | None = None
 
     def connect(self) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -81,19 +97,31 @@ class NodeClient:
         return self._sock is not None
 
     def close(self) -> None:
-        self._queued = bytearray()
+        with self._send_lock:
+            self._queued = bytearray()
+            if self._flusher is not None:
+                self._flusher.stop()
+                self._flusher = None
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
         self._owed = 0
         self._early = []
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
 
     def post(self, op: Op, *args: Any) -> None:
         """Queue a call of :data:`~kvtier.node.protocol.NO_REPLY`: it goes
         out with the next :meth:`call` (or :meth:`flush`), in order."""
         if self._sock is None:
             raise NodeUnavailable(0, f"kvtier node at {self.path}: not connected")
-        self._queued += self._pack([int(op), *args])
+        frame = self._pack([int(op), *args])
+        with self._send_lock:
+            if not self._queued:
+                self._queued_at = time.monotonic()
+                f = self._flusher
+                if f is None:
+                    f = self._flusher = _Flusher(self)
+                f.wake()
+            self._queued += frame
 
     def post_call(self, op: Op, *args: Any) -> None:
         """Queue a request whose reply is read later, by :meth:`replies` or
@@ -127,13 +155,31 @@ class NodeClient:
 
     def flush(self) -> None:
         """Send what :meth:`post` queued without waiting for anything."""
-        if self._queued and self._sock is not None:
+        if not self._queued:
+            return
+        try:
+            with self._send_lock:
+                if self._queued and self._sock is not None:
+                    data, self._queued = bytes(self._queued), bytearray()
+                    self._sock.sendall(data)
+        except OSError as e:
+            self.close()
+            raise NodeUnavailable(0, f"kvtier node at {self.path}: {e}") from None
+
+    def flush_stale(self) -> bool:
+        """The flusher's: send what has been queued for FLUSH_AFTER_S or
+        longer. Returns whether anything is still queued."""
+        with self._send_lock:
+            if not self._queued or self._sock is None:
+                return False
+            if time.monotonic() < self._queued_at + FLUSH_AFTER_S:
+                return True
             data, self._queued = bytes(self._queued), bytearray()
-            try:
+            # A failure is the caller's to find (its next call or poll sees
+            # the connection closed): its reading side is not this thread's.
+            with contextlib.suppress(OSError):
                 self._sock.sendall(data)
-            except OSError as e:
-                self.close()
-                raise NodeUnavailable(0, f"kvtier node at {self.path}: {e}") from None
+            return False
 
     def call(self, op: Op, *args: Any) -> Any:
         """The result of one request; NodeUnavailable when the connection
@@ -143,12 +189,13 @@ class NodeClient:
         assert self._sock is not None
         try:
             data = self._pack([int(op), *args])
-            if self._queued:
-                data, self._queued = bytes(self._queued) + data, bytearray()
-            # The node may have refused us and closed first: its reason is
-            # waiting to be read (a refused peer's error frame).
-            with contextlib.suppress(OSError):
-                self._sock.sendall(data)
+            with self._send_lock:
+                if self._queued:
+                    data, self._queued = bytes(self._queued) + data, bytearray()
+                # The node may have refused us and closed first: its reason is
+                # waiting to be read (a refused peer's error frame).
+                with contextlib.suppress(OSError):
+                    self._sock.sendall(data)
             self._read_frames(self._owed + 1)
         except (OSError, P.ProtocolError) as e:
             self.close()
@@ -227,6 +274,38 @@ class NodeClient:
             # 0.7x as fast.
             os.sched_yield()
         return self._recv()
+
+
+class _Flusher:
+    """A connection's daemon thread that sends posted calls the caller left
+    queued for FLUSH_AFTER_S. It sleeps on an event while nothing is queued
+    (woken by the post that queues after an empty queue), and takes the GIL
+    at most once per FLUSH_AFTER_S while something is."""
+
+    def __init__(self, client: NodeClient) -> None:
+        self._client = client
+        self._event = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="kvtier-node-flush", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        if not self._event.is_set():
+            self._event.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._event.set()
+
+    def _run(self) -> None:
+        client = self._client
+        while not self._stopped:
+            self._event.wait()
+            self._event.clear()
+            while not self._stopped:
+                time.sleep(FLUSH_AFTER_S)
+                if self._stopped or not client.flush_stale():
+                    break
 
 
 def pool_info(path: str, payload_bytes: int, timeout_s: float = 30.0) -> dict[str, Any]:

@@ -214,3 +214,13 @@ def hello_args(args: list[Any]) -> tuple[str, Any, str, bool]:
     if not isinstance(engine, str) or len(engine) > 256:
         raise ProtocolError("engine must be a str")
     return namespace, payload_bytes, engine, events
+
+
+def plain_keys(keys: list[Any]) -> list[bytes]:
+    """``keys`` as plain bytes (bytearrays, subclasses copied), as a frame
+    carries them; InvalidArgument for anything else. Who calls: the client,
+    for an offer whose keys are not all ``bytes``."""
+    for k in keys:
+        if not isinstance(k, (bytes, bytearray)):
+            raise InvalidArgument(f"keys must be bytes, got {type(k).__name__}")
+    return [bytes(k) for k in keys]
