@@ -59,7 +59,10 @@ def start_node(path: str, name: str, flags: list[str]) -> subprocess.Popen[bytes
             time.sleep(0.05)
 
 
-def _client_rate(path: str, keys: list[bytes], batch: int) -> tuple[float, int]:
+def _client_rate(path: str, keys: list[bytes], batch: int, ready: Any = None) -> tuple[float, int]:
+    """One client's cycles a second and its returning keys missed.
+    ``ready``: called once attached (HELLO answered, pool and index mapped),
+    before the timed cycles: several clients start these together."""
     from kvtier.node.client import NodeManager
 
     order = {k: i for i, k in enumerate(keys)}
@@ -72,6 +75,9 @@ def _client_rate(path: str, keys: list[bytes], batch: int) -> tuple[float, int]:
     with NodeManager(
         path, NS, PAYLOAD, engine=f"bench-{os.getpid()}", key_order=following, timeout_s=120
     ) as m:
+        if ready is not None:
+            m.status()  # attached: the timed cycles make no first connection
+            ready()
         return returning_cycles(m, keys, batch, RETURN_LAG, barrier=m.status)
 
 
@@ -114,8 +120,13 @@ def round_trip_floor_us(n: int = 20_000) -> float:
 
 
 def _client_main(path: str, keys: list[bytes], batch: int, start: Any, q: Any) -> None:
-    start.wait()
-    q.put(_client_rate(path, keys, batch))
+    freeze_heap_as_engines_do()  # as this bench's own process did
+
+    def ready() -> None:
+        q.put(None)
+        start.wait()
+
+    q.put(_client_rate(path, keys, batch, ready))
 
 
 def run_node_manager(
@@ -209,7 +220,12 @@ def _aggregate(path: str, num_keys: int, batch: int, clients: int) -> tuple[floa
     ]
     for p in procs:
         p.start()
-    time.sleep(1.0)  # every child imported and connected before the start
+    # Every child imported, attached and its keys built before the start:
+    # a second's sleep was not enough on two cores, so the clients' imports
+    # and first connections were timed with their cycles.
+    for _ in procs:
+        if q.get(timeout=600) is not None:
+            raise RuntimeError("a bench client finished before the start")
     t0 = time.perf_counter()
     start.set()
     rates = [q.get(timeout=600) for _ in procs]

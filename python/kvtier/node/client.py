@@ -138,7 +138,7 @@ class NodeManager:
         self._pending = False
         self._asked = False  # this step asked the node to look (it may start work)
         self._unsent_steps = 0  # steps ended here, not yet at the node (STEPS_PER_END)
-        self._alive = False  # the connection was polled this step (_index)
+        self._alive = False  # polled since the last step end sent (_index)
         self._closed = False
         self._next_attach = 0.0
         self._refused = ""  # the node's last refusal at a reattach (logged once)
@@ -224,11 +224,11 @@ class NodeManager:
 
     def _index(self) -> SharedView | None:
         """The shared index, when there is one and the node is alive: its
-        connection is polled at the first use of a step (a dead node's index
-        is never read past the step that noticed). Once a step, not once a
+        connection is polled at the first use after a step end sent (a dead
+        node's index is never read past the step that noticed). Not once a
         call: only a node started again reuses the old one's slots, which
-        takes far longer than a step, and each poll was 3% of the engine's
-        time a key (bench manager --node --shared-index, 16 keys a call)."""
+        takes far longer than STEPS_PER_END steps, and a poll each step was
+        3% of the engine's time a key (bench manager --node --shared-index)."""
         view = self._view
         if view is None or self._alive:
             return view
@@ -487,7 +487,6 @@ class NodeManager:
             raise ClosedError("manager is shut down")
         self._answers.clear()
         self._hit_slots.clear()
-        self._alive = False
         view = self._view
         if view is not None:
             view.end_step()
@@ -505,6 +504,7 @@ class NodeManager:
             if self._unsent_steps < STEPS_PER_END and stocked:
                 return  # ended with the next one: nothing here waits on the node
         self._unsent_steps = 0
+        self._alive = False
         fin, self._finished = self._finished, []
         loads, self._loaded = self._loaded, []
         try:
