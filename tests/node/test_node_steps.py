@@ -418,3 +418,21 @@ def test_quiet_steps_are_ended_at_the_node_a_few_at_a_time_and_lose_nothing(
     finally:
         n.stop()
         _remove_pools(n.name)
+
+
+def test_the_benchs_clients_start_together_once_attached(tmp_path: Path) -> None:
+    """``kvtier bench manager --node``'s several clients (child processes)
+    are each attached before the timed start, and every returning key of
+    each is found: the aggregate times cycles, not imports or connections."""
+    from kvtier.bench import node as bench
+
+    n = Node(tmp_path, blocks=8192, shared_index=True, max_classes=2)
+    try:
+        rate, missed = bench._aggregate(n.path, 2 * 512, 16, 2, events=False)
+        assert missed == 0 and rate > 0
+        status = n.status()
+        # Both clients stored every key of theirs (64-byte blocks: a class of its own).
+        assert status["classes"][str(bench.PAYLOAD)]["occupancy"]["blocks"] == 2 * 512
+    finally:
+        n.stop()
+        _remove_pools(n.name)

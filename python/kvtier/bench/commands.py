@@ -117,12 +117,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if args.node:
             from kvtier.bench.node import run_node_manager
 
-            node = run_node_manager(args.keys, args.policy, args.repeats, args.clients)
+            ev = args.events
+            node = run_node_manager(args.keys, args.policy, args.repeats, args.clients, events=ev)
             results.append(node)
             if args.shared_index:
                 results.append(
                     run_node_manager(
-                        args.keys, args.policy, args.repeats, args.clients, shared_index=True
+                        args.keys, args.policy, args.repeats, args.clients, True, events=ev
                     )
                 )
     else:  # pragma: no cover - argparse restricts choices

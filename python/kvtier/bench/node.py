@@ -59,10 +59,13 @@ def start_node(path: str, name: str, flags: list[str]) -> subprocess.Popen[bytes
             time.sleep(0.05)
 
 
-def _client_rate(path: str, keys: list[bytes], batch: int, ready: Any = None) -> tuple[float, int]:
+def _client_rate(
+    path: str, keys: list[bytes], batch: int, ready: Any = None, events: bool = False
+) -> tuple[float, int]:
     """One client's cycles a second and its returning keys missed.
     ``ready``: called once attached (HELLO answered, pool and index mapped),
-    before the timed cycles: several clients start these together."""
+    before the timed cycles: several clients start these together.
+    ``events``: whether the engine takes KV events."""
     from kvtier.node.client import NodeManager
 
     order = {k: i for i, k in enumerate(keys)}
@@ -73,7 +76,13 @@ def _client_rate(path: str, keys: list[bytes], batch: int, ready: Any = None) ->
         return keys[i + 1 : (i // batch + 1) * batch]
 
     with NodeManager(
-        path, NS, PAYLOAD, engine=f"bench-{os.getpid()}", key_order=following, timeout_s=120
+        path,
+        NS,
+        PAYLOAD,
+        engine=f"bench-{os.getpid()}",
+        key_order=following,
+        timeout_s=120,
+        events=events,
     ) as m:
         if ready is not None:
             m.status()  # attached: the timed cycles make no first connection
@@ -119,14 +128,16 @@ def round_trip_floor_us(n: int = 20_000) -> float:
     return us
 
 
-def _client_main(path: str, keys: list[bytes], batch: int, start: Any, q: Any) -> None:
+def _client_main(
+    path: str, keys: list[bytes], batch: int, start: Any, q: Any, events: bool
+) -> None:
     freeze_heap_as_engines_do()  # as this bench's own process did
 
     def ready() -> None:
         q.put(None)
         start.wait()
 
-    q.put(_client_rate(path, keys, batch, ready))
+    q.put(_client_rate(path, keys, batch, ready, events))
 
 
 def run_node_manager(
@@ -135,10 +146,14 @@ def run_node_manager(
     repeats: int = 3,
     clients: int = 4,
     shared_index: bool = False,
+    events: bool = False,
 ) -> dict[str, Any]:
     """Cycles per second: in-process, one node client, ``clients`` node
     clients at once (aggregate); medians of ``repeats``, alternating.
-    ``shared_index``: the node offers its shared index."""
+    ``shared_index``: the node offers its shared index. ``events``: the
+    engines take KV events and the in-process manager makes them (vLLM's
+    default is neither: with several engines of one namespace each engine
+    is told every engine's stores, so their cost grows as engines squared)."""
     capacity = max(1, num_keys // 2)
     flags = ["--shared-index"] if shared_index else []
     out: dict[str, Any] = {
@@ -147,6 +162,7 @@ def run_node_manager(
         "keys": num_keys,
         "host_blocks": capacity,
         "clients": clients,
+        "events": events,
     }
     name = f"bench{os.getpid()}"
     freeze_heap_as_engines_do()  # the node does the same once started
@@ -159,7 +175,8 @@ def run_node_manager(
                 missed = 0
                 for _ in range(repeats):
                     keys = _keys(num_keys, 0)
-                    m = TieredOffloadingManager(make_host_tier(None, capacity, policy=policy))
+                    host = make_host_tier(None, capacity, policy=policy)
+                    m = TieredOffloadingManager(host, events=events)
                     c0 = process_cpu_s()
                     rate, miss = returning_cycles(m, keys, batch, RETURN_LAG)
                     cpu["in_process"].append(process_cpu_s() - c0)
@@ -167,11 +184,11 @@ def run_node_manager(
                     node = start_node(path, name, ["--host-bytes", str(capacity * PAYLOAD), *flags])
                     try:
                         c0, n0 = process_cpu_s(), process_cpu_s(node.pid)
-                        rate, m1 = _client_rate(path, keys, batch)
+                        rate, m1 = _client_rate(path, keys, batch, None, events)
                         cpu["client"].append(process_cpu_s() - c0)
                         cpu["node"].append(process_cpu_s(node.pid) - n0)
                         one.append(rate)
-                        rate, m4 = _aggregate(path, num_keys, batch, clients)
+                        rate, m4 = _aggregate(path, num_keys, batch, clients, events)
                         many.append(rate)
                         missed += miss + m1 + m4
                     finally:
@@ -203,6 +220,7 @@ def run_node_manager(
         "ratios against the in-process manager of the same run; "
         f"{clients} clients: their aggregate, each cycling {num_keys // clients} keys of its own; "
         "round_trip_floor_us: a bare echo over a Unix socket between two processes; "
+        "events: whether the engines took KV events and the in-process manager made them; "
         "cpu_us_per_key: CPU time (user + system) a key of the in-process manager, and of "
         "the one-client run's client and node processes (both poll briefly while they "
         "wait: included)"
@@ -210,12 +228,14 @@ def run_node_manager(
     return out
 
 
-def _aggregate(path: str, num_keys: int, batch: int, clients: int) -> tuple[float, int]:
+def _aggregate(
+    path: str, num_keys: int, batch: int, clients: int, events: bool = False
+) -> tuple[float, int]:
     ctx = mp.get_context("spawn")
     start, q = ctx.Event(), ctx.Queue()
     per = num_keys // clients
     procs = [
-        ctx.Process(target=_client_main, args=(path, _keys(per, c + 1), batch, start, q))
+        ctx.Process(target=_client_main, args=(path, _keys(per, c + 1), batch, start, q, events))
         for c in range(clients)
     ]
     for p in procs:

@@ -154,6 +154,12 @@ def _manager(p: Parser) -> None:
         action="store_true",
         help="with --node: the node's shared index as well (kvtier node --shared-index)",
     )
+    p.add_argument(
+        "--events",
+        action="store_true",
+        help="with --node: the engines take KV events, and the in-process manager makes them "
+        "(vLLM's enable_kv_cache_events; off by default, as in vLLM)",
+    )
     _repeats(p, 3, ", the median reported")
     _common(p, "'' to skip; default: build/bench", json_path=False)
 
