@@ -411,6 +411,62 @@ def test_a_dead_engines_unfinished_slots_wait_out_their_grace(
     b.shutdown()
 
 
+_WORKER = """
+import sys, time
+from kvtier.node.connection import pool_info
+pool_info(sys.argv[1], int(sys.argv[2]), engine=sys.argv[3])
+print("mapped", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_dead_engines_slots_stay_held_while_its_workers_live(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that named its engine when it asked for the pool (vLLM's
+    workers do) may still write after its scheduler died, however long it
+    is stuck: the dead engine's unfinished slots stay held past the grace
+    until that worker has exited; another engine's worker holds nothing."""
+    monkeypatch.setattr(quarantine, "GRACE_S", 0.2)
+    procs = []
+    try:
+        for engine in ("doomed", "other"):
+            w = subprocess.Popen(
+                [sys.executable, "-c", _WORKER, node.path, str(BLOCK), engine],
+                stdout=subprocess.PIPE,
+            )
+            procs.append(w)
+            assert w.stdout is not None and w.stdout.readline().strip() == b"mapped"
+        assert node.status()["writers"] == 2
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, node.path, NS_A, str(BLOCK)], stdout=subprocess.PIPE
+        )
+        procs.append(child)
+        assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        while node.status()["engines"]:
+            time.sleep(0.01)
+        q = node.server.classes[BLOCK].quarantine
+        held = len(q.held())
+        assert held >= 4
+        time.sleep(1.5)  # the grace and the node's once-a-second tick, past both
+        st = node.status()["classes"][str(BLOCK)]
+        assert st["quarantined"] == st["occupancy"]["held"] == held
+        assert q.waiting() == held
+        procs[0].kill()  # the dead engine's worker exits: its copies are over
+        procs[0].wait()
+        deadline = time.monotonic() + 5
+        while node.status()["classes"][str(BLOCK)]["occupancy"]["held"]:
+            assert time.monotonic() < deadline, "held after the engine's last worker exited"
+            time.sleep(0.05)
+        assert q.slots == 0 and node.status()["writers"] == 1  # the other engine's
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def test_claims_on_slots_not_leased_close_only_that_connection(node: Node) -> None:
     a, b = node.engine(engine="a"), node.engine(engine="b")
     pool = a.attach_pool()

@@ -133,3 +133,36 @@ def test_a_region_for_one_block_size_counts_no_regret(tier: type) -> None:
             m.shutdown()
         finally:
             r.pool.close()
+
+
+def test_the_nodes_list_of_writers_is_bounded_and_knows_who_exited(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kvtier.node.quarantine.Writers: at most MAX_WRITERS pidfds (the
+    oldest forgotten), an exited process is not alive, the dead
+    connection's own process is left out, and prune forgets the exited."""
+    import subprocess
+    import sys
+
+    from kvtier.node import quarantine as Q
+
+    monkeypatch.setattr(Q, "MAX_WRITERS", 3)
+    w = Q.Writers()
+    try:
+        for i in range(5):
+            w.add(f"e{i}", os.getpid())
+        assert len(w) == 3 and w.alive("e0", 0) == []
+        fds = w.alive("e4", 0)  # new pidfds, the caller's to close
+        assert len(fds) == 1
+        os.close(fds[0])
+        assert w.alive("e4", os.getpid()) == []
+        p = subprocess.Popen([sys.executable, "-c", "pass"])
+        w.add("gone", p.pid)
+        p.wait()
+        assert w.alive("gone", 0) == []
+        w.prune()
+        assert len(w) == 2  # e3 and e4 (this process); "gone" forgotten
+        w.add("x", 0)  # a pid not visible here: not tracked
+        assert len(w) == 2
+    finally:
+        w.close()

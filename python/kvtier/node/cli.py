@@ -146,5 +146,5 @@ def _status(args: argparse.Namespace) -> int:
             f"held {o['held']} ({c.get('quarantined', 0)} of engines that died); "
             f"stats {c['stats']}"
         )
-    print(f"counters: {st['counters']}")
+    print(f"counters: {st['counters']}; engines' worker processes known: {st.get('writers', 0)}")
     return 0

@@ -308,12 +308,18 @@ class _Flusher:
                     break
 
 
-def pool_info(path: str, payload_bytes: int, timeout_s: float = 30.0) -> dict[str, Any]:
+def pool_info(
+    path: str, payload_bytes: int, timeout_s: float = 30.0, engine: str | None = None
+) -> dict[str, Any]:
     """Which pool the node keeps for blocks of ``payload_bytes`` (its name,
-    slots, slot size): what an engine's worker maps. Blocks for one round trip."""
+    slots, slot size): what an engine's worker maps. ``engine``: the engine
+    this process writes slots for (its HELLO name): the node holds a dead
+    engine's unfinished slots until this process has exited too. Blocks for
+    one round trip."""
     c = NodeClient(path, timeout_s)
     try:
-        return dict(c.call(Op.POOL, payload_bytes))
+        args = (payload_bytes,) if engine is None else (payload_bytes, engine)
+        return dict(c.call(Op.POOL, *args))
     finally:
         c.close()
 

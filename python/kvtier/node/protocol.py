@@ -28,7 +28,8 @@ from kvtier.errors import InvalidArgument
 
 # 2: STEP_END carries the requests finished since the last one and the
 # slots of the blocks loaded through the shared index since (LOAD_SHARED,
-# op 17, which named them by key, one frame per load, is gone).
+# op 17, which named them by key, one frame per load, is gone). POOL's second
+# argument (the engine a worker writes for) is optional: not a new version.
 VERSION = 2
 HEADER = struct.Struct("<I")
 # The largest frame either side accepts: a 128k-token prompt at 16 tokens a

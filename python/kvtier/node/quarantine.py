@@ -19,13 +19,23 @@ their keys are dropped. At most an eighth of a class's slots are held
 (the oldest go first past that). Who calls: the node's sessions when a
 connection closes (:meth:`Quarantine.hold`), and its serving loop once a second
 (:meth:`Quarantine.expire`). Non-blocking.
+
+A worker stuck for longer than the grace (a hung GPU, a stopped process)
+could still write late. So the node also knows an engine's workers: each
+names its engine when it asks for the pool (:class:`Writers`, a pidfd a
+process), and a dead engine's slots stay held past the grace until every
+worker of it that was alive when it died has exited (a process's copies
+end with it: its CUDA context is torn down first).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
 import time
-from collections import deque
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 # A worker's copy in flight ends within milliseconds, a queued one once its
@@ -33,46 +43,121 @@ from typing import Any
 # its next step. 5 s covers both with room, and costs the node a dead
 # engine's few slots for that long.
 GRACE_S = 5.0
+# Worker processes the node tracks at most (a pidfd each): past it the
+# oldest are forgotten (their engines' slots then wait out the grace only).
+MAX_WRITERS = 4096
+
+
+def _exited(fd: int) -> bool:
+    """Whether the process of pidfd ``fd`` has exited (it polls readable)."""
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+class Writers:
+    """The processes that asked for an engine's pool (its workers, which
+    write node slots), each as a pidfd: a pid that exits and is reused never
+    stands for another process. Who calls: the node's POOL handler
+    (:meth:`add`), its drop of a connection (:meth:`alive`) and its serving
+    loop once a second (:meth:`prune`)."""
+
+    def __init__(self) -> None:
+        self._fds: OrderedDict[tuple[str, int], int] = OrderedDict()
+
+    def add(self, engine: str, pid: int) -> None:
+        """Track ``pid`` as a writer of ``engine``'s (nothing when the pid is
+        not visible here: 0 from another pid namespace, or no pidfds)."""
+        if pid <= 0 or (engine, pid) in self._fds:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            return
+        self._fds[(engine, pid)] = fd
+        while len(self._fds) > MAX_WRITERS:
+            os.close(self._fds.popitem(last=False)[1])
+
+    def alive(self, engine: str, but: int) -> list[int]:
+        """Pidfds (new ones, the caller's to close) of ``engine``'s writers
+        that are alive, the process ``but`` left out (the dead connection's)."""
+        out = []
+        for (e, pid), fd in self._fds.items():
+            if e == engine and pid != but and not _exited(fd):
+                with contextlib.suppress(OSError):
+                    out.append(os.dup(fd))
+        return out
+
+    def prune(self) -> None:
+        """Forget the writers that have exited."""
+        for k in [k for k, fd in self._fds.items() if _exited(fd)]:
+            os.close(self._fds.pop(k))
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 class Quarantine:
-    """Slots held for :data:`GRACE_S`, in the order they were held."""
+    """Slots held for :data:`GRACE_S` and until given processes exited, in
+    the order they were held."""
 
     def __init__(self) -> None:
-        self._due: deque[tuple[float, Any, list[int]]] = deque()
+        # (due, host, slots, pidfds of the writers to outlive): oldest first.
+        self._due: list[tuple[float, Any, list[int], list[int]]] = []
         self.slots = 0  # held now
 
-    def hold(self, host: Any, slots: Iterable[int], cap: int) -> None:
+    def hold(self, host: Any, slots: Iterable[int], cap: int, writers: Sequence[int] = ()) -> None:
         """Hold ``slots`` of ``host`` (before they are released or dropped:
-        a release then leaves them allocated until :meth:`expire`). At most
-        ``cap`` slots stay held: past it the oldest are freed early, so a
-        flood of clients that die mid-store (or a fuzzer) cannot take the
-        class's memory from the engines that run."""
+        a release then leaves them allocated until :meth:`expire`), for the
+        grace and until every process of ``writers`` (pidfds, owned from
+        here on) has exited. At most ``cap`` slots stay held: past it the
+        oldest are freed early, so a flood of clients that die mid-store (or
+        a fuzzer) cannot take the class's memory from the engines that run."""
         held = list(dict.fromkeys(slots))
         if not held:
+            for fd in writers:
+                os.close(fd)
             return
         for s in held:
             host.hold(s)
-        self._due.append((time.monotonic() + GRACE_S, host, held))
+        self._due.append((time.monotonic() + GRACE_S, host, held, list(writers)))
         self.slots += len(held)
         while self.slots > cap and len(self._due) > 1:
-            self._free_oldest()
+            self._free(0)
 
-    def _free_oldest(self) -> int:
-        _, host, held = self._due.popleft()
+    def _free(self, i: int) -> int:
+        _, host, held, writers = self._due.pop(i)
         for s in held:
             host.unhold(s)
+        for fd in writers:
+            os.close(fd)
         self.slots -= len(held)
         return len(held)
 
     def held(self) -> set[int]:
         """The slots held now (status reports their count, :attr:`slots`)."""
-        return {s for _, _, slots in self._due for s in slots}
+        return {s for _, _, slots, _ in self._due for s in slots}
+
+    def waiting(self) -> int:
+        """Slots held past their grace: a writer of their engine still runs."""
+        now = time.monotonic()
+        return sum(len(h) for due, _, h, _ in self._due if due <= now)
 
     def expire(self, now: float | None = None) -> int:
-        """Free the slots whose grace has passed. Returns how many."""
+        """Free the slots whose grace has passed and whose engine's writers
+        have all exited. Returns how many."""
         now = time.monotonic() if now is None else now
-        n = 0
-        while self._due and self._due[0][0] <= now:
-            n += self._free_oldest()
+        n, i = 0, 0
+        while i < len(self._due) and self._due[i][0] <= now:
+            writers = self._due[i][3]
+            for fd in [fd for fd in writers if _exited(fd)]:
+                writers.remove(fd)
+                os.close(fd)
+            if writers:
+                i += 1
+            else:
+                n += self._free(i)
         return n

@@ -34,6 +34,7 @@ from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.node import protocol as P
 from kvtier.node.chunks import CHUNK_BYTES, Region, chunk_bytes_for
 from kvtier.node.protocol import Op, ProtocolError
+from kvtier.node.quarantine import Writers
 from kvtier.node.state import Session, SlotClass, build_class, open_region
 from kvtier.options.tiers import DiskOptions, HostOptions, RemoteOptions
 
@@ -117,6 +118,7 @@ class NodeServer:
             "refused_calls": 0,
         }
         self.started = time.time()
+        self.writers = Writers()  # engines' workers, named at POOL (node/quarantine.py)
         self._pack = P.packer()  # the replies' (this thread's only)
         self._stop = threading.Event()
         self._sel = selectors.DefaultSelector()
@@ -215,6 +217,7 @@ class NodeServer:
                     for c in self.classes.values():
                         c.distribute_events()
                         c.quarantine.expire()  # a dead engine's slots, past their grace
+                    self.writers.prune()
                     if self.metrics is not None:
                         self.metrics.refresh()
         finally:
@@ -241,6 +244,7 @@ class NodeServer:
             self.region.pool.close()
         if self.metrics is not None:
             self.metrics.close()
+        self.writers.close()
 
     def _accept(self) -> None:
         try:
@@ -323,7 +327,8 @@ class NodeServer:
             self._sel.unregister(conn.sock)
         conn.sock.close()
         if conn.session is not None:
-            released = conn.session.release_all()
+            # Its workers alive now may still write: their exits end the hold.
+            released = conn.session.release_all(self.writers.alive(conn.session.engine, conn.pid))
             n = sum(released.values())
             self.counters["leases_released"] += n
             e = conn.session.engine
@@ -437,6 +442,18 @@ class NodeServer:
                 os.chown(path, -1, _gid(self.config.socket_group))
             os.chmod(path, 0o660)
 
+    def _pool(self, conn: _Conn, args: list[Any]) -> dict[str, Any]:
+        """POOL [payload_bytes, engine]: the pool an engine's worker maps; a
+        worker that names its engine is one of its writers from now on."""
+        if len(args) not in (1, 2):
+            raise ProtocolError(f"expected 1 or 2 arguments, got {len(args)}")
+        info = self._pool_info(_int(args[0], "payload_bytes"))
+        if len(args) == 2:
+            if not isinstance(args[1], str) or len(args[1]) > 256:
+                raise ProtocolError("engine must be a str")
+            self.writers.add(args[1], conn.pid)
+        return info
+
     def _pool_info(self, payload_bytes: int) -> dict[str, Any]:
         c = self._class_for(payload_bytes)
         return {
@@ -474,54 +491,10 @@ class NodeServer:
         return info
 
     def status(self) -> dict[str, Any]:
-        """What ``kvtier node status`` prints: engines, namespaces,
-        occupancy, leases, tier counters. Non-blocking."""
-        engines = []
-        namespaces: dict[str, int] = {}
-        for conn in self.conns.values():
-            s = conn.session
-            if s is None:
-                continue
-            namespaces[s.namespace] = namespaces.get(s.namespace, 0) + 1
-            engines.append(
-                {
-                    "engine": s.engine,
-                    "pid": conn.pid,
-                    "uid": conn.uid,
-                    "namespace": s.namespace,
-                    "class": s.cls.payload_bytes,
-                    "calls": s.calls,
-                    "leases": s.leases(),
-                    "events_dropped": s.events_dropped,
-                }
-            )
-        classes = {}
-        for b, c in self.classes.items():
-            classes[str(b)] = {
-                "pool": c.pool.name,
-                "slot_bytes": c.pool.slot_bytes,
-                "occupancy": c.occupancy(),
-                "quarantined": c.quarantine.slots,  # held since an engine died (its copies)
-                "stats": {
-                    "stores": c.manager.stats.stores,
-                    "loads": c.manager.stats.loads,
-                    "lookups": dict(c.manager.stats.lookups),
-                    "promotions": c.manager.stats.promotions,
-                    "cascades": c.manager.stats.cascades,
-                },
-                "tiers": {t.name: t.stats() for t in c.manager.lower},
-            }
-        return {
-            "node": self.config.name,
-            "socket": self.config.socket_path,
-            "uptime_s": round(time.time() - self.started, 1),
-            "host_bytes": self.config.host.bytes,
-            "engines": engines,
-            "namespaces": namespaces,
-            "region": self.region.status() if self.region is not None else None,
-            "classes": classes,
-            "counters": dict(self.counters),
-        }
+        """What ``kvtier node status`` prints (:func:`kvtier.node.status.report`)."""
+        from kvtier.node.status import report
+
+        return report(self)
 
 
 def _nargs(args: list[Any], n: int) -> None:
@@ -568,7 +541,7 @@ def _success(v: Any) -> bool:
 _HANDLERS: dict[int, tuple[int | None, Any, bool]] = {
     Op.HELLO: (None, lambda srv, conn, a: srv._hello(conn, *a), False),
     Op.STATUS: (0, lambda srv, conn, a: srv.status(), False),
-    Op.POOL: (1, lambda srv, conn, a: srv._pool_info(_int(a[0], "payload_bytes")), False),
+    Op.POOL: (None, lambda srv, conn, a: srv._pool(conn, a), False),
     Op.LOOKUP: (2, lambda s, a: s.lookup(P.keys_arg(a[0]), P.req_arg(a[1])), True),
     Op.CONTAINS: (1, lambda s, a: s.contains(P.keys_arg(a[0])), True),
     Op.LOAD_PRESENT: (2, lambda s, a: s.load_present(P.keys_arg(a[0]), P.req_arg(a[1])), True),

@@ -147,6 +147,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 "kvtier_num_slots: required with pipeline parallelism (every stage must agree; "
                 "see kvtier plan --host-memory)"
             )
+        self.engine_id = str(config.engine_id)  # the node knows its workers by it
         if self.node is not None:
             self._node_layout(cells)
         else:
@@ -178,7 +179,6 @@ class KVTierOffloadingSpec(OffloadingSpec):
             for g in config.groups
             if (w := getattr(g, "sliding_window_size_in_chunks", None))
         }
-        self.engine_id = str(config.engine_id)
         if self.node is None:
             self.pool_name = _pool_name(self.engine_id, self.stage)
         self._manager: OffloadingManager | None = None
@@ -202,7 +202,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
             )
         assert self.node is not None
         self.payload_bytes = self.cell_bytes * cells
-        info = pool_info(self.node, self.payload_bytes)
+        info = pool_info(self.node, self.payload_bytes, engine=self.engine_id)
         self.num_slots, self.slot_bytes = int(info["num_slots"]), int(info["slot_bytes"])
         self.pool_name = str(info["pool"])
 
