@@ -166,3 +166,30 @@ def test_the_nodes_list_of_writers_is_bounded_and_knows_who_exited(
         assert len(w) == 2
     finally:
         w.close()
+
+
+def test_slots_wait_for_a_live_writer_at_most_max_hold() -> None:
+    """A dead engine's slots outlive the grace while a writer of it lives,
+    but not MAX_HOLD_S longer (an engine that reattached keeps its workers)."""
+    import time
+
+    from kvtier.node import quarantine as Q
+
+    class Host:
+        def __init__(self) -> None:
+            self.held: set[int] = set()
+
+        def hold(self, s: int) -> None:
+            self.held.add(s)
+
+        def unhold(self, s: int) -> None:
+            self.held.remove(s)
+
+    host, q = Host(), Q.Quarantine()
+    t = time.monotonic()
+    q.hold(host, [3, 4], cap=100, writers=[os.pidfd_open(os.getpid())])  # alive: this process
+    assert q.expire(t + Q.GRACE_S + 1) == 0 and host.held == {3, 4}
+    assert q.waiting() == 0  # counted from now: not past the grace yet
+    assert q.expire(t + Q.GRACE_S + Q.MAX_HOLD_S + 1) == 2 and host.held == set()
+    q.hold(host, [5], cap=100)  # no writers: the grace only
+    assert q.expire(time.monotonic() + Q.GRACE_S + 0.1) == 1

@@ -25,7 +25,7 @@ could still write late. So the node also knows an engine's workers: each
 names its engine when it asks for the pool (:class:`Writers`, a pidfd a
 process), and a dead engine's slots stay held past the grace until every
 worker of it that was alive when it died has exited (a process's copies
-end with it: its CUDA context is torn down first).
+end with it: its CUDA context is torn down first), MAX_HOLD_S at most.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ GRACE_S = 5.0
 # Worker processes the node tracks at most (a pidfd each): past it the
 # oldest are forgotten (their engines' slots then wait out the grace only).
 MAX_WRITERS = 4096
+# The longest slots wait for live workers: an engine whose connection
+# closed while it lives on (it timed out on a stalled node and reattached)
+# keeps its workers, whose copies of that time are long over.
+MAX_HOLD_S = 60.0
 
 
 def _exited(fd: int) -> bool:
@@ -148,15 +152,15 @@ class Quarantine:
 
     def expire(self, now: float | None = None) -> int:
         """Free the slots whose grace has passed and whose engine's writers
-        have all exited. Returns how many."""
+        have all exited (or that waited MAX_HOLD_S for them). Returns how many."""
         now = time.monotonic() if now is None else now
         n, i = 0, 0
         while i < len(self._due) and self._due[i][0] <= now:
-            writers = self._due[i][3]
+            due, _, _, writers = self._due[i]
             for fd in [fd for fd in writers if _exited(fd)]:
                 writers.remove(fd)
                 os.close(fd)
-            if writers:
+            if writers and now < due + MAX_HOLD_S:
                 i += 1
             else:
                 n += self._free(i)
