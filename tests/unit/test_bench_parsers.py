@@ -20,7 +20,7 @@ FLAGS = {
     name: set(flags.split())
     for name, flags in {
         "copy": "--block-bytes --repeats --device --tokens --layouts --quick",
-        "manager": "--keys --policy --node --clients --shared-index --repeats",
+        "manager": "--keys --policy --node --clients --shared-index --events --repeats",
         "disk": "--block-bytes --repeats --dir --queue-depth --total --backend",
         "disk-index": "--records --policy",
         "remote": f"--block-bytes --repeats --total --url --tls --connections --peer {TLS}",
