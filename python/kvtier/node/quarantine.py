@@ -53,8 +53,11 @@ MAX_HOLD_S = 60.0
 
 
 def _exited(fd: int) -> bool:
-    """Whether the process of pidfd ``fd`` has exited (it polls readable)."""
-    return bool(select.select([fd], [], [], 0)[0])
+    """Whether the process of pidfd ``fd`` has exited (it polls readable).
+    poll(2), not select(2): a busy node's descriptors pass FD_SETSIZE."""
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(0))
 
 
 class Writers:
