@@ -121,6 +121,32 @@ TEST_F(EngineViewTest, PinPresentPinsAllOrNothing) {
   EXPECT_FALSE(node.pinned(3));
 }
 
+TEST_F(EngineViewTest, AKeysLoadsOfTwoSlotsEachEndWithTheirOwnPin) {
+  // Two engines stored one key at once: the node published it twice, and
+  // a find names the newer slot while loads of the older still hold it.
+  publish(node, "a", 3);
+  std::vector<std::string> a{"a"};
+  std::vector<std::int64_t> slots;
+  ASSERT_TRUE(view.pin_present(views(a), &slots));
+  ASSERT_TRUE(view.pin_present(views(a), &slots));  // a second load of slot 3
+  publish(node, "a", 6);
+  ASSERT_TRUE(view.pin_present(views(a), &slots));
+  EXPECT_EQ(slots, (std::vector<std::int64_t>{6}));
+  EXPECT_EQ(view.loads(), 2u);
+  std::vector<bool> rest;
+  view.complete(views(a), &rest);
+  view.complete(views(a), &rest);
+  EXPECT_EQ(rest, (std::vector<bool>{false}));
+  EXPECT_NE(node.pinned(3), node.pinned(6));  // one of the two pins is left
+  view.complete(views(a), &rest);
+  EXPECT_FALSE(node.pinned(3));
+  EXPECT_FALSE(node.pinned(6));
+  EXPECT_EQ(view.loads(), 0u);
+  EXPECT_EQ(view.pins().pinned_slots(), 0u);
+  view.complete(views(a), &rest);  // nothing held: the node's load
+  EXPECT_EQ(rest, (std::vector<bool>{true}));
+}
+
 TEST_F(EngineViewTest, StoresTakeReservedSlotsForNewKeysOnceAndFinishMakesThemReady) {
   publish(node, "held", 1);
   std::vector<std::string> offer{"n1", "held", "n2", "n1"};

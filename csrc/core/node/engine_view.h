@@ -9,7 +9,9 @@
 // time per key in this bookkeeping as Python dicts and sets, and another
 // sixth digesting keys (a memo dict and the joins around it). Here a key is
 // digested as it is looked up, so a scan that MISSes at its first key
-// digests one key, not the request's sixteen.
+// digests one key, not the request's sixteen; digests of recent keys are
+// cached (a key's store and its return digest it once), and every map is
+// keyed by digest in one flat array (digest_map.h says what that saved).
 //
 // Keys are an engine's keys (bytes); the view digests each under the
 // engine's namespace prefix (digest_of(prefix, key)), as the node publishes
@@ -27,9 +29,9 @@
 #include <optional>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <vector>
 
+#include "digest_map.h"
 #include "shared_index.h"
 
 namespace kvtier::node {
@@ -86,31 +88,37 @@ class EngineView {
   void reserve(std::uint32_t slot) { reserved_.push_back(slot); }
   std::size_t reserved() const { return reserved_.size(); }
   std::size_t hits() const { return hits_.size(); }
-  std::size_t loads() const { return loads_.size(); }
+  std::size_t loads() const { return loads_.size() + more_loads_.size(); }
   std::size_t writing() const { return writing_.size(); }
   std::size_t scan_pins() const { return scan_pin_count_; }
   EnginePins& pins() { return pins_; }
 
  private:
-  Digest digest(std::string_view key) const {
-    return digest_of(prefix_.data(), prefix_.size(), key.data(), key.size());
-  }
+  // A key's loads held here: `n` pins of `slot` (one per load in flight).
+  struct Held {
+    std::uint32_t slot;
+    std::uint32_t n;
+  };
+  // Digests `keys` into ds_ (the call's digests, in order).
+  void digest_all(const std::vector<std::string_view>& keys);
+  // take_loads over the digests in ds_.
+  bool take(std::size_t n, std::vector<bool>* mine, std::vector<std::int64_t>* slots);
+  void hold(const Digest& d, std::uint32_t slot);
 
   EnginePins pins_;
-  std::string prefix_;
-  std::unordered_map<std::uint32_t, std::uint32_t> scan_pins_;  // slot -> this step's scan pins
+  DigestCache digest_;
+  std::vector<Digest> ds_;  // the call's digests (reused: no allocation a call)
+  // This step's scan pins a slot (indexed by slot) and the slots that
+  // have some, for the step's end.
+  std::vector<std::uint32_t> scan_count_;
+  std::vector<std::uint32_t> scan_slots_;
   std::size_t scan_pin_count_ = 0;
-  // The maps below are searched through one reused string, not a
-  // std::string made for each key (a heap allocation a key: vLLM's keys are
-  // 36 bytes, past the short-string buffer; C++17 has no lookup by view).
-  const std::string& key_of(std::string_view k) {
-    scratch_.assign(k.data(), k.size());
-    return scratch_;
-  }
-  std::string scratch_;
-  std::unordered_map<std::string, std::uint32_t> hits_;                // key -> slot its scan found
-  std::unordered_map<std::string, std::vector<std::uint32_t>> loads_;  // key -> slots it loads
-  std::unordered_map<std::string, std::uint32_t> writing_;  // key -> slot this engine writes
+  DigestMap<std::uint32_t> hits_;     // key -> slot its scan found this step
+  DigestMap<Held> loads_;             // key -> the slot its loads hold
+  // A key's loads of another slot than loads_ names (the same key in two
+  // slots: two engines stored it at once); almost always empty.
+  std::vector<std::pair<Digest, std::uint32_t>> more_loads_;
+  DigestMap<std::uint32_t> writing_;  // key -> slot this engine writes
   std::vector<std::uint32_t> reserved_;  // free slots the node keeps for our stores
 };
 

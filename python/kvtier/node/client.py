@@ -30,12 +30,7 @@ import numpy as np
 
 from kvtier.errors import ClosedError, InvalidArgument, KvtierError
 from kvtier.node import protocol as P
-from kvtier.node.connection import (
-    SPIN_S,
-    NodeClient,
-    NodeError,
-    NodeUnavailable,
-)
+from kvtier.node.connection import SPIN_S, NodeClient, NodeError, NodeUnavailable
 from kvtier.node.protocol import Op
 from kvtier.node.shared_view import SharedView
 from kvtier.scheduler.specs import HostSpec, PrepareStoreResult
@@ -66,11 +61,13 @@ FINISHED_BATCH = 64
 # steps, at 8 in a ninth (16 keys a step, one step an end).
 OWED_STEPS = 4
 # Quiet steps (shared index, nothing asked of the node) end there this many
-# at a time, one frame; sooner when the reservation is under LOW_RESERVE.
-# With its flusher, client and node CPU a key fell by about a tenth each
-# (bench manager --node --shared-index, 16 keys a call, five runs).
+# at a time, one frame (client and node CPU a key fell by a tenth each); sooner
+# when the reservation is under what the steps since the last end took from it
+# (the reply that tops it up comes about that late), or LOW_RESERVE. A fixed
+# 160 of 256 made 2.2 step ends in 4 steps and one client 16% slower (bench
+# manager --node --shared-index, 16 keys a call, five runs each).
 STEPS_PER_END = 4
-LOW_RESERVE = 160
+LOW_RESERVE = 32
 
 
 @dataclass
@@ -137,7 +134,9 @@ class NodeManager:
         self._loaded: list[int] = []  # slots loaded through the shared index, likewise
         self._pending = False
         self._asked = False  # this step asked the node to look (it may start work)
-        self._unsent_steps = 0  # steps ended here, not yet at the node (STEPS_PER_END)
+        # Steps ended here, not yet at the node (STEPS_PER_END); slots stores took
+        # from the reservation since the last step end sent.
+        self._unsent_steps = self._taken = 0
         self._alive = False  # polled since the last step end sent (_index)
         self._closed = False
         self._next_attach = 0.0
@@ -413,6 +412,7 @@ class NodeManager:
             got = view.store_from_reserve(keys)
             if got is not None:  # into this engine's reserved slots: no round trip
                 stored, slots, evicted = got
+                self._taken += len(slots)
                 if stored:
                     self._send(Op.STORE_BEGIN, stored, slots, req)
                 return PrepareStoreResult(stored, HostSpec(np.asarray(slots, np.int64)), evicted)
@@ -500,10 +500,10 @@ class NodeManager:
         quiet = view is not None and not (asked or self._pending)
         if quiet:
             self._unsent_steps += 1
-            stocked = view is not None and view.reserved >= LOW_RESERVE
+            stocked = view is not None and view.reserved >= max(LOW_RESERVE, self._taken)
             if self._unsent_steps < STEPS_PER_END and stocked:
                 return  # ended with the next one: nothing here waits on the node
-        self._unsent_steps = 0
+        self._unsent_steps = self._taken = 0
         self._alive = False
         fin, self._finished = self._finished, []
         loads, self._loaded = self._loaded, []
