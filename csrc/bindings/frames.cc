@@ -73,6 +73,30 @@ void bind_frames(py::module_& m) {
       },
       py::arg("prefix"), py::arg("keys"),
       "`prefix` + key for each key of `keys` (bytes), in order: a namespace's node keys.");
+  m.def(
+      "unprefixed",
+      [](const py::bytes& prefix, const py::list& keys) {
+        // The node hands an engine the keys of its namespace that left (64
+        // a step end at 16 keys a step): a comprehension of two slices a
+        // key was a fifth of the node's step end.
+        const std::string_view p = prefix;
+        const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
+        py::list out;
+        for (Py_ssize_t i = 0; i < n; ++i) {
+          PyObject* k = PyList_GET_ITEM(keys.ptr(), i);
+          if (!PyBytes_Check(k)) throw_invalid("unprefixed: keys must be bytes");
+          const auto len = static_cast<std::size_t>(PyBytes_GET_SIZE(k));
+          const char* data = PyBytes_AS_STRING(k);
+          if (len < p.size() || std::memcmp(data, p.data(), p.size()) != 0) continue;
+          py::object b = py::reinterpret_steal<py::object>(PyBytes_FromStringAndSize(
+              data + p.size(), static_cast<Py_ssize_t>(len - p.size())));
+          if (!b || PyList_Append(out.ptr(), b.ptr()) != 0) throw py::error_already_set();
+        }
+        return out;
+      },
+      py::arg("prefix"), py::arg("keys"),
+      "The keys of `keys` (bytes) that begin with `prefix`, without it, in order: a namespace's "
+      "own keys among node keys.");
 }
 
 }  // namespace kvtier::bindings

@@ -57,3 +57,12 @@ def test_prefixed_makes_each_namespaced_key_in_order() -> None:
     assert _native.prefixed(b"p", []) == []
     with pytest.raises(InvalidArgument, match="keys must be bytes"):
         _native.prefixed(b"p", [b"a", "b"])  # type: ignore[list-item]
+
+
+def test_unprefixed_keeps_only_the_namespaces_keys_without_the_prefix() -> None:
+    p = b"ns-12345"
+    keys = [p + b"a", b"other-ns" + b"b", p, p + b"\x00" * 40, b"ns-1234", b""]
+    assert _native.unprefixed(p, keys) == [b"a", b"", b"\x00" * 40]
+    assert _native.unprefixed(b"", [b"a", b""]) == [b"a", b""]
+    with pytest.raises(InvalidArgument, match="keys must be bytes"):
+        _native.unprefixed(p, [p + b"a", 3])  # type: ignore[list-item]

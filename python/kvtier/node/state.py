@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier._native import prefixed
+from kvtier._native import prefixed, unprefixed
 from kvtier.errors import InvalidArgument
 from kvtier.node.chunks import ChunkOwner, Region, chunked_host_tier
 from kvtier.node.protocol import ProtocolError
@@ -381,8 +381,7 @@ class Session:
 
     def _ours(self, node_keys: list[bytes]) -> list[bytes]:
         """The keys of this namespace among ``node_keys``, prefix stripped."""
-        p = self.prefix
-        return [k[8:] for k in node_keys if k[:8] == p]
+        return unprefixed(self.prefix, node_keys)
 
     def top_up(self) -> tuple[list[int], list[bytes]]:
         """Reserve slots for this engine's stores up to RESERVE (evicting
