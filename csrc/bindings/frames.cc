@@ -88,8 +88,8 @@ void bind_frames(py::module_& m) {
           const auto len = static_cast<std::size_t>(PyBytes_GET_SIZE(k));
           const char* data = PyBytes_AS_STRING(k);
           if (len < p.size() || std::memcmp(data, p.data(), p.size()) != 0) continue;
-          py::object b = py::reinterpret_steal<py::object>(PyBytes_FromStringAndSize(
-              data + p.size(), static_cast<Py_ssize_t>(len - p.size())));
+          py::object b = py::reinterpret_steal<py::object>(
+              PyBytes_FromStringAndSize(data + p.size(), static_cast<Py_ssize_t>(len - p.size())));
           if (!b || PyList_Append(out.ptr(), b.ptr()) != 0) throw py::error_already_set();
         }
         return out;

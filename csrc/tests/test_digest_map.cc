@@ -55,8 +55,13 @@ TEST(DigestMap, AgreesWithAStandardMapThroughRandomInsertsAndErases) {
 TEST(DigestCache, AnswersBlake2bsDigestForEveryKeyWhateverShareACell) {
   const std::string prefix = "ns-12345";
   DigestCache cache(prefix, 4);  // four cells: keys evict each other
-  std::vector<std::string> keys{"", "a", "ab", std::string(36, 'k'), std::string(48, 'x'),
-                                std::string(49, 'y'), std::string(200, 'z')};
+  std::vector<std::string> keys{"",
+                                "a",
+                                "ab",
+                                std::string(36, 'k'),
+                                std::string(48, 'x'),
+                                std::string(49, 'y'),
+                                std::string(200, 'z')};
   for (int i = 0; i < 64; ++i) keys.push_back("key-" + std::to_string(i));
   keys.push_back(std::string("\0\0", 2));
   keys.push_back(std::string("\0", 1));

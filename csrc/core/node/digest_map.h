@@ -127,7 +127,8 @@ class DigestCache {
   }
 
   Digest operator()(std::string_view key) {
-    if (key.size() > kKeyBytes) return digest_of(prefix_.data(), prefix_.size(), key.data(), key.size());
+    if (key.size() > kKeyBytes)
+      return digest_of(prefix_.data(), prefix_.size(), key.data(), key.size());
     const std::uint64_t h = hash(key);
     Cell& c = cells_[h & mask_];
     if (c.hash == h && c.len == key.size() && std::memcmp(c.key, key.data(), key.size()) == 0)

@@ -113,12 +113,12 @@ class EngineView {
   std::vector<std::uint32_t> scan_count_;
   std::vector<std::uint32_t> scan_slots_;
   std::size_t scan_pin_count_ = 0;
-  DigestMap<std::uint32_t> hits_;     // key -> slot its scan found this step
-  DigestMap<Held> loads_;             // key -> the slot its loads hold
+  DigestMap<std::uint32_t> hits_;  // key -> slot its scan found this step
+  DigestMap<Held> loads_;          // key -> the slot its loads hold
   // A key's loads of another slot than loads_ names (the same key in two
   // slots: two engines stored it at once); almost always empty.
   std::vector<std::pair<Digest, std::uint32_t>> more_loads_;
-  DigestMap<std::uint32_t> writing_;  // key -> slot this engine writes
+  DigestMap<std::uint32_t> writing_;     // key -> slot this engine writes
   std::vector<std::uint32_t> reserved_;  // free slots the node keeps for our stores
 };
 
