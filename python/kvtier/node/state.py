@@ -132,7 +132,7 @@ class SlotClass:
             if not e.keys:
                 continue
             if only is not None:  # a dict of lists was a tenth of the node's time (cProfile)
-                by_ns = {only: [k[8:] for k in e.keys if k[:8] == only]}
+                by_ns = {only: unprefixed(only, e.keys)}
             else:
                 by_ns = {}
                 for k in e.keys:
