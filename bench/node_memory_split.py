@@ -25,8 +25,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.node.chunks import ChunkedHostTier, chunk_bytes_for
-from kvtier.node.state import open_region
+from kvtier.node.chunks import ChunkedHostTier, chunk_bytes_for, open_region
 from kvtier.options.tiers import HostOptions
 from kvtier.scheduler.manager import TieredOffloadingManager
 from kvtier.tiers.base import LookupResult

@@ -241,7 +241,7 @@ def test_an_engine_of_another_protocol_version_is_refused_with_both(tmp_path: Pa
     n = Node(tmp_path)
     try:
         c = NodeClient(n.path, timeout_s=5.0)
-        with pytest.raises(NodeError, match=r"protocol version 1, this node speaks 2"):
+        with pytest.raises(NodeError, match=r"protocol version 1, this node speaks 2 or 3"):
             c.call(P.Op.HELLO, 1, NS_A, 4096, "old", False)
         assert not c.connected
         assert n.server.counters["protocol_errors"] == 1
@@ -346,7 +346,7 @@ def test_an_engine_idle_after_a_store_has_it_completed_at_the_node(tmp_path: Pat
         for i, s in zip(range(4), out.store_spec.slots.tolist()):
             pool.view(s)[:] = content(i)
         a.complete_store(keys)  # posted: the engine makes no call after this
-        assert a._client._queued
+        assert a._client.queued
         deadline = time.monotonic() + 30 * FLUSH_AFTER_S + 2.0
         while True:
             # Asked on another connection: a's own call would flush its queue.
@@ -355,7 +355,7 @@ def test_an_engine_idle_after_a_store_has_it_completed_at_the_node(tmp_path: Pat
                 break
             time.sleep(FLUSH_AFTER_S)
         assert (occ["blocks"], occ["writing"]) == (5, 0)
-        assert not a._client._queued
+        assert not a._client.queued
         a.shutdown()
     finally:
         n.stop()

@@ -7,8 +7,13 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from kvtier.node.chunks import ChunkedHostTier, NativeChunkedHostTier, Region, chunk_bytes_for
-from kvtier.node.state import open_region
+from kvtier.node.chunks import (
+    ChunkedHostTier,
+    NativeChunkedHostTier,
+    Region,
+    chunk_bytes_for,
+    open_region,
+)
 from kvtier.options.tiers import HostOptions
 from kvtier.scheduler.manager import TieredOffloadingManager
 

@@ -356,3 +356,34 @@ def chunked_host_tier(pool: HostPool, options: HostOptions, region: Region) -> C
     if options.policy == "lru":
         return NativeChunkedHostTier(pool, options, region)
     return ChunkedHostTier(pool, options, region)
+
+
+def open_region(name: str, region_bytes: int, chunk_bytes: int, classes: int = 2) -> Region:
+    """The node's region of ``region_bytes`` (whole chunks of
+    ``chunk_bytes``) for up to ``classes`` block sizes: created, or adopted
+    when a node before this one left it (engines' workers keep their
+    mapping of it across a node restart). Blocks while the region is
+    created and pre-faulted."""
+    from kvtier.errors import IoError
+
+    chunks = region_bytes // chunk_bytes
+    if chunks < 1:
+        raise InvalidArgument(
+            f"--host-bytes {region_bytes} is less than one chunk of {chunk_bytes} B"
+        )
+    try:
+        pool = HostPool(chunks, chunk_bytes, name=name)
+    except IoError as e:
+        import errno
+
+        if e.errno != errno.EEXIST:
+            raise
+        pool = HostPool.attach(name)
+        if (pool.num_slots, pool.slot_bytes) != (chunks, chunk_bytes):
+            got = (pool.num_slots, pool.slot_bytes)
+            pool.close()
+            raise InvalidArgument(
+                f"region {name} left by an earlier node is {got[0]} x {got[1]} B, this node "
+                f"wants {chunks} x {chunk_bytes} B: remove /dev/shm/{name} once no engine uses it"
+            ) from None
+    return Region(pool, regret=classes > 1)

@@ -51,7 +51,7 @@ SCAN_KEYS = 4096
 REATTACH_PERIOD_S = 1.0
 # Posted calls that wait for the next message out: a sendall each cost 12 us, a
 # third of the in-process manager's cycle (bench manager --node, 16 keys a call).
-_INFORM = frozenset({Op.STORE_BEGIN, Op.LOAD_PINNED, Op.TOUCH, Op.REQUEST_FINISHED})
+_INFORM = frozenset({Op.LOAD_PINNED, Op.TOUCH, Op.REQUEST_FINISHED})
 # Finished requests go with the step end (the node forgets their chain ends),
 # this many at once if steps are rare (SGLang): a frame each was 7% of the
 # node's time a key (bench manager --node --shared-index, 16 keys a call).
@@ -156,11 +156,8 @@ class NodeManager:
 
     # -- connection ----------------------------------------------------------
     def _attach(self) -> dict[str, Any]:
-        info = dict(
-            self._client.call(
-                Op.HELLO, P.VERSION, self.namespace, self.payload_bytes, self.engine, self.events
-            )
-        )
+        hello = (P.VERSION, self.namespace, self.payload_bytes, self.engine, self.events)
+        info = dict(self._client.call(Op.HELLO, *hello))
         self._open_index(info.pop("index", None))
         return info
 
@@ -169,8 +166,7 @@ class NodeManager:
         self._view = SharedView.open(ix, bytes.fromhex(self.namespace)[:8])
 
     def _drop_index(self) -> None:
-        """Forget the shared index (the node is gone: a node started again
-        reuses its slots, so nothing the old index says may be loaded)."""
+        """Forget the shared index (the node is gone: a node started again reuses its slots)."""
         if self._view is not None:
             self._view.close()
             self._view = None
@@ -210,12 +206,13 @@ class NodeManager:
             self.client_stats.pool_changed = True
             self._client.close()
             self._drop_index()  # the new pool's: the workers map the old one
+            was, now = self.pool["pool"], info["pool"]
             log.error(
                 "kvtier: the node at %s came back with another pool (%s, not %s): "
                 "this engine serves without it until restarted",
                 self.path,
-                info["pool"],
-                self.pool["pool"],
+                now,
+                was,
             )
             return
         self.client_stats.reattaches += 1
@@ -224,10 +221,9 @@ class NodeManager:
     def _index(self) -> SharedView | None:
         """The shared index, when there is one and the node is alive: its
         connection is polled at the first use after a step end sent (a dead
-        node's index is never read past the step that noticed). Not once a
-        call: only a node started again reuses the old one's slots, which
-        takes far longer than STEPS_PER_END steps, and a poll each step was
-        3% of the engine's time a key (bench manager --node --shared-index)."""
+        node's index is never read past the step that noticed). Not once a call:
+        only a node started again reuses the old one's slots, far later than
+        STEPS_PER_END steps; a poll a step was 3% of the engine's time a key."""
         view = self._view
         if view is None or self._alive:
             return view
@@ -273,9 +269,8 @@ class NodeManager:
         answers, slots = self._answers, self._hit_slots
         view = self._index()
         if view is not None:
-            # HITs found and pinned in the shared index, stored as answers;
-            # its MISS goes to the node only when it has lower tiers (a HIT
-            # there starts a promotion).
+            # HITs found and pinned in the shared index, stored as answers; its MISS
+            # goes to the node only when it has lower tiers (a HIT there promotes).
             n, last = view.scan_into(scan, answers, slots, _ANSWER)
             ask = scan[n - 1 :] if last == 0 and view.lower else []
             if ask:
@@ -414,7 +409,7 @@ class NodeManager:
                 stored, slots, evicted = got
                 self._taken += len(slots)
                 if stored:
-                    self._send(Op.STORE_BEGIN, stored, slots, req)
+                    self._send(Op.STORES, stored, slots, req)
                 return PrepareStoreResult(stored, HostSpec(np.asarray(slots, np.int64)), evicted)
         try:
             out = self._call(Op.PREPARE_STORE, keys, req)
@@ -447,6 +442,8 @@ class NodeManager:
             self.stats.store_failures += len(keys)
         if self._view is not None:
             self._view.finish(keys, success)
+            if success:  # with the flush's other stores (STORES)
+                return self._send(Op.STORES, keys, None)
         self._send(Op.COMPLETE_STORE, keys, getattr(req_context, "req_id", None), bool(success))
 
     def _send(self, op: Op, *args: Any) -> None:
@@ -455,10 +452,13 @@ class NodeManager:
         Calls that only inform the node go with the next message sent (or
         FLUSH_AFTER_S later: the connection's flusher); so do the rest with
         a shared index, which shows a finished store to every engine at
-        once. Without one the rest are sent now."""
+        once. Without one the rest are sent now. STORES: a store's begin
+        or end (:meth:`NodeClient.post_stores`)."""
         if not self.attached:
             return
         try:
+            if op is Op.STORES:
+                return self._client.post_stores(*args)
             self._client.post(op, *args)
             if op not in _INFORM and self._view is None:
                 self._client.flush()

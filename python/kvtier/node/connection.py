@@ -43,6 +43,9 @@ SPIN_S = 200e-6
 # at 10 ms nothing measurable (kvtier bench manager --node --shared-index,
 # 16 keys a call, CPU a key, five runs each).
 FLUSH_AFTER_S = 0.01
+# Keys of one STORES frame at most (a frame of about 160 KiB): a long
+# prompt's stores go in a few frames, not one the node parses at length.
+_STORES_KEYS = 4096
 
 
 class NodeUnavailable(IoError):
@@ -74,6 +77,11 @@ class NodeClient:
         self._send_lock = threading.Lock()
         self._queued_at = 0.0
         self._flusher: _Flusher | None = None
+        # Store begins and ends posted since the last flush, sent as one
+        # STORES frame (packed under _send_lock with a packer of its own:
+        # the flusher thread may close it).
+        self._stores: tuple[list[bytes], list[int], list[Any], list[int]] | None = None
+        self._pack_stores = P.packer()
 
     def connect(self) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -99,6 +107,7 @@ class NodeClient:
     def close(self) -> None:
         with self._send_lock:
             self._queued = bytearray()
+            self._stores = None
             if self._flusher is not None:
                 self._flusher.stop()
                 self._flusher = None
@@ -115,19 +124,66 @@ class NodeClient:
             raise NodeUnavailable(0, f"kvtier node at {self.path}: not connected")
         frame = self._pack([int(op), *args])
         with self._send_lock:
-            if not self._queued:
-                self._queued_at = time.monotonic()
-                f = self._flusher
-                if f is None:
-                    f = self._flusher = _Flusher(self)
-                f.wake()
+            self._close_stores()
+            self._start_queue()
             self._queued += frame
+
+    def post_stores(self, keys: list[bytes], slots: list[int] | None, req: Any = None) -> None:
+        """Queue a store's begin (request ``req`` writes ``keys`` into
+        ``slots``, its own reserved ones) or, with ``slots`` None, the
+        successful end of the stores of ``keys``. Those posted until the
+        next other call, flush or FLUSH_AFTER_S go as one STORES frame, in
+        order: one frame a step for the node to read and dispatch, not two a
+        store."""
+        if self._sock is None:
+            raise NodeUnavailable(0, f"kvtier node at {self.path}: not connected")
+        if not keys:
+            return
+        with self._send_lock:
+            b = self._stores
+            if b is None:
+                self._start_queue()
+                b = self._stores = ([], [], [], [])
+            b[0].extend(keys)
+            if slots is not None:
+                b[1].extend(slots)
+                b[2].append(req)
+                b[3].append(len(keys))
+            elif b[3] and b[3][-1] < 0:  # ends after ends: one run
+                b[3][-1] -= len(keys)
+            else:
+                b[2].append(None)
+                b[3].append(-len(keys))
+            if len(b[0]) >= _STORES_KEYS:
+                self._close_stores()
+
+    def _start_queue(self) -> None:
+        """Under _send_lock, before queueing: the flusher sends what is
+        queued from now on FLUSH_AFTER_S later at the latest."""
+        if not self._queued and self._stores is None:
+            self._queued_at = time.monotonic()
+            f = self._flusher
+            if f is None:
+                f = self._flusher = _Flusher(self)
+            f.wake()
+
+    def _close_stores(self) -> None:
+        """Under _send_lock: the stores posted so far join the queue as one frame."""
+        b = self._stores
+        if b is not None:
+            self._stores = None
+            self._queued += self._pack_stores([int(Op.STORES), *b])
 
     def post_call(self, op: Op, *args: Any) -> None:
         """Queue a request whose reply is read later, by :meth:`replies` or
         by the next :meth:`call` (which keeps it for :meth:`replies`)."""
         self.post(op, *args)
         self._owed += 1
+
+    @property
+    def queued(self) -> bool:
+        """Whether posted calls wait to go out."""
+        return bool(self._queued) or self._stores is not None
 
     @property
     def owed(self) -> int:
@@ -155,10 +211,11 @@ class NodeClient:
 
     def flush(self) -> None:
         """Send what :meth:`post` queued without waiting for anything."""
-        if not self._queued:
+        if not self._queued and self._stores is None:
             return
         try:
             with self._send_lock:
+                self._close_stores()
                 if self._queued and self._sock is not None:
                     data, self._queued = bytes(self._queued), bytearray()
                     self._sock.sendall(data)
@@ -170,10 +227,11 @@ class NodeClient:
         """The flusher's: send what has been queued for FLUSH_AFTER_S or
         longer. Returns whether anything is still queued."""
         with self._send_lock:
-            if not self._queued or self._sock is None:
+            if (not self._queued and self._stores is None) or self._sock is None:
                 return False
             if time.monotonic() < self._queued_at + FLUSH_AFTER_S:
                 return True
+            self._close_stores()
             data, self._queued = bytes(self._queued), bytearray()
             # A failure is the caller's to find (its next call or poll sees
             # the connection closed): its reading side is not this thread's.
@@ -190,6 +248,7 @@ class NodeClient:
         try:
             data = self._pack([int(op), *args])
             with self._send_lock:
+                self._close_stores()
                 if self._queued:
                     data, self._queued = bytes(self._queued) + data, bytearray()
                 # The node may have refused us and closed first: its reason is

@@ -31,7 +31,10 @@ from kvtier.errors import InvalidArgument
 # slots of the blocks loaded through the shared index since (LOAD_SHARED,
 # op 17, which named them by key, one frame per load, is gone). POOL's second
 # argument (the engine a worker writes for) is optional: not a new version.
-VERSION = 2
+# 3: STORES, a flush's store begins and ends in one frame. A node speaks
+# every version in VERSIONS (a version 2 engine never sends STORES).
+VERSION = 3
+VERSIONS = (2, 3)
 HEADER = struct.Struct("<I")
 # The largest frame either side accepts: a 128k-token prompt at 16 tokens a
 # block is 8,192 keys of 36-40 bytes (about 0.4 MB with framing); 16 MiB
@@ -62,6 +65,7 @@ class Op(enum.IntEnum):
     CONTAINS = 15
     LOAD_PRESENT = 16
     STORE_BEGIN = 18
+    STORES = 19
 
 
 # Calls that change nothing the engine reads back: the client sends them
@@ -77,6 +81,7 @@ NO_REPLY = frozenset(
         Op.REQUEST_FINISHED,
         Op.LOAD_PINNED,
         Op.STORE_BEGIN,
+        Op.STORES,
     }
 )
 
@@ -199,8 +204,9 @@ def hello_args(args: list[Any]) -> tuple[str, Any, str, bool]:
     events = args[4] if len(args) == 5 else True
     if type(events) is not bool:
         raise ProtocolError("events must be a bool")
-    if version != VERSION:
-        raise ProtocolError(f"protocol version {version!r}, this node speaks {VERSION}")
+    if version not in VERSIONS or type(version) is not int:
+        speaks = " or ".join(map(str, VERSIONS))
+        raise ProtocolError(f"protocol version {version!r}, this node speaks {speaks}")
     if not isinstance(namespace, str) or len(namespace) != 32:
         raise ProtocolError("namespace must be 32 hex digits")
     try:

@@ -32,10 +32,11 @@ from typing import Any
 
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.node import protocol as P
-from kvtier.node.chunks import CHUNK_BYTES, Region, chunk_bytes_for
+from kvtier.node.chunks import CHUNK_BYTES, Region, chunk_bytes_for, open_region
+from kvtier.node.classes import SlotClass, build_class
 from kvtier.node.protocol import Op, ProtocolError
 from kvtier.node.quarantine import Writers
-from kvtier.node.state import Session, SlotClass, build_class, open_region
+from kvtier.node.state import Session
 from kvtier.options.tiers import DiskOptions, HostOptions, RemoteOptions
 
 log = logging.getLogger("kvtier.node")
@@ -549,7 +550,16 @@ _HANDLERS: dict[int, tuple[int | None, Any, bool]] = {
     Op.LOAD_PINNED: (2, lambda s, a: s.load_pinned(P.keys_arg(a[0]), P.req_arg(a[1])), True),
     Op.STORE_BEGIN: (
         3,
-        lambda s, a: s.store_begin(P.keys_arg(a[0]), P.int_list_arg(a[1]), P.req_arg(a[2])),
+        lambda s, a: s.stores(
+            P.keys_arg(a[0]), P.int_list_arg(a[1]), [P.req_arg(a[2])], [len(a[0])] if a[0] else []
+        ),
+        True,
+    ),
+    Op.STORES: (
+        4,
+        lambda s, a: s.stores(
+            P.keys_arg(a[0]), P.int_list_arg(a[1]), P.reqs_arg(a[2]), P.int_list_arg(a[3])
+        ),
         True,
     ),
     Op.COMPLETE_LOAD: (2, lambda s, a: s.complete_load(P.keys_arg(a[0]), P.req_arg(a[1])), True),

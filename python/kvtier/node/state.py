@@ -1,5 +1,5 @@
-"""The node's state: one slot class per block size, the engines' sessions
-and what each one leases.
+"""The node's sessions: one per attached engine, and what each one leases
+(the slot classes they use: :mod:`kvtier.node.classes`).
 
 Process: the node (``kvtier node``). Who calls: :mod:`kvtier.node.server`,
 from its one event-loop thread, one request at a time; nothing here blocks
@@ -17,26 +17,18 @@ completed is dropped, so a half-written slot never becomes readable).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import itertools
 import logging
-import os
 from collections import Counter
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvtier._native import prefixed, unprefixed
-from kvtier.errors import InvalidArgument
-from kvtier.node.chunks import ChunkOwner, Region, chunked_host_tier
+from kvtier.node.classes import SlotClass
 from kvtier.node.protocol import ProtocolError
-from kvtier.node.quarantine import Quarantine
-from kvtier.pool import HostPool
-from kvtier.scheduler.manager import TieredOffloadingManager
-from kvtier.tiers.base import LookupResult, LowerTier
+from kvtier.tiers.base import LookupResult
 
 log = logging.getLogger("kvtier.node")
 
@@ -59,115 +51,6 @@ class _Ctx:
     different engines never collide (its chains are kept per request)."""
 
     req_id: Any
-
-
-@dataclass
-class SlotClass:
-    """The pool, host tier and lower tiers of one block size."""
-
-    payload_bytes: int
-    pool: HostPool
-    manager: TieredOffloadingManager
-    sessions: set[Session] = field(default_factory=set)
-    # The shared index engines read without a round trip, in its own small
-    # shared-memory file (open_shared_index); None: engines ask the node.
-    index_pool: HostPool | None = None
-    shared: Any = None
-    # The (session, request) of the last scan: the manager's scan hints
-    # (a MISS's parent is the HIT before it) must not chain one request's
-    # MISS to another's HITs, another engine's least of all.
-    last_scan: Any = None
-    quarantine: Quarantine = field(default_factory=Quarantine)  # a dead engine's slots
-
-    @property
-    def name(self) -> str:
-        return f"class-{self.payload_bytes}"
-
-    def open_shared_index(self, name: str) -> None:
-        """Give engines this class's host index in shared memory (named
-        ``name``): its blocks are published there as they are added. Only
-        over the native host index (LRU), before any block is added; other
-        tiers keep round trips."""
-        from kvtier._native import SharedIndex
-        from kvtier.tiers.host_native import NativeHostTier
-
-        host = self.manager.host
-        if not isinstance(host, NativeHostTier) or len(host):
-            return
-        n = self.pool.num_slots
-        remove_dead_indexes(name.rpartition("-")[0] + "-")
-        self.index_pool = HostPool(1, SharedIndex.bytes_for(n), name=name)
-        self.shared = SharedIndex.create(self.index_pool.native, n)
-        host.mirror_into(self.shared)
-
-    def engine_index(self) -> int | None:
-        """The lowest engine index no session of this class holds (its
-        pin bit in the shared index); None when all 32 are taken."""
-        used = {s.engine_index for s in self.sessions}
-        return next((i for i in range(32) if i not in used), None)
-
-    def events_wanted(self) -> None:
-        """The class's manager makes host events only while an attached
-        engine takes them (the options are read at each call)."""
-        m = self.manager
-        want = any(s.wants_events for s in self.sessions)
-        if m.options.events != want:
-            m.options = m._core.options = dataclasses.replace(m.options, events=want)
-
-    def distribute_events(self) -> None:
-        """Hand the manager's events to the sessions of the namespace each
-        key belongs to (prefix stripped); removals named only by event id
-        (the disk tier's) go to every session of the class."""
-        events = self.manager.take_events()
-        if not events or not self.sessions:
-            return
-        prefixes = {s.prefix for s in self.sessions if s.wants_events}
-        if not prefixes:  # no engine takes them (vLLM's default)
-            return
-        only = next(iter(prefixes)) if len(prefixes) == 1 else None
-        for e in events:
-            if e.ids:
-                for s in self.sessions:
-                    s.add_event(e.tier, e.removed, [], list(e.ids), e.metadata_only)
-            if not e.keys:
-                continue
-            if only is not None:  # a dict of lists was a tenth of the node's time (cProfile)
-                by_ns = {only: unprefixed(only, e.keys)}
-            else:
-                by_ns = {}
-                for k in e.keys:
-                    by_ns.setdefault(k[:8], []).append(k[8:])
-            for s in self.sessions:
-                keys = by_ns.get(s.prefix)
-                if keys:
-                    s.add_event(e.tier, e.removed, keys, [], e.metadata_only)
-
-    def occupancy(self) -> dict[str, int]:
-        occ = self.manager.occupancy()
-        host = self.manager.host
-        occ["capacity"] = int(host.capacity or 0)
-        if isinstance(host, ChunkOwner):
-            occ.update(host.region.occupancy(host))
-        return occ
-
-
-def remove_dead_indexes(prefix: str) -> None:
-    """Removes the index files named ``prefix`` + a pid of nodes that died
-    without removing them (SIGKILL, OOM). An engine that still maps one
-    keeps its mapping until it sees its node gone; a file of a live
-    process is left alone."""
-    for f in Path("/dev/shm").glob(f"{prefix}*"):
-        pid = f.name[len(prefix) :]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            with contextlib.suppress(OSError):
-                f.unlink()
-                log.info("kvtier node: removed %s (its node is gone)", f.name)
-        except PermissionError:  # another user's live process
-            continue
 
 
 _session_ids = itertools.count(1)
@@ -399,17 +282,67 @@ class Session:
         self.reserved.update(slots)
         return slots, self._ours(evicted)
 
-    def store_begin(self, keys: list[bytes], slots: list[int], req: Any) -> None:
-        """An offer this engine stores into slots of its reservation, which
-        it is writing already: the node takes the keys it would store
-        (adopt_store) and frees the other slots when their writes end."""
-        if len(keys) != len(slots) or len(set(slots)) != len(slots):
-            raise ProtocolError("store_begin needs one distinct slot per key")
-        if not self.reserved.issuperset(slots):
+    def stores(
+        self, keys: list[bytes], slots: list[int], reqs: list[Any], counts: list[int]
+    ) -> None:
+        """Stores of this engine, in the order it began and ended them:
+        ``counts[i]`` > 0, request ``reqs[i]`` began storing the next
+        ``counts[i]`` keys into the next as many ``slots`` (of its
+        reservation, written already without waiting); < 0, the writes of the
+        next ``-counts[i]`` keys ended well. A begun offer's keys are
+        adopted (adopt_store; chains are kept per request), its other slots
+        freed when their writes end. One request for all a flush holds
+        (STORES); STORE_BEGIN is one offer of it."""
+        if len(reqs) != len(counts) or sum(map(abs, counts)) != len(keys) or 0 in counts:
+            raise ProtocolError("stores needs a nonzero count per request, one per key")
+        if sum(n for n in counts if n > 0) != len(slots):
+            raise ProtocolError("store_begin needs one slot per key")
+        reserved = self.reserved
+        if not reserved.issuperset(slots):
             raise ProtocolError("store_begin of slots not reserved for this engine")
-        self.reserved.difference_update(slots)
+        left = len(reserved) - len(slots)
+        reserved.difference_update(slots)
+        if len(reserved) != left:  # a slot named twice: all were reserved, they stay so
+            reserved.update(slots)
+            raise ProtocolError("store_begin needs one distinct slot per key")
         nks = self._node_keys(keys)
-        stored, _, unused = self.cls.manager.adopt_store(nks, slots, self._ctx(req))
+        if counts == [len(keys)]:  # one offer (STORE_BEGIN's)
+            return self._adopt(nks, slots, [self._ctx(reqs[0])], counts)
+        begun: list[bytes] = []
+        done: list[bytes] = []
+        ended: set[bytes] = set()  # a key begun after its end here needs the order
+        ctxs, begins, i, again = [], [], 0, False
+        for req, n in zip(reqs, counts):
+            if n > 0:
+                part = nks[i : i + n]
+                again = again or (bool(ended) and not ended.isdisjoint(part))
+                begun += part
+                ctxs.append(self._ctx(req))
+                begins.append(n)
+            else:
+                done += nks[i : i - n]
+                ended.update(nks[i : i - n])
+            i += abs(n)
+        if not again:  # the begins, then the ends, a call each
+            if begun:
+                self._adopt(begun, slots, ctxs, begins)
+            if done:
+                self._complete(done, None, True)
+            return None
+        i = j = 0
+        for req, n in zip(reqs, counts):  # in order: a key begun after its end is kept twice
+            if n < 0:
+                self._complete(nks[i : i - n], None, True)
+            else:
+                self._adopt(nks[i : i + n], slots[j : j + n], [self._ctx(req)], [n])
+                j += n
+            i += abs(n)
+        return None
+
+    def _adopt(
+        self, nks: list[bytes], slots: list[int], ctxs: list[Any], counts: list[int]
+    ) -> None:
+        stored, _, unused = self.cls.manager.adopt_store(nks, slots, ctxs, counts)
         self.writes.update(stored)
         if unused:
             key_of = dict(zip(slots, nks))
@@ -417,7 +350,9 @@ class Session:
                 self.spare.setdefault(key_of[s], []).append(s)
 
     def complete_store(self, keys: list[bytes], req: Any, success: bool) -> None:
-        nks = self._node_keys(keys)
+        self._complete(self._node_keys(keys), req, success)
+
+    def _complete(self, nks: list[bytes], req: Any, success: bool) -> None:
         if self.spare:
             nks = self._free_spare(nks)
         if not self.writes.issuperset(nks):
@@ -549,51 +484,3 @@ class Session:
             # lookups' and loads' pins there, counted once per slot).
             out["shared_slots"] = self.cls.shared.engine_pins(self.engine_index)
         return out
-
-
-def open_region(name: str, region_bytes: int, chunk_bytes: int, classes: int = 2) -> Region:
-    """The node's region of ``region_bytes`` (whole chunks of
-    ``chunk_bytes``) for up to ``classes`` block sizes: created, or adopted
-    when a node before this one left it (engines' workers keep their
-    mapping of it across a node restart). Blocks while the region is
-    created and pre-faulted."""
-    from kvtier.errors import IoError
-
-    chunks = region_bytes // chunk_bytes
-    if chunks < 1:
-        raise InvalidArgument(
-            f"--host-bytes {region_bytes} is less than one chunk of {chunk_bytes} B"
-        )
-    try:
-        pool = HostPool(chunks, chunk_bytes, name=name)
-    except IoError as e:
-        import errno
-
-        if e.errno != errno.EEXIST:
-            raise
-        pool = HostPool.attach(name)
-        if (pool.num_slots, pool.slot_bytes) != (chunks, chunk_bytes):
-            got = (pool.num_slots, pool.slot_bytes)
-            pool.close()
-            raise InvalidArgument(
-                f"region {name} left by an earlier node is {got[0]} x {got[1]} B, this node "
-                f"wants {chunks} x {chunk_bytes} B: remove /dev/shm/{name} once no engine uses it"
-            ) from None
-    return Region(pool, regret=classes > 1)
-
-
-def build_class(
-    payload_bytes: int,
-    slot_bytes: int,
-    region: Region,
-    host_options: Any,
-    lower: list[LowerTier],
-) -> SlotClass:
-    """A slot class: its view of the region (slots of ``slot_bytes``), its
-    host tier (slots a chunk at a time, as it needs room) and a manager
-    over them."""
-    pool = region.view(slot_bytes)
-    host = chunked_host_tier(pool, host_options, region)
-    manager = TieredOffloadingManager(host, lower, promote=True)
-    host.on_evicted = manager._core.removed
-    return SlotClass(payload_bytes, pool, manager)

@@ -18,7 +18,6 @@ interface lives in rooms: :mod:`.slots`, :mod:`.movement`,
 from __future__ import annotations
 
 import dataclasses
-import operator
 import threading
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import ClosedError, InvalidArgument
+from kvtier.scheduler.chains import offer_parents
 from kvtier.scheduler.core import Core
 from kvtier.scheduler.fences import Fills
 from kvtier.scheduler.movement import Movement
@@ -44,14 +44,9 @@ def _req_id(req_context: Any) -> Any:
     return getattr(req_context, "req_id", None)
 
 
-_TAIL = operator.itemgetter(slice(-4, None))  # a key's last 4 bytes: its group
-
-
 def _group(key: bytes) -> bytes:
-    """The chain a key belongs to among a request's keys: vLLM's OffloadKey
-    ends in its KV-cache group's 4-byte index (a key of 12 bytes or more, as
-    :func:`kvtier.tiers.events.vllm_event_id` reads it); shorter keys form
-    one chain."""
+    """A key's chain among a request's: vLLM's OffloadKey ends in its group's
+    4-byte index (keys of 12 bytes or more); shorter keys form one chain."""
     return key[-4:] if len(key) >= 12 else b""
 
 
@@ -353,25 +348,35 @@ class TieredOffloadingManager:
         return PrepareStoreResult(host_keys + streamed, HostSpec(all_slots, stream), evicted)
 
     def adopt_store(
-        self, keys: list[bytes], slots: list[int], req_context: Any = None
+        self, keys: list[bytes], slots: list[int], reqs: list[Any], counts: list[int]
     ) -> tuple[list[bytes], list[int], list[int]]:
-        """:meth:`prepare_store` of an offer its engine gave slots already
-        (co-indexed: the node's reservation for it, written without waiting):
-        the keys stored, their slots, and the others' slots (held already,
-        refused or offered twice) for the caller to free when their writes
-        end. Node only (its protocol checked the keys are bytes); non-blocking."""
+        """:meth:`prepare_store` of offers given slots already (the node's
+        reservation for their engine, written without waiting), request
+        ``reqs[i]``'s the next ``counts[i]`` keys: the keys stored, their
+        slots, and the other slots (held already, refused or offered twice),
+        for the caller to free when their writes end. Node only; non-blocking."""
         self._check_open()
         to_store, _, refused = self.host.offered(keys)
         self.stats.not_admitted += refused
+        parts, i = [], 0
+        for req, n in zip(reqs, counts):  # each offer's chain, as prepare_store's
+            ks = keys if n == len(keys) else keys[i : i + n]
+            parts.append((self._offer_parents(ks, ks, req), n))
+            i += n
+        parents = None  # or one list: [None] * n where an offer has no chain
+        if any(p is not None for p, _ in parts):
+            parents = [x for p, n in parts for x in (p if p is not None else [None] * n)]
         if len(to_store) == len(keys):  # every key new (the common case): no maps
-            used, unused = list(slots), []
-        else:
-            by_key = dict(zip(keys, slots))
-            used = [by_key[k] for k in to_store]
-            taken = set(used)
-            unused = [s for s in slots if s not in taken]
-        parents = self._offer_parents(keys, to_store, req_context)
-        self.host.add_writing_many(to_store, used, parents)
+            self.host.add_writing_many(to_store, slots, parents)
+            return to_store, slots, []
+        by_key: dict[bytes, tuple[int, bytes | None]] = {}
+        for k, s, p in zip(keys, slots, parents or [None] * len(keys)):
+            by_key.setdefault(k, (s, p))  # a key offered twice: its first slot
+        used = [by_key[k][0] for k in to_store]
+        taken = set(used)
+        unused = [s for s in slots if s not in taken]
+        ps = None if parents is None else [by_key[k][1] for k in to_store]
+        self.host.add_writing_many(to_store, used, ps)
         return to_store, used, unused
 
     def _offer_parents(
@@ -398,49 +403,10 @@ class TieredOffloadingManager:
         return host.allocate(free) if free else None
 
     def _parents(self, offer: list[bytes], req: Any) -> list[bytes | None] | None:
-        """Each offered key's predecessor in its chain, in the offer's order
-        (None where none is known; None for the whole offer when no key has
-        one): the key offered before it (of its group: vLLM offers group by
-        group), else the request's last offered key of that group, else the
-        key its scan looked up before it. Remembers the offer's last key per
-        group for the request's next offer; an offer with no request (None)
-        is chained within itself only: such callers may never say it ended.
-        A list, not a dict: the host tier takes it as is (a dict was 2% of
-        a cycle: callgrind, kvtier bench manager, 16-key offers)."""
-        miss = self._miss_prev
-        if req is None and len(offer) == 1:  # the common call of a plain caller
-            p = miss.pop(offer[0], None) if miss else None
-            return [p] if p is not None else None
+        """:func:`~kvtier.scheduler.chains.offer_parents` of ``offer``, an
+        offer of request ``req`` (None: no request, chained within itself)."""
         last = None if req is None else self._last_offer.setdefault(req, {})
-        if len(set(map(_TAIL, offer))) == 1 and min(map(len, offer)) >= 12:
-            # One group: each key follows the one before (in C; the loop was
-            # a node step's largest Python item, cProfile, 16-key offers).
-            g = offer[0][-4:]
-            p = (last.get(g) if last is not None else None) or (
-                miss.pop(offer[0], None) if miss else None
-            )
-            if last is not None:
-                last[g] = offer[-1]
-            return [p, *offer[:-1]]
-        out: list[bytes | None] = []
-        prev: bytes | None = None
-        prev_g: bytes | None = None
-        for k in offer:
-            g = k[-4:] if len(k) >= 12 else b""  # _group, inlined: once per key
-            if g == prev_g:
-                out.append(prev)
-            else:  # the offer's first key of a group
-                if last is not None and prev is not None:
-                    last[prev_g] = prev  # type: ignore[index]
-                p = last.get(g) if last is not None else None
-                if p is None and miss:
-                    p = miss.pop(k, None)
-                out.append(p)
-                prev_g = g
-            prev = k
-        if last is not None and prev is not None:
-            last[prev_g] = prev  # type: ignore[index]
-        return out
+        return offer_parents(offer, last, self._miss_prev)
 
     def complete_store(
         self, keys: Collection[bytes], req_context: Any = None, success: bool = True
