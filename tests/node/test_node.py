@@ -499,6 +499,7 @@ def _fuzz_frames(n: int, rng: random.Random) -> Iterator[bytes]:
         P.pack([int(P.Op.COMPLETE_STORE), [key(2)], "r", True]),
         P.pack([int(P.Op.PREPARE_LOAD), [key(1)], None]),
         P.pack([int(P.Op.STEP_END), ["r"], []]),
+        P.pack([int(P.Op.STORES), [key(4), key(4)], [0], ["r", None], [1, -1]]),
     ]
     for _ in range(n):
         kind = rng.randrange(5)
@@ -520,6 +521,7 @@ def _fuzz_frames(n: int, rng: random.Random) -> Iterator[bytes]:
                     [int(P.Op.HELLO), 2, NS_A, 1, "x"],
                     [int(P.Op.COMPLETE_LOAD), [key(9)], None],
                     [int(P.Op.LOAD_FAILED), [1 << 40]],
+                    [int(P.Op.STORES), [key(5)], [], [None], [0]],
                 ]
             )
             yield P.pack(obj)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from kvtier.errors import InvalidArgument
 from kvtier.node import protocol as P
 from kvtier.node.connection import NodeClient, NodeError, NodeUnavailable
 from kvtier.tiers.base import LookupResult
-from test_node import NS_A, Node, _remove_pools, content, key, store
+from test_node import BLOCK, NS_A, Node, _remove_pools, content, key, store
 
 
 def test_a_step_that_asks_nothing_posts_its_end_and_takes_the_reply_later(tmp_path: Path) -> None:
@@ -433,6 +434,141 @@ def test_the_benchs_clients_start_together_once_attached(tmp_path: Path) -> None
         status = n.status()
         # Both clients stored every key of theirs (64-byte blocks: a class of its own).
         assert status["classes"][str(bench.PAYLOAD)]["occupancy"]["blocks"] == 2 * 512
+    finally:
+        n.stop()
+        _remove_pools(n.name)
+
+
+def _requests(n: Node) -> int:
+    return int(n.server.counters["requests"])
+
+
+def test_a_flushs_stores_go_as_one_frame_and_end_whole(tmp_path: Path) -> None:
+    """Three requests' stores from the reservation, begun and ended, go to
+    the node as one STORES request when the engine flushes: each block is
+    readable there, byte for byte, with nothing left writing or reserved
+    beyond the engine's reservation."""
+    n = Node(tmp_path, blocks=256, shared_index=True)
+    try:
+        a = n.engine(engine="a")
+        pool = a.attach_pool()
+        store(a, pool, [900])
+        a.take_events()
+        assert a._view is not None and a._view.reserved == 8
+        before = _requests(n)
+        for r, ids in enumerate(([0, 1], [2], [3, 4, 5])):
+            keys = [key(i) for i in ids]
+            out = a.prepare_store(keys, SimpleNamespace(req_id=f"r{r}"))
+            assert out is not None and out.keys_to_store == keys
+            for i, s in zip(ids, out.store_spec.slots.tolist()):
+                pool.view(s)[:] = content(i)
+            a.complete_store(keys)
+        assert a._client.queued and _requests(n) == before  # nothing sent yet
+        a._client.flush()
+        deadline = time.monotonic() + 5
+        while _requests(n) == before:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert _requests(n) == before + 1  # the three begins and ends: one request
+        host = n.server.classes[BLOCK].manager.host
+        assert len(host) == 7 and host.census() == (0, 0, 0)  # none pinned, writing, cascading
+        b = n.engine(engine="b")
+        keys = [key(i) for i in range(6)]
+        assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 6
+        spec = b.prepare_load(keys)
+        for i, s in enumerate(spec.slots.tolist()):
+            assert np.array_equal(pool.view(s), content(i))
+        b.complete_load(keys)
+        b.on_schedule_end()
+        a.shutdown()
+        b.shutdown()
+    finally:
+        n.stop()
+        _remove_pools(n.name)
+
+
+def test_a_key_ended_and_begun_again_in_one_frame_keeps_its_block_and_frees_the_slot(
+    tmp_path: Path,
+) -> None:
+    """An engine ends a key's store and offers it again before the node has
+    heard of either (its shared index does not show the key yet): the node
+    takes them in order, keeps the first write's block and frees the second
+    write's slot only when that write ends, never while it is written."""
+    n = Node(tmp_path, blocks=256, shared_index=True)
+    try:
+        a = n.engine(engine="a")
+        pool = a.attach_pool()
+        store(a, pool, [900])
+        a.take_events()
+        view, c = a._view, a._client
+        assert view is not None and view.reserved == 8
+        keys = [key(7)]
+        first = view.store_from_reserve(keys)
+        assert first is not None
+        second = view.store_from_reserve(keys)  # the node has not published it: taken again
+        assert second is not None and second[1] != first[1]
+        pool.view(first[1][0])[:] = content(7)
+        c.post_stores(keys, first[1], "r1")
+        c.post_stores(keys, None)
+        c.post_stores(keys, second[1], "r2")
+        c.flush()
+        cls = n.server.classes[BLOCK]
+        session = next(iter(cls.sessions))
+        deadline = time.monotonic() + 5
+        while not session.spare:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert session.spare == {session.prefix + keys[0]: second[1]}  # still written
+        assert second[1][0] not in session.reserved
+        assert cls.manager.host.owner(first[1][0]) == session.prefix + keys[0]
+        free = cls.manager.host.free_slots
+        c.post_stores(keys, None)  # the second write ends: its slot is free again
+        c.flush()
+        while session.spare:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert cls.manager.host.free_slots == free + 1 and not session.writes
+        b = n.engine(engine="b")
+        assert b.lookup(keys[0]) is LookupResult.HIT
+        spec = b.prepare_load(keys)
+        assert spec.slots.tolist() == first[1]
+        assert np.array_equal(pool.view(first[1][0]), content(7))
+        b.complete_load(keys)
+        b.on_schedule_end()
+        a.shutdown()
+        b.shutdown()
+    finally:
+        n.stop()
+        _remove_pools(n.name)
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        ([[b"k" * 36], [], [None], [0]], "nonzero count"),
+        ([[b"k" * 36], [], ["r"], [2]], "nonzero count"),
+        ([[b"k" * 36], [], ["r"], [1]], "one slot per key"),
+        ([[b"k" * 36], [0, 1], ["r"], [1]], "one slot per key"),
+        ([[b"k" * 36], [12345], ["r"], [1]], "not reserved"),
+        ([[b"k" * 36], [1], ["r", None], [1]], "nonzero count"),
+    ],
+)
+def test_a_malformed_stores_request_closes_only_its_connection(
+    tmp_path: Path, args: list, why: str
+) -> None:
+    n = Node(tmp_path, shared_index=True)
+    try:
+        a = n.engine(engine="steady")
+        pool = a.attach_pool()
+        store(a, pool, [1])
+        c = NodeClient(n.path, timeout_s=5.0)
+        c.call(P.Op.HELLO, P.VERSION, NS_A, BLOCK, "bad", False)
+        with pytest.raises(NodeError, match=why):
+            c.call(P.Op.STORES, *args)
+        assert not c.connected
+        assert a.lookup(key(1)) is LookupResult.HIT
+        a.on_schedule_end()
+        a.shutdown()
     finally:
         n.stop()
         _remove_pools(n.name)
