@@ -53,6 +53,26 @@ void bind_frames(py::module_& m) {
       py::arg("value"), py::arg("max_items"),
       "Whether `value` is a list (exactly) of at most `max_items` ints (exactly: not bools).");
   m.def(
+      "frame_reqs_ok",
+      [](const py::handle& v, std::size_t max_items, std::size_t max_chars) {
+        // A STORES frame names a request a begun offer (and None a run of
+        // ends), STEP_END the requests finished: a Python call each was 6%
+        // of the node's time a key (cProfile, bench/node_replay.py).
+        if (!PyList_CheckExact(v.ptr())) return false;
+        const Py_ssize_t n = PyList_GET_SIZE(v.ptr());
+        if (static_cast<std::size_t>(n) > max_items) return false;
+        for (Py_ssize_t i = 0; i < n; ++i) {
+          PyObject* r = PyList_GET_ITEM(v.ptr(), i);
+          if (r == Py_None || PyLong_CheckExact(r)) continue;
+          if (!PyUnicode_Check(r) || static_cast<std::size_t>(PyUnicode_GET_LENGTH(r)) > max_chars)
+            return false;
+        }
+        return true;
+      },
+      py::arg("value"), py::arg("max_items"), py::arg("max_chars"),
+      "Whether `value` is a list (exactly) of at most `max_items` request ids: None, an int "
+      "(exactly: not a bool) or a str of at most `max_chars` characters each.");
+  m.def(
       "prefixed",
       [](const py::bytes& prefix, const py::list& keys) {
         const std::string_view p = prefix;

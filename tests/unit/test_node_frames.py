@@ -50,6 +50,30 @@ def test_slots_must_be_a_list_of_ints_not_bools(value: Any) -> None:
     assert P.int_list_arg([]) == [] and P.int_list_arg([0, 5, 1 << 40]) == [0, 5, 1 << 40]
 
 
+@pytest.mark.parametrize("value", [[], [None], ["r", 7, None], ["x" * 1024, -1, "é" * 1024]])
+def test_request_ids_within_the_limits_pass_as_they_are(value: list[Any]) -> None:
+    assert P.reqs_arg(value) is value
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (("r",), "request ids must be a list"),
+        ("r", "request ids must be a list"),
+        ([None] * (P.MAX_KEYS + 1), "request ids must be a list"),
+        (["r", True], "a request id must be"),
+        (["r", 1.0], "a request id must be"),
+        (["r", b"r"], "a request id must be"),
+        (["r", "x" * 1025], "a request id must be"),
+        (["r", ["r"]], "a request id must be"),
+    ],
+)
+def test_request_ids_out_of_the_limits_are_a_protocol_error(value: Any, message: str) -> None:
+    with pytest.raises(P.ProtocolError, match=message):
+        P.reqs_arg(value)
+    assert not _native.frame_reqs_ok(value, P.MAX_KEYS, 1024)
+
+
 def test_prefixed_makes_each_namespaced_key_in_order() -> None:
     keys = [b"a", b"\x00" * 40, b"bc"]
     assert _native.prefixed(b"ns-12345", keys) == [b"ns-12345" + k for k in keys]

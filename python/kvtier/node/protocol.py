@@ -24,7 +24,7 @@ from typing import Any
 
 import msgpack
 
-from kvtier._native import frame_ints_ok, frame_keys_ok
+from kvtier._native import frame_ints_ok, frame_keys_ok, frame_reqs_ok
 from kvtier.errors import InvalidArgument
 
 # 2: STEP_END carries the requests finished since the last one and the
@@ -189,9 +189,11 @@ def req_arg(v: Any) -> str | int | None:
 
 def reqs_arg(v: Any) -> list[str | int | None]:
     """A list of request ids (:func:`req_arg` each), at most MAX_KEYS."""
+    if frame_reqs_ok(v, MAX_KEYS, 1024):  # one pass in C
+        return v
     if not isinstance(v, list) or len(v) > MAX_KEYS:
         raise ProtocolError(f"request ids must be a list of at most {MAX_KEYS}")
-    return [req_arg(r) for r in v]
+    return [req_arg(r) for r in v]  # raises for the one that is not
 
 
 def hello_args(args: list[Any]) -> tuple[str, Any, str, bool]:

@@ -96,6 +96,10 @@ class Session:
     def _ctx(self, req: Any) -> _Ctx | None:
         return None if req is None else _Ctx((self.id, req))
 
+    def _req(self, req: Any) -> tuple[int, Any] | None:
+        """The request id the class's manager knows ``req`` by (its _Ctx's)."""
+        return None if req is None else (self.id, req)
+
     def add_event(
         self, tier: str, removed: bool, keys: list[bytes], ids: list[bytes], meta: bool
     ) -> None:
@@ -307,7 +311,7 @@ class Session:
             raise ProtocolError("store_begin needs one distinct slot per key")
         nks = self._node_keys(keys)
         if counts == [len(keys)]:  # one offer (STORE_BEGIN's)
-            return self._adopt(nks, slots, [self._ctx(reqs[0])], counts)
+            return self._adopt(nks, slots, [self._req(reqs[0])], counts)
         begun: list[bytes] = []
         done: list[bytes] = []
         ended: set[bytes] = set()  # a key begun after its end here needs the order
@@ -317,7 +321,7 @@ class Session:
                 part = nks[i : i + n]
                 again = again or (bool(ended) and not ended.isdisjoint(part))
                 begun += part
-                ctxs.append(self._ctx(req))
+                ctxs.append(self._req(req))
                 begins.append(n)
             else:
                 done += nks[i : i - n]
@@ -334,7 +338,7 @@ class Session:
             if n < 0:
                 self._complete(nks[i : i - n], None, True)
             else:
-                self._adopt(nks[i : i + n], slots[j : j + n], [self._ctx(req)], [n])
+                self._adopt(nks[i : i + n], slots[j : j + n], [self._req(req)], [n])
                 j += n
             i += abs(n)
         return None
@@ -384,8 +388,8 @@ class Session:
         end, and hand over this engine's events (oldest first), whether the
         class has work in flight, and its blocks held (every engine's)."""
         m = self.cls.manager
-        for req in finished:
-            m.on_request_finished(self._ctx(req))
+        if finished:
+            m.on_requests_finished([(self.id, r) for r in finished])
         if loaded:
             if self.engine_index is None:
                 raise ProtocolError("loads through a shared index this engine was not given")

@@ -352,16 +352,21 @@ class TieredOffloadingManager:
     ) -> tuple[list[bytes], list[int], list[int]]:
         """:meth:`prepare_store` of offers given slots already (the node's
         reservation for their engine, written without waiting), request
-        ``reqs[i]``'s the next ``counts[i]`` keys: the keys stored, their
-        slots, and the other slots (held already, refused or offered twice),
-        for the caller to free when their writes end. Node only; non-blocking."""
+        ``reqs[i]``'s the next ``counts[i]`` keys (its id, as
+        :meth:`on_requests_finished` takes it; None: no request): the keys
+        stored, their slots, and the other slots (held already, refused or
+        offered twice), for the caller to free when their writes end. Node
+        only; non-blocking."""
         self._check_open()
         to_store, _, refused = self.host.offered(keys)
         self.stats.not_admitted += refused
-        parts, i = [], 0
+        parts, i, last, miss = [], 0, self._last_offer, self._miss_prev
         for req, n in zip(reqs, counts):  # each offer's chain, as prepare_store's
             ks = keys if n == len(keys) else keys[i : i + n]
-            parts.append((self._offer_parents(ks, ks, req), n))
+            if req is not None:
+                parts.append((offer_parents(ks, last.setdefault(req, {}), miss), n))
+            else:  # one key and no hints: no chain to learn
+                parts.append((offer_parents(ks, None, miss) if n > 1 or miss else None, n))
             i += n
         parents = None  # or one list: [None] * n where an offer has no chain
         if any(p is not None for p, _ in parts):
@@ -446,6 +451,15 @@ class TieredOffloadingManager:
     def on_new_request(self, req_context: Any = None) -> None:
         self._scan_prev = None  # its scan begins: not the last request's successor
         return None
+
+    def on_requests_finished(self, req_ids: list[Any]) -> None:
+        """:meth:`on_request_finished` of several requests, by id (the node's,
+        a step end's finished requests at once)."""
+        last = self._last_offer
+        if last:
+            for r in req_ids:
+                last.pop(r, None)
+        self._scan_prev = None
 
     def on_request_finished(self, req_context: Any = None) -> None:
         """No more offers from this request: forget its chain ends."""
