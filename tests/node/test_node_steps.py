@@ -238,6 +238,40 @@ def test_loads_through_the_index_are_told_with_the_step_end(tmp_path: Path) -> N
         _remove_pools(n.name)
 
 
+def test_an_engine_of_the_version_before_still_stores_and_loads(tmp_path: Path) -> None:
+    """A node speaks protocol 2 too (upgrade the node first): an engine of
+    that release stores by PREPARE_STORE, STORE_BEGIN and COMPLETE_STORE,
+    never STORES, and what it stored is there for engines of this one."""
+    n = Node(tmp_path, blocks=256, shared_index=True)
+    try:
+        a = n.engine(engine="new")
+        pool = a.attach_pool()
+        c = NodeClient(n.path, timeout_s=5.0)
+        info = c.call(P.Op.HELLO, 2, NS_A, BLOCK, "old", False)
+        assert info["pool"] == a.pool["pool"]
+        stored, slots, _, reserved = c.call(P.Op.PREPARE_STORE, [key(1)], "r")
+        assert stored == [key(1)] and len(reserved) == 8
+        begun = [key(2), key(3)]
+        for i, s in ((1, slots[0]), (2, reserved[0]), (3, reserved[1])):
+            pool.view(s)[:] = content(i)
+        c.post(P.Op.STORE_BEGIN, begun, reserved[:2], "r")
+        c.post(P.Op.COMPLETE_STORE, [key(1), *begun], "r", True)
+        c.call(P.Op.STEP_END, ["r"], [])
+        keys = [key(i) for i in (1, 2, 3)]
+        assert [a.lookup(k) for k in keys] == [LookupResult.HIT] * 3
+        spec = a.prepare_load(keys)
+        assert spec.slots.tolist() == [slots[0], *reserved[:2]]
+        for i, s in zip((1, 2, 3), spec.slots.tolist()):
+            assert np.array_equal(pool.view(s), content(i))
+        a.complete_load(keys)
+        a.on_schedule_end()
+        c.close()
+        a.shutdown()
+    finally:
+        n.stop()
+        _remove_pools(n.name)
+
+
 def test_an_engine_of_another_protocol_version_is_refused_with_both(tmp_path: Path) -> None:
     n = Node(tmp_path)
     try:
