@@ -386,7 +386,7 @@ def test_an_engine_idle_after_a_store_has_it_completed_at_the_node(tmp_path: Pat
         while True:
             # Asked on another connection: a's own call would flush its queue.
             occ = n.status()["classes"]["4096"]["occupancy"]
-            if occ["writing"] == 0 or time.monotonic() > deadline:
+            if (occ["blocks"], occ["writing"]) == (5, 0) or time.monotonic() > deadline:
                 break
             time.sleep(FLUSH_AFTER_S)
         assert (occ["blocks"], occ["writing"]) == (5, 0)
@@ -398,20 +398,23 @@ def test_an_engine_idle_after_a_store_has_it_completed_at_the_node(tmp_path: Pat
 
 
 def test_quiet_steps_are_ended_at_the_node_a_few_at_a_time_and_lose_nothing(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Steps of an engine with the shared index that asked the node nothing
     end there STEPS_PER_END at a time (one frame); their loads, finished
     requests and events all arrive, and a step that asks the node ends at
     once."""
+    from kvtier.node import client
     from kvtier.node.client import STEPS_PER_END
 
+    monkeypatch.setattr(client, "END_AFTER_S", 60.0)  # counted steps only, on a slow machine too
     n = Node(tmp_path, blocks=8192, shared_index=True)
     try:
         a, b = n.engine(engine="a"), n.engine(engine="b")
         pool = a.attach_pool()
         store(a, pool, [900])
         a.take_events()
+        assert a._unsent_steps == 0  # its step end sent (the engine's first)
         ends: list[int] = []
         post_call = a._client.post_call
 
@@ -422,14 +425,11 @@ def test_quiet_steps_are_ended_at_the_node_a_few_at_a_time_and_lose_nothing(
 
         a._client.post_call = counting  # type: ignore[method-assign]
         stored = [store(a, pool, [10 * s, 10 * s + 1]) for s in range(2 * STEPS_PER_END)]
-        assert len(ends) == 2
-        while a._unsent_steps:  # quiet steps until the node has them all
-            a.on_schedule_end()
-        assert len(ends) == 3
-        # Every store's event, the first's too (its step was not ended at
-        # once); taking them waits for the node: every store is published.
+        assert len(ends) == 2 and a._unsent_steps == 0
+        # Every store's event; taking them waits for the node: every store
+        # is published.
         ev = a.take_events()
-        want = [key(900)] + [k for ks in stored for k in ks]
+        want = [k for ks in stored for k in ks]
         assert [k for e in ev if not e.removed for k in e.keys] == want
         # Loads through the index: told by slot with the step end that covers them.
         for keys in stored[:STEPS_PER_END]:
@@ -437,19 +437,47 @@ def test_quiet_steps_are_ended_at_the_node_a_few_at_a_time_and_lose_nothing(
             a.prepare_load(keys)
             a.complete_load(keys)
             a.on_schedule_end()
-        assert ends == [0, 0, 0, 2 * STEPS_PER_END] and a._unsent_steps == 0
+        assert ends == [0, 0, 2 * STEPS_PER_END] and a._unsent_steps == 0
         status = n.status()
         assert status["classes"]["4096"]["occupancy"]["blocks"] == 1 + 4 * STEPS_PER_END
         # A step that asked the node ends there at once, with the steps before it.
         a.on_schedule_end()
-        assert a._unsent_steps == 1 and len(ends) == 4
+        assert a._unsent_steps == 1 and len(ends) == 3
         trips = a.client_stats.round_trips
         a.load_present([key(5000)])  # a round trip
         a.on_schedule_end()  # another
         assert a.client_stats.round_trips == trips + 2 and a._unsent_steps == 0
-        assert len(ends) == 4 and a._client.owed == 0
+        assert len(ends) == 3 and a._client.owed == 0
         a.shutdown()
         b.shutdown()
+    finally:
+        n.stop()
+        _remove_pools(n.name)
+
+
+def test_a_quiet_step_long_after_the_last_end_ends_at_the_node_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine whose steps are slow (a real model's) ends each at the node:
+    a quiet step END_AFTER_S after the last end sent is not held for the
+    next ones, so its stores' events come back with the next step."""
+    from kvtier.node import client
+
+    monkeypatch.setattr(client, "END_AFTER_S", 0.5)
+    n = Node(tmp_path, blocks=8192, shared_index=True)
+    try:
+        a = n.engine(engine="a")
+        pool = a.attach_pool()
+        store(a, pool, [900])  # a round trip: its step end is sent
+        a.take_events()
+        first = store(a, pool, [1])  # quiet and soon after: held here
+        assert a._unsent_steps == 1
+        time.sleep(0.6)
+        second = store(a, pool, [2])  # quiet, but long after: sent with the first
+        assert a._unsent_steps == 0
+        ev = a.take_events()
+        assert [k for e in ev if not e.removed for k in e.keys] == first + second
+        a.shutdown()
     finally:
         n.stop()
         _remove_pools(n.name)

@@ -57,17 +57,14 @@ _INFORM = frozenset({Op.LOAD_PINNED, Op.TOUCH, Op.REQUEST_FINISHED})
 # node's time a key (bench manager --node --shared-index, 16 keys a call).
 FINISHED_BATCH = 64
 # Step ends posted, unanswered, before the next waits (events and reservation
-# arrive at most this many late). At 2 one engine waited in a third of its
-# steps, at 8 in a ninth (16 keys a step, one step an end).
-OWED_STEPS = 4
-# Quiet steps (shared index, nothing asked of the node) end there this many
-# at a time, one frame (client and node CPU a key fell by a tenth each); sooner
-# when the reservation is under what the steps since the last end took from it
-# (the reply that tops it up comes about that late), or LOW_RESERVE. A fixed
-# 160 of 256 made 2.2 step ends in 4 steps and one client 16% slower (bench
-# manager --node --shared-index, 16 keys a call, five runs each).
-STEPS_PER_END = 4
-LOW_RESERVE = 32
+# arrive at most this many late). Quiet steps (shared index, nothing asked of
+# the node) end there STEPS_PER_END at a time, one frame; sooner when the
+# reservation is under what the steps since the last end took from it (the
+# reply that tops it up comes about that late), or LOW_RESERVE, or END_AFTER_S
+# after the last end sent (a real model's steps end each). 8 and 2 against 4
+# and 4: node CPU a key 2.5 -> 2.2 us, four clients 0.64x -> 0.70x of the
+# in-process manager (docs/guides/node.md, 5 December).
+OWED_STEPS, STEPS_PER_END, LOW_RESERVE, END_AFTER_S = 2, 8, 32, 0.005
 
 
 @dataclass
@@ -137,6 +134,7 @@ class NodeManager:
         # Steps ended here, not yet at the node (STEPS_PER_END); slots stores took
         # from the reservation since the last step end sent.
         self._unsent_steps = self._taken = 0
+        self._sent_at = 0.0
         self._alive = False  # polled since the last step end sent (_index)
         self._closed = False
         self._next_attach = 0.0
@@ -501,9 +499,11 @@ class NodeManager:
         if quiet:
             self._unsent_steps += 1
             stocked = view is not None and view.reserved >= max(LOW_RESERVE, self._taken)
-            if self._unsent_steps < STEPS_PER_END and stocked:
+            soon = time.monotonic() < self._sent_at + END_AFTER_S
+            if self._unsent_steps < STEPS_PER_END and stocked and soon:
                 return  # ended with the next one: nothing here waits on the node
         self._unsent_steps = self._taken = 0
+        self._sent_at = time.monotonic()
         self._alive = False
         fin, self._finished = self._finished, []
         loads, self._loaded = self._loaded, []

@@ -41,8 +41,10 @@ _CODE = {LookupResult.MISS: 0, LookupResult.HIT: 1, LookupResult.HIT_PENDING: 2}
 _HELD_CODE = {1: 1, 2: 2, 3: 0, 4: 1}
 # Free slots an engine with the shared index keeps for its stores, which it
 # takes without a round trip (STORE_BEGIN); topped up in the replies of
-# PREPARE_STORE and STEP_END. A few steps' offers: 16 a step at 16 keys.
-RESERVE = 256
+# PREPARE_STORE and STEP_END. The offers of the steps between two step ends
+# and of the ends owed (client.py's STEPS_PER_END, OWED_STEPS): 16 keys a step,
+# 8 steps an end, 2 owed is 384.
+RESERVE = 512
 
 
 @dataclass
