@@ -491,8 +491,9 @@ def test_the_benchs_clients_start_together_once_attached(tmp_path: Path) -> None
 
     n = Node(tmp_path, blocks=8192, shared_index=True, max_classes=2)
     try:
-        rate, missed = bench._aggregate(n.path, 2 * 512, 16, 2, events=False)
-        assert missed == 0 and rate > 0
+        rate, missed, used, node_used = bench._aggregate(n.path, 2 * 512, 16, 2, events=False)
+        assert missed == 0 and rate > 0 and used > 0
+        assert node_used == 0.0  # no node process named: the node is this test's thread
         status = n.status()
         # Both clients stored every key of theirs (64-byte blocks: a class of its own).
         assert status["classes"][str(bench.PAYLOAD)]["occupancy"]["blocks"] == 2 * 512

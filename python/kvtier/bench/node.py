@@ -132,12 +132,15 @@ def _client_main(
     path: str, keys: list[bytes], batch: int, start: Any, q: Any, events: bool
 ) -> None:
     freeze_heap_as_engines_do()  # as this bench's own process did
+    began = [0.0]
 
     def ready() -> None:
         q.put(None)
         start.wait()
+        began[0] = process_cpu_s()
 
-    q.put(_client_rate(path, keys, batch, ready, events))
+    rate, missed = _client_rate(path, keys, batch, ready, events)
+    q.put((rate, missed, process_cpu_s() - began[0]))  # the timed cycles' CPU
 
 
 def run_node_manager(
@@ -171,7 +174,9 @@ def run_node_manager(
         try:
             for batch in (1, 16):
                 local, one, many = [], [], []
-                cpu: dict[str, list[float]] = {"in_process": [], "client": [], "node": []}
+                cpu: dict[str, list[float]] = {
+                    k: [] for k in ("in_process", "client", "node", "clients_many", "node_many")
+                }
                 missed = 0
                 for _ in range(repeats):
                     keys = _keys(num_keys, 0)
@@ -188,7 +193,11 @@ def run_node_manager(
                         cpu["client"].append(process_cpu_s() - c0)
                         cpu["node"].append(process_cpu_s(node.pid) - n0)
                         one.append(rate)
-                        rate, m4 = _aggregate(path, num_keys, batch, clients, events)
+                        rate, m4, used, node_used = _aggregate(
+                            path, num_keys, batch, clients, events, node.pid
+                        )
+                        cpu["clients_many"].append(used)
+                        cpu["node_many"].append(node_used)
                         many.append(rate)
                         missed += miss + m1 + m4
                     finally:
@@ -198,8 +207,9 @@ def run_node_manager(
                 out[f"node_1_client_batch{batch}"] = round(statistics.median(one))
                 out[f"node_{clients}_clients_batch{batch}"] = round(statistics.median(many))
                 out[f"returning_misses_batch{batch}"] = missed
-                for who, used in cpu.items():  # one client's run: each side's share
-                    us = statistics.median(used) / num_keys * 1e6
+                for who, spent in cpu.items():  # each side's share
+                    us = statistics.median(spent) / num_keys * 1e6
+                    who = who.replace("many", f"{clients}_clients")
                     out[f"cpu_us_per_key_{who}_batch{batch}"] = round(us, 2)
                 out[f"ratio_1_client_batch{batch}"] = round(
                     statistics.median(one) / statistics.median(local), 3
@@ -221,16 +231,27 @@ def run_node_manager(
         f"{clients} clients: their aggregate, each cycling {num_keys // clients} keys of its own; "
         "round_trip_floor_us: a bare echo over a Unix socket between two processes; "
         "events: whether the engines took KV events and the in-process manager made them; "
-        "cpu_us_per_key: CPU time (user + system) a key of the in-process manager, and of "
+        "cpu_us_per_key: CPU time (user + system) a key of the in-process manager, of "
         "the one-client run's client and node processes (both poll briefly while they "
-        "wait: included)"
+        f"wait: included), and of the {clients} clients' run's clients (their timed cycles, "
+        "together) and node (from their start to the last one's end)"
     )
     return out
 
 
 def _aggregate(
-    path: str, num_keys: int, batch: int, clients: int, events: bool = False
-) -> tuple[float, int]:
+    path: str,
+    num_keys: int,
+    batch: int,
+    clients: int,
+    events: bool = False,
+    node_pid: int | None = None,
+) -> tuple[float, int, float, float]:
+    """``clients`` node clients at once, child processes started together
+    once attached: their aggregate cycles a second, their returning keys
+    missed, their CPU seconds over their timed cycles, and the node's (the
+    process ``node_pid``; 0.0 without) from their start to the last one's
+    end."""
     ctx = mp.get_context("spawn")
     start, q = ctx.Event(), ctx.Queue()
     per = num_keys // clients
@@ -246,11 +267,13 @@ def _aggregate(
     for _ in procs:
         if q.get(timeout=600) is not None:
             raise RuntimeError("a bench client finished before the start")
+    n0 = process_cpu_s(node_pid) if node_pid is not None else 0.0
     t0 = time.perf_counter()
     start.set()
     rates = [q.get(timeout=600) for _ in procs]
     wall = time.perf_counter() - t0
+    node_used = process_cpu_s(node_pid) - n0 if node_pid is not None else 0.0
     for p in procs:
         p.join()
     # Each client's keys over the wall time of all: the node's throughput.
-    return per * clients / wall, sum(miss for _, miss in rates)
+    return per * clients / wall, sum(r[1] for r in rates), sum(r[2] for r in rates), node_used
