@@ -211,7 +211,7 @@ class NodeClient:
 
     def flush(self) -> None:
         """Send what :meth:`post` queued without waiting for anything."""
-        if not self._queued and self._stores is None:
+        if not self.queued:
             return
         try:
             with self._send_lock:
@@ -227,7 +227,7 @@ class NodeClient:
         """The flusher's: send what has been queued for FLUSH_AFTER_S or
         longer. Returns whether anything is still queued."""
         with self._send_lock:
-            if (not self._queued and self._stores is None) or self._sock is None:
+            if not self.queued or self._sock is None:
                 return False
             if time.monotonic() < self._queued_at + FLUSH_AFTER_S:
                 return True
