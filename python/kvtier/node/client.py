@@ -62,8 +62,8 @@ FINISHED_BATCH = 64
 # reservation is under what the steps since the last end took from it (the
 # reply that tops it up comes about that late), or LOW_RESERVE, or END_AFTER_S
 # after the last end sent (a real model's steps end each). 8 and 2 against 4
-# and 4: node CPU a key 2.5 -> 2.2 us, four clients 0.64x -> 0.70x of the
-# in-process manager (docs/guides/node.md, 5 December).
+# and 4: node CPU a key 2.6 -> 2.2-2.4 us; four clients gained in alternating
+# sweeps, not beyond the bench's spread (docs/guides/node.md, 5 December).
 OWED_STEPS, STEPS_PER_END, LOW_RESERVE, END_AFTER_S = 2, 8, 32, 0.005
 
 
