@@ -38,6 +38,7 @@ void bind_plfu(py::module_& m);
 void bind_host_index(py::module_& m);
 void bind_shared_index(py::module_& m);
 void bind_frames(py::module_& m);
+void bind_node_stores(py::module_& m);
 void bind_remote(py::module_& m, EngineClass& engine);
 
 // The core index of a kvtier._native.SharedIndex (InvalidArgument for

@@ -443,4 +443,21 @@ def frame_reqs_ok(
 ) -> TypeGuard[list[str | int | None]]: ...
 def prefixed(prefix: bytes, keys: list[bytes]) -> list[bytes]: ...
 def unprefixed(prefix: bytes, keys: list[bytes]) -> list[bytes]: ...
+def adopt_stores(
+    index: HostIndex,
+    prefix: bytes,
+    keys: list[bytes],
+    slots: list[int],
+    reqs: list[Any],
+    counts: list[int],
+    session: int,
+    last_by_req: dict[Any, dict[bytes, bytes]],
+    miss: dict[bytes, bytes],
+    reserved: set[int],
+    writes: set[bytes],
+    spare: dict[bytes, list[int]],
+) -> str | tuple[list[bytes], list[bytes]] | None: ...
+def offer_parents(
+    offer: list[bytes], last: dict[bytes, bytes] | None, miss: dict[bytes, bytes]
+) -> list[bytes | None]: ...
 def build_info() -> dict[str, str]: ...

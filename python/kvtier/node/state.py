@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier._native import prefixed, unprefixed
+from kvtier._native import adopt_stores, prefixed, unprefixed
 from kvtier.node.classes import SlotClass
 from kvtier.node.protocol import ProtocolError
 from kvtier.tiers.base import LookupResult
@@ -88,6 +88,10 @@ class Session:
         self.engine_index = cls.engine_index() if cls.shared is not None else None
         self.reserved: set[int] = set()  # slots reserved for this engine's stores
         self.spare: dict[bytes, list[int]] = {}  # node key -> slots its writes free
+        # A STORES frame in one native pass (adopt_stores) where the class's
+        # tier is the native index taking every offer; else in Python.
+        host: Any = cls.manager.host
+        self._native_stores = hasattr(host, "_ix") and host.admission.threshold <= 1
         cls.sessions.add(self)
         cls.events_wanted()
 
@@ -299,6 +303,19 @@ class Session:
         adopted (adopt_store; chains are kept per request), its other slots
         freed when their writes end. One request for all a flush holds
         (STORES); STORE_BEGIN is one offer of it."""
+        m = self.cls.manager
+        host: Any = m.host
+        if self._native_stores and not host._ghost:
+            m._check_open()
+            state = (m._last_offer, m._miss_prev, self.reserved, self.writes, self.spare)
+            got = adopt_stores(host._ix, self.prefix, keys, slots, reqs, counts, self.id, *state)
+            if isinstance(got, str):
+                raise ProtocolError(got)
+            if got is not None:
+                if got[1]:
+                    self._complete(got[1], None, True)
+                return None
+            # else a key begun again after its end in this frame: in order, below
         if len(reqs) != len(counts) or sum(map(abs, counts)) != len(keys) or 0 in counts:
             raise ProtocolError("stores needs a nonzero count per request, one per key")
         if sum(n for n in counts if n > 0) != len(slots):

@@ -1,0 +1,161 @@
+// The host tier's native index (core/policy/host_index.h) over Python keys:
+// kvtier._native.HostIndex's object (bound in host_index.cc), shared with the
+// node's store path (node_stores.cc), which works on it directly. A dict
+// maps each resident key to its slot (Python's own hash of the key, cached
+// in a bytes object, and insertion order for whoever lists the keys); a
+// vector maps slots back to keys.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../core/node/shared_index.h"
+#include "../core/policy/host_index.h"
+#include "bindings.h"
+
+namespace kvtier::bindings {
+
+class KeyedHostIndex {
+ public:
+  KeyedHostIndex(std::int64_t capacity, bool prefix_aware)
+      : core_(checked_capacity(capacity), prefix_aware),
+        keys_(static_cast<std::size_t>(capacity)),
+        parent_keys_(static_cast<std::size_t>(capacity)) {}
+
+  // The slot of a resident key, -1 when it is not; throws what the dict
+  // raised for a key it cannot hash.
+  std::int32_t slot_of(PyObject* key) const {
+    PyObject* v = PyDict_GetItemWithError(slots_.ptr(), key);
+    if (v == nullptr) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      return -1;
+    }
+    return static_cast<std::int32_t>(PyLong_AsLong(v));
+  }
+
+  std::int32_t resident_slot(PyObject* key) const {
+    const std::int32_t s = slot_of(key);
+    if (s < 0) throw py::key_error(py::repr(key).cast<std::string>());
+    return s;
+  }
+
+  void add(PyObject* key, std::int32_t slot, PyObject* parent, std::uint8_t source) {
+    if (core_.mirror() != nullptr && !PyBytes_Check(key))
+      throw Error(StatusCode::kInvalidArgument, "host index: a mirrored index's keys are bytes");
+    if (slot < 0 || static_cast<std::uint32_t>(slot) >= core_.capacity())
+      throw Error(StatusCode::kInvalidArgument, "host index: slot " + std::to_string(slot) +
+                                                    " outside 0.." +
+                                                    std::to_string(core_.capacity() - 1));
+    if (core_.resident(slot))
+      throw Error(StatusCode::kInvalidArgument,
+                  "host index: slot " + std::to_string(slot) + " holds a block already");
+    if (slot_of(key) >= 0)
+      throw Error(StatusCode::kInvalidArgument, "host index: key is resident already");
+    const std::int32_t p = parent == Py_None ? policy::HostIndex::kNil : slot_of(parent);
+    py::object s = py::reinterpret_steal<py::object>(PyLong_FromLong(slot));
+    if (!s || PyDict_SetItem(slots_.ptr(), key, s.ptr()) != 0) throw py::error_already_set();
+    keys_[static_cast<std::size_t>(slot)] = py::reinterpret_borrow<py::object>(key);
+    core_.add_writing(slot, p, source);
+    if (core_.mirror() != nullptr)  // engines find it by its key's digest
+      core_.mirror()->publish(
+          static_cast<std::uint32_t>(slot),
+          node::digest_of(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), nullptr, 0),
+          node::SharedIndex::kWriting);
+    // The parent's key, kept after the parent leaves (host.py's entries
+    // keep it too): a lower tier is told a block's parent when the block
+    // cascades, and the parent may be on that tier by then.
+    if (core_.parent(slot) != policy::HostIndex::kNil)
+      parent_keys_[static_cast<std::size_t>(slot)] = py::reinterpret_borrow<py::object>(parent);
+  }
+
+  // What a lookup of `key` finds here: 0 not resident, 1 ready (HIT), 2
+  // being written, 3 a fenced fill that failed (a MISS), 4 a fenced fill
+  // under way (a HIT whose load may still fail).
+  int answer(PyObject* key) const {
+    const std::int32_t s = slot_of(key);
+    if (s < 0) return 0;
+    if (core_.ref(s) < 0) return 2;
+    const std::uint8_t fill = core_.fill(s);
+    return fill == policy::HostIndex::kFillNone     ? 1
+           : fill == policy::HostIndex::kFillFailed ? 3
+                                                    : 4;
+  }
+
+  void forget(std::int32_t slot) {
+    keys_[static_cast<std::size_t>(slot)] = py::object();
+    parent_keys_[static_cast<std::size_t>(slot)] = py::object();
+  }
+
+  // The key leaves the index (its slot stays allocated): its slot, -1 when
+  // it was not resident.
+  std::int32_t detach(PyObject* key) {
+    const std::int32_t s = slot_of(key);
+    if (s < 0) return -1;
+    core_.remove(s);
+    py::object keep = std::move(keys_[static_cast<std::size_t>(s)]);
+    forget(s);
+    if (PyDict_DelItem(slots_.ptr(), key) != 0) throw py::error_already_set();
+    return s;
+  }
+
+  py::object key_at(std::int32_t slot) const {
+    if (slot < 0 || static_cast<std::uint32_t>(slot) >= core_.capacity() || !core_.resident(slot))
+      return py::none();
+    return keys_[static_cast<std::size_t>(slot)];
+  }
+
+  // Victims (or an allocation) with `prot` (a set, frozenset or dict of
+  // keys; anything else iterable is made a set first) protected.
+  template <typename F>
+  auto with_protected(const py::object& prot, F&& call) {
+    py::object set = prot;
+    if (!prot.is_none() && !PySet_Check(prot.ptr()) && !PyFrozenSet_Check(prot.ptr()) &&
+        !PyDict_Check(prot.ptr()))
+      set = py::reinterpret_steal<py::object>(PySet_New(prot.ptr()));
+    if (!set) throw py::error_already_set();
+    bool failed = false;
+    policy::HostIndex::Protected fn = [&](std::int32_t s) {
+      const int in = PySequence_Contains(set.ptr(), keys_[static_cast<std::size_t>(s)].ptr());
+      if (in < 0) failed = true;
+      return in != 0;  // an error protects: nothing is evicted on a failed check
+    };
+    auto out = call(set.is_none() || PyObject_Length(set.ptr()) == 0 ? nullptr : &fn);
+    if (failed) throw py::error_already_set();
+    return out;
+  }
+
+  py::list keys_of(const std::vector<std::int32_t>& slots) const {
+    py::list out(slots.size());
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      PyList_SET_ITEM(out.ptr(), static_cast<py::ssize_t>(i),
+                      keys_[static_cast<std::size_t>(slots[i])].inc_ref().ptr());
+    return out;
+  }
+
+  policy::HostIndex core_;
+  py::object mirror_;  // the SharedIndex core_ mirrors into (kept alive), or None
+  py::dict slots_;
+  std::vector<py::object> keys_;
+  std::vector<py::object> parent_keys_;                // slot -> its parent's key, when linked
+  std::vector<std::int32_t> out_slots_, out_victims_;  // reused by allocate
+
+ private:
+  static std::uint32_t checked_capacity(std::int64_t capacity) {
+    if (capacity < 1 || capacity > 0x7ffffffe)
+      throw Error(
+          StatusCode::kInvalidArgument,
+          "host index capacity must be 1 to 2^31 - 2 slots, got " + std::to_string(capacity));
+    return static_cast<std::uint32_t>(capacity);
+  }
+};
+
+// The node's STORES frame in one pass over `index` (node_stores.cc; the
+// arguments as kvtier._native.adopt_stores documents them).
+py::object adopt_stores(KeyedHostIndex& index, const py::bytes& prefix, const py::list& keys,
+                        const py::list& slots, const py::list& reqs, const py::list& counts,
+                        const py::object& session, const py::dict& last_by_req,
+                        const py::dict& miss, const py::set& reserved, const py::set& writes,
+                        const py::dict& spare);
+
+}  // namespace kvtier::bindings

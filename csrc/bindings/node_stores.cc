@@ -1,0 +1,297 @@
+// The node's STORES frame (kvtier/node/state.py's Session.stores with the
+// manager's adopt_store) in one native pass over the host index, and the
+// prefix chains of offers (kvtier/scheduler/chains.py's offer_parents) that
+// it needs.
+//
+// Why native: replayed, the node's time a key (bench/node_replay.py, 16
+// keys a call) was 1.45 us, of which the Python around a frame's offers
+// (the frame's split into begins and ends, each offer's chain, the parents'
+// flattening, adopt_store's glue) was about a third (py-spy, 2,000 Hz, 5
+// December 2026), on the node's one thread that every engine waits on.
+#include <algorithm>
+#include <cstring>
+#include <string_view>
+#include <unordered_set>
+
+#include "keyed_host_index.h"
+
+namespace kvtier::bindings {
+
+namespace {
+
+// A node key's chain group: its last 4 bytes, or none (b"") under 12 bytes.
+std::string_view group_of(PyObject* key) {
+  const Py_ssize_t n = PyBytes_GET_SIZE(key);
+  if (n < 12) return {};
+  return {PyBytes_AS_STRING(key) + n - 4, 4};
+}
+
+py::object group_bytes(std::string_view g) {
+  return py::reinterpret_steal<py::object>(
+      PyBytes_FromStringAndSize(g.data(), static_cast<Py_ssize_t>(g.size())));
+}
+
+// `d.pop(key, None)`: a new reference, or null when absent.
+PyObject* dict_pop(PyObject* d, PyObject* key) {
+  PyObject* v = PyDict_GetItemWithError(d, key);
+  if (v == nullptr) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    return nullptr;
+  }
+  Py_INCREF(v);
+  if (PyDict_DelItem(d, key) != 0) {
+    Py_DECREF(v);
+    throw py::error_already_set();
+  }
+  return v;
+}
+
+// chains.py's offer_parents over keys[0..n) (bytes), each parent appended to
+// `out` (None where none is known); `last`: the request's chain ends by
+// group, or null (an offer with no request); `miss`: the scans' hints.
+void chain(PyObject* const* keys, Py_ssize_t n, PyObject* last, PyObject* miss, PyObject* out) {
+  PyObject* prev = nullptr;
+  std::string_view prev_g;
+  bool have_g = false;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* k = keys[i];
+    const std::string_view g = group_of(k);
+    PyObject* p = nullptr;  // a new reference, or null: None
+    if (have_g && g == prev_g) {
+      p = prev;
+      Py_INCREF(p);
+    } else {
+      if (last != nullptr && prev != nullptr &&
+          PyDict_SetItem(last, group_bytes(prev_g).ptr(), prev) != 0)
+        throw py::error_already_set();
+      if (last != nullptr) {
+        p = PyDict_GetItemWithError(last, group_bytes(g).ptr());
+        if (p == nullptr && PyErr_Occurred()) throw py::error_already_set();
+        Py_XINCREF(p);
+      }
+      if (p == nullptr && PyDict_GET_SIZE(miss) > 0) p = dict_pop(miss, k);
+      prev_g = g;
+      have_g = true;
+    }
+    const int rc = PyList_Append(out, p != nullptr ? p : Py_None);
+    Py_XDECREF(p);
+    if (rc != 0) throw py::error_already_set();
+    prev = k;
+  }
+  if (last != nullptr && prev != nullptr &&
+      PyDict_SetItem(last, group_bytes(prev_g).ptr(), prev) != 0)
+    throw py::error_already_set();
+}
+
+void check_bytes(const py::list& keys, const char* what) {
+  const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (!PyBytes_Check(PyList_GET_ITEM(keys.ptr(), i)))
+      throw_invalid(std::string(what) + ": keys must be bytes");
+}
+
+py::object add_to(PyObject* set, PyObject* item) {
+  if (PySet_Add(set, item) != 0) throw py::error_already_set();
+  return py::none();
+}
+
+}  // namespace
+
+py::object adopt_stores(KeyedHostIndex& index, const py::bytes& prefix, const py::list& keys,
+                        const py::list& slots, const py::list& reqs, const py::list& counts,
+                        const py::object& session, const py::dict& last_by_req,
+                        const py::dict& miss, const py::set& reserved, const py::set& writes,
+                        const py::dict& spare) {
+  check_bytes(keys, "adopt_stores");
+  const Py_ssize_t nkeys = PyList_GET_SIZE(keys.ptr());
+  const Py_ssize_t nslots = PyList_GET_SIZE(slots.ptr());
+  const Py_ssize_t nitems = PyList_GET_SIZE(counts.ptr());
+  // -- checks, nothing changed yet (state.py's, in its order and words) ----
+  std::vector<long> cs(static_cast<std::size_t>(nitems));
+  long total = 0, begun = 0;
+  bool zero = false;
+  for (Py_ssize_t i = 0; i < nitems; ++i) {
+    const long c = PyLong_AsLong(PyList_GET_ITEM(counts.ptr(), i));
+    if (c == -1 && PyErr_Occurred()) throw py::error_already_set();
+    cs[static_cast<std::size_t>(i)] = c;
+    zero = zero || c == 0;
+    total += c < 0 ? -c : c;
+    begun += c > 0 ? c : 0;
+  }
+  if (PyList_GET_SIZE(reqs.ptr()) != nitems || total != nkeys || zero)
+    return py::str("stores needs a nonzero count per request, one per key");
+  if (begun != nslots) return py::str("store_begin needs one slot per key");
+  std::vector<std::int32_t> ss(static_cast<std::size_t>(nslots));
+  for (Py_ssize_t i = 0; i < nslots; ++i) {
+    PyObject* s = PyList_GET_ITEM(slots.ptr(), i);
+    const int in = PySet_Contains(reserved.ptr(), s);
+    if (in < 0) throw py::error_already_set();
+    if (in == 0) return py::str("store_begin of slots not reserved for this engine");
+    ss[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(PyLong_AsLong(s));
+  }
+  {
+    std::vector<std::int32_t> sorted = ss;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+      return py::str("store_begin needs one distinct slot per key");
+  }
+  // A key begun after its end within the frame needs the frame's order
+  // (the caller's path): said before anything changes.
+  {
+    py::object ended = py::reinterpret_steal<py::object>(PySet_New(nullptr));
+    if (!ended) throw py::error_already_set();
+    Py_ssize_t at = 0;
+    for (long c : cs) {
+      const Py_ssize_t n = c < 0 ? -c : c;
+      for (Py_ssize_t j = at; j < at + n; ++j) {
+        PyObject* k = PyList_GET_ITEM(keys.ptr(), j);
+        if (c < 0) {
+          add_to(ended.ptr(), k);
+        } else if (PySet_GET_SIZE(ended.ptr()) > 0) {
+          const int in = PySet_Contains(ended.ptr(), k);
+          if (in < 0) throw py::error_already_set();
+          if (in) return py::none();
+        }
+      }
+      at += n;
+    }
+  }
+  // -- the frame's slots leave the reservation; its keys are namespaced ----
+  for (Py_ssize_t i = 0; i < nslots; ++i)
+    if (PySet_Discard(reserved.ptr(), PyList_GET_ITEM(slots.ptr(), i)) < 0)
+      throw py::error_already_set();
+  const std::string_view p = prefix;
+  py::list nks(nkeys);
+  for (Py_ssize_t i = 0; i < nkeys; ++i) {
+    PyObject* k = PyList_GET_ITEM(keys.ptr(), i);
+    const Py_ssize_t len = PyBytes_GET_SIZE(k);
+    PyObject* b = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(p.size()) + len);
+    if (b == nullptr) throw py::error_already_set();
+    std::memcpy(PyBytes_AS_STRING(b), p.data(), p.size());
+    std::memcpy(PyBytes_AS_STRING(b) + p.size(), PyBytes_AS_STRING(k),
+                static_cast<std::size_t>(len));
+    PyList_SET_ITEM(nks.ptr(), i, b);
+  }
+  // -- the begun offers (adopt_store): used or new, chained, added ---------
+  std::vector<PyObject*> b_keys;  // borrowed from nks
+  b_keys.reserve(static_cast<std::size_t>(nslots));
+  py::list done;
+  {
+    Py_ssize_t at = 0;
+    for (long c : cs) {
+      const Py_ssize_t n = c < 0 ? -c : c;
+      for (Py_ssize_t j = at; j < at + n; ++j) {
+        PyObject* k = PyList_GET_ITEM(nks.ptr(), j);
+        if (c > 0)
+          b_keys.push_back(k);
+        else if (PyList_Append(done.ptr(), k) != 0)
+          throw py::error_already_set();
+      }
+      at += n;
+    }
+  }
+  // HostIndex.offered: each key once, a resident one used now (touched).
+  std::vector<Py_ssize_t> fresh;  // positions in b_keys of the keys to store
+  fresh.reserve(b_keys.size());
+  {
+    py::object seen = py::reinterpret_steal<py::object>(PySet_New(nullptr));
+    if (!seen) throw py::error_already_set();
+    for (std::size_t i = 0; i < b_keys.size(); ++i) {
+      PyObject* k = b_keys[i];
+      const int was = PySet_Contains(seen.ptr(), k);
+      if (was < 0) throw py::error_already_set();
+      if (was) continue;
+      add_to(seen.ptr(), k);
+      const std::int32_t s = index.slot_of(k);
+      if (s >= 0)
+        index.core_.touch(s);
+      else
+        fresh.push_back(static_cast<Py_ssize_t>(i));
+    }
+  }
+  // Each offer chained as its own (its request's chain ends, or within it).
+  py::list parents;
+  {
+    std::size_t at = 0;
+    for (Py_ssize_t i = 0; i < nitems; ++i) {
+      const long c = cs[static_cast<std::size_t>(i)];
+      if (c < 0) continue;
+      PyObject* req = PyList_GET_ITEM(reqs.ptr(), i);
+      PyObject* last = nullptr;
+      py::object owner;
+      if (req != Py_None) {
+        py::object id = py::reinterpret_steal<py::object>(PyTuple_Pack(2, session.ptr(), req));
+        if (!id) throw py::error_already_set();
+        last = PyDict_GetItemWithError(last_by_req.ptr(), id.ptr());
+        if (last == nullptr) {
+          if (PyErr_Occurred()) throw py::error_already_set();
+          owner = py::dict();
+          if (PyDict_SetItem(last_by_req.ptr(), id.ptr(), owner.ptr()) != 0)
+            throw py::error_already_set();
+          last = owner.ptr();
+        }
+      }
+      chain(b_keys.data() + at, c, last, miss.ptr(), parents.ptr());
+      at += static_cast<std::size_t>(c);
+    }
+  }
+  py::list stored;
+  std::vector<bool> used(b_keys.size(), fresh.size() == b_keys.size());
+  for (Py_ssize_t i : fresh) {
+    PyObject* k = b_keys[static_cast<std::size_t>(i)];
+    index.add(k, ss[static_cast<std::size_t>(i)], PyList_GET_ITEM(parents.ptr(), i), 0);
+    used[static_cast<std::size_t>(i)] = true;
+    add_to(writes.ptr(), k);
+    if (PyList_Append(stored.ptr(), k) != 0) throw py::error_already_set();
+  }
+  // Slots of keys held already or offered twice: freed when their writes end.
+  for (std::size_t i = 0; i < b_keys.size(); ++i) {
+    if (used[i]) continue;
+    PyObject* held = PyDict_GetItemWithError(spare.ptr(), b_keys[i]);
+    if (held == nullptr) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      py::list fresh_list;
+      if (PyDict_SetItem(spare.ptr(), b_keys[i], fresh_list.ptr()) != 0)
+        throw py::error_already_set();
+      held = fresh_list.ptr();
+    }
+    py::object s = py::int_(ss[i]);
+    if (PyList_Append(held, s.ptr()) != 0) throw py::error_already_set();
+  }
+  return py::make_tuple(stored, done);
+}
+
+void bind_node_stores(py::module_& m) {
+  m.def("adopt_stores", &adopt_stores, py::arg("index"), py::arg("prefix"), py::arg("keys"),
+        py::arg("slots"), py::arg("reqs"), py::arg("counts"), py::arg("session"),
+        py::arg("last_by_req"), py::arg("miss"), py::arg("reserved"), py::arg("writes"),
+        py::arg("spare"),
+        "A node session's STORES frame over its class's native `index`: `counts[i]` > 0, "
+        "request `reqs[i]` began storing the next `counts[i]` keys into the next as many "
+        "`slots`; < 0, the writes of the next `-counts[i]` keys ended. Checks the frame first "
+        "(a str: the protocol error, nothing changed) and whether a key is begun after its "
+        "end within it (None: nothing changed, the caller takes the frame in order). Else "
+        "takes the slots out of `reserved`, namespaces the keys with `prefix`, and adopts "
+        "the begun offers as TieredOffloadingManager.adopt_store does (a key held already "
+        "is used; each offer chained as its own: request `(session, req)`'s chain ends in "
+        "`last_by_req`, the scans' hints in `miss`; new keys added as writes, into `writes`; "
+        "the slots of keys not kept listed in `spare` by key). Returns (the keys added, the "
+        "ended keys), node keys, in the frame's order.");
+  m.def(
+      "offer_parents",
+      [](const py::list& offer, const py::object& last, const py::dict& miss) {
+        check_bytes(offer, "offer_parents");
+        if (!last.is_none() && !PyDict_Check(last.ptr()))
+          throw_invalid("offer_parents: last must be a dict or None");
+        py::list out;
+        chain(PySequence_Fast_ITEMS(offer.ptr()), PyList_GET_SIZE(offer.ptr()),
+              last.is_none() ? nullptr : last.ptr(), miss.ptr(), out.ptr());
+        return out;
+      },
+      py::arg("offer"), py::arg("last"), py::arg("miss"),
+      "kvtier.scheduler.chains.offer_parents of bytes keys, as a list always (None for each "
+      "key without a parent): the chain of the node's native store path, exposed so tests "
+      "compare the two.");
+}
+
+}  // namespace kvtier::bindings
