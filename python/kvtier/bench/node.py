@@ -217,6 +217,17 @@ def run_node_manager(
                 out[f"ratio_{clients}_clients_batch{batch}"] = round(
                     statistics.median(many) / statistics.median(local), 3
                 )
+                # What one core of the node serves, and the CPU a key of engines
+                # and node together, against the in-process manager's.
+                node_us = statistics.median(cpu["node_many"]) / num_keys * 1e6
+                local_us = statistics.median(cpu["in_process"]) / num_keys * 1e6
+                if node_us > 0:
+                    capacity_rate = 1e6 / node_us
+                    out[f"node_capacity_ratio_{clients}_clients_batch{batch}"] = round(
+                        capacity_rate / statistics.median(local), 3
+                    )
+                    both = statistics.median(cpu["clients_many"]) / num_keys * 1e6 + node_us
+                    out[f"cpu_ratio_{clients}_clients_batch{batch}"] = round(both / local_us, 2)
         finally:
             for f in Path("/dev/shm").glob(f"kvnode-{name}-*"):
                 f.unlink()
@@ -234,7 +245,11 @@ def run_node_manager(
         "cpu_us_per_key: CPU time (user + system) a key of the in-process manager, of "
         "the one-client run's client and node processes (both poll briefly while they "
         f"wait: included), and of the {clients} clients' run's clients (their timed cycles, "
-        "together) and node (from their start to the last one's end)"
+        "together) and node (from their start to the last one's end); "
+        "node_capacity_ratio: the keys a second one core of the node would serve at its CPU "
+        f"a key in the {clients} clients' run, against the in-process manager; cpu_ratio: "
+        f"the {clients} clients' and the node's CPU a key together against the in-process "
+        "manager's (on C cores the aggregate cannot pass C / cpu_ratio of it)"
     )
     return out
 
