@@ -635,21 +635,3 @@ def test_a_malformed_stores_request_closes_only_its_connection(
     finally:
         n.stop()
         _remove_pools(n.name)
-
-
-def test_the_benchs_cpu_split_names_the_nodes_capacity_and_the_cost_a_key() -> None:
-    """``kvtier bench manager --node`` reports, beside the rates, what one
-    core of the node serves at its CPU a key (against the in-process
-    manager) and the engines' and node's CPU a key together against the
-    in-process manager's: each from the run's own CPU figures."""
-    from kvtier.bench import node as bench
-
-    out = bench.run_node_manager(num_keys=2048, repeats=1, clients=2, shared_index=True)
-    for b in (1, 16):
-        node_us = out[f"cpu_us_per_key_node_2_clients_batch{b}"]
-        both = out[f"cpu_us_per_key_clients_2_clients_batch{b}"] + node_us
-        local_us = out[f"cpu_us_per_key_in_process_batch{b}"]
-        assert node_us > 0 and local_us > 0
-        capacity = out[f"node_capacity_ratio_2_clients_batch{b}"]
-        assert capacity == pytest.approx(1e6 / node_us / out[f"in_process_batch{b}"], rel=0.05)
-        assert out[f"cpu_ratio_2_clients_batch{b}"] == pytest.approx(both / local_us, rel=0.05)

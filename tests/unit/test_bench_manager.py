@@ -56,3 +56,31 @@ def test_a_processes_cpu_time_is_read_for_itself_and_for_a_child() -> None:
     t0 = process_cpu_s()
     sum(range(2_000_000))
     assert process_cpu_s() > t0
+
+
+def test_the_node_benchs_cpu_figures_are_each_sides_medians_and_their_ratios() -> None:
+    """``kvtier bench manager --node``'s CPU figures: each side's median CPU
+    a key, what one core of the node serves against the in-process manager
+    (its CPU a key over the node's), and the clients' and node's CPU a key
+    together over the in-process manager's; a ratio over no CPU is left out."""
+    from kvtier.bench.node import cpu_figures
+
+    cpu = {
+        "in_process": [0.2, 0.16, 0.18],  # 1.8 us a key over 100,000 keys
+        "client": [0.25, 0.24, 0.26],
+        "node": [0.22, 0.2, 0.21],
+        "clients_many": [0.3, 0.28, 0.29],  # 2.9 us
+        "node_many": [0.12, 0.1, 0.11],  # 1.1 us
+    }
+    out = cpu_figures(cpu, 100_000, 4, 16)
+    assert out == {
+        "cpu_us_per_key_in_process_batch16": 1.8,
+        "cpu_us_per_key_client_batch16": 2.5,
+        "cpu_us_per_key_node_batch16": 2.1,
+        "cpu_us_per_key_clients_4_clients_batch16": 2.9,
+        "cpu_us_per_key_node_4_clients_batch16": 1.1,
+        "node_capacity_ratio_4_clients_batch16": round(1.8 / 1.1, 3),
+        "cpu_ratio_4_clients_batch16": round((2.9 + 1.1) / 1.8, 2),
+    }
+    cpu["node_many"] = [0.0]  # under the clock's tick
+    assert "node_capacity_ratio_4_clients_batch16" not in cpu_figures(cpu, 100_000, 4, 16)

@@ -207,27 +207,13 @@ def run_node_manager(
                 out[f"node_1_client_batch{batch}"] = round(statistics.median(one))
                 out[f"node_{clients}_clients_batch{batch}"] = round(statistics.median(many))
                 out[f"returning_misses_batch{batch}"] = missed
-                for who, spent in cpu.items():  # each side's share
-                    us = statistics.median(spent) / num_keys * 1e6
-                    who = who.replace("many", f"{clients}_clients")
-                    out[f"cpu_us_per_key_{who}_batch{batch}"] = round(us, 2)
+                out.update(cpu_figures(cpu, num_keys, clients, batch))
                 out[f"ratio_1_client_batch{batch}"] = round(
                     statistics.median(one) / statistics.median(local), 3
                 )
                 out[f"ratio_{clients}_clients_batch{batch}"] = round(
                     statistics.median(many) / statistics.median(local), 3
                 )
-                # What one core of the node serves, and the CPU a key of engines
-                # and node together, against the in-process manager's.
-                node_us = statistics.median(cpu["node_many"]) / num_keys * 1e6
-                local_us = statistics.median(cpu["in_process"]) / num_keys * 1e6
-                if node_us > 0:
-                    capacity_rate = 1e6 / node_us
-                    out[f"node_capacity_ratio_{clients}_clients_batch{batch}"] = round(
-                        capacity_rate / statistics.median(local), 3
-                    )
-                    both = statistics.median(cpu["clients_many"]) / num_keys * 1e6 + node_us
-                    out[f"cpu_ratio_{clients}_clients_batch{batch}"] = round(both / local_us, 2)
         finally:
             for f in Path("/dev/shm").glob(f"kvnode-{name}-*"):
                 f.unlink()
@@ -251,6 +237,33 @@ def run_node_manager(
         f"the {clients} clients' and the node's CPU a key together against the in-process "
         "manager's (on C cores the aggregate cannot pass C / cpu_ratio of it)"
     )
+    return out
+
+
+def cpu_figures(
+    cpu: dict[str, list[float]], num_keys: int, clients: int, batch: int
+) -> dict[str, float]:
+    """Each side's CPU a key (medians of ``cpu``'s seconds over ``num_keys``:
+    ``in_process``, ``client``, ``node``, ``clients_many``, ``node_many``),
+    and from the several clients' run: what one core of the node would serve
+    at its CPU a key against the in-process manager
+    (``node_capacity_ratio``), and the clients' and node's CPU a key together
+    against the in-process manager's (``cpu_ratio``; on C cores the
+    aggregate cannot pass C / cpu_ratio of it). A ratio whose divisor read
+    no CPU (a short run under the clock's tick) is left out."""
+    us = {who: statistics.median(s) / num_keys * 1e6 for who, s in cpu.items()}
+    out: dict[str, float] = {}
+    for who, v in us.items():
+        out[f"cpu_us_per_key_{who.replace('many', f'{clients}_clients')}_batch{batch}"] = round(
+            v, 2
+        )
+    local, node = us["in_process"], us["node_many"]
+    if node > 0 and local > 0:
+        # One core's keys a second (1e6 / node) over the in-process rate (1e6 / local).
+        out[f"node_capacity_ratio_{clients}_clients_batch{batch}"] = round(local / node, 3)
+    if local > 0:
+        both = us["clients_many"] + node
+        out[f"cpu_ratio_{clients}_clients_batch{batch}"] = round(both / local, 2)
     return out
 
 
