@@ -111,8 +111,13 @@ py::object adopt_stores(KeyedHostIndex& index, const py::bytes& prefix, const py
   long total = 0, begun = 0;
   bool zero = false;
   for (Py_ssize_t i = 0; i < nitems; ++i) {
-    const long c = PyLong_AsLong(PyList_GET_ITEM(counts.ptr(), i));
+    // A count past a key list's length is refused below; one past a long
+    // (msgpack carries 64-bit ints) is refused here, not raised.
+    int overflow = 0;
+    const long c = PyLong_AsLongAndOverflow(PyList_GET_ITEM(counts.ptr(), i), &overflow);
     if (c == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (overflow != 0 || c > (1L << 40) || c < -(1L << 40))
+      return py::str("stores needs a nonzero count per request, one per key");
     cs[static_cast<std::size_t>(i)] = c;
     zero = zero || c == 0;
     total += c < 0 ? -c : c;

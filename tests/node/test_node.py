@@ -481,6 +481,30 @@ def test_claims_on_slots_not_leased_close_only_that_connection(node: Node) -> No
     assert node.status()["counters"]["protocol_errors"] == 2
 
 
+def test_a_fault_of_the_nodes_own_closes_only_that_connection(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request the node's own code fails on (a bug, not bad input) drops
+    that engine's connection, counted and logged; the node and the other
+    engines go on."""
+    from kvtier.node.state import Session
+
+    a, b = node.engine(engine="a"), node.engine(engine="b")
+    pool = a.attach_pool()
+    store(a, pool, [1])
+
+    def broken(self: Session, keys: list[bytes]) -> None:
+        raise RuntimeError("a fault of the node's own")
+
+    monkeypatch.setattr(Session, "touch", broken)
+    with pytest.raises(NodeUnavailable):
+        b._client.post(P.Op.TOUCH, [key(1)])
+        b._client.call(P.Op.STATUS)  # the node closed b's connection at the TOUCH
+    assert a.lookup(key(1)) is LookupResult.HIT
+    st = node.status()
+    assert st["counters"]["internal_errors"] == 1 and st["counters"]["protocol_errors"] == 0
+
+
 def test_socket_is_0660_and_strangers_are_refused(node: Node) -> None:
     assert stat.S_IMODE(os.stat(node.path).st_mode) == 0o660
     node.server._allowed_uids = set()  # as if this process's uid were not allowed

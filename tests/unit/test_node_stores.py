@@ -180,3 +180,13 @@ def _frame(s: Session, frame: list[Any], odd: str | None) -> tuple[list[Any], ..
         counts.append(0)
         reqs.append(None)
     return keys, slots, reqs, counts
+
+
+@pytest.mark.parametrize("count", [2**63, 2**64 - 1, -(2**63), 2**41])
+def test_a_count_past_any_frame_is_the_protocol_error_of_both_paths(count: int) -> None:
+    with _regions() as (ra, rb):
+        for s in (_session(ra, True), _session(rb, False)):
+            slot = min(s.reserved)
+            with pytest.raises(ProtocolError, match="a nonzero count per request"):
+                s.stores([KEYS[0]], [slot], ["r"], [count])
+            assert slot in s.reserved and not s.writes  # nothing changed

@@ -117,6 +117,7 @@ class NodeServer:
             "leases_released": 0,
             "requests": 0,
             "refused_calls": 0,
+            "internal_errors": 0,
         }
         self.started = time.time()
         self.writers = Writers()  # engines' workers, named at POOL (node/quarantine.py)
@@ -301,6 +302,13 @@ class NodeServer:
             with contextlib.suppress(OSError):
                 conn.sock.send(P.pack([False, "ProtocolError", str(e)]))
             self._drop(conn, "protocol error")
+            return
+        except Exception:
+            # A fault of the node's own on one engine's request: that engine's
+            # connection goes (it reattaches), not the node every engine shares.
+            self.counters["internal_errors"] += 1
+            log.exception("kvtier node: closing pid %d after an internal error", conn.pid)
+            self._drop(conn, "internal error")
             return
         self._flush(conn)
 
