@@ -224,6 +224,13 @@ class ChunkOwner(HostTier):
     def add_writing_many(
         self, keys: list[bytes], slots: list[int], parents: list[bytes | None] | None = None
     ) -> None:
+        self.stored_again(keys)
+        super().add_writing_many(keys, slots, parents)
+
+    def stored_again(self, keys: list[bytes]) -> None:
+        """``keys`` are being stored (not resident before): those this tier
+        evicted lately count as regret. Called by :meth:`add_writing_many`,
+        and by the node's native store path after it added them."""
         ghost = self._ghost
         back = [k for k in keys if k in ghost] if ghost else None
         if back:
@@ -231,7 +238,6 @@ class ChunkOwner(HostTier):
                 del ghost[k]
             self.region.regret(self, len(back) * self.pool.slot_bytes)  # type: ignore[union-attr]
         self._trim()
-        super().add_writing_many(keys, slots, parents)
 
     def add_writing(
         self, key: bytes, slot: int, source: str = "host", parent: bytes | None = None

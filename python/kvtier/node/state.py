@@ -305,13 +305,14 @@ class Session:
         (STORES); STORE_BEGIN is one offer of it."""
         m = self.cls.manager
         host: Any = m.host
-        if self._native_stores and not host._ghost:
+        if self._native_stores:
             m._check_open()
             state = (m._last_offer, m._miss_prev, self.reserved, self.writes, self.spare)
             got = adopt_stores(host._ix, self.prefix, keys, slots, reqs, counts, self.id, *state)
             if isinstance(got, str):
                 raise ProtocolError(got)
             if got is not None:
+                host.stored_again(got[0])  # regret, on a node of several block sizes
                 if got[1]:
                     self._complete(got[1], None, True)
                 return None
