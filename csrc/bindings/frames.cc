@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "bindings.h"
+#include "node_keys.h"
 
 namespace kvtier::bindings {
 
@@ -75,21 +76,8 @@ void bind_frames(py::module_& m) {
   m.def(
       "prefixed",
       [](const py::bytes& prefix, const py::list& keys) {
-        const std::string_view p = prefix;
-        const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
-        py::list out(n);
-        for (Py_ssize_t i = 0; i < n; ++i) {
-          PyObject* k = PyList_GET_ITEM(keys.ptr(), i);
-          if (!PyBytes_Check(k)) throw_invalid("prefixed: keys must be bytes");
-          const Py_ssize_t len = PyBytes_GET_SIZE(k);
-          PyObject* b = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(p.size()) + len);
-          if (b == nullptr) throw py::error_already_set();
-          char* dst = PyBytes_AS_STRING(b);
-          std::memcpy(dst, p.data(), p.size());
-          std::memcpy(dst + p.size(), PyBytes_AS_STRING(k), static_cast<std::size_t>(len));
-          PyList_SET_ITEM(out.ptr(), i, b);
-        }
-        return out;
+        return prefixed_keys(prefix, PySequence_Fast_ITEMS(keys.ptr()), PyList_GET_SIZE(keys.ptr()),
+                             "prefixed");
       },
       py::arg("prefix"), py::arg("keys"),
       "`prefix` + key for each key of `keys` (bytes), in order: a namespace's node keys.");

@@ -150,6 +150,7 @@ PYBIND11_MODULE(_native, m) {
   b::bind_shared_index(m);
   b::bind_frames(m);
   b::bind_node_stores(m);
+  b::bind_chains(m);
   b::bind_remote(m, engine);
 
   m.def(

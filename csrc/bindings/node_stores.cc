@@ -1,7 +1,6 @@
 // The node's STORES frame (kvtier/node/state.py's Session.stores with the
-// manager's adopt_store) in one native pass over the host index, and the
-// prefix chains of offers (kvtier/scheduler/chains.py's offer_parents) that
-// it needs.
+// manager's adopt_store) in one native pass over the host index, each
+// offer chained by chains.h's rule.
 //
 // Why native: replayed, the node's time a key (bench/node_replay.py, 16
 // keys a call) was 1.45 us, of which the Python around a frame's offers
@@ -13,75 +12,13 @@
 #include <string_view>
 #include <unordered_set>
 
+#include "chains.h"
 #include "keyed_host_index.h"
+#include "node_keys.h"
 
 namespace kvtier::bindings {
 
 namespace {
-
-// A node key's chain group: its last 4 bytes, or none (b"") under 12 bytes.
-std::string_view group_of(PyObject* key) {
-  const Py_ssize_t n = PyBytes_GET_SIZE(key);
-  if (n < 12) return {};
-  return {PyBytes_AS_STRING(key) + n - 4, 4};
-}
-
-py::object group_bytes(std::string_view g) {
-  return py::reinterpret_steal<py::object>(
-      PyBytes_FromStringAndSize(g.data(), static_cast<Py_ssize_t>(g.size())));
-}
-
-// `d.pop(key, None)`: a new reference, or null when absent.
-PyObject* dict_pop(PyObject* d, PyObject* key) {
-  PyObject* v = PyDict_GetItemWithError(d, key);
-  if (v == nullptr) {
-    if (PyErr_Occurred()) throw py::error_already_set();
-    return nullptr;
-  }
-  Py_INCREF(v);
-  if (PyDict_DelItem(d, key) != 0) {
-    Py_DECREF(v);
-    throw py::error_already_set();
-  }
-  return v;
-}
-
-// chains.py's offer_parents over keys[0..n) (bytes), each parent appended to
-// `out` (None where none is known); `last`: the request's chain ends by
-// group, or null (an offer with no request); `miss`: the scans' hints.
-void chain(PyObject* const* keys, Py_ssize_t n, PyObject* last, PyObject* miss, PyObject* out) {
-  PyObject* prev = nullptr;
-  std::string_view prev_g;
-  bool have_g = false;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* k = keys[i];
-    const std::string_view g = group_of(k);
-    PyObject* p = nullptr;  // a new reference, or null: None
-    if (have_g && g == prev_g) {
-      p = prev;
-      Py_INCREF(p);
-    } else {
-      if (last != nullptr && prev != nullptr &&
-          PyDict_SetItem(last, group_bytes(prev_g).ptr(), prev) != 0)
-        throw py::error_already_set();
-      if (last != nullptr) {
-        p = PyDict_GetItemWithError(last, group_bytes(g).ptr());
-        if (p == nullptr && PyErr_Occurred()) throw py::error_already_set();
-        Py_XINCREF(p);
-      }
-      if (p == nullptr && PyDict_GET_SIZE(miss) > 0) p = dict_pop(miss, k);
-      prev_g = g;
-      have_g = true;
-    }
-    const int rc = PyList_Append(out, p != nullptr ? p : Py_None);
-    Py_XDECREF(p);
-    if (rc != 0) throw py::error_already_set();
-    prev = k;
-  }
-  if (last != nullptr && prev != nullptr &&
-      PyDict_SetItem(last, group_bytes(prev_g).ptr(), prev) != 0)
-    throw py::error_already_set();
-}
 
 void check_bytes(const py::list& keys, const char* what) {
   const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
@@ -165,18 +102,8 @@ py::object adopt_stores(KeyedHostIndex& index, const py::bytes& prefix, const py
   for (Py_ssize_t i = 0; i < nslots; ++i)
     if (PySet_Discard(reserved.ptr(), PyList_GET_ITEM(slots.ptr(), i)) < 0)
       throw py::error_already_set();
-  const std::string_view p = prefix;
-  py::list nks(nkeys);
-  for (Py_ssize_t i = 0; i < nkeys; ++i) {
-    PyObject* k = PyList_GET_ITEM(keys.ptr(), i);
-    const Py_ssize_t len = PyBytes_GET_SIZE(k);
-    PyObject* b = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(p.size()) + len);
-    if (b == nullptr) throw py::error_already_set();
-    std::memcpy(PyBytes_AS_STRING(b), p.data(), p.size());
-    std::memcpy(PyBytes_AS_STRING(b) + p.size(), PyBytes_AS_STRING(k),
-                static_cast<std::size_t>(len));
-    PyList_SET_ITEM(nks.ptr(), i, b);
-  }
+  const py::list nks =
+      prefixed_keys(prefix, PySequence_Fast_ITEMS(keys.ptr()), nkeys, "adopt_stores");
   // -- the begun offers (adopt_store): used or new, chained, added ---------
   std::vector<PyObject*> b_keys;  // borrowed from nks
   b_keys.reserve(static_cast<std::size_t>(nslots));
@@ -282,21 +209,6 @@ void bind_node_stores(py::module_& m) {
         "`last_by_req`, the scans' hints in `miss`; new keys added as writes, into `writes`; "
         "the slots of keys not kept listed in `spare` by key). Returns (the keys added, the "
         "ended keys), node keys, in the frame's order.");
-  m.def(
-      "offer_parents",
-      [](const py::list& offer, const py::object& last, const py::dict& miss) {
-        check_bytes(offer, "offer_parents");
-        if (!last.is_none() && !PyDict_Check(last.ptr()))
-          throw_invalid("offer_parents: last must be a dict or None");
-        py::list out;
-        chain(PySequence_Fast_ITEMS(offer.ptr()), PyList_GET_SIZE(offer.ptr()),
-              last.is_none() ? nullptr : last.ptr(), miss.ptr(), out.ptr());
-        return out;
-      },
-      py::arg("offer"), py::arg("last"), py::arg("miss"),
-      "kvtier.scheduler.chains.offer_parents of bytes keys, as a list always (None for each "
-      "key without a parent): the chain of the node's native store path, exposed so tests "
-      "compare the two.");
 }
 
 }  // namespace kvtier::bindings

@@ -1,8 +1,9 @@
 """The node's STORES frame in one native pass (kvtier._native.adopt_stores,
 csrc/bindings/node_stores.cc) against the Python path it stands for
 (Session.stores through TieredOffloadingManager.adopt_store): the same
-frames leave the same index, leases, chains and errors. And its prefix
-chains against kvtier.scheduler.chains.offer_parents."""
+frames leave the same index, leases, chains and errors. And the native
+chain rule (csrc/bindings/chains.h, which kvtier.scheduler.chains and the
+native frame both use) against a model of it written out here."""
 
 from __future__ import annotations
 
@@ -41,15 +42,38 @@ KEYS = [key(i, i % 3) for i in range(10)] + [b"short-" + bytes([i]) for i in ran
                                      st.sampled_from(KEYS), max_size=3),
     miss=st.dictionaries(st.sampled_from(KEYS), st.sampled_from(KEYS), max_size=4),
 )  # fmt: skip
-def test_native_chains_are_offer_parents(
+def test_native_chains_are_the_rule(
     offer: list[bytes], last: dict[bytes, bytes] | None, miss: dict[bytes, bytes]
 ) -> None:
     last2, miss2 = (None if last is None else dict(last)), dict(miss)
-    want = offer_parents(offer, last, miss)
-    got = _native.offer_parents(offer, last2, miss2)
+    want = _model_parents(offer, last, miss)
+    got = offer_parents(offer, last2, miss2)
     # None for the whole offer and a None for each key name the same parents.
-    assert got == (want if want is not None else [None] * len(offer))
+    assert (got if got is not None else [None] * len(offer)) == want
     assert (last2, miss2) == (last, miss)
+
+
+def _model_parents(
+    offer: list[bytes], last: dict[bytes, bytes] | None, miss: dict[bytes, bytes]
+) -> list[bytes | None]:
+    """The chain rule spelled out: a key's parent is the key before it in
+    the offer when both are of one group (a key's last 4 bytes; b"" under
+    12 bytes), else the request's last key of its group, else its scan's
+    hint (popped); each group's last key is remembered for the request."""
+    out: list[bytes | None] = []
+    for i, k in enumerate(offer):
+        g = k[-4:] if len(k) >= 12 else b""
+        prev = offer[i - 1] if i else None
+        if prev is not None and (prev[-4:] if len(prev) >= 12 else b"") == g:
+            out.append(prev)
+            continue
+        if last is not None and prev is not None:
+            last[prev[-4:] if len(prev) >= 12 else b""] = prev
+        p = last.get(g) if last is not None else None
+        out.append(p if p is not None else miss.pop(k, None))
+    if last is not None and offer:
+        last[offer[-1][-4:] if len(offer[-1]) >= 12 else b""] = offer[-1]
+    return out
 
 
 def test_native_chains_refuse_what_is_not_bytes() -> None:
