@@ -169,6 +169,27 @@ def test_a_scan_is_one_round_trip(node: Node) -> None:
     assert b.client_stats.round_trips - before == (0 if node.shared else 1)
 
 
+def test_a_scan_lists_the_following_keys_only_when_they_may_be_asked(node: Node) -> None:
+    a = node.engine()
+    pool = a.attach_pool()
+    keys = store(a, pool, list(range(4)))
+    asked: list[bytes] = []
+
+    def following(k: bytes, ctx: object) -> list[bytes]:
+        asked.append(k)
+        return keys[keys.index(k) + 1 :] if k in keys else []
+
+    b = NodeManager(node.path, NS_A, BLOCK, key_order=following)
+    # A first key that misses: through the shared index, its followers are
+    # never needed (the node has no lower tiers here to ask them of).
+    assert b.lookup(key(999)) is LookupResult.MISS
+    assert asked == ([] if node.shared else [key(999)])
+    assert b.lookup(keys[0]) is LookupResult.HIT
+    assert asked[-1] == keys[0] and sorted(b._answers) == sorted(keys[1:])
+    assert [b.lookup(k) for k in keys[1:]] == [LookupResult.HIT] * 3
+    assert asked[-1] == keys[0]  # answered from that one scan
+
+
 def test_a_load_in_the_step_of_its_lookup_waits_for_no_reply(node: Node) -> None:
     a = node.engine(engine="a")
     pool = a.attach_pool()

@@ -204,14 +204,9 @@ class NodeManager:
             self.client_stats.pool_changed = True
             self._client.close()
             self._drop_index()  # the new pool's: the workers map the old one
-            was, now = self.pool["pool"], info["pool"]
-            log.error(
-                "kvtier: the node at %s came back with another pool (%s, not %s): "
-                "this engine serves without it until restarted",
-                self.path,
-                now,
-                was,
-            )
+            msg = "kvtier: the node at %s came back with another pool (%s, not %s): %s"
+            why = "this engine serves without it until restarted"
+            log.error(msg, self.path, info["pool"], self.pool["pool"], why)
             return
         self.client_stats.reattaches += 1
         log.warning("kvtier: reattached to the node at %s", self.path)
@@ -260,17 +255,21 @@ class NodeManager:
         return r
 
     def _scan(self, key: bytes, req_context: Any) -> tuple[LookupResult, int]:
-        scan = [key]
-        if self.key_order is not None:
-            scan += self.key_order(key, req_context)[: SCAN_KEYS - 1]
-        ask = scan  # the keys the node is asked
         answers, slots = self._answers, self._hit_slots
         view = self._index()
+        order = self.key_order
+        if view is not None and not view.lower:  # the shared index answers alone
+            # The key alone first: a new request's first key misses, and its
+            # following keys' list was 0.09 of a store's 0.22 us a key in scans.
+            if view.scan_into([key], answers, slots, _ANSWER)[1] != 0 and order is not None:
+                view.scan_into(order(key, req_context)[: SCAN_KEYS - 1], answers, slots, _ANSWER)
+            return answers.pop(key)
+        ask = [key] if order is None else [key, *order(key, req_context)[: SCAN_KEYS - 1]]
         if view is not None:
             # HITs found and pinned in the shared index, stored as answers; its MISS
-            # goes to the node only when it has lower tiers (a HIT there promotes).
-            n, last = view.scan_into(scan, answers, slots, _ANSWER)
-            ask = scan[n - 1 :] if last == 0 and view.lower else []
+            # goes to the node (a HIT in its lower tiers promotes).
+            n, last = view.scan_into(ask, answers, slots, _ANSWER)
+            ask = ask[n - 1 :] if last == 0 else []
             if ask:
                 del answers[ask[0]]
         if ask and not self.attached:

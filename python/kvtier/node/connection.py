@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from kvtier._native import StoresFrame
 from kvtier.errors import InvalidArgument, IoError, KvtierError
 from kvtier.node import protocol as P
 from kvtier.node.protocol import Op
@@ -77,11 +78,9 @@ class NodeClient:
         self._send_lock = threading.Lock()
         self._queued_at = 0.0
         self._flusher: _Flusher | None = None
-        # Store begins and ends posted since the last flush, sent as one
-        # STORES frame (packed under _send_lock with a packer of its own:
-        # the flusher thread may close it).
-        self._stores: tuple[list[bytes], list[int], list[Any], list[int]] | None = None
-        self._pack_stores = P.packer()
+        # Store begins and ends posted since the last flush, written as one
+        # STORES frame (under _send_lock: the flusher thread may close it).
+        self._stores = StoresFrame(P.MAX_FRAME)
 
     def connect(self) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -107,7 +106,7 @@ class NodeClient:
     def close(self) -> None:
         with self._send_lock:
             self._queued = bytearray()
-            self._stores = None
+            self._stores.clear()
             if self._flusher is not None:
                 self._flusher.stop()
                 self._flusher = None
@@ -141,26 +140,19 @@ class NodeClient:
             return
         with self._send_lock:
             b = self._stores
-            if b is None:
+            if not b:
                 self._start_queue()
-                b = self._stores = ([], [], [], [])
-            b[0].extend(keys)
             if slots is not None:
-                b[1].extend(slots)
-                b[2].append(req)
-                b[3].append(len(keys))
-            elif b[3] and b[3][-1] < 0:  # ends after ends: one run
-                b[3][-1] -= len(keys)
+                b.begin(keys, slots, req)
             else:
-                b[2].append(None)
-                b[3].append(-len(keys))
-            if len(b[0]) >= _STORES_KEYS:
+                b.end(keys)
+            if len(b) >= _STORES_KEYS:
                 self._close_stores()
 
     def _start_queue(self) -> None:
         """Under _send_lock, before queueing: the flusher sends what is
         queued from now on FLUSH_AFTER_S later at the latest."""
-        if not self._queued and self._stores is None:
+        if not self._queued and not self._stores:
             self._queued_at = time.monotonic()
             f = self._flusher
             if f is None:
@@ -169,10 +161,9 @@ class NodeClient:
 
     def _close_stores(self) -> None:
         """Under _send_lock: the stores posted so far join the queue as one frame."""
-        b = self._stores
-        if b is not None:
-            self._stores = None
-            self._queued += self._pack_stores([int(Op.STORES), *b])
+        frame = self._stores.take()
+        if frame is not None:
+            self._queued += frame
 
     def post_call(self, op: Op, *args: Any) -> None:
         """Queue a request whose reply is read later, by :meth:`replies` or
@@ -183,7 +174,7 @@ class NodeClient:
     @property
     def queued(self) -> bool:
         """Whether posted calls wait to go out."""
-        return bool(self._queued) or self._stores is not None
+        return bool(self._queued) or bool(self._stores)
 
     @property
     def owed(self) -> int:
