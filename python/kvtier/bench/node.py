@@ -158,12 +158,17 @@ def run_node_manager(
     default is neither: with several engines of one namespace each engine
     is told every engine's stores, so their cost grows as engines squared)."""
     capacity = max(1, num_keys // 2)
+    # The node holds every client's keys between their store and return,
+    # and each engine's reservation, or returning keys miss and the runs
+    # compare unlike work (8,192 keys: 4,080 of them missed at 16 a call).
+    node_blocks = max(capacity, node_blocks_needed(clients))
     flags = ["--shared-index"] if shared_index else []
     out: dict[str, Any] = {
         "component": "manager-node-shared" if shared_index else "manager-node",
         "policy": policy,
         "keys": num_keys,
         "host_blocks": capacity,
+        "node_host_blocks": node_blocks,
         "clients": clients,
         "events": events,
     }
@@ -186,7 +191,7 @@ def run_node_manager(
                     rate, miss = returning_cycles(m, keys, batch, RETURN_LAG)
                     cpu["in_process"].append(process_cpu_s() - c0)
                     local.append(rate)
-                    node = start_node(path, name, ["--host-bytes", str(capacity * PAYLOAD), *flags])
+                    node = start_node(path, name, ["--host-bytes", str(node_blocks * PAYLOAD), *flags])
                     try:
                         c0, n0 = process_cpu_s(), process_cpu_s(node.pid)
                         rate, m1 = _client_rate(path, keys, batch, None, events)
@@ -227,6 +232,8 @@ def run_node_manager(
         "ratios against the in-process manager of the same run; "
         f"{clients} clients: their aggregate, each cycling {num_keys // clients} keys of its own; "
         "round_trip_floor_us: a bare echo over a Unix socket between two processes; "
+        "node_host_blocks: the node's blocks (host_blocks, the in-process manager's, or more "
+        "where fewer would not hold every engine's keys in flight); "
         "events: whether the engines took KV events and the in-process manager made them; "
         "cpu_us_per_key: CPU time (user + system) a key of the in-process manager, of "
         "the one-client run's client and node processes (both poll briefly while they "
@@ -238,6 +245,16 @@ def run_node_manager(
         "manager's (on C cores the aggregate cannot pass C / cpu_ratio of it)"
     )
     return out
+
+
+def node_blocks_needed(clients: int, batch: int = 16) -> int:
+    """The node's blocks for ``clients`` engines at once, plus the one-engine
+    run's, to return every key: twice each engine's keys in flight
+    (RETURN_LAG + 2 calls of ``batch``: LRU keeps the keys returned and
+    used since as recent as those in flight) and each engine's reservation."""
+    from kvtier.node.state import RESERVE
+
+    return clients * 2 * (RETURN_LAG + 2) * batch + (clients + 1) * RESERVE
 
 
 def cpu_figures(
