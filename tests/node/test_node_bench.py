@@ -13,4 +13,3 @@ def test_a_small_node_bench_returns_every_key() -> None:
     out = run_node_manager(num_keys=8192, repeats=1, clients=4, shared_index=True)
     assert (out["returning_misses_batch1"], out["returning_misses_batch16"]) == (0, 0)
     assert out["node_host_blocks"] == node_blocks_needed(4) > out["host_blocks"] == 4096
-

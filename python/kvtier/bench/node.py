@@ -191,7 +191,9 @@ def run_node_manager(
                     rate, miss = returning_cycles(m, keys, batch, RETURN_LAG)
                     cpu["in_process"].append(process_cpu_s() - c0)
                     local.append(rate)
-                    node = start_node(path, name, ["--host-bytes", str(node_blocks * PAYLOAD), *flags])
+                    node = start_node(
+                        path, name, ["--host-bytes", str(node_blocks * PAYLOAD), *flags]
+                    )
                     try:
                         c0, n0 = process_cpu_s(), process_cpu_s(node.pid)
                         rate, m1 = _client_rate(path, keys, batch, None, events)
