@@ -40,7 +40,10 @@ class KeyedHostIndex {
     return s;
   }
 
-  void add(PyObject* key, std::int32_t slot, PyObject* parent, std::uint8_t source) {
+  // `digest`: the key's, when the caller has it (digest_many of a batch);
+  // null: digested here.
+  void add(PyObject* key, std::int32_t slot, PyObject* parent, std::uint8_t source,
+           const node::Digest* digest = nullptr) {
     if (core_.mirror() != nullptr && !PyBytes_Check(key))
       throw Error(StatusCode::kInvalidArgument, "host index: a mirrored index's keys are bytes");
     if (slot < 0 || static_cast<std::uint32_t>(slot) >= core_.capacity())
@@ -60,7 +63,10 @@ class KeyedHostIndex {
     if (core_.mirror() != nullptr)  // engines find it by its key's digest
       core_.mirror()->publish(
           static_cast<std::uint32_t>(slot),
-          node::digest_of(PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), nullptr, 0),
+          digest != nullptr
+              ? *digest
+              : node::digest_of(PyBytes_AS_STRING(key),
+                                static_cast<std::size_t>(PyBytes_GET_SIZE(key)), nullptr, 0),
           node::SharedIndex::kWriting);
     // The parent's key, kept after the parent leaves (host.py's entries
     // keep it too): a lower tier is told a block's parent when the block

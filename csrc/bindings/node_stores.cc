@@ -169,9 +169,22 @@ py::object adopt_stores(KeyedHostIndex& index, const py::bytes& prefix, const py
   }
   py::list stored;
   std::vector<bool> used(b_keys.size(), fresh.size() == b_keys.size());
+  // The new keys' digests for the shared index, together (four at a time).
+  std::vector<node::Digest> ds(fresh.size());
+  if (index.core_.mirror() != nullptr) {
+    std::vector<std::string_view> views;
+    views.reserve(fresh.size());
+    for (Py_ssize_t i : fresh) {
+      PyObject* k = b_keys[static_cast<std::size_t>(i)];
+      views.emplace_back(PyBytes_AS_STRING(k), static_cast<std::size_t>(PyBytes_GET_SIZE(k)));
+    }
+    node::digest_many(nullptr, 0, views.data(), views.size(), ds.data());
+  }
+  std::size_t nth = 0;
   for (Py_ssize_t i : fresh) {
     PyObject* k = b_keys[static_cast<std::size_t>(i)];
-    index.add(k, ss[static_cast<std::size_t>(i)], PyList_GET_ITEM(parents.ptr(), i), 0);
+    index.add(k, ss[static_cast<std::size_t>(i)], PyList_GET_ITEM(parents.ptr(), i), 0,
+              index.core_.mirror() != nullptr ? &ds[nth++] : nullptr);
     used[static_cast<std::size_t>(i)] = true;
     add_to(writes.ptr(), k);
     if (PyList_Append(stored.ptr(), k) != 0) throw py::error_already_set();

@@ -4,6 +4,11 @@
 
 #include "status.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KVTIER_BLAKE2B_AVX2 1
+#endif
+
 namespace kvtier {
 
 namespace {
@@ -79,7 +84,121 @@ void compress(std::uint64_t* h, const std::uint8_t* block, std::uint64_t bytes, 
   for (int i = 0; i < 8; ++i) h[i] ^= v[i] ^ v[i + 8];
 }
 
+#ifdef KVTIER_BLAKE2B_AVX2
+// One-block messages in the four 64-bit lanes of each vector: lane j of
+// v[i] is word i of message j's state (the scalar compress's v, four wide).
+__attribute__((target("avx2"), always_inline)) inline __m256i rotr32(__m256i x) {
+  return _mm256_shuffle_epi32(x, _MM_SHUFFLE(2, 3, 0, 1));
+}
+__attribute__((target("avx2"), always_inline)) inline __m256i rotr_bytes(__m256i x, __m256i mask) {
+  return _mm256_shuffle_epi8(x, mask);
+}
+__attribute__((target("avx2"), always_inline)) inline __m256i rotr63(__m256i x) {
+  return _mm256_or_si256(_mm256_srli_epi64(x, 63), _mm256_add_epi64(x, x));
+}
+
+// The scalar `mix` over four lanes.
+__attribute__((target("avx2"), always_inline)) inline void mix4(__m256i* v, int a, int b, int c,
+                                                                int d, __m256i x, __m256i y,
+                                                                __m256i r24, __m256i r16) {
+  v[a] = _mm256_add_epi64(_mm256_add_epi64(v[a], v[b]), x);
+  v[d] = rotr32(_mm256_xor_si256(v[d], v[a]));
+  v[c] = _mm256_add_epi64(v[c], v[d]);
+  v[b] = rotr_bytes(_mm256_xor_si256(v[b], v[c]), r24);
+  v[a] = _mm256_add_epi64(_mm256_add_epi64(v[a], v[b]), y);
+  v[d] = rotr_bytes(_mm256_xor_si256(v[d], v[a]), r16);
+  v[c] = _mm256_add_epi64(v[c], v[d]);
+  v[b] = rotr63(_mm256_xor_si256(v[b], v[c]));
+}
+
+__attribute__((target("avx2"))) void digest4(const std::uint8_t* const* blocks,
+                                             const std::uint64_t* lens, std::uint8_t (*out)[16]) {
+  const __m256i r24 = _mm256_setr_epi8(3, 4, 5, 6, 7, 0, 1, 2, 11, 12, 13, 14, 15, 8, 9, 10, 3, 4,
+                                       5, 6, 7, 0, 1, 2, 11, 12, 13, 14, 15, 8, 9, 10);
+  const __m256i r16 = _mm256_setr_epi8(2, 3, 4, 5, 6, 7, 0, 1, 10, 11, 12, 13, 14, 15, 8, 9, 2, 3,
+                                       4, 5, 6, 7, 0, 1, 10, 11, 12, 13, 14, 15, 8, 9);
+  __m256i m[16];
+  for (int i = 0; i < 16; ++i)
+    m[i] = _mm256_set_epi64x(static_cast<long long>(load64(blocks[3] + 8 * i)),
+                             static_cast<long long>(load64(blocks[2] + 8 * i)),
+                             static_cast<long long>(load64(blocks[1] + 8 * i)),
+                             static_cast<long long>(load64(blocks[0] + 8 * i)));
+  const std::uint64_t h0 = kIv[0] ^ 0x01010000ULL ^ 16;  // no key, fanout 1, depth 1, 16 bytes
+  __m256i v[16];
+  v[0] = _mm256_set1_epi64x(static_cast<long long>(h0));
+  for (int i = 1; i < 8; ++i) v[i] = _mm256_set1_epi64x(static_cast<long long>(kIv[i]));
+  for (int i = 0; i < 8; ++i) v[i + 8] = _mm256_set1_epi64x(static_cast<long long>(kIv[i]));
+  v[12] = _mm256_xor_si256(
+      v[12], _mm256_set_epi64x(static_cast<long long>(lens[3]), static_cast<long long>(lens[2]),
+                               static_cast<long long>(lens[1]), static_cast<long long>(lens[0])));
+  v[14] = _mm256_xor_si256(v[14], _mm256_set1_epi64x(-1));
+#pragma GCC unroll 12
+  for (int r = 0; r < 12; ++r) {
+    const std::uint8_t* s = kSigma[r % 10];
+    mix4(v, 0, 4, 8, 12, m[s[0]], m[s[1]], r24, r16);
+    mix4(v, 1, 5, 9, 13, m[s[2]], m[s[3]], r24, r16);
+    mix4(v, 2, 6, 10, 14, m[s[4]], m[s[5]], r24, r16);
+    mix4(v, 3, 7, 11, 15, m[s[6]], m[s[7]], r24, r16);
+    mix4(v, 0, 5, 10, 15, m[s[8]], m[s[9]], r24, r16);
+    mix4(v, 1, 6, 11, 12, m[s[10]], m[s[11]], r24, r16);
+    mix4(v, 2, 7, 8, 13, m[s[12]], m[s[13]], r24, r16);
+    mix4(v, 3, 4, 9, 14, m[s[14]], m[s[15]], r24, r16);
+  }
+  alignas(32) std::uint64_t w0[4], w1[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(w0),
+                     _mm256_xor_si256(_mm256_set1_epi64x(static_cast<long long>(h0)),
+                                      _mm256_xor_si256(v[0], v[8])));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(w1),
+                     _mm256_xor_si256(_mm256_set1_epi64x(static_cast<long long>(kIv[1])),
+                                      _mm256_xor_si256(v[1], v[9])));
+  for (int j = 0; j < 4; ++j)
+    for (int i = 0; i < 8; ++i) {
+      out[j][i] = static_cast<std::uint8_t>(w0[j] >> (8 * i));
+      out[j][8 + i] = static_cast<std::uint8_t>(w1[j] >> (8 * i));
+    }
+}
+
+bool have_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+#endif
+
 }  // namespace
+
+void blake2b16_many(const std::uint8_t* const* in, const std::size_t* n, std::size_t count,
+                    std::uint8_t (*out)[16]) {
+  std::size_t i = 0;
+#ifdef KVTIER_BLAKE2B_AVX2
+  if (have_avx2()) {
+    // Four one-block messages at a time, each zero-padded to its block.
+    std::uint8_t blocks[4][128];
+    const std::uint8_t* ptrs[4] = {blocks[0], blocks[1], blocks[2], blocks[3]};
+    std::uint64_t lens[4];
+    std::size_t where[4];
+    std::size_t k = 0;
+    for (; i < count; ++i) {
+      if (n[i] > 128) {
+        blake2b(in[i], n[i], out[i], 16);
+        continue;
+      }
+      std::memset(blocks[k], 0, 128);
+      if (n[i]) std::memcpy(blocks[k], in[i], n[i]);
+      lens[k] = n[i];
+      where[k++] = i;
+      if (k == 4) {
+        std::uint8_t got[4][16];
+        digest4(ptrs, lens, got);
+        for (std::size_t j = 0; j < 4; ++j) std::memcpy(out[where[j]], got[j], 16);
+        k = 0;
+      }
+    }
+    for (std::size_t j = 0; j < k; ++j) blake2b(blocks[j], lens[j], out[where[j]], 16);
+    return;
+  }
+#endif
+  for (; i < count; ++i) blake2b(in[i], n[i], out[i], 16);
+}
 
 void blake2b(const void* in, std::size_t n, std::uint8_t* out, std::size_t outlen) {
   if (outlen < 1 || outlen > 64)

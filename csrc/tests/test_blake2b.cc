@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -38,6 +40,35 @@ TEST(Blake2b, MatchesHashlibAtSixteenBytes) {
   std::string two;
   for (int i = 0; i < 200; ++i) two += static_cast<char>(i);
   EXPECT_EQ(digest(two, 16), "61479efa6267fea757b3f881e2979bbc");
+}
+
+// Four lanes at a time must be the one-by-one digest, whatever the mix of
+// lengths around a block (0, 127, 128, 129, longer) and however many
+// messages are left for the last group.
+TEST(Blake2b, ManyAtOnceAreEachOnesDigest) {
+  std::mt19937_64 r(7);
+  std::vector<std::string> msgs;
+  for (std::size_t n : {0, 1, 36, 44, 63, 64, 65, 127, 128, 129, 200, 300})
+    for (int rep = 0; rep < 3; ++rep) {
+      std::string m(n, '\0');
+      for (char& c : m) c = static_cast<char>(r());
+      msgs.push_back(m);
+    }
+  for (std::size_t count = 0; count <= msgs.size(); ++count) {
+    std::vector<const std::uint8_t*> in;
+    std::vector<std::size_t> n;
+    for (std::size_t i = 0; i < count; ++i) {
+      in.push_back(reinterpret_cast<const std::uint8_t*>(msgs[i].data()));
+      n.push_back(msgs[i].size());
+    }
+    std::vector<std::uint8_t> out(16 * count + 16);
+    auto* rows = reinterpret_cast<std::uint8_t(*)[16]>(out.data());
+    kvtier::blake2b16_many(in.data(), n.data(), count, rows);
+    for (std::size_t i = 0; i < count; ++i)
+      EXPECT_EQ(hex(rows[i], 16), digest(msgs[i], 16)) << count << " messages, #" << i;
+  }
+  std::uint8_t empty[1][16];
+  kvtier::blake2b16_many(nullptr, nullptr, 0, empty);  // nothing to do
 }
 
 TEST(Blake2b, RefusesAnOutputSizeOutsideOneToSixtyFour) {

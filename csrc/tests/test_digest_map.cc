@@ -74,5 +74,32 @@ TEST(DigestCache, AnswersBlake2bsDigestForEveryKeyWhateverShareACell) {
   }
 }
 
+// A batch's digests: cached ones from their cells, the rest digested
+// together; keys that share a cell, repeat within the batch, or pass the
+// cache's key size are each their own digest.
+TEST(DigestCache, ManyAnswersWhatOneByOneAnswers) {
+  const std::string prefix = "ns-12345";
+  DigestCache cache(prefix, 8);
+  std::vector<std::string> keys;
+  for (int i = 0; i < 40; ++i) keys.push_back("key-" + std::to_string(i % 23));
+  keys.push_back(std::string(49, 'y'));
+  keys.push_back(std::string(200, 'z'));
+  keys.push_back("");
+  for (int round = 0; round < 3; ++round) {
+    for (std::size_t count : {std::size_t{1}, std::size_t{5}, keys.size()}) {
+      std::vector<std::string_view> views(keys.begin(), keys.begin() + count);
+      std::vector<Digest> got;
+      cache.many(views, &got);
+      ASSERT_EQ(got.size(), count);
+      for (std::size_t i = 0; i < count; ++i)
+        EXPECT_EQ(got[i], digest_of(prefix.data(), prefix.size(), keys[i].data(), keys[i].size()))
+            << "key #" << i;
+    }
+  }
+  std::vector<Digest> none{Digest{}};
+  cache.many({}, &none);
+  EXPECT_TRUE(none.empty());
+}
+
 }  // namespace
 }  // namespace kvtier::node

@@ -133,11 +133,39 @@ class DigestCache {
     Cell& c = cells_[h & mask_];
     if (c.hash == h && c.len == key.size() && std::memcmp(c.key, key.data(), key.size()) == 0)
       return c.digest;
-    c.digest = digest_of(prefix_.data(), prefix_.size(), key.data(), key.size());
-    c.hash = h;
-    c.len = static_cast<std::uint32_t>(key.size());
-    std::memcpy(c.key, key.data(), key.size());
+    fill(c, h, key, digest_of(prefix_.data(), prefix_.size(), key.data(), key.size()));
     return c.digest;
+  }
+
+  // Each key's digest into (*out)[i], in order: the cached ones, then the
+  // rest digested together (four at a time: a store's new keys).
+  void many(const std::vector<std::string_view>& keys, std::vector<Digest>* out) {
+    out->resize(keys.size());
+    miss_.clear();
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      const std::string_view key = keys[i];
+      if (key.size() <= kKeyBytes) {
+        const Cell& c = cells_[hash(key) & mask_];
+        if (c.len == key.size() && std::memcmp(c.key, key.data(), key.size()) == 0) {
+          (*out)[i] = c.digest;
+          continue;
+        }
+      }
+      miss_.push_back(i);
+    }
+    if (miss_.empty()) return;
+    miss_keys_.clear();
+    for (std::size_t i : miss_) miss_keys_.push_back(keys[i]);
+    miss_ds_.resize(miss_.size());
+    digest_many(prefix_.data(), prefix_.size(), miss_keys_.data(), miss_keys_.size(),
+                miss_ds_.data());
+    for (std::size_t j = 0; j < miss_.size(); ++j) {
+      const std::string_view key = miss_keys_[j];
+      (*out)[miss_[j]] = miss_ds_[j];
+      if (key.size() > kKeyBytes) continue;
+      const std::uint64_t h = hash(key);
+      fill(cells_[h & mask_], h, key, miss_ds_[j]);
+    }
   }
 
  private:
@@ -164,9 +192,20 @@ class DigestCache {
     return h ^ (h >> 29);
   }
 
+  static void fill(Cell& c, std::uint64_t h, std::string_view key, const Digest& d) {
+    c.digest = d;
+    c.hash = h;
+    c.len = static_cast<std::uint32_t>(key.size());
+    std::memcpy(c.key, key.data(), key.size());
+  }
+
   std::string prefix_;
   std::vector<Cell> cells_;
   std::size_t mask_ = 0;
+  // many()'s scratch: the misses' positions, keys and digests.
+  std::vector<std::size_t> miss_;
+  std::vector<std::string_view> miss_keys_;
+  std::vector<Digest> miss_ds_;
 };
 
 }  // namespace kvtier::node

@@ -16,10 +16,7 @@ EngineView::EngineView(SharedIndex index, std::uint32_t engine, std::string pref
       digest_(std::move(prefix), kDigestCells),
       scan_count_(index.slots(), 0) {}
 
-void EngineView::digest_all(const std::vector<std::string_view>& keys) {
-  ds_.resize(keys.size());
-  for (std::size_t i = 0; i < keys.size(); ++i) ds_[i] = digest_(keys[i]);
-}
+void EngineView::digest_all(const std::vector<std::string_view>& keys) { digest_.many(keys, &ds_); }
 
 void EngineView::scan(const std::vector<std::string_view>& keys, std::vector<Answer>* out) {
   out->clear();

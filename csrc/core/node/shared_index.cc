@@ -30,6 +30,40 @@ Digest digest_of(const void* prefix, std::size_t np, const void* key, std::size_
   return d;
 }
 
+void digest_many(const void* prefix, std::size_t np, const std::string_view* keys,
+                 std::size_t count, Digest* out) {
+  // Joined on the stack a batch at a time (one-block keys; a longer one is
+  // joined by digest_of), then digested four at a time.
+  constexpr std::size_t kBatch = 32, kRoom = 128;
+  std::uint8_t joined[kBatch][kRoom];
+  const std::uint8_t* in[kBatch];
+  std::size_t lens[kBatch], where[kBatch];
+  std::uint8_t got[kBatch][16];
+  std::size_t k = 0;
+  auto flush = [&] {
+    blake2b16_many(in, lens, k, got);
+    for (std::size_t j = 0; j < k; ++j) {
+      std::memcpy(&out[where[j]].lo, got[j], 8);
+      std::memcpy(&out[where[j]].hi, got[j] + 8, 8);
+    }
+    k = 0;
+  };
+  for (std::size_t i = 0; i < count; ++i) {
+    const std::string_view key = keys[i];
+    if (np + key.size() > kRoom) {
+      out[i] = digest_of(prefix, np, key.data(), key.size());
+      continue;
+    }
+    if (np) std::memcpy(joined[k], prefix, np);
+    if (!key.empty()) std::memcpy(joined[k] + np, key.data(), key.size());
+    in[k] = joined[k];
+    lens[k] = np + key.size();
+    where[k++] = i;
+    if (k == kBatch) flush();
+  }
+  if (k) flush();
+}
+
 // The region is shared between processes: its atomics must not hide a lock.
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);

@@ -55,6 +55,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 namespace kvtier::node {
@@ -70,6 +71,10 @@ struct Digest {
 // prefix and an engine's key, or a node key with nk = 0): its 16-byte
 // blake2b, as kvtier.tiers.records.key_digest of their concatenation.
 Digest digest_of(const void* prefix, std::size_t np, const void* key, std::size_t nk);
+// digest_of(prefix, np, keys[i]) into out[i] for each of `count` keys, the
+// keys of one block four at a time (blake2b16_many).
+void digest_many(const void* prefix, std::size_t np, const std::string_view* keys,
+                 std::size_t count, Digest* out);
 
 class SharedIndex {
  public:
