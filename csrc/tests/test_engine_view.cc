@@ -71,6 +71,30 @@ TEST_F(EngineViewTest, AScanPinsHitsUpToItsFirstMissAndTheStepEndDropsThem) {
   EXPECT_TRUE(node.retire(3));
 }
 
+// A scan past one chunk of digests (32 keys) answers each key by its own
+// digest and still stops at its first MISS, whichever chunk holds it.
+TEST(EngineViewScan, AScanOfManyKeysAnswersEachAndStopsAtItsFirstMiss) {
+  Region mem(SharedIndex::bytes_for(128));
+  SharedIndex node = SharedIndex::create(mem.base(), mem.size, 128);
+  EngineView view(SharedIndex::attach(mem.base(), mem.size), 2, kPrefix);
+  std::vector<std::string> keys;
+  for (std::uint32_t i = 0; i < 100; ++i) {
+    keys.push_back("key-" + std::to_string(i));
+    if (i != 70) publish(node, keys.back(), i);
+  }
+  std::vector<EngineView::Answer> out;
+  view.scan(views(keys), &out);
+  ASSERT_EQ(out.size(), 71u);  // 0..69 HIT, 70 the MISS
+  for (std::uint32_t i = 0; i < 70; ++i) {
+    EXPECT_EQ(out[i].code, 1) << i;
+    EXPECT_EQ(out[i].slot, static_cast<std::int64_t>(i)) << i;
+  }
+  EXPECT_EQ(out[70].code, 0);
+  EXPECT_EQ(view.scan_pins(), 70u);
+  view.end_step();
+  EXPECT_EQ(view.scan_pins(), 0u);
+}
+
 TEST_F(EngineViewTest, LoadsTakeScanPinsAndHoldThemPastTheStepUntilComplete) {
   publish(node, "a", 3);
   publish(node, "b", 5);

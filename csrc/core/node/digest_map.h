@@ -141,13 +141,18 @@ class DigestCache {
   // rest digested together (four at a time: a store's new keys).
   void many(const std::vector<std::string_view>& keys, std::vector<Digest>* out) {
     out->resize(keys.size());
+    many(keys.data(), keys.size(), out->data());
+  }
+
+  // many() over keys[0, n) into out[0, n).
+  void many(const std::string_view* keys, std::size_t n, Digest* out) {
     miss_.clear();
-    for (std::size_t i = 0; i < keys.size(); ++i) {
+    for (std::size_t i = 0; i < n; ++i) {
       const std::string_view key = keys[i];
       if (key.size() <= kKeyBytes) {
         const Cell& c = cells_[hash(key) & mask_];
         if (c.len == key.size() && std::memcmp(c.key, key.data(), key.size()) == 0) {
-          (*out)[i] = c.digest;
+          out[i] = c.digest;
           continue;
         }
       }
@@ -161,7 +166,7 @@ class DigestCache {
                 miss_ds_.data());
     for (std::size_t j = 0; j < miss_.size(); ++j) {
       const std::string_view key = miss_keys_[j];
-      (*out)[miss_[j]] = miss_ds_[j];
+      out[miss_[j]] = miss_ds_[j];
       if (key.size() > kKeyBytes) continue;
       const std::uint64_t h = hash(key);
       fill(cells_[h & mask_], h, key, miss_ds_[j]);

@@ -1,5 +1,6 @@
 #include "engine_view.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace kvtier::node {
@@ -25,8 +26,14 @@ void EngineView::digest_all(const std::vector<std::string_view>& keys) { digest_
 void EngineView::scan(const std::vector<std::string_view>& keys, std::vector<Answer>* out) {
   out->clear();
   SharedIndex& index = pins_.index();
-  digest_all(keys);  // together: the keys the cache lost, four at a time
-  for (const Digest& d : ds_) {
+  // Digested a chunk at a time (the keys the cache lost four at a time),
+  // not all at once: a long prompt's scan stops at its first MISS.
+  constexpr std::size_t kChunk = 32;
+  ds_.resize(std::min(keys.size(), kChunk));
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    if (i % kChunk == 0)
+      digest_.many(keys.data() + i, std::min(kChunk, keys.size() - i), ds_.data());
+    const Digest& d = ds_[i % kChunk];
     const auto f = index.find(d);
     Answer a{0, -1};
     if (f && f->state == SharedIndex::kWriting) {

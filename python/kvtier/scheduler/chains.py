@@ -18,10 +18,11 @@ def offer_parents(
     """Each offered key's predecessor in its chain, in the offer's order
     (None where none is known; None instead of a list for a one-key offer
     of no request whose key has no hint): the key offered before it (of
-    its group: vLLM offers group by group), else the request's last offered key of that group (``last``,
-    the request's, by group; None: an offer with no request, chained within
-    itself only, as such callers may never say it ended), else the key its
-    scan looked up before it (``miss``, popped). Remembers the offer's last
+    its group: vLLM offers group by group), else the request's last
+    offered key of that group (``last``, the request's, by group; None: an
+    offer with no request, chained within itself only, as such callers may
+    never say it ended), else the key its scan looked up before it
+    (``miss``, popped). Remembers the offer's last
     key per group in ``last`` for the request's next offer.
 
     A list, not a dict: the host tier takes it as is (a dict was 2% of a
