@@ -2,21 +2,20 @@
 // (kvtier/scheduler/chains.py, the engine's in-process manager).
 #include "chains.h"
 
+#include "node_keys.h"
+
 namespace kvtier::bindings {
 
 void bind_chains(py::module_& m) {
   m.def(
       "offer_parents",
       [](const py::list& offer, const py::object& last, const py::dict& miss) {
-        const Py_ssize_t n = PyList_GET_SIZE(offer.ptr());
-        for (Py_ssize_t i = 0; i < n; ++i)
-          if (!PyBytes_Check(PyList_GET_ITEM(offer.ptr(), i)))
-            throw_invalid("offer_parents: keys must be bytes");
+        check_bytes(offer, "offer_parents");
         if (!last.is_none() && !PyDict_Check(last.ptr()))
           throw_invalid("offer_parents: last must be a dict or None");
         py::list out;
-        chain(PySequence_Fast_ITEMS(offer.ptr()), n, last.is_none() ? nullptr : last.ptr(),
-              miss.ptr(), out.ptr());
+        chain(PySequence_Fast_ITEMS(offer.ptr()), PyList_GET_SIZE(offer.ptr()),
+              last.is_none() ? nullptr : last.ptr(), miss.ptr(), out.ptr());
         return out;
       },
       py::arg("offer"), py::arg("last"), py::arg("miss"),

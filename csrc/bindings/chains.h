@@ -40,11 +40,11 @@ inline PyObject* dict_pop(PyObject* d, PyObject* key) {
   return v;
 }
 
+}  // namespace chains_detail
+
 // chains.py's offer_parents over keys[0..n) (bytes), each parent appended to
 // `out` (None where none is known); `last`: the request's chain ends by
 // group, or null (an offer with no request); `miss`: the scans' hints.
-}  // namespace chains_detail
-
 inline void chain(PyObject* const* keys, Py_ssize_t n, PyObject* last, PyObject* miss,
                   PyObject* out) {
   PyObject* prev = nullptr;

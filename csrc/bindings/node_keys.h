@@ -12,6 +12,15 @@
 
 namespace kvtier::bindings {
 
+// Refuses (InvalidArgument) a list of keys with one that is not bytes;
+// `what` names the caller.
+inline void check_bytes(const py::list& keys, const char* what) {
+  const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (!PyBytes_Check(PyList_GET_ITEM(keys.ptr(), i)))
+      throw_invalid(std::string(what) + ": keys must be bytes");
+}
+
 // `prefix` + keys[i] for i in [0, n), a new list; `what` names the caller
 // in the error for a key that is not bytes.
 inline py::list prefixed_keys(std::string_view prefix, PyObject* const* keys, Py_ssize_t n,

@@ -20,13 +20,6 @@ namespace kvtier::bindings {
 
 namespace {
 
-void check_bytes(const py::list& keys, const char* what) {
-  const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
-  for (Py_ssize_t i = 0; i < n; ++i)
-    if (!PyBytes_Check(PyList_GET_ITEM(keys.ptr(), i)))
-      throw_invalid(std::string(what) + ": keys must be bytes");
-}
-
 py::object add_to(PyObject* set, PyObject* item) {
   if (PySet_Add(set, item) != 0) throw py::error_already_set();
   return py::none();
