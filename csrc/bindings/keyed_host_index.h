@@ -46,33 +46,21 @@ class KeyedHostIndex {
            const node::Digest* digest = nullptr) {
     if (core_.mirror() != nullptr && !PyBytes_Check(key))
       throw Error(StatusCode::kInvalidArgument, "host index: a mirrored index's keys are bytes");
-    if (slot < 0 || static_cast<std::uint32_t>(slot) >= core_.capacity())
-      throw Error(StatusCode::kInvalidArgument, "host index: slot " + std::to_string(slot) +
-                                                    " outside 0.." +
-                                                    std::to_string(core_.capacity() - 1));
-    if (core_.resident(slot))
-      throw Error(StatusCode::kInvalidArgument,
-                  "host index: slot " + std::to_string(slot) + " holds a block already");
+    check_free(slot);
     if (slot_of(key) >= 0)
       throw Error(StatusCode::kInvalidArgument, "host index: key is resident already");
-    const std::int32_t p = parent == Py_None ? policy::HostIndex::kNil : slot_of(parent);
     py::object s = py::reinterpret_steal<py::object>(PyLong_FromLong(slot));
-    if (!s || PyDict_SetItem(slots_.ptr(), key, s.ptr()) != 0) throw py::error_already_set();
-    keys_[static_cast<std::size_t>(slot)] = py::reinterpret_borrow<py::object>(key);
-    core_.add_writing(slot, p, source);
-    if (core_.mirror() != nullptr)  // engines find it by its key's digest
-      core_.mirror()->publish(
-          static_cast<std::uint32_t>(slot),
-          digest != nullptr
-              ? *digest
-              : node::digest_of(PyBytes_AS_STRING(key),
-                                static_cast<std::size_t>(PyBytes_GET_SIZE(key)), nullptr, 0),
-          node::SharedIndex::kWriting);
-    // The parent's key, kept after the parent leaves (host.py's entries
-    // keep it too): a lower tier is told a block's parent when the block
-    // cascades, and the parent may be on that tier by then.
-    if (core_.parent(slot) != policy::HostIndex::kNil)
-      parent_keys_[static_cast<std::size_t>(slot)] = py::reinterpret_borrow<py::object>(parent);
+    if (!s) throw py::error_already_set();
+    insert(key, slot, s.ptr(), parent, source, digest);
+  }
+
+  // add() of a key its caller knows is not resident, a bytes object when
+  // mirrored, `slot_obj` the int `slot` (the node's store path: its frame
+  // holds both; one dict lookup and one int a key fewer).
+  void add_new(PyObject* key, std::int32_t slot, PyObject* slot_obj, PyObject* parent,
+               std::uint8_t source, const node::Digest* digest) {
+    check_free(slot);
+    insert(key, slot, slot_obj, parent, source, digest);
   }
 
   // What a lookup of `key` finds here: 0 not resident, 1 ready (HIT), 2
@@ -147,6 +135,37 @@ class KeyedHostIndex {
   std::vector<std::int32_t> out_slots_, out_victims_;  // reused by allocate
 
  private:
+  void check_free(std::int32_t slot) const {
+    if (slot < 0 || static_cast<std::uint32_t>(slot) >= core_.capacity())
+      throw Error(StatusCode::kInvalidArgument, "host index: slot " + std::to_string(slot) +
+                                                    " outside 0.." +
+                                                    std::to_string(core_.capacity() - 1));
+    if (core_.resident(slot))
+      throw Error(StatusCode::kInvalidArgument,
+                  "host index: slot " + std::to_string(slot) + " holds a block already");
+  }
+
+  void insert(PyObject* key, std::int32_t slot, PyObject* slot_obj, PyObject* parent,
+              std::uint8_t source, const node::Digest* digest) {
+    const std::int32_t p = parent == Py_None ? policy::HostIndex::kNil : slot_of(parent);
+    if (PyDict_SetItem(slots_.ptr(), key, slot_obj) != 0) throw py::error_already_set();
+    keys_[static_cast<std::size_t>(slot)] = py::reinterpret_borrow<py::object>(key);
+    core_.add_writing(slot, p, source);
+    if (core_.mirror() != nullptr)  // engines find it by its key's digest
+      core_.mirror()->publish(
+          static_cast<std::uint32_t>(slot),
+          digest != nullptr
+              ? *digest
+              : node::digest_of(PyBytes_AS_STRING(key),
+                                static_cast<std::size_t>(PyBytes_GET_SIZE(key)), nullptr, 0),
+          node::SharedIndex::kWriting);
+    // The parent's key, kept after the parent leaves (host.py's entries
+    // keep it too): a lower tier is told a block's parent when the block
+    // cascades, and the parent may be on that tier by then.
+    if (core_.parent(slot) != policy::HostIndex::kNil)
+      parent_keys_[static_cast<std::size_t>(slot)] = py::reinterpret_borrow<py::object>(parent);
+  }
+
   static std::uint32_t checked_capacity(std::int64_t capacity) {
     if (capacity < 1 || capacity > 0x7ffffffe)
       throw Error(

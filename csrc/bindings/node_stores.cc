@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string_view>
-#include <unordered_set>
+#include <vector>
 
 #include "chains.h"
 #include "keyed_host_index.h"
@@ -24,6 +24,45 @@ py::object add_to(PyObject* set, PyObject* item) {
   if (PySet_Add(set, item) != 0) throw py::error_already_set();
   return py::none();
 }
+
+std::string_view bytes_of(PyObject* k) {
+  return {PyBytes_AS_STRING(k), static_cast<std::size_t>(PyBytes_GET_SIZE(k))};
+}
+
+// The keys (bytes) one frame named so far, by value: open addressing over a
+// table sized once for the frame. The Python sets built per frame instead
+// were resized as they grew: set_table_resize alone was 4% of the node's
+// samples (perf, four engines, 5 December 2026).
+class FrameKeys {
+ public:
+  explicit FrameKeys(std::size_t n) {
+    std::size_t size = 16;
+    while (size < 2 * n) size <<= 1;
+    cells_.assign(size, nullptr);
+  }
+
+  // Adds `k`; false when it was there already.
+  bool insert(PyObject* k) {
+    PyObject** c = cell(k);
+    if (*c != nullptr) return false;
+    *c = k;
+    return true;
+  }
+
+  bool contains(PyObject* k) { return *cell(k) != nullptr; }
+
+ private:
+  PyObject** cell(PyObject* k) {
+    const std::string_view v = bytes_of(k);
+    const std::size_t mask = cells_.size() - 1;
+    for (std::size_t i = std::hash<std::string_view>{}(v)&mask;; i = (i + 1) & mask) {
+      PyObject*& c = cells_[i];
+      if (c == nullptr || c == k || bytes_of(c) == v) return &c;
+    }
+  }
+
+  std::vector<PyObject*> cells_;  // borrowed: the frame's lists hold them
+};
 
 }  // namespace
 
@@ -57,44 +96,46 @@ py::object adopt_stores(KeyedHostIndex& index, const py::bytes& prefix, const py
     return py::str("stores needs a nonzero count per request, one per key");
   if (begun != nslots) return py::str("store_begin needs one slot per key");
   std::vector<std::int32_t> ss(static_cast<std::size_t>(nslots));
-  for (Py_ssize_t i = 0; i < nslots; ++i) {
-    PyObject* s = PyList_GET_ITEM(slots.ptr(), i);
-    const int in = PySet_Contains(reserved.ptr(), s);
-    if (in < 0) throw py::error_already_set();
-    if (in == 0) return py::str("store_begin of slots not reserved for this engine");
-    ss[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(PyLong_AsLong(s));
-  }
-  {
-    std::vector<std::int32_t> sorted = ss;
-    std::sort(sorted.begin(), sorted.end());
-    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
-      return py::str("store_begin needs one distinct slot per key");
-  }
   // A key begun after its end within the frame needs the frame's order
-  // (the caller's path): said before anything changes.
+  // (the caller's path, which checks the frame again): said before
+  // anything changes.
   {
-    py::object ended = py::reinterpret_steal<py::object>(PySet_New(nullptr));
-    if (!ended) throw py::error_already_set();
+    FrameKeys ended(static_cast<std::size_t>(nkeys - begun));
+    bool any = false;
     Py_ssize_t at = 0;
     for (long c : cs) {
       const Py_ssize_t n = c < 0 ? -c : c;
       for (Py_ssize_t j = at; j < at + n; ++j) {
         PyObject* k = PyList_GET_ITEM(keys.ptr(), j);
         if (c < 0) {
-          add_to(ended.ptr(), k);
-        } else if (PySet_GET_SIZE(ended.ptr()) > 0) {
-          const int in = PySet_Contains(ended.ptr(), k);
-          if (in < 0) throw py::error_already_set();
-          if (in) return py::none();
+          ended.insert(k);
+          any = true;
+        } else if (any && ended.contains(k)) {
+          return py::none();
         }
       }
       at += n;
     }
   }
-  // -- the frame's slots leave the reservation; its keys are namespaced ----
-  for (Py_ssize_t i = 0; i < nslots; ++i)
-    if (PySet_Discard(reserved.ptr(), PyList_GET_ITEM(slots.ptr(), i)) < 0)
-      throw py::error_already_set();
+  // -- the frame's slots leave the reservation (a slot not there refused,
+  // the reservation as it was) --------------------------------------------
+  for (Py_ssize_t i = 0; i < nslots; ++i) {
+    PyObject* s = PyList_GET_ITEM(slots.ptr(), i);
+    const int in = PySet_Discard(reserved.ptr(), s);
+    if (in < 0) throw py::error_already_set();
+    if (in == 0) {
+      for (Py_ssize_t j = 0; j < i; ++j) add_to(reserved.ptr(), PyList_GET_ITEM(slots.ptr(), j));
+      // Taken twice in this frame, or never reserved (state.py's order).
+      for (Py_ssize_t j = 0; j < nslots; ++j) {
+        const int was = PySet_Contains(reserved.ptr(), PyList_GET_ITEM(slots.ptr(), j));
+        if (was < 0) throw py::error_already_set();
+        if (was == 0) return py::str("store_begin of slots not reserved for this engine");
+      }
+      return py::str("store_begin needs one distinct slot per key");
+    }
+    ss[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(PyLong_AsLong(s));
+  }
+  // -- its keys namespaced --------------------------------------------------
   const py::list nks =
       prefixed_keys(prefix, PySequence_Fast_ITEMS(keys.ptr()), nkeys, "adopt_stores");
   // -- the begun offers (adopt_store): used or new, chained, added ---------
@@ -119,14 +160,10 @@ py::object adopt_stores(KeyedHostIndex& index, const py::bytes& prefix, const py
   std::vector<Py_ssize_t> fresh;  // positions in b_keys of the keys to store
   fresh.reserve(b_keys.size());
   {
-    py::object seen = py::reinterpret_steal<py::object>(PySet_New(nullptr));
-    if (!seen) throw py::error_already_set();
+    FrameKeys seen(b_keys.size());
     for (std::size_t i = 0; i < b_keys.size(); ++i) {
       PyObject* k = b_keys[i];
-      const int was = PySet_Contains(seen.ptr(), k);
-      if (was < 0) throw py::error_already_set();
-      if (was) continue;
-      add_to(seen.ptr(), k);
+      if (!seen.insert(k)) continue;
       const std::int32_t s = index.slot_of(k);
       if (s >= 0)
         index.core_.touch(s);
@@ -176,8 +213,15 @@ py::object adopt_stores(KeyedHostIndex& index, const py::bytes& prefix, const py
   std::size_t nth = 0;
   for (Py_ssize_t i : fresh) {
     PyObject* k = b_keys[static_cast<std::size_t>(i)];
-    index.add(k, ss[static_cast<std::size_t>(i)], PyList_GET_ITEM(parents.ptr(), i), 0,
-              index.core_.mirror() != nullptr ? &ds[nth++] : nullptr);
+    // Not resident (offered above) and distinct; the frame's int is the slot's.
+    PyObject* so = PyList_GET_ITEM(slots.ptr(), i);
+    py::object own;
+    if (!PyLong_CheckExact(so)) {
+      own = py::int_(ss[static_cast<std::size_t>(i)]);
+      so = own.ptr();
+    }
+    index.add_new(k, ss[static_cast<std::size_t>(i)], so, PyList_GET_ITEM(parents.ptr(), i), 0,
+                  index.core_.mirror() != nullptr ? &ds[nth++] : nullptr);
     used[static_cast<std::size_t>(i)] = true;
     add_to(writes.ptr(), k);
     if (PyList_Append(stored.ptr(), k) != 0) throw py::error_already_set();
@@ -196,7 +240,25 @@ py::object adopt_stores(KeyedHostIndex& index, const py::bytes& prefix, const py
     py::object s = py::int_(ss[i]);
     if (PyList_Append(held, s.ptr()) != 0) throw py::error_already_set();
   }
-  return py::make_tuple(stored, done);
+  // The ended keys leave `writes` here when no slot waits to be freed by
+  // its key's end (`spare`: the caller's path); all or none, so that a key
+  // this engine is not writing leaves `writes` as it was for the caller's
+  // refusal. A set's superset check and difference, in Python, were 6% of
+  // the node's replayed time.
+  bool ended = false;
+  const Py_ssize_t ndone = PyList_GET_SIZE(done.ptr());
+  if (ndone > 0 && PyDict_GET_SIZE(spare.ptr()) == 0) {
+    ended = true;
+    for (Py_ssize_t i = 0; i < ndone && ended; ++i) {
+      const int in = PySet_Discard(writes.ptr(), PyList_GET_ITEM(done.ptr(), i));
+      if (in < 0) throw py::error_already_set();
+      if (in == 0) {
+        for (Py_ssize_t j = 0; j < i; ++j) add_to(writes.ptr(), PyList_GET_ITEM(done.ptr(), j));
+        ended = false;
+      }
+    }
+  }
+  return py::make_tuple(stored, done, ended);
 }
 
 void bind_node_stores(py::module_& m) {
@@ -214,7 +276,9 @@ void bind_node_stores(py::module_& m) {
         "is used; each offer chained as its own: request `(session, req)`'s chain ends in "
         "`last_by_req`, the scans' hints in `miss`; new keys added as writes, into `writes`; "
         "the slots of keys not kept listed in `spare` by key). Returns (the keys added, the "
-        "ended keys), node keys, in the frame's order.");
+        "ended keys, whether the ended keys left `writes`), node keys in the frame's order: they "
+        "leave it here when `spare` is empty and `writes` holds every one, else it is left as "
+        "it was.");
 }
 
 }  // namespace kvtier::bindings

@@ -167,9 +167,11 @@ def test_a_frame_native_leaves_what_the_python_path_leaves(
                 except ProtocolError as e:
                     outcome.append(str(e))
             assert outcome[0] == outcome[1]
-            if outcome[0] is not None:
-                return  # the node drops such a connection
+            # Refused, both leave the same (the reservation and the writes
+            # as they were): the node drops such a connection and releases those.
             assert _state(a) == _state(b)
+            if outcome[0] is not None:
+                return
             for s in (a, b):
                 s.top_up()
 
@@ -221,3 +223,18 @@ def test_a_count_past_any_frame_is_the_protocol_error_of_both_paths(count: int) 
             with pytest.raises(ProtocolError, match="a nonzero count per request"):
                 s.stores([KEYS[0]], [slot], ["r"], [count])
             assert slot in s.reserved and not s.writes  # nothing changed
+
+
+def test_an_end_of_a_key_not_being_written_leaves_the_writes_as_they_were() -> None:
+    # The native pass takes a frame's ended keys out of the writes itself:
+    # one it cannot take puts back those it took, as the Python path never
+    # took any (the node then drops the connection and releases the writes).
+    with _regions() as (ra, rb):
+        for s in (_session(ra, True), _session(rb, False)):
+            two = sorted(s.reserved)[:2]
+            s.stores(KEYS[:2], two, ["r"], [2])
+            with pytest.raises(ProtocolError, match="not writing"):
+                s.stores([KEYS[0], b"never-begun-key!"], [], [None], [-2])
+            assert sorted(s.writes) == sorted(s.prefix + k for k in KEYS[:2])
+            s.stores(KEYS[:2], [], [None], [-2])  # the writes end after all
+            assert not s.writes and s.cls.manager.stats.stores == 2

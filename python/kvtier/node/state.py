@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from kvtier._native import adopt_stores, prefixed, unprefixed
+from kvtier.errors import InvalidArgument
 from kvtier.node.classes import SlotClass
 from kvtier.node.protocol import ProtocolError
 from kvtier.tiers.base import LookupResult
@@ -312,9 +313,12 @@ class Session:
             if isinstance(got, str):
                 raise ProtocolError(got)
             if got is not None:
-                host.stored_again(got[0])  # regret, on a node of several block sizes
-                if got[1]:
-                    self._complete(got[1], None, True)
+                stored, ends, taken = got
+                host.stored_again(stored)  # regret, on a node of several block sizes
+                if taken:  # out of self.writes already
+                    m.complete_store(ends, None, True)
+                elif ends:
+                    self._complete(ends, None, True)
                 return None
             # else a key begun again after its end in this frame: in order, below
         if len(reqs) != len(counts) or sum(map(abs, counts)) != len(keys) or 0 in counts:
@@ -413,12 +417,12 @@ class Session:
         if loaded:
             if self.engine_index is None:
                 raise ProtocolError("loads through a shared index this engine was not given")
-            cap = self.cls.pool.num_slots
-            if min(loaded) < 0 or max(loaded) >= cap:
-                raise ProtocolError("step_end names loaded slots outside the pool")
             # A slot evicted and reused since holds a block stored since:
             # most recently used already, touched again, no harm.
-            m.host.touch_slots(loaded)  # type: ignore[attr-defined]
+            try:
+                m.host.touch_slots(loaded)  # type: ignore[attr-defined]
+            except InvalidArgument:  # touching none (a min and a max here: 2.5%)
+                raise ProtocolError("step_end names loaded slots outside the pool") from None
             m.stats.loads += len(loaded)
             m.stats.loaded_from["host"] = m.stats.loaded_from.get("host", 0) + len(loaded)
         self._release_scan()
