@@ -7,8 +7,7 @@
 // (the frame's split into begins and ends, each offer's chain, the parents'
 // flattening, adopt_store's glue) was about a third (py-spy, 2,000 Hz, 5
 // December 2026), on the node's one thread that every engine waits on.
-#include <algorithm>
-#include <cstring>
+#include <functional>
 #include <string_view>
 #include <vector>
 

@@ -231,6 +231,16 @@ def test_loads_through_the_index_are_told_with_the_step_end(tmp_path: Path) -> N
             b._client.call(P.Op.STEP_END, [], [n.server.classes[4096].pool.num_slots])
         assert not b._client.connected
         assert n.server.counters["protocol_errors"] == refused + 1
+        for bad in ([0, -1], [2**64 - 1]):  # below the pool; past what a slot can be
+            c = n.engine(engine="c")
+            c.on_schedule_end()
+            c.take_events()
+            with pytest.raises(NodeError, match="loaded slots outside the pool"):
+                c._client.call(P.Op.STEP_END, [], bad)
+            assert not c._client.connected
+            c.shutdown()
+        assert n.server.counters["protocol_errors"] == refused + 3
+        assert n.server.counters["internal_errors"] == 0
         a.shutdown()
         b.shutdown()
     finally:
