@@ -27,6 +27,11 @@ from kvtier.bench.soak_server_client import OpenLoop, Workload
 if TYPE_CHECKING:
     from kvtier.bench.soak_server import ServerSoakConfig
 
+# Between a corruption fault's passes: a record written since the last pass
+# reads clean, so the shorter, the fewer reads the fault misses (a pass over
+# the soak's 124 records reads 124 trailers and writes 16 bytes into each).
+CORRUPT_PERIOD_S = 0.2
+
 
 class Faults:
     """Injects each fault kind and restores the medium later. Who calls: the
@@ -117,10 +122,13 @@ class Faults:
         return f
 
     def _corrupt_for(self, f: Fault, hold: float) -> None:
-        """Corruption passes every half second for ``hold`` seconds. One pass
-        alone can go unread: the soak's small disk tier rewrites every record
-        within seconds, and a 2-minute CI run once saw all 48 flipped records
-        rewritten before any load reached one (disk counters: 0 corrupt)."""
+        """Corruption passes every CORRUPT_PERIOD_S for ``hold`` seconds. One
+        pass alone can go unread: the soak's small disk tier rewrites every
+        record within seconds, and a 2-minute CI run once saw all 48 flipped
+        records rewritten before any load reached one (disk counters: 0
+        corrupt). So every pass flips every written record (by default): a
+        disk read in the window finds its record corrupt unless it was
+        written since the last pass."""
         end = f.start + hold
         passes, hit = [0], [0]
 
@@ -133,8 +141,8 @@ class Faults:
                 f"16 random bytes overwritten in the payload of {hit[0]} written records, "
                 f"{passes[0]} passes over {hold:.1f} s"
             )
-            if time.time() + 0.5 < end:
-                self.pending.append((time.time() + 0.5, again, f))
+            if time.time() + CORRUPT_PERIOD_S < end:
+                self.pending.append((time.time() + CORRUPT_PERIOD_S, again, f))
             else:
                 f.end = time.time()
 
@@ -151,7 +159,8 @@ class Faults:
                         if fh.read(4) == b"KVTR":
                             written.append((p, rec))
         hits = []
-        for p, rec in self.rng.sample(written, min(self.cfg.corrupt_records, len(written))):
+        n = self.cfg.corrupt_records or len(written)
+        for p, rec in self.rng.sample(written, min(n, len(written))):
             off = rec * self.record_bytes + self.rng.randrange(self.record_bytes - 8192)
             fd = os.open(p, os.O_WRONLY)
             try:
