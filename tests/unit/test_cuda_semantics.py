@@ -331,7 +331,16 @@ def test_gpu_check_script_parses_and_names_its_outputs() -> None:
     script = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
-    written = {"build.log", "tests.log", "doctor.json", "bench.json", "bench.log", "gpu-check.json"}
+    written = {
+        "build.log",
+        "tests.log",
+        "doctor.json",
+        "bench.json",
+        "bench.log",
+        "node_cost.json",
+        "small_pages.jsonl",
+        "gpu-check.json",
+    }
     for name in written:
         assert name in text, name
     assert len(written) <= 8
