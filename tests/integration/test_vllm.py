@@ -281,7 +281,36 @@ def test_manager_semantics_through_vllm_types() -> None:
         s.loads += 3
         assert m.get_stats().reduce() == {"vllm:kv_offload_kvtier_loaded_disk": 3}
         assert m.get_stats() is None
+        # The disk's and Redis's own reads, failed ones included: a read moves
+        # a promotion's counter, or only promotion_failures when it failed.
+        from kvtier.integrations.vllm import KVTIER_METRICS
+
+        disk, remote = _CountingTier("disk"), _CountingTier("remote")
+        lower, m.m.lower = m.m.lower, [disk, remote]
+        try:
+            assert m.get_stats() is None
+            disk.counters.update(loads=2, load_failures=1)
+            s.promotions += 2
+            assert m.get_stats().reduce() == {
+                "vllm:kv_offload_kvtier_promotions": 2, "vllm:kv_offload_kvtier_disk_reads": 3,
+            }  # fmt: skip
+            remote.counters["load_failures"] = 1
+            s.promotion_failures += 1
+            assert m.get_stats().reduce() == {"vllm:kv_offload_kvtier_remote_reads": 1}
+            assert set(KVTIER_METRICS) >= {
+                "vllm:kv_offload_kvtier_disk_reads", "vllm:kv_offload_kvtier_remote_reads",
+            }  # fmt: skip
+        finally:
+            m.m.lower = lower
     m.shutdown()
+
+
+class _CountingTier:
+    """A lower tier's name and own counters, as the disk and Redis tiers keep them."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.counters = {"loads": 0, "load_failures": 0}
 
 
 @pytest.mark.parametrize("int_hashes", [True, False])

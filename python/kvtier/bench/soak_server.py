@@ -77,8 +77,8 @@ class ServerSoakConfig:
     disk_bytes: int = 16 << 20
     redis_maxmemory: str = "48mb"
     # Records a pass of a corruption fault flips bytes in; 0: every written
-    # one. 48 of about 124 a pass let a CI run's 25 disk reads in the window
-    # all find clean records (read before the pass reached them, or rewritten).
+    # one (of about 124), so that a read in the window finds its record
+    # clean only when it was written since the last pass.
     corrupt_records: int = 0
     aborts: int = 2  # requests hung up on per abort fault
     # vLLM admits a prompt only when all of it fits (scheduler_reserve_full_isl):

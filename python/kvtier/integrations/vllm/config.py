@@ -39,9 +39,15 @@ KVTIER_METRICS = {
     "vllm:kv_offload_kvtier_host_busy": "kvtier host blocks pinned, being written or held.",
     "vllm:kv_offload_kvtier_tier_jobs": "kvtier lower-tier jobs in flight.",
     "vllm:kv_offload_kvtier_loaded_host": "Chunks loaded into the engine from kvtier's host tier.",
-    "vllm:kv_offload_kvtier_loaded_disk": "Chunks loaded into the engine after promotion from disk.",
-    "vllm:kv_offload_kvtier_loaded_remote": "Chunks loaded into the engine after promotion from Redis.",
+    "vllm:kv_offload_kvtier_loaded_disk": "Chunks loaded into the engine after promotion from "
+    "disk (each load of such a block, not the disk's reads: disk_reads).",
+    "vllm:kv_offload_kvtier_loaded_remote": "Chunks loaded into the engine after promotion from "
+    "Redis (each load of such a block, not Redis's reads: remote_reads).",
     "vllm:kv_offload_kvtier_promotions": "Blocks promoted from lower tiers into the host tier.",
+    "vllm:kv_offload_kvtier_disk_reads": "Blocks kvtier's disk tier read (into the host tier or "
+    "for the engine's worker), failed reads (corrupt records among them) included.",
+    "vllm:kv_offload_kvtier_remote_reads": "Blocks kvtier read from Redis, failed reads (corrupt "
+    "values among them) included.",
     "vllm:kv_offload_kvtier_cascades": "Blocks copied from the host tier to lower tiers.",
     "vllm:kv_offload_kvtier_cascades_dropped": "Cascades dropped under backpressure.",
     "vllm:kv_offload_kvtier_allocation_failures": "Stores or promotions refused for lack of room.",

@@ -310,6 +310,7 @@ class KVTierManager(OffloadingManager):
             s.scan_waits,
             s.load_failures,
             s.loads,
+            s.promotion_failures,  # a read that failed moves only this
         )
         if sig == self._sig and now < self._gauges_due:
             return None
@@ -327,6 +328,7 @@ class KVTierManager(OffloadingManager):
             "scan_wait_us": int(s.scan_wait_s * 1e6),
             "load_failures": s.load_failures,
             **{f"loaded_{t}": s.loaded_from.get(t, 0) for t in ("host", "disk", "remote")},
+            **_tier_reads(self.m.lower),
         }
         grown = {
             n: v - self._last.get(n, 0) for n, v in counters.items() if v > self._last.get(n, 0)
@@ -376,6 +378,20 @@ class KVTierManager(OffloadingManager):
             report["closed_occupancy"] = self.m.occupancy()
             with open(self._stats_path, "w") as f:
                 json.dump(report, f)
+
+
+def _tier_reads(lower: Sequence[Any]) -> dict[str, int]:
+    """``disk_reads`` and ``remote_reads`` (get_stats'): the blocks each of
+    those tiers read, failed reads (corrupt ones among them) included, from
+    its own counters. ``loaded_disk`` counts every load of a block promoted
+    from disk, however long ago it was read: a serving soak once took loads
+    of such blocks for reads of the records it had just corrupted."""
+    out = {}
+    for t in lower:
+        c = getattr(t, "counters", None)
+        if t.name in ("disk", "remote") and c is not None:
+            out[f"{t.name}_reads"] = c.get("loads", 0) + c.get("load_failures", 0)
+    return out
 
 
 def _warn_unshared_hashes(shared_tiers: Sequence[str]) -> None:
