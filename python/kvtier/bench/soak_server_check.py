@@ -336,8 +336,8 @@ def _counters(result: dict[str, Any]) -> tuple[bool, str]:
     # it, none failed) tests nothing, and is said so rather than failed: a
     # CI run once had no disk read in 8.4 s of corruption. Its reads, not
     # the engine's loads of blocks promoted from disk (kvtier_loaded_disk),
-    # which may have been read before the corruption: two CI runs failed on
-    # loads that grew between the sample before the fault and its start.
+    # which may have been read before the corruption: a CI run failed on 30
+    # such loads, all between the sample before the fault and its start.
     facts["disk_reads_while_corrupting"] = _grew_during(result, "corrupt_disk", "kvtier_disk_reads")
     if (
         "corrupt_disk" in kinds
