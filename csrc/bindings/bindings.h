@@ -41,6 +41,7 @@ void bind_frames(py::module_& m);
 void bind_node_stores(py::module_& m);
 void bind_chains(py::module_& m);
 void bind_stores_frame(py::module_& m);
+void bind_scan_answers(py::module_& m);
 void bind_remote(py::module_& m, EngineClass& engine);
 
 // The core index of a kvtier._native.SharedIndex (InvalidArgument for

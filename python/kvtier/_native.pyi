@@ -443,6 +443,19 @@ def frame_reqs_ok(
 ) -> TypeGuard[list[str | int | None]]: ...
 def prefixed(prefix: bytes, keys: list[bytes]) -> list[bytes]: ...
 
+class ScanAnswers:
+    """An engine's per-key lookups of its node scan's answers."""
+
+    def lookup(self, key: bytes, req_context: Any = None) -> Any: ...
+
+def scan_answers(
+    answers: dict[bytes, Any],
+    counts: dict[str, int],
+    results: tuple[Any, ...],
+    names: tuple[str, ...],
+    fallback: Callable[[bytes, Any], tuple[Any, int]],
+) -> ScanAnswers: ...
+
 class StoresFrame:
     def __init__(self, max_frame: int) -> None: ...
     def begin(self, keys: list[bytes], slots: list[int], req: str | int | None) -> None: ...

@@ -645,3 +645,33 @@ def test_a_malformed_stores_request_closes_only_its_connection(
     finally:
         n.stop()
         _remove_pools(n.name)
+
+
+def test_a_shut_down_manager_refuses_lookups_even_of_keys_its_scan_answered(
+    tmp_path: Path,
+) -> None:
+    """lookup is the native ScanAnswers' (kvtier._native.scan_answers): a
+    key the request's scan answered is taken from there without Python;
+    shutdown empties the answers, so every lookup reaches the check."""
+    from kvtier.errors import ClosedError
+    from kvtier.node.client import NodeManager
+
+    n = Node(tmp_path, blocks=256, shared_index=True)
+    try:
+        keys = [key(i) for i in range(4)]
+        m = NodeManager(n.path, NS_A, BLOCK, engine="a", key_order=lambda k, c: keys[1:])
+        store(m, m.attach_pool(), [0, 1])
+        m.on_schedule_end()
+        assert m.lookup(keys[0], None) is LookupResult.HIT
+        assert m.lookup(keys[1], req_context=None) is LookupResult.HIT  # answered by the scan
+        assert m.lookup(keys[2]) is LookupResult.MISS
+        assert m.stats.lookups == {"hit": 2, "hit_pending": 0, "retry": 0, "miss": 1}
+        m.on_schedule_end()
+        assert m.lookup(keys[0]) is LookupResult.HIT  # keys[1:]'s answers are stored again
+        m.shutdown()
+        with pytest.raises(ClosedError, match="shut down"):
+            m.lookup(keys[1])
+        assert m.stats.lookups["hit"] == 3
+    finally:
+        n.stop()
+        _remove_pools(n.name)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvtier._native import scan_answers
 from kvtier.errors import ClosedError, InvalidArgument, KvtierError
 from kvtier.node import protocol as P
 from kvtier.node.connection import SPIN_S, NodeClient, NodeError, NodeUnavailable
@@ -142,6 +143,9 @@ class NodeManager:
         # The node's shared index, when it offers one (no round trips).
         self._view: SharedView | None = None
         self.pool: dict[str, Any] = self._attach()  # raises when no node answers at start
+        names = tuple(r.name.lower() for r in _ANSWER)  # csrc/bindings/scan_answers.cc: why
+        front = scan_answers(self._answers, self.stats.lookups, _ANSWER, names, self._scan)
+        self.lookup = front.lookup  # type: ignore[method-assign]
         self.host = _HostView(int(self.pool["num_slots"]))
 
     def attach_pool(self) -> HostPool:
@@ -242,19 +246,15 @@ class NodeManager:
         return self._lock
 
     def lookup(self, key: bytes, req_context: Any = None) -> LookupResult:
-        """One key's answer; the first lookup of a scan asks the node for the
-        request's following keys too (one round trip), the rest are
-        answered from that reply within the step."""
-        if self._closed:
-            raise ClosedError("manager is shut down")
-        got = self._answers.pop(key, None)
-        if got is None:
-            got = self._scan(key, req_context)
-        r = got[0]
+        """One key's answer (a scan's first asks for the keys after it too): what
+        an instance's lookup, its ScanAnswers' set in __init__, does in C."""
+        r = (self._answers.pop(key, None) or self._scan(key, req_context))[0]
         self.stats.lookups[_NAME[id(r)]] += 1
         return r
 
     def _scan(self, key: bytes, req_context: Any) -> tuple[LookupResult, int]:
+        if self._closed:  # (shutdown empties the answers: every lookup comes here)
+            raise ClosedError("manager is shut down")
         answers, slots = self._answers, self._hit_slots
         view = self._index()
         order = self.key_order
@@ -587,6 +587,7 @@ class NodeManager:
         """Close the connection: the node releases whatever it still leases
         to this engine. Idempotent."""
         self._closed = True
+        self._answers.clear()  # every lookup asks _scan now, which refuses
         with contextlib.suppress(NodeUnavailable):
             self._client.flush()
         self._client.close()
