@@ -512,6 +512,19 @@ def test_the_benchs_clients_start_together_once_attached(tmp_path: Path) -> None
         _remove_pools(n.name)
 
 
+def test_the_bench_fails_at_once_when_a_client_dies(tmp_path: Path) -> None:
+    """A bench client that fails (here: no node answers where it looks)
+    ends the several clients' run with an error naming its exit code, as
+    soon as it has died, not after the queue's ten-minute wait; the other
+    clients are stopped."""
+    from kvtier.bench import node as bench
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"bench client \d+ failed \(exit code 1\)"):
+        bench._aggregate(str(tmp_path / "absent.sock"), 2 * 64, 16, 2, events=False)
+    assert time.monotonic() - t0 < 120  # spawned interpreters' imports, not the 600 s wait
+
+
 def _requests(n: Node) -> int:
     return int(n.server.counters["requests"])
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import socket
 import statistics
 import subprocess
@@ -286,6 +287,30 @@ def cpu_figures(
     return out
 
 
+def _gather(q: Any, procs: list[Any], n: int, timeout_s: float = 600.0) -> list[Any]:
+    """``n`` items from the clients' queue ``q``. Raises RuntimeError as soon
+    as a client of ``procs`` has died (its traceback is on stderr), not
+    after ``timeout_s``: one that failed an assertion left the bench
+    waiting ten minutes for its figure."""
+    got: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n:
+        try:
+            got.append(q.get(timeout=0.2))
+            continue
+        except queue.Empty:
+            pass
+        # A client that exited well put its items before (its queue's feeder
+        # is flushed at exit): only a failed one is missing them.
+        dead = [p for p in procs if p.exitcode not in (None, 0)]
+        if dead:
+            p = dead[0]
+            raise RuntimeError(f"bench client {p.pid} failed (exit code {p.exitcode})")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"bench clients sent {len(got)} of {n} figures in {timeout_s:.0f} s")
+    return got
+
+
 def _aggregate(
     path: str,
     num_keys: int,
@@ -308,16 +333,20 @@ def _aggregate(
     ]
     for p in procs:
         p.start()
-    # Every child imported, attached and its keys built before the start:
-    # a second's sleep was not enough on two cores, so the clients' imports
-    # and first connections were timed with their cycles.
-    for _ in procs:
-        if q.get(timeout=600) is not None:
+    try:
+        # Every child imported, attached and its keys built before the start:
+        # a second's sleep was not enough on two cores, so the clients' imports
+        # and first connections were timed with their cycles.
+        if any(r is not None for r in _gather(q, procs, len(procs))):
             raise RuntimeError("a bench client finished before the start")
-    n0 = process_cpu_s(node_pid) if node_pid is not None else 0.0
-    t0 = time.perf_counter()
-    start.set()
-    rates = [q.get(timeout=600) for _ in procs]
+        n0 = process_cpu_s(node_pid) if node_pid is not None else 0.0
+        t0 = time.perf_counter()
+        start.set()
+        rates = _gather(q, procs, len(procs))
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
     wall = time.perf_counter() - t0
     node_used = process_cpu_s(node_pid) - n0 if node_pid is not None else 0.0
     for p in procs:
