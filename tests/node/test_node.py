@@ -774,7 +774,7 @@ def test_reserved_stores_of_one_key_keep_one_block_and_free_the_rest(
         # b takes its slots before a's offer reaches the node (as b's
         # prepare_store would), and its STORE_BEGIN comes after a's.
         assert b._view is not None
-        got = b._view.store_from_reserve(keys)
+        got = b._view.native.store_from_reserve(keys)
         assert got is not None and got[0] == keys
         out = a.prepare_store(keys)
         assert out is not None and out.keys_to_store == keys

@@ -356,6 +356,11 @@ def test_an_offer_takes_bytes_and_bytearrays_and_refuses_anything_else(
     n = Node(tmp_path, blocks=256, shared_index=shared)
     try:
         a = n.engine(engine="a")
+        store(
+            a, a.attach_pool(), [900]
+        )  # (with the index: reserves for offers without a round trip)
+        assert a.lookup(key(900)) is LookupResult.HIT
+        assert (a._fast is not None) is shared  # offers of plain keys would take the reservation
         with pytest.raises(InvalidArgument, match=r"^keys must be bytes, got str$"):
             a.prepare_store([key(1), "k2"])  # type: ignore[list-item]
         offer = [key(1), bytearray(key(2)), Key(key(3))]
@@ -363,9 +368,13 @@ def test_an_offer_takes_bytes_and_bytearrays_and_refuses_anything_else(
         assert out is not None
         assert out.keys_to_store == [key(1), key(2), key(3)]
         assert [type(k) for k in out.keys_to_store] == [bytes] * 3
-        a.complete_store(out.keys_to_store)
+        assert a.client_stats.round_trips == (1 if shared else 4)  # from the reservation
+        out2 = a.prepare_store([Key(key(4))])  # a list: not the fast path either
+        assert out2 is not None and [type(k) for k in out2.keys_to_store] == [bytes]
+        a.complete_store([*out.keys_to_store, *out2.keys_to_store])
         a.on_schedule_end()
-        assert [a.lookup(key(i)) for i in (1, 2, 3)] == [LookupResult.HIT] * 3
+        a.status()  # (a round trip: the node has published the posted stores)
+        assert [a.lookup(key(i)) for i in (1, 2, 3, 4)] == [LookupResult.HIT] * 4
         a.shutdown()
     finally:
         n.stop()
@@ -589,9 +598,9 @@ def test_a_key_ended_and_begun_again_in_one_frame_keeps_its_block_and_frees_the_
         view, c = a._view, a._client
         assert view is not None and view.reserved == 8
         keys = [key(7)]
-        first = view.store_from_reserve(keys)
+        first = view.native.store_from_reserve(keys)
         assert first is not None
-        second = view.store_from_reserve(keys)  # the node has not published it: taken again
+        second = view.native.store_from_reserve(keys)  # the node has not published it: taken again
         assert second is not None and second[1] != first[1]
         pool.view(first[1][0])[:] = content(7)
         c.post_stores(keys, first[1], "r1")

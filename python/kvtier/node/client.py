@@ -23,14 +23,14 @@ import logging
 import threading
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtier._native import scan_answers
+from kvtier._native import frame_keys_ok, scan_answers
 from kvtier.errors import ClosedError, InvalidArgument, KvtierError
 from kvtier.node import protocol as P
+from kvtier.node.client_stats import HostView, NodeClientStats
 from kvtier.node.connection import SPIN_S, NodeClient, NodeError, NodeUnavailable
 from kvtier.node.protocol import Op
 from kvtier.node.shared_view import SharedView
@@ -66,30 +66,6 @@ FINISHED_BATCH = 64
 # and 4: node CPU a key 2.6 -> 2.2-2.4 us; four clients gained in alternating
 # sweeps, not beyond the bench's spread (docs/guides/node.md, 5 December).
 OWED_STEPS, STEPS_PER_END, LOW_RESERVE, END_AFTER_S = 2, 8, 32, 0.005
-
-
-@dataclass
-class _HostView:
-    """What the shim's gauges read of the host tier: its size and use."""
-
-    capacity: int
-    used: int = 0
-
-    def __len__(self) -> int:
-        return self.used
-
-
-@dataclass
-class NodeClientStats:
-    """The client's own counters (the node keeps the tiers')."""
-
-    node_down_lookups: int = 0
-    node_dropped_stores: int = 0
-    node_failures: int = 0
-    reattaches: int = 0
-    round_trips: int = 0
-    pool_changed: bool = False
-    by_op: dict[str, int] = field(default_factory=dict)
 
 
 class NodeManager:
@@ -137,6 +113,9 @@ class NodeManager:
         self._unsent_steps = self._taken = 0
         self._sent_at = 0.0
         self._alive = False  # polled since the last step end sent (_index)
+        # The native view of a shared index polled since the last step end sent
+        # (_index), else None: the usual scan, store and load take it alone.
+        self._fast: Any = None
         self._closed = False
         self._next_attach = 0.0
         self._refused = ""  # the node's last refusal at a reattach (logged once)
@@ -146,7 +125,7 @@ class NodeManager:
         names = tuple(r.name.lower() for r in _ANSWER)  # csrc/bindings/scan_answers.cc: why
         front = scan_answers(self._answers, self.stats.lookups, _ANSWER, names, self._scan)
         self.lookup = front.lookup  # type: ignore[method-assign]
-        self.host = _HostView(int(self.pool["num_slots"]))
+        self.host = HostView(int(self.pool["num_slots"]))
 
     def attach_pool(self) -> HostPool:
         """This process's mapping of the node's pool, as slots of this
@@ -165,10 +144,12 @@ class NodeManager:
 
     def _open_index(self, ix: Any) -> None:
         self._drop_index()
+        self._alive = False  # its first use polls (_index)
         self._view = SharedView.open(ix, bytes.fromhex(self.namespace)[:8])
 
     def _drop_index(self) -> None:
         """Forget the shared index (the node is gone: a node started again reuses its slots)."""
+        self._fast = None
         if self._view is not None:
             self._view.close()
             self._view = None
@@ -228,6 +209,7 @@ class NodeManager:
             self._down(NodeUnavailable(0, f"kvtier node at {self.path}: the connection closed"))
             return None
         self._alive = True
+        self._fast = view.native
         return view
 
     def _call(self, op: Op, *args: Any) -> Any:
@@ -253,16 +235,17 @@ class NodeManager:
         return r
 
     def _scan(self, key: bytes, req_context: Any) -> tuple[LookupResult, int]:
-        if self._closed:  # (shutdown empties the answers: every lookup comes here)
-            raise ClosedError("manager is shut down")
-        answers, slots = self._answers, self._hit_slots
-        view = self._index()
-        order = self.key_order
-        if view is not None and not view.lower:  # the shared index answers alone
+        answers, slots, order = self._answers, self._hit_slots, self.key_order
+        if self._fast is None:
+            if self._closed:  # (shutdown empties the answers: every lookup comes here)
+                raise ClosedError("manager is shut down")
+            self._index()
+        fast, view = self._fast, self._view
+        if fast is not None and view is not None and not view.lower:  # the index answers alone
             # The key alone first: a new request's first key misses, and its
             # following keys' list was 0.09 of a store's 0.22 us a key in scans.
-            if view.scan_into([key], answers, slots, _ANSWER)[1] != 0 and order is not None:
-                view.scan_into(order(key, req_context)[: SCAN_KEYS - 1], answers, slots, _ANSWER)
+            if fast.scan_into([key], answers, slots, _ANSWER)[1] != 0 and order is not None:
+                fast.scan_into(order(key, req_context)[: SCAN_KEYS - 1], answers, slots, _ANSWER)
             return answers.pop(key)
         ask = [key] if order is None else [key, *order(key, req_context)[: SCAN_KEYS - 1]]
         if view is not None:
@@ -332,12 +315,13 @@ class NodeManager:
         keys = list(keys)
         self.stats.loads += len(keys)
         self.stats.loaded_from["host"] = self.stats.loaded_from.get("host", 0) + len(keys)
-        req = getattr(req_context, "req_id", None)
-        view = self._index()
-        if view is not None and self.attached:  # the usual load: every key a HIT here
-            got = view.take_all_loads(keys, self._loaded)
+        fast = self._fast
+        if fast is not None and self.attached:  # the usual load: every key a HIT here
+            got = fast.take_all_loads(keys, self._loaded)
             if got is not None:
                 return HostSpec(got)
+        req = getattr(req_context, "req_id", None)
+        view = self._index()
         hit = self._hit_slots
         found = all(map(hit.__contains__, keys))  # this step's lookups named every slot
         if view is not None and view.hits and found and self.attached:
@@ -391,6 +375,11 @@ class NodeManager:
     def prepare_store(
         self, keys: Collection[bytes], req_context: Any = None
     ) -> PrepareStoreResult | None:
+        fast = self._fast  # (an offer of plain bytes: not bytearrays or subclasses)
+        if fast is not None and frame_keys_ok(keys, P.MAX_KEYS, P.MAX_KEY_BYTES) and self.attached:
+            got = fast.store_from_reserve(keys)
+            if got is not None:
+                return self._stored(got[0], got[1], req_context)
         keys = list(keys)
         if keys and set(map(type, keys)) != _BYTES:  # the types in C, not a check a key
             keys = P.plain_keys(keys)
@@ -401,13 +390,9 @@ class NodeManager:
         req = getattr(req_context, "req_id", None)
         view = self._index()
         if view is not None and self.attached:
-            got = view.store_from_reserve(keys)
-            if got is not None:  # into this engine's reserved slots: no round trip
-                stored, slots, evicted = got
-                self._taken += len(slots)
-                if stored:
-                    self._send(Op.STORES, stored, slots, req)
-                return PrepareStoreResult(stored, HostSpec(np.asarray(slots, np.int64)), evicted)
+            got = view.native.store_from_reserve(keys)
+            if got is not None:
+                return self._stored(got[0], got[1], req_context)
         try:
             out = self._call(Op.PREPARE_STORE, keys, req)
         except NodeUnavailable as e:
@@ -424,6 +409,20 @@ class NodeManager:
                 view.reserve(out[3])
         if len(stored) < len(keys):
             self.stats.not_admitted += len(keys) - len(stored)
+        return PrepareStoreResult(stored, HostSpec(np.asarray(slots, np.int64)), evicted)
+
+    def _stored(
+        self, stored: list[bytes], slots: list[int], req_context: Any
+    ) -> PrepareStoreResult:
+        """An offer's keys in this engine's reserved slots (no round trip): their
+        writes posted, with the keys the node evicted since the last offer."""
+        self._answers.clear()
+        self._taken += len(slots)
+        view = self._view
+        assert view is not None
+        evicted, view.evicted = view.evicted, []
+        if stored:
+            self._send(Op.STORES, stored, slots, getattr(req_context, "req_id", None))
         return PrepareStoreResult(stored, HostSpec(np.asarray(slots, np.int64)), evicted)
 
     def complete_store(
@@ -497,13 +496,14 @@ class NodeManager:
         quiet = view is not None and not (asked or self._pending)
         if quiet:
             self._unsent_steps += 1
-            stocked = view is not None and view.reserved >= max(LOW_RESERVE, self._taken)
+            stocked = view is not None and view.native.reserved >= max(LOW_RESERVE, self._taken)
             soon = time.monotonic() < self._sent_at + END_AFTER_S
             if self._unsent_steps < STEPS_PER_END and stocked and soon:
                 return  # ended with the next one: nothing here waits on the node
         self._unsent_steps = self._taken = 0
         self._sent_at = time.monotonic()
         self._alive = False
+        self._fast = None
         fin, self._finished = self._finished, []
         loads, self._loaded = self._loaded, []
         try:

@@ -81,20 +81,6 @@ class SharedView:
         """Keys this step's scans found here."""
         return int(self.native.hits)
 
-    def store_from_reserve(
-        self, keys: list[bytes]
-    ) -> tuple[list[bytes], list[int], list[bytes]] | None:
-        """An offer stored into reserved slots: the keys to store (not
-        here yet, each once, in order), their slots, and keys evicted since
-        the last report; None, taking nothing, when the reservation is short
-        (ask the node). Admission is the node's: it frees the slot of a key
-        it refuses when its write ends."""
-        got = self.native.store_from_reserve(keys)
-        if got is None:
-            return None
-        evicted, self.evicted = self.evicted, []
-        return got[0], got[1], evicted
-
     def finish(self, keys: list[bytes], success: bool) -> None:
         """This engine's stores of ``keys`` ended: when they succeeded, their
         blocks are ready here now (their bytes are complete; the node's
