@@ -605,8 +605,10 @@ def test_fuzz_10000_frames_leave_the_node_and_other_engines_unaffected(node: Nod
     a.complete_load([key(1)])
 
 
-def _node_proc(path: str, name: str, host_bytes: int = 64 * BLOCK) -> subprocess.Popen[bytes]:
-    """``kvtier node`` in a child process, answering on ``path``."""
+def _node_proc(
+    path: str, name: str, host_bytes: int = 64 * BLOCK, *flags: str
+) -> subprocess.Popen[bytes]:
+    """``kvtier node`` with ``flags`` in a child process, answering on ``path``."""
     p = subprocess.Popen(
         [
             sys.executable,
@@ -619,6 +621,7 @@ def _node_proc(path: str, name: str, host_bytes: int = 64 * BLOCK) -> subprocess
             name,
             "--host-bytes",
             str(host_bytes),
+            *flags,
         ],
         stderr=subprocess.DEVNULL,
     )
@@ -632,24 +635,31 @@ def _node_proc(path: str, name: str, host_bytes: int = 64 * BLOCK) -> subprocess
             time.sleep(0.05)
 
 
+@pytest.mark.parametrize("flags", [(), ("--shared-index",)], ids=["round-trips", "shared-index"])
 def test_engines_keep_serving_without_the_node_and_reattach(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: tuple[str, ...]
 ) -> None:
+    """A node SIGKILLed: the engine's lookups miss and its offers are
+    dropped (counted), never read through a dead node's index; a node
+    started again is reattached at a step end and serves both engines."""
     monkeypatch.setattr(node_client, "REATTACH_PERIOD_S", 0.05)
     path, name = str(tmp_path / "n.sock"), f"t{os.getpid()}-r"
-    p = _node_proc(path, name)
+    p = _node_proc(path, name, 64 * BLOCK, *flags)
     try:
         a = NodeManager(path, NS_A, BLOCK, engine="a")
         pool = a.attach_pool()
         store(a, pool, [1])
+        assert a.lookup(key(1)) is LookupResult.HIT
+        a.on_schedule_end()  # (the step end sent: the next scan polls the node first)
         p.send_signal(signal.SIGKILL)
         p.wait()
-        assert a.lookup(key(2)) is LookupResult.MISS  # served, without the node
+        assert a.lookup(key(1)) is LookupResult.MISS  # served, without the node
+        assert a.lookup(key(2)) is LookupResult.MISS
         assert a.prepare_store([key(3)]) is None
         a.on_schedule_end()
-        assert a.client_stats.node_down_lookups == 1
+        assert a.client_stats.node_down_lookups == 2
         assert a.client_stats.node_dropped_stores == 1
-        p = _node_proc(path, name)  # adopts the pool the engine maps
+        p = _node_proc(path, name, 64 * BLOCK, *flags)  # adopts the pool the engine maps
         time.sleep(0.06)
         a.on_schedule_end()
         assert a.attached and a.client_stats.reattaches == 1

@@ -356,9 +356,8 @@ def test_an_offer_takes_bytes_and_bytearrays_and_refuses_anything_else(
     n = Node(tmp_path, blocks=256, shared_index=shared)
     try:
         a = n.engine(engine="a")
-        store(
-            a, a.attach_pool(), [900]
-        )  # (with the index: reserves for offers without a round trip)
+        # The first store reserves slots (with the index) for offers without a round trip.
+        store(a, a.attach_pool(), [900])
         assert a.lookup(key(900)) is LookupResult.HIT
         assert (a._fast is not None) is shared  # offers of plain keys would take the reservation
         with pytest.raises(InvalidArgument, match=r"^keys must be bytes, got str$"):
@@ -369,7 +368,7 @@ def test_an_offer_takes_bytes_and_bytearrays_and_refuses_anything_else(
         assert out.keys_to_store == [key(1), key(2), key(3)]
         assert [type(k) for k in out.keys_to_store] == [bytes] * 3
         assert a.client_stats.round_trips == (1 if shared else 4)  # from the reservation
-        out2 = a.prepare_store([Key(key(4))])  # a list: not the fast path either
+        out2 = a.prepare_store([Key(key(4))])  # a list, of a subclass: not the fast path either
         assert out2 is not None and [type(k) for k in out2.keys_to_store] == [bytes]
         a.complete_store([*out.keys_to_store, *out2.keys_to_store])
         a.on_schedule_end()
