@@ -6,10 +6,12 @@ The node runs in a thread of this test; the engines are NodeManagers here."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -521,16 +523,48 @@ def test_the_benchs_clients_start_together_once_attached(tmp_path: Path) -> None
 
 
 def test_the_bench_fails_at_once_when_a_client_dies(tmp_path: Path) -> None:
-    """A bench client that fails (here: no node answers where it looks)
+    """A bench client that fails (here: the "node" closes its connection)
     ends the several clients' run with an error naming its exit code, as
     soon as it has died, not after the queue's ten-minute wait; the other
-    clients are stopped."""
+    client (attached first, waiting for a reply that never comes) is
+    stopped and reaped: no client is left running or a zombie."""
     from kvtier.bench import node as bench
 
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(tmp_path / "mute.sock"))
+    srv.listen(4)
+    held: list[socket.socket] = []
+
+    def serve() -> None:  # the first client waits for a reply, the second is refused
+        with contextlib.suppress(OSError):
+            held.append(srv.accept()[0])
+            srv.accept()[0].close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    before = _children()
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"bench client \d+ failed \(exit code 1\)"):
-        bench._aggregate(str(tmp_path / "absent.sock"), 2 * 64, 16, 2, events=False)
-    assert time.monotonic() - t0 < 120  # spawned interpreters' imports, not the 600 s wait
+    try:
+        with pytest.raises(RuntimeError, match=r"bench client \d+ failed \(exit code 1\)"):
+            bench._aggregate(str(tmp_path / "mute.sock"), 2 * 64, 16, 2, events=False)
+        assert time.monotonic() - t0 < 120  # spawned interpreters' imports, not the 600 s wait
+        # Multiprocessing's resource tracker, started with the clients, stays.
+        left = {p: c for p, c in _children().items() if p not in before}
+        assert [c for c in left.values() if b"resource_tracker" not in c] == []
+    finally:
+        srv.close()
+        for c in held:
+            c.close()
+
+
+def _children() -> dict[str, bytes]:
+    """This process's children (running, exiting or zombies: not reaped)
+    and their command lines (empty once exiting)."""
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            with contextlib.suppress(FileNotFoundError):  # reaped meanwhile
+                out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()
+    return out
 
 
 def _requests(n: Node) -> int:

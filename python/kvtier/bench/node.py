@@ -346,6 +346,8 @@ def _aggregate(
     except BaseException:
         for p in procs:
             p.kill()
+        for p in procs:  # reaped here, not left to the bench's exit
+            p.join(10)
         raise
     wall = time.perf_counter() - t0
     node_used = process_cpu_s(node_pid) - n0 if node_pid is not None else 0.0
