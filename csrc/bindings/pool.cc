@@ -96,6 +96,17 @@ void bind_pool(py::module_& m) {
             return __atomic_load_n(open_pool(p).fence(slot), __ATOMIC_ACQUIRE);
           },
           py::arg("slot"))
+      .def_property_readonly("map_bytes", &HostPool::map_bytes)
+      .def(
+          "populate",
+          [](const std::shared_ptr<HostPool>& p, std::size_t offset, std::size_t nbytes) {
+            const HostPool& pool = open_pool(p);
+            py::gil_scoped_release nogil;
+            return pool.populate(offset, nbytes);
+          },
+          py::arg("offset"), py::arg("nbytes"),
+          "Enter [offset, offset + nbytes) of the mapping in this process's page tables "
+          "without writing it (GIL released); the bytes entered, 0 where the kernel refused.")
       .def("disown", &HostPool::disown)
       .def("close", &HostPool::close);
 }

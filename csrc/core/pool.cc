@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -248,6 +249,21 @@ void HostPool::unmap() noexcept {
     ::munmap(base_, map_bytes_);
     base_ = nullptr;
   }
+}
+
+std::size_t HostPool::populate(std::size_t offset, std::size_t n) const noexcept {
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  offset = offset / page * page;
+  if (base_ == nullptr || offset >= map_bytes_) return 0;
+  n = std::min(n, map_bytes_ - offset);
+  if (::madvise(base_ + offset, n, MADV_POPULATE_WRITE) == 0) return n;
+  if (errno != EINVAL) return 0;
+  // Kernels before 5.14: a read of one byte a page enters it (read-only
+  // until the first write, a cheaper fault); the bytes stay as they are.
+  for (std::size_t off = 0; off < n; off += page) {
+    (void)reinterpret_cast<volatile const std::uint8_t*>(base_ + offset)[off];
+  }
+  return n;
 }
 
 std::uint8_t* HostPool::data() const {

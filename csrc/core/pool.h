@@ -57,6 +57,15 @@ class HostPool {
   bool owner() const noexcept { return owner_; }
   bool locked() const noexcept { return locked_; }
 
+  // Enters [offset, offset + n) of the mapping (header, slots, fences) in
+  // this process's page tables without writing a byte, as a GPU worker's
+  // cudaHostRegister does: a copy then pays no first-touch page fault.
+  // Clamped to the mapping, offset rounded down to a page; returns the bytes
+  // entered (0 when the kernel refused, e.g. /dev/shm short of pages: the
+  // copy that touches them says so). Safe beside copies into the same pages.
+  std::size_t populate(std::size_t offset, std::size_t n) const noexcept;
+  std::size_t map_bytes() const noexcept { return map_bytes_; }
+
   // Throws InvalidArgument for a slot out of range or a closed pool.
   std::uint8_t* slot(std::size_t index) const;
   std::uint8_t* data() const;

@@ -36,6 +36,23 @@ TEST(Pool, CreateAttachShareBytes) {
   EXPECT_EQ(a.slot(1)[0], 0x11);
 }
 
+TEST(Pool, PopulateEntersTheMappingWithoutWritingAndClamps) {
+  HostPool a = HostPool::create(8, 4096, "");
+  for (std::size_t i = 0; i < 8; ++i) std::memset(a.slot(i), static_cast<int>(0x40 + i), 4096);
+  HostPool b = HostPool::attach(a.name());
+  // Concurrent with a copy into the same pages (a worker's): nothing lost.
+  std::thread writer([&] { std::memset(b.slot(3), 0x99, 4096); });
+  EXPECT_EQ(b.populate(0, b.map_bytes()), b.map_bytes());
+  writer.join();
+  EXPECT_EQ(b.populate(4096 + 100, 1 << 30), b.map_bytes() - 4096);  // rounded down, clamped
+  EXPECT_EQ(b.populate(b.map_bytes(), 4096), 0u);                    // past the end
+  for (std::size_t i = 0; i < 8; ++i) {
+    const int want = i == 3 ? 0x99 : static_cast<int>(0x40 + i);
+    EXPECT_EQ(a.slot(i)[0], want);
+    EXPECT_EQ(a.slot(i)[4095], want);
+  }
+}
+
 TEST(Pool, SlotsAreAlignedForDirectIo) {
   HostPool a = HostPool::create(4, 8192, "");
   for (std::size_t i = 0; i < 4; ++i)

@@ -31,6 +31,63 @@ def test_two_processes_share_slots_byte_for_byte() -> None:
         assert (p.view(9) == 0xC3).all()
 
 
+def _faults_to_touch_every_page(p: HostPool) -> int:
+    """Page faults to read and write back one byte a page (as a copy reads
+    and writes): a fault maps its page's neighbours too (the kernel's fault
+    around, 16 pages by default)."""
+    import resource
+
+    data = p.view(0, p.num_slots)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    data[:, ::4096] = data[:, ::4096].copy()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def _child_populate(name: str, q: mp.Queue) -> None:
+    lazy, entered = HostPool.attach(name), HostPool.attach(name)  # two mappings
+    done = entered.populate(chunk_bytes=1 << 20)
+    q.put(
+        (
+            done,
+            _faults_to_touch_every_page(entered),
+            _faults_to_touch_every_page(lazy),
+            bytes(entered.view(0, entered.num_slots)),
+        )
+    )
+
+
+def test_populate_enters_every_page_without_writing_one() -> None:
+    """A process that attaches pays a page fault a page at its first touch
+    unless it populated the mapping (what a CPU worker does in the
+    background); populating changes no byte."""
+    with HostPool(64, 64 * 1024) as p:
+        rng = np.random.default_rng(1)
+        p.view(0, 64)[:] = rng.integers(0, 256, (64, p.slot_bytes), dtype=np.uint8)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        proc = ctx.Process(target=_child_populate, args=(p.name, q))
+        proc.start()
+        done, populated_faults, lazy_faults, seen = q.get(timeout=60)
+        proc.join(60)
+        assert proc.exitcode == 0
+        assert done == p.native.map_bytes  # header, 64 slots and the fence page
+        pages = 64 * 64 * 1024 // 4096
+        assert lazy_faults >= pages // 16  # the test can tell: untouched pages fault
+        assert populated_faults < pages // 64, (populated_faults, lazy_faults)
+        assert seen == bytes(p.view(0, 64))
+        assert p.populate() == p.native.map_bytes  # the creator's too, bytes unchanged
+        assert seen == bytes(p.view(0, 64))
+
+
+def test_populate_stops_at_close_and_refuses_a_bad_chunk() -> None:
+    p = HostPool(4, 4096)
+    with pytest.raises(kvtier.InvalidArgument):
+        p.populate(chunk_bytes=0)
+    p.populate_in_background().join(10)
+    p.close()
+    assert p.populate() == 0
+
+
 def test_views_are_zero_copy(pool: HostPool) -> None:
     t = pool.tensor(3)
     t.fill_(5)

@@ -426,3 +426,29 @@ def test_the_wait_bound_defaults_to_the_vllm_options_and_is_checked(pool: HostPo
             DeviceTransfer([kv], pool, wait_timeout_s=bad)
         with pytest.raises(kvtier.InvalidArgument, match="transfer_wait_s must be >= 0"):
             VllmOptions(transfer_wait_s=bad)
+
+
+def test_cpu_transfers_populate_an_attached_pool_not_their_own() -> None:
+    """A CPU worker's transfers enter the pages of a pool it attached to (a
+    node's) in its page tables in the background, as CUDA's registration
+    does, so its first copies fault no page; a pool it created was
+    pre-faulted already and is left alone."""
+    import resource
+
+    with HostPool(32, 64 * 1024) as created:
+        attached = HostPool.attach(created.name)  # another mapping of the same pages
+        kv = torch.zeros((4, 1024), dtype=torch.uint8)
+        own = DeviceTransfer([kv], created)
+        theirs = DeviceTransfer([kv], attached)
+        try:
+            assert own._b.populating is None  # type: ignore[union-attr]
+            theirs._b.populating.join(30)  # type: ignore[union-attr]
+            data = attached.view(0, 32)
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            data[:, ::4096] = data[:, ::4096].copy()  # a byte a page, as a store writes
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+            assert faults < 32 * 64 * 1024 // 4096 // 64  # untouched: one a 16 pages
+        finally:
+            own.shutdown()
+            theirs.shutdown()
+            attached.close()

@@ -183,6 +183,9 @@ class _CpuBackend(_EngineBackend):
     ) -> None:
         super().__init__(num_threads, budget_bytes, deadline_s)
         self.engine.register_pool(pool)
+        # As CUDA's registration does (a created pool was pre-faulted):
+        # else a restarted engine's first loads fault (HostPool.populate).
+        self.populating = None if pool.native.owner else pool.populate_in_background()
         seen: set[int] = set()
         for t in tensors:
             ptr, nbytes = _describe(t).memory
