@@ -89,6 +89,24 @@ def test_existence_is_per_page_and_a_missing_page_stays_untouched(
     assert page_bytes(pa, 31) == before
 
 
+def test_the_mover_populates_the_node_pool_in_the_background(node: Node, sglang_open: Any) -> None:
+    """Its first copies fault no page of the node's pool (untouched, one
+    fault a 16 pages): the mover entered them in the background when it
+    attached."""
+    import resource
+
+    _, a = _engine(sglang_open, node.path, 3)
+    m = a._mover()
+    m.populating.join(30)
+    data = m.pool.view(0, m.pool.num_slots)
+    pages = data.nbytes // 4096
+    assert pages >= 256
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    data[:, ::4096] = data[:, ::4096].copy()  # a byte a page, as a copy touches
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < pages // 32, faults
+
+
 def torch_pages(pool: Any, pages: list[int]) -> Any:
     return torch.cat([token_indices(pool, p, 1) for p in pages])
 

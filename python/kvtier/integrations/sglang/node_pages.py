@@ -81,6 +81,9 @@ class NodePageMover(PageCopies):
             self.copier = Engine(2, [(self.pool.nbytes + 1, False)])
             self.copier.register_memory(plan.base, plan.nbytes, owner=plan.buffer)
             self.copier.register_pool(self.pool)
+            # Its pages in this process's page tables now, not at the first
+            # copies (a restarted engine's first loads: HostPool.populate).
+            self.populating = self.pool.populate_in_background()
         except BaseException:
             self.node.shutdown()
             raise
