@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
 # Bytes entered a call of HostPool.populate: a closed pool stops it within
-# one (about 20-60 ms of a core at 0.3-1 µs a page).
+# one (about 15 ms of a core: 428 MB took about 100 ms, bench/first_touch.py).
 POPULATE_CHUNK = 64 << 20
 
 
@@ -158,9 +158,9 @@ class HostPool:
         registration does for a GPU worker: a copy into or out of a slot this
         process never touched then pays no page fault. Why: a worker that
         attaches to a pool other processes filled (a node's, after an engine
-        restart) faulted once a 4 KiB page in its first loads, 0.3-0.7 µs a
-        page on this machine class (a 4,000-token load of 16 MiB: 1-3 ms).
-        Who calls: a CPU worker's transfers, in the background
+        restart) faulted once a 64 KiB (the kernel's fault-around) in its
+        first copies: a 4,000-token load of 16 MiB out of a 428 MB pool took
+        2.6-2.8 ms (1.25x) longer (``bench/first_touch.py``). Who calls: a CPU worker's transfers, in the background
         (:meth:`populate_in_background`); blocks, in ``chunk_bytes`` steps
         with the GIL released, and stops early once the pool is closed.
         Returns the bytes entered (fewer where the kernel refused some)."""
