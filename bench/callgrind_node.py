@@ -3,8 +3,10 @@ cycle (a key's life as vLLM makes it: a scan that misses and its store, 64
 calls later a scan that hits and its load), counted by callgrind on each
 side: the in-process manager, an engine's client against a node, and the
 node serving it. Each figure is a run over 2N keys minus a run over N, over
-N, as ``callgrind_manager.py`` does. Deterministic where this machine's
-timings swing by half between runs; neither side polls (``--spin-us 0``,
+N, as ``callgrind_manager.py`` does. Steadier than this machine's
+timings, which swing by half between runs: the in-process count to 0.01%,
+the node's to about 1%, the engine's to about 4% (how many step ends it
+sends depends on when the node's replies come); neither side polls (``--spin-us 0``,
 the client's ``spin_s=0``), so no waiting is counted. Kernel time (socket
 calls, wake-ups) is not in it: ``kvtier bench manager --node`` reports CPU
 time a key beside.
