@@ -57,9 +57,9 @@ def _child_populate(name: str, q: mp.Queue) -> None:
 
 
 def test_populate_enters_every_page_without_writing_one() -> None:
-    """A process that attaches pays a page fault a page at its first touch
-    unless it populated the mapping (what a CPU worker does in the
-    background); populating changes no byte."""
+    """A process that attaches pays page faults at its first touch (one a
+    16 pages) unless it populated the mapping (what a CPU worker does in
+    the background); populating changes no byte."""
     with HostPool(64, 64 * 1024) as p:
         rng = np.random.default_rng(1)
         p.view(0, 64)[:] = rng.integers(0, 256, (64, p.slot_bytes), dtype=np.uint8)
