@@ -81,14 +81,25 @@ std::uint64_t pid_namespace() {
   return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<std::uint64_t>(st.st_ino) : 0;
 }
 
-void prefault(std::uint8_t* p, std::size_t n) {
-  if (::madvise(p, n, MADV_POPULATE_WRITE) == 0) return;
-  // Kernels before 5.14: write one byte per page so page faults are paid now,
-  // not in the data path (first touch measured at 0.4-8 GB/s here).
-  const long page = ::sysconf(_SC_PAGESIZE);
-  for (std::size_t off = 0; off < n; off += static_cast<std::size_t>(page)) {
-    reinterpret_cast<volatile std::uint8_t*>(p)[off] = 0;
+// Enters [p, p + n) in this process's page tables now, not in the data path
+// (first touch measured at 0.4-8 GB/s here). MADV_POPULATE_WRITE does it
+// without writing; kernels before 5.14 refuse it, and then one byte a page is
+// touched: a creator writes a zero (its pages are new), an attacher only reads
+// (another process's blocks are there; a read fault is the cheaper one).
+// Any other refusal (ENOMEM, SIGBUS-worthy pages) is left to the copy that
+// touches those pages to report; returns false then.
+bool enter_pages(std::uint8_t* p, std::size_t n, bool may_write) {
+  if (::madvise(p, n, MADV_POPULATE_WRITE) == 0) return true;
+  if (errno != EINVAL) return false;
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  for (std::size_t off = 0; off < n; off += page) {
+    if (may_write) {
+      reinterpret_cast<volatile std::uint8_t*>(p)[off] = 0;
+    } else {
+      (void)reinterpret_cast<volatile const std::uint8_t*>(p)[off];
+    }
   }
+  return true;
 }
 
 }  // namespace
@@ -122,7 +133,7 @@ HostPool HostPool::create(std::size_t num_slots, std::size_t slot_bytes, std::st
   pool.slot_bytes_ = slot_bytes;
   pool.region_bytes_ = num_slots * slot_bytes;
   if (opts.hugepages) ::madvise(pool.base_, total, MADV_HUGEPAGE);  // advisory only
-  if (opts.prefault) prefault(pool.base_, total);
+  if (opts.prefault) (void)enter_pages(pool.base_, total, /*may_write=*/true);
   if (opts.mlock) {
     if (::mlock(pool.base_, total) != 0) throw_errno("mlock of pool " + name, errno);
     pool.locked_ = true;
@@ -256,14 +267,7 @@ std::size_t HostPool::populate(std::size_t offset, std::size_t n) const noexcept
   offset = offset / page * page;
   if (base_ == nullptr || offset >= map_bytes_) return 0;
   n = std::min(n, map_bytes_ - offset);
-  if (::madvise(base_ + offset, n, MADV_POPULATE_WRITE) == 0) return n;
-  if (errno != EINVAL) return 0;
-  // Kernels before 5.14: a read of one byte a page enters it (read-only
-  // until the first write, a cheaper fault); the bytes stay as they are.
-  for (std::size_t off = 0; off < n; off += page) {
-    (void)reinterpret_cast<volatile const std::uint8_t*>(base_ + offset)[off];
-  }
-  return n;
+  return enter_pages(base_ + offset, n, /*may_write=*/false) ? n : 0;
 }
 
 std::uint8_t* HostPool::data() const {
