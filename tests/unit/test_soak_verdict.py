@@ -69,6 +69,33 @@ def test_flatness_ignores_drops_restarts_and_the_final_sample() -> None:
     assert not flatness(rows, "rss_kib", 20, [0])[0]  # the same rows if 60 were no restart
 
 
+def test_a_restarted_child_is_judged_against_its_own_level() -> None:
+    """RSS of a child restarted at t=60 settles 4.8% above the first one's
+    level (as a CI run's did, recovering its disk journal): no leak, judged
+    per life; growth within either life still fails, and the pool count
+    (/dev/shm, not the child's own) is judged across lives."""
+    rows = [_row(t, rss_kib=1000 if t < 60 else 1048) for t in range(0, 120, 2)]
+    rows[-1]["rss_kib"] = 1052  # +0.4% of its own life's level
+    assert not flatness(rows, "rss_kib", 20, [0, 60])[0]  # against the first life's level
+    ok, detail = flatness(rows, "rss_kib", 20, [0, 60], per_life=True)
+    assert ok and detail == (
+        "level 1048, peak 1052 (+0.4%) over 25 samples (the worst of 2 child lives)"
+    )
+    rows[-1]["rss_kib"] = 1048 * 1.06  # growth within the second life
+    ok, detail = flatness(rows, "rss_kib", 20, [0, 60], per_life=True)
+    assert not ok and "level 1048, peak 1110.88 (+6.0%)" in detail
+    rows[-1]["rss_kib"] = 1048
+    rows[25]["rss_kib"] = 1060  # within the first life (t=50)
+    assert not flatness(rows, "rss_kib", 20, [0, 60], per_life=True)[0]
+    # A life with under 3 samples to judge joins the one before: a restart at
+    # t=114 leaves 0 judged samples (settling), at t=108 two (t=118 judged only).
+    rows[25]["rss_kib"] = 1000
+    ok, detail = flatness(rows, "rss_kib", 20, [0, 60, 114], per_life=True)
+    assert ok and "(the worst of 2 child lives)" in detail
+    shm = [_row(t, shm=1 if t < 60 else 2) for t in range(0, 120, 2)]  # a killed child's pool left
+    assert not verdict(shm, [], 20, [0, 60], 0, 0, 0)[3].passed
+
+
 def test_flatness_needs_samples_after_warmup() -> None:
     ok, detail = flatness([_row(10), _row(30)], "fds", 20, [0])
     assert not ok and detail == "only 1 samples after warm-up to judge"

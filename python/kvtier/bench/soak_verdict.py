@@ -49,14 +49,24 @@ class Criterion:
 
 
 def flatness(
-    samples: Sequence[dict[str, Any]], metric: str, warmup_end: float, starts: Iterable[float]
+    samples: Sequence[dict[str, Any]],
+    metric: str,
+    warmup_end: float,
+    starts: Iterable[float],
+    per_life: bool = False,
 ) -> tuple[bool, str]:
     """Whether ``metric`` stays within :data:`FLAT_TOLERANCE` above its level
     after warm-up. Judged: samples after ``warmup_end`` and at least
     :data:`SETTLE_S` after any child start (``starts``, same clock as the
     samples' ``t``). The level is the median of the first tenth of them (at
     least 3); the peak of all of them must not pass it by more than 5%. A
-    drop (fewer connections while Redis is down) is no leak and passes."""
+    drop (fewer connections while Redis is down) is no leak and passes.
+    ``per_life``: a metric of the child's own process (RSS, fds, threads),
+    judged over each child's life against that life's own level (a restarted
+    child is another process: its heap is laid out anew, and one recovering
+    a disk journal settled 4.8% above the killed one's level in a 2-minute CI
+    run); a life with fewer than 3 samples to judge joins the one before.
+    The worst life's figures are reported. Pure."""
     starts = sorted(starts)
 
     def settled(t: float) -> bool:
@@ -67,12 +77,34 @@ def flatness(
     ]
     if len(judged) < 3:
         return False, f"only {len(judged)} samples after warm-up to judge"
-    head = judged[: max(3, len(judged) // 10)]
-    level = statistics.median(s[metric] for s in head)
-    peak = max(s[metric] for s in judged)
-    ok = peak <= level * (1 + FLAT_TOLERANCE)
-    growth = (peak / level - 1) if level else (0.0 if peak == 0 else float("inf"))
-    return ok, f"level {level:g}, peak {peak:g} ({growth:+.1%}) over {len(judged)} samples"
+    lives: list[list[dict[str, Any]]] = [judged]
+    if per_life:
+        lives = []
+        for s in judged:
+            n = sum(1 for t in starts if t <= s["t"])  # the child's incarnation
+            if lives and lives[-1][0]["life"] == n:
+                lives[-1].append({**s, "life": n})
+            else:
+                lives.append([{**s, "life": n}])
+        for i in range(len(lives) - 1, 0, -1):  # short lives join the one before
+            if len(lives[i]) < 3:
+                lives[i - 1] += lives.pop(i)
+        if len(lives[0]) < 3 and len(lives) > 1:
+            lives[1] = lives.pop(0) + lives[1]
+    worst: tuple[float, bool, str] | None = None
+    for life in lives:
+        head = life[: max(3, len(life) // 10)]
+        level = statistics.median(s[metric] for s in head)
+        peak = max(s[metric] for s in life)
+        ok = peak <= level * (1 + FLAT_TOLERANCE)
+        growth = (peak / level - 1) if level else (0.0 if peak == 0 else float("inf"))
+        detail = f"level {level:g}, peak {peak:g} ({growth:+.1%}) over {len(life)} samples"
+        if worst is None or growth > worst[0]:
+            worst = (growth, ok, detail)
+    assert worst is not None
+    if len(lives) > 1:
+        return worst[1], f"{worst[2]} (the worst of {len(lives)} child lives)"
+    return worst[1], worst[2]
 
 
 def at_equal_load(
@@ -175,7 +207,7 @@ def verdict(
     starts = list(starts)
     out = []
     for m in FLAT_METRICS:
-        ok, detail = flatness(samples, m, warmup_end, starts)
+        ok, detail = flatness(samples, m, warmup_end, starts, per_life=m != "shm")
         out.append(Criterion(f"{m} flat after warm-up (within 5%)", ok, detail))
     wrong = sum(s["d_wrong"] for s in samples)
     loaded = sum(s["d_hits"] for s in samples)
