@@ -132,14 +132,22 @@ class RefRank:
         while len(self.ghost) > self.ghost_cap:
             self.ghost.popitem(last=False)
 
-    def rank(self, h: int) -> tuple[float, int, int]:
-        cls, burst, _, put = self.state[h]
-        weight = -0.5 if cls == 4 else self.w[cls]
+    def ranker(self) -> Callable[[int], tuple[float, int, int]]:
+        """The rank of a key (the class's term computed once a ranking, the
+        same float operations in the same order: a miniature's eviction
+        ranks every key of it, 17 million ranks in the many-miniature test)."""
         horizon = self.capacity / max(self.rate, 1e-3)
-        return (burst + self.beta * horizon * weight, -cls, -put)
+        term = [self.beta * horizon * weight for weight in (*self.w, -0.5)]  # class 4: -0.5
+        state = self.state
+
+        def rank(h: int) -> tuple[float, int, int]:
+            cls, burst, _, put = state[h]
+            return (burst + term[cls], -cls, -put)
+
+        return rank
 
     def order(self) -> list[int]:
-        return sorted(self.state, key=self.rank)
+        return sorted(self.state, key=self.ranker())
 
 
 class RefPLFU:
@@ -180,7 +188,7 @@ class RefPLFU:
             else:
                 mini.add(h, self.burst)
                 if len(mini.state) > mini.capacity:
-                    mini.evict(min(mini.state, key=mini.rank))
+                    mini.evict(min(mini.state, key=mini.ranker()))
 
     def end_burst(self) -> None:
         k, self.run_last, self.run = self.run_last, None, 0
