@@ -17,6 +17,7 @@ never blocking, but for :func:`plot` (writes a PNG; needs matplotlib).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import statistics
 from collections.abc import Iterable, Sequence
@@ -79,13 +80,13 @@ def flatness(
         return False, f"only {len(judged)} samples after warm-up to judge"
     lives: list[list[dict[str, Any]]] = [judged]
     if per_life:
-        lives = []
+        lives, current = [], -1
         for s in judged:
-            n = sum(1 for t in starts if t <= s["t"])  # the child's incarnation
-            if lives and lives[-1][0]["life"] == n:
-                lives[-1].append({**s, "life": n})
-            else:
-                lives.append([{**s, "life": n}])
+            n = bisect.bisect_right(starts, s["t"])  # the child's incarnation
+            if n != current:
+                lives.append([])
+                current = n
+            lives[-1].append(s)
         for i in range(len(lives) - 1, 0, -1):  # short lives join the one before
             if len(lives[i]) < 3:
                 lives[i - 1] += lives.pop(i)
