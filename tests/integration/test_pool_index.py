@@ -115,6 +115,36 @@ def test_a_block_the_index_names_but_the_pool_lost_is_a_counted_miss(server: Red
         b.close()
 
 
+def test_a_block_the_index_names_is_a_miss_while_the_server_is_down(
+    server: RedisServer,
+) -> None:
+    """A load that failed because the server is gone: the block is a miss
+    for ``negative_ttl_s`` though the index (fresh for STALE_S) names it, not
+    a HIT whose load fails again at once, step after step."""
+    ns = str(uuid.uuid4())
+    with HostPool(4, BLOCK) as pool:
+        t = RemoteTier(server.url, BLOCK, namespace=ns)
+        t.attach(pool)
+        assert all(store_blocks(t, pool, [1]))
+        appended(t)
+        b = RemoteTier(server.url, BLOCK, namespace=ns, negative_ttl_s=30.0)
+        b.attach(pool)
+        index = b.index
+        assert index is not None
+        until(lambda: key_digest(K(1)) in index, "the index to learn the store")
+        assert b.lookup(K(1)) is HIT
+        server.stop()
+        pool.view(2)[:] = 7
+        assert finish(b, b.submit_load([K(1)], [2])) == [False]
+        assert (pool.view(2) == 7).all()
+        s = b.stats()
+        assert s["load_failures"] == 1 and s["io_errors"] == 1 and s["vanished"] == 0
+        assert b.lookup(K(1)) is MISS
+        assert key_digest(K(1)) in index  # the value may still be there
+        t.close()
+        b.close()
+
+
 def test_removals_in_the_stream_leave_the_index(server: RedisServer) -> None:
     with HostPool(4, BLOCK) as pool:
         t, b = written(server.url, pool, [1, 2])
