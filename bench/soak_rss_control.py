@@ -34,15 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.proc_tree import process_tree
 from kvtier.bench.redis_server import RedisServer
 from kvtier.bench.serve_load_plan import kv_bytes_per_block
-from kvtier.bench.soak_server import (
-    CPU_MEMORY_ENV,
-    ServerSoakConfig,
-    process_tree,
-    server_env,
-    start_soak_server,
-)
+from kvtier.bench.soak_server import CPU_MEMORY_ENV, ServerSoakConfig, server_env, start_soak_server
 from kvtier.bench.soak_server_client import OpenLoop, Workload
 
 REPO = Path(__file__).resolve().parents[1]
