@@ -501,33 +501,26 @@ class RemoteTier(JobTier):
                 self.counters["probe_misses"] += 1
                 self.known.remember([dig], False)
                 continue
-            if kind == "probe" and code > 0:
-                # The server did not answer: absent for a while, as a failed
-                # EXISTS check is (no request waits on a dead server); a GET
-                # never sent (Busy part way) is asked again.
+            if kind != "store":
+                # A GET never sent (BUSY part way) is asked again. A value gone or
+                # not ours is a miss from now on; one the server did not answer,
+                # for a while, as after a failed EXISTS check (no request waits on
+                # a dead server; forgotten, a load's key was named HIT again by the
+                # pool's index: a soak failed 16,400 promotions while Redis was down).
                 if code == ItemStatus.BUSY:
                     self.known.pop(dig, None)
                 else:
                     self.known.remember([dig], False)
-            elif kind != "store":
+            if kind != "store" and (kind != "probe" or code < 0):
                 self.counters["load_failures"] += 1
                 if code == ItemStatus.MISSING:  # evicted by the server, expired
                     self.counters["vanished"] += 1
                 elif code < 0 and code != ItemStatus.SERVER_ERROR:
                     self.counters["corrupt"] += 1
                 if code < 0:
-                    self.known.remember([dig], False)  # gone or not ours: a miss from now on
                     if self.index is not None:
                         self.index.learn((dig,), False)
                     self._events.append(TierEvent([key], self.name, removed=True))
-                elif code == ItemStatus.BUSY:  # never sent: ask again
-                    self.known.pop(dig, None)
-                else:
-                    # The server did not answer: absent for a while, as a failed
-                    # check is. Forgotten, the index (fresh for STALE_S) answered
-                    # HIT again at once: a serving soak's engine failed 16,400
-                    # promotions in the 4 s Redis was down.
-                    self.known.remember([dig], False)
             if code > 0:
                 self.counters["io_errors"] += 1
             elif code == ItemStatus.SERVER_ERROR:
