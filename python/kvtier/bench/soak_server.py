@@ -378,7 +378,7 @@ def run_server_soak(
         )
         # The reference starts beside kvtier's server and idles until the
         # replay: a vLLM start is mostly one busy core, so on two cores the
-        # two starts overlap (measured: 36 s alone, one start saved in CI).
+        # two overlap (measured: 36 s alone, 55 s together).
         starter = concurrent.futures.ThreadPoolExecutor(1)
         ref_start = starter.submit(
             start_soak_server, python, str(model), cfg, None, logs / f"reference-{stamp}.log", env
