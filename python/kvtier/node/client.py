@@ -64,7 +64,7 @@ FINISHED_BATCH = 64
 # reply that tops it up comes about that late), or LOW_RESERVE, or END_AFTER_S
 # after the last end sent (a real model's steps end each). 8 and 2 against 4
 # and 4: node CPU a key 2.6 -> 2.2-2.4 us; four clients gained in alternating
-# sweeps, not beyond the bench's spread (docs/guides/node.md, 5 December).
+# sweeps, not beyond the bench's spread (docs/benchmarks/node.md, 5 December).
 OWED_STEPS, STEPS_PER_END, LOW_RESERVE, END_AFTER_S = 2, 8, 32, 0.005
 
 

@@ -511,16 +511,16 @@ class RemoteTier(JobTier):
                     self.known.pop(dig, None)
                 else:
                     self.known.remember([dig], False)
-            if kind != "store" and (kind != "probe" or code < 0):
-                self.counters["load_failures"] += 1
-                if code == ItemStatus.MISSING:  # evicted by the server, expired
-                    self.counters["vanished"] += 1
-                elif code < 0 and code != ItemStatus.SERVER_ERROR:
-                    self.counters["corrupt"] += 1
-                if code < 0:
-                    if self.index is not None:
-                        self.index.learn((dig,), False)
-                    self._events.append(TierEvent([key], self.name, removed=True))
+                if kind != "probe" or code < 0:
+                    self.counters["load_failures"] += 1
+                    if code == ItemStatus.MISSING:  # evicted by the server, expired
+                        self.counters["vanished"] += 1
+                    elif code < 0 and code != ItemStatus.SERVER_ERROR:
+                        self.counters["corrupt"] += 1
+                    if code < 0:
+                        if self.index is not None:
+                            self.index.learn((dig,), False)
+                        self._events.append(TierEvent([key], self.name, removed=True))
             if code > 0:
                 self.counters["io_errors"] += 1
             elif code == ItemStatus.SERVER_ERROR:
