@@ -691,8 +691,8 @@ def test_status_command_and_prometheus_metrics(tmp_path: Path) -> None:
             capture_output=True, text=True, check=True, timeout=60,
         )  # fmt: skip
         assert "engines attached: 1" in out.stdout and "metered" in out.stdout
-        assert f"region kvnode-{n.name}-region: 16 chunks of 16384 B, 15 free" in out.stdout
-        assert f"class {BLOCK} B: 3 blocks in 1 chunks (at most 64 blocks)" in out.stdout
+        assert f"region kvnode-{n.name}-region: 16 chunks of 16.0 KiB, 15 free" in out.stdout
+        assert "blocks of 4.0 KiB: 3 of at most 64 (4.7%) in 1 chunks; pinned 0" in out.stdout
         deadline = time.monotonic() + 10
         while True:  # the snapshot is refreshed once a second
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()

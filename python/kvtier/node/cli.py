@@ -122,29 +122,57 @@ def _status(args: argparse.Namespace) -> int:
     from kvtier.node.connection import node_status
 
     st = node_status(args.socket)
-    if args.json:
-        print(json.dumps(st, indent=2))
-        return 0
-    print(f"node {st['node']} at {st['socket']}, up {st['uptime_s']} s, host {st['host_bytes']} B")
+    print(json.dumps(st, indent=2) if args.json else format_status(st))
+    return 0
+
+
+def _pairs(d: dict[str, Any]) -> str:
+    """``{"a": 1, "b": {"c": 2}}`` -> ``"a=1 b.c=2"``: counters on one line."""
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out += [f"{k}.{kk}={vv}" for kk, vv in v.items()]
+        else:
+            out.append(f"{k}={v}")
+    return " ".join(out) or "none"
+
+
+def format_status(st: dict[str, Any]) -> str:
+    """``kvtier node status``'s text: the node, its region, each engine, each
+    block size's occupancy, counters and lower tiers, then the node's
+    counters. ``st``: what the node's STATUS answers (``--json`` prints it
+    as it is). Who calls: :func:`_status`. Pure."""
+    from kvtier.units import format_size
+
+    lines = [
+        f"node {st['node']} at {st['socket']}, up {st['uptime_s']} s, "
+        f"host {format_size(st['host_bytes'])}"
+    ]
     r = st.get("region")
     if r:
-        print(
-            f"region {r['pool']}: {r['chunks']} chunks of {r['chunk_bytes']} B, {r['free_chunks']} "
-            f"free, {r['reassigned']} moved between block sizes"
+        lines.append(
+            f"region {r['pool']}: {r['chunks']} chunks of {format_size(r['chunk_bytes'])}, "
+            f"{r['free_chunks']} free, {r['reassigned']} moved between block sizes"
         )
-    print(f"engines attached: {len(st['engines'])}")
-    for e in st["engines"]:
-        print(
-            f"  {e['engine']} pid {e['pid']} uid {e['uid']} namespace {e['namespace'][:12]} "
-            f"class {e['class']} B calls {e['calls']} leases {e['leases']}"
-        )
+    lines.append(f"engines attached: {len(st['engines'])}")
+    lines += [
+        f"  {e['engine']}: pid {e['pid']}, uid {e['uid']}, namespace {e['namespace'][:12]}, "
+        f"blocks of {format_size(e['class'])}, {e['calls']} calls, leases {_pairs(e['leases'])}"
+        for e in st["engines"]
+    ]
     for b, c in st["classes"].items():
         o = c["occupancy"]
-        print(
-            f"class {b} B: {o['blocks']} blocks in {o.get('chunks', '?')} chunks "
-            f"(at most {o['capacity']} blocks), pinned {o['pinned']}, writing {o['writing']}, "
-            f"held {o['held']} ({c.get('quarantined', 0)} of engines that died); "
-            f"stats {c['stats']}"
+        cap = o["capacity"]
+        share = f" ({100 * o['blocks'] / cap:.1f}%)" if cap else ""
+        lines.append(
+            f"blocks of {format_size(int(b))}: {o['blocks']} of at most {cap}{share} "
+            f"in {o.get('chunks', '?')} chunks; pinned {o['pinned']}, writing {o['writing']}, "
+            f"held {o['held']} ({c.get('quarantined', 0)} of engines that died)"
         )
-    print(f"counters: {st['counters']}; engines' worker processes known: {st.get('writers', 0)}")
-    return 0
+        lines.append(f"  {_pairs(c['stats'])}")
+        lines += [f"  {name}: {_pairs(t)}" for name, t in c.get("tiers", {}).items()]
+    lines.append(
+        f"counters: {_pairs(st['counters'])}; "
+        f"engines' worker processes known: {st.get('writers', 0)}"
+    )
+    return "\n".join(lines)
