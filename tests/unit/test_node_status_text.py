@@ -23,6 +23,7 @@ def test_the_status_text_says_every_field_readably() -> None:
                 "leases": {"scan_pins": 1, "load_pins": 0, "writes": 2},
             }
         ],
+        "namespaces": {"ab" * 16: 1, "cd" * 16: 2},
         "region": {
             "pool": "kvnode-n1-region",
             "chunks": 64,
@@ -52,6 +53,7 @@ def test_the_status_text_says_every_field_readably() -> None:
         "node n1 at /run/kvtier/node.sock, up 12.5 s, host 64.0 GiB",
         "region kvnode-n1-region: 64 chunks of 1.0 GiB, 60 free, 3 moved between block sizes",
         "engines attached: 1",
+        "namespaces: abababababab (1 engine), cdcdcdcdcdcd (2 engines)",
         "  vllm-0: pid 42, uid 1000, namespace abababababab, blocks of 128.0 KiB, 7 calls, "
         "leases scan_pins=1 load_pins=0 writes=2",
         "blocks of 128.0 KiB: 1000 of at most 4000 (25.0%) in 4 chunks; pinned 1, writing 2, "

@@ -155,6 +155,12 @@ def format_status(st: dict[str, Any]) -> str:
             f"{r['free_chunks']} free, {r['reassigned']} moved between block sizes"
         )
     lines.append(f"engines attached: {len(st['engines'])}")
+    ns = st.get("namespaces") or {}
+    if ns:
+        lines.append(
+            "namespaces: "
+            + ", ".join(f"{k[:12]} ({n} engine{'s' * (n != 1)})" for k, n in sorted(ns.items()))
+        )
     lines += [
         f"  {e['engine']}: pid {e['pid']}, uid {e['uid']}, namespace {e['namespace'][:12]}, "
         f"blocks of {format_size(e['class'])}, {e['calls']} calls, leases {_pairs(e['leases'])}"
