@@ -10,6 +10,7 @@ the node's blocks, each with its bytes."""
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,6 +177,10 @@ def test_random_engines_only_ever_load_their_keys_bytes(
         assert r.loaded > 100 and r.stored > BLOCKS and r.failed > 0 and r.crashes > 0
         for e in r.engines:
             e.m.shutdown()
+        deadline = time.monotonic() + 10
+        while node.status()["engines"]:  # their connections' ends taken in
+            assert time.monotonic() < deadline, "engines still attached 10 s after shutdown"
+            time.sleep(0.01)
         occ = node.status()["classes"][str(BLOCK)]["occupancy"]
         assert (occ["pinned"], occ["writing"]) == (0, 0), occ
         found = {}
