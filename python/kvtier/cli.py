@@ -40,9 +40,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-config", help="Hugging Face config.json (instead of the shape flags)")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--kv-heads", type=int)
-    p.add_argument("--head-dim", type=int)
+    p.add_argument("--layers", type=int, help="attention layers (instead of --model-config)")
+    p.add_argument("--kv-heads", type=int, help="KV heads per layer (num_key_value_heads)")
+    p.add_argument("--head-dim", type=int, help="head dimension")
     p.add_argument("--dtype", default=None, help="KV dtype (default bfloat16 or the config's)")
     p.add_argument("--mla-latent", type=int, default=0, help="MLA latent size per token")
     p.add_argument(
@@ -51,14 +51,14 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="sequence length for amortizing sliding-window layers",
     )
-    p.add_argument("--block-tokens", type=int, default=16)
+    p.add_argument("--block-tokens", type=int, default=16, help="tokens per KV block")
     p.add_argument("--partition", help="layers per stage, e.g. 48,16")
     p.add_argument("--stages", type=int, help="even split over this many stages (vLLM's rule)")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--kv-memory", help="KV budget each device can give, e.g. 20GiB")
     g.add_argument("--total-kv-memory", help="one total KV budget split across the stages")
     p.add_argument("--host-memory", help="also size kvtier's host pool per rank from this total")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def _gib(n: float) -> str:
@@ -168,17 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="after N requests, start again as a restarted engine would: an empty host "
         "tier, the disk tier reopened from its directory (its warm restart)",
     )
-    r.add_argument("--synthetic-requests", type=int, default=4000)
+    r.add_argument(
+        "--synthetic-requests",
+        type=int,
+        default=4000,
+        help="requests of the synthetic trace, without TRACE",
+    )
     r.add_argument(
         "--workload",
         default="chat",
         choices=["chat", "rag", "agent"],
         help="synthetic trace shape, without TRACE (default chat)",
     )
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0, help="the synthetic trace's random seed")
     r.add_argument("--json", dest="json_path", help="write the summary JSON here")
     r.add_argument("--plot", help="write a PNG of hit rate over time per tier")
-    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.set_defaults(func=_cmd_replay)
 
     from kvtier.bench.commands import add_bench_parser
@@ -190,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=_cmd_plan)
 
     d = sub.add_parser("doctor", help="check this machine: native core, io_uring, CUDA, limits")
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--json", action="store_true", help="print the checks as JSON")
     d.add_argument("--dir", help="directory to test for io_uring and O_DIRECT (default: temp)")
     d.add_argument(
         "--node", help="a kvtier node's socket to look for (default: $KVTIER_NODE or the default)"

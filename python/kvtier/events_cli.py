@@ -50,7 +50,12 @@ def add_events_parser(sub: Any) -> None:
         action="store_true",
         help="first list what the pool holds now (SCAN), then tail from there",
     )
-    e.add_argument("--format", choices=["json", "vllm"], default="json")
+    e.add_argument(
+        "--format",
+        choices=["json", "vllm"],
+        default="json",
+        help="json: one kvtier event a line; vllm: vLLM's KV event batches",
+    )
     e.add_argument(
         "--watch",
         action="store_true",

@@ -98,6 +98,25 @@ def test_the_cli_reference_names_every_subcommand() -> None:
         assert f"## kvtier {cmd}\n" in text
 
 
+def test_every_command_line_argument_says_what_it_does() -> None:
+    """The CLI reference's "meaning" column is each argument's help: none is empty."""
+    import argparse
+
+    from kvtier.cli import build_parser
+
+    def walk(parser: argparse.ArgumentParser, prog: str) -> list[str]:
+        bare = []
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    bare += walk(sub, f"{prog} {name}")
+            elif not isinstance(a, argparse._HelpAction) and not (a.help or "").strip():
+                bare.append(f"{prog} {'/'.join(a.option_strings) or a.dest}")
+        return bare
+
+    assert walk(build_parser(), "kvtier") == []
+
+
 @pytest.mark.timeout(90)
 def test_the_python_quickstart_runs(tmp_path: Path) -> None:
     blocks = _runnable_blocks(QUICKSTART)

@@ -170,7 +170,12 @@ def _disk(p: Parser) -> None:
     _scratch(p)
     p.add_argument("--queue-depth", type=int, default=32, help="I/O queue depth")
     p.add_argument("--total", default="1GiB", help="bytes per run")
-    p.add_argument("--backend", default="auto", choices=["auto", "io_uring", "pread"])
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "io_uring", "pread"],
+        help="the disk tier's I/O backend (auto: io_uring where the kernel allows it)",
+    )
     _common(p, "'' to skip; default: build/bench", json_path=False)
 
 

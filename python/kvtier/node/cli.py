@@ -28,7 +28,14 @@ def add_node_parser(sub: Any) -> None:
         description="Run the node cache that every engine on this machine shares "
         "(action serve, the default), or print a running node's status.",
     )
-    n.add_argument("action", nargs="?", choices=["serve", "status"], default="serve")
+    n.add_argument(
+        "action",
+        nargs="?",
+        choices=["serve", "status"],
+        default="serve",
+        help="serve: run the node (the default); status: print a running node's status "
+        "(--socket names it, --json for JSON)",
+    )
     n.add_argument("--host-bytes", help="host memory for every engine's blocks, e.g. 64GiB")
     n.add_argument(
         "--socket", default=DEFAULT_SOCKET, help=f"Unix socket (default {DEFAULT_SOCKET})"
