@@ -651,6 +651,7 @@ def test_engines_keep_serving_without_the_node_and_reattach(
         store(a, pool, [1])
         assert a.lookup(key(1)) is LookupResult.HIT
         a.on_schedule_end()  # (the step end sent: the next scan polls the node first)
+        time.sleep(0.2)  # its reply waits in the socket, ahead of the end of the stream
         p.send_signal(signal.SIGKILL)
         p.wait()
         assert a.lookup(key(1)) is LookupResult.MISS  # served, without the node

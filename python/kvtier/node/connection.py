@@ -295,8 +295,15 @@ class NodeClient:
         that a dead node's shared index is never read."""
         if self._sock is None:
             return True
-        if not self._ready.poll(0):
+        ready = self._ready.poll(0)
+        if not ready:
             return False
+        # A dead node's socket reports HUP at once, even while replies it sent
+        # before dying wait unread: reading those alone (which stops short of
+        # the end of the stream) took a dead node for a live one, and its
+        # index was read for a step more.
+        if ready[0][1] & (select.POLLHUP | select.POLLERR):
+            return True
         try:
             self._read_ready()
         except (OSError, P.ProtocolError):
