@@ -208,6 +208,10 @@ py::object adopt_stores(KeyedHostIndex& index, const py::bytes& prefix, const py
       views.emplace_back(PyBytes_AS_STRING(k), static_cast<std::size_t>(PyBytes_GET_SIZE(k)));
     }
     node::digest_many(nullptr, 0, views.data(), views.size(), ds.data());
+    std::vector<std::uint32_t> to(fresh.size());
+    for (std::size_t i = 0; i < fresh.size(); ++i)
+      to[i] = static_cast<std::uint32_t>(ss[static_cast<std::size_t>(fresh[i])]);
+    index.core_.mirror()->prefetch_slots(to.data(), ds.data(), to.size());
   }
   std::size_t nth = 0;
   for (Py_ssize_t i : fresh) {

@@ -147,6 +147,27 @@ TEST(SharedIndex, BadInputIsRefused) {
   EXPECT_EQ(ix.state(3), SharedIndex::kReady);
 }
 
+// Prefetches only ask the CPU: the region's bytes are the same after them,
+// and a slot out of range (a bad victim list) is skipped, never read.
+TEST(SharedIndex, PrefetchesChangeNothingAndSkipSlotsOutOfRange) {
+  Region mem(SharedIndex::bytes_for(16));
+  SharedIndex ix = SharedIndex::create(mem.base(), mem.size, 16);
+  ix.publish(4, key(4), SharedIndex::kReady);
+  ix.publish(9, key(9), SharedIndex::kWriting);
+  const auto* p = static_cast<const unsigned char*>(mem.base());
+  const std::vector<unsigned char> before(p, p + mem.size);
+  const std::vector<Digest> ds{key(4), key(9), key(11)};
+  ix.prefetch_finds(ds.data(), ds.size());
+  const std::vector<std::uint32_t> slots{4, 9, 16, SharedIndex::kNil};
+  const std::vector<Digest> four{key(4), key(9), key(1), key(2)};
+  ix.prefetch_slots(slots.data(), nullptr, slots.size());
+  ix.prefetch_slots(slots.data(), four.data(), slots.size());
+  EXPECT_EQ(std::vector<unsigned char>(p, p + mem.size), before);
+  EXPECT_EQ(ix.find(key(4))->slot, 4u);
+  EXPECT_EQ(ix.find(key(9))->state, SharedIndex::kWriting);
+  EXPECT_FALSE(ix.find(key(11)).has_value());
+}
+
 // The node publishes, readies and retires keys over few slots while readers
 // find and pin them: every successful pin reads its key's bytes, which the
 // node wrote (plain memory) before set_ready and rewrites only after a

@@ -31,8 +31,11 @@ void EngineView::scan(const std::vector<std::string_view>& keys, std::vector<Ans
   constexpr std::size_t kChunk = 32;
   ds_.resize(std::min(keys.size(), kChunk));
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    if (i % kChunk == 0)
-      digest_.many(keys.data() + i, std::min(kChunk, keys.size() - i), ds_.data());
+    if (i % kChunk == 0) {
+      const std::size_t n = std::min(kChunk, keys.size() - i);
+      digest_.many(keys.data() + i, n, ds_.data());
+      index.prefetch_finds(ds_.data(), n);
+    }
     const Digest& d = ds_[i % kChunk];
     const auto f = index.find(d);
     Answer a{0, -1};
@@ -102,6 +105,7 @@ bool EngineView::pin_present(const std::vector<std::string_view>& keys,
   slots->clear();
   digest_all(keys);
   SharedIndex& index = pins_.index();
+  index.prefetch_finds(ds_.data(), ds_.size());
   for (const Digest& d : ds_) {
     const auto f = index.find(d);
     if (f && f->state == SharedIndex::kReady && pins_.pin(f->slot, f->gen)) {
@@ -124,6 +128,7 @@ bool EngineView::store_from_reserve(const std::vector<std::string_view>& keys,
   slots->clear();
   digest_all(keys);
   SharedIndex& index = pins_.index();
+  index.prefetch_finds(ds_.data(), ds_.size());
   for (std::size_t i = 0; i < keys.size(); ++i) {
     if (index.find(ds_[i])) continue;
     bool twice = false;  // offers are short: a scan beats a set

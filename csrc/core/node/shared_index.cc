@@ -304,7 +304,36 @@ std::size_t SharedIndex::pinned_slots(std::uint32_t engine) const {
   return n;
 }
 
+void SharedIndex::prefetch_slots(const std::uint32_t* slots, const Digest* digests,
+                                 std::size_t n) const {
+  for (std::size_t i = 0; i < n; ++i) {
+    if (slots[i] >= slots_) continue;  // the call itself refuses it
+    __builtin_prefetch(&words_[slots[i]], 1);
+    __builtin_prefetch(&records_[slots[i]], 1);
+    if (digests != nullptr) __builtin_prefetch(&buckets_[bucket_of(digests[i])], 1);
+  }
+  if (digests != nullptr) return;
+  // The node alone writes records: its relaxed read of one is the digest.
+  for (std::size_t i = 0; i < n; ++i) {
+    if (slots[i] >= slots_) continue;
+    const Record& r = records_[slots[i]];
+    const Digest d{r.lo.load(std::memory_order_relaxed), r.hi.load(std::memory_order_relaxed)};
+    __builtin_prefetch(&buckets_[bucket_of(d)], 1);
+  }
+}
+
 // -- engines ------------------------------------------------------------------
+
+void SharedIndex::prefetch_finds(const Digest* digests, std::size_t n) const {
+  for (std::size_t i = 0; i < n; ++i) __builtin_prefetch(&buckets_[bucket_of(digests[i])]);
+  for (std::size_t i = 0; i < n; ++i) {
+    // A head torn by a concurrent write only prefetches the wrong line.
+    const std::uint32_t h = buckets_[bucket_of(digests[i])].head.load(std::memory_order_relaxed);
+    if (h >= slots_) continue;
+    __builtin_prefetch(&records_[h]);
+    __builtin_prefetch(&words_[h]);
+  }
+}
 
 std::optional<SharedIndex::Found> SharedIndex::find(const Digest& digest) const {
   const Bucket& b = buckets_[bucket_of(digest)];

@@ -353,6 +353,9 @@ bool HostIndex::allocate(std::size_t n, bool partial, const Protected* prot,
 
 bool HostIndex::retire_victims(const std::vector<std::int32_t>& victims) {
   bool all = true;
+  // (int32 and uint32 may alias: the slots are never negative here.)
+  mirror_->prefetch_slots(reinterpret_cast<const std::uint32_t*>(victims.data()), nullptr,
+                          victims.size());
   for (std::int32_t v : victims) {
     const auto u = static_cast<std::uint32_t>(v);
     if (mirror_->state(u) != SharedIndex::kFree) all &= mirror_->retire(u);
