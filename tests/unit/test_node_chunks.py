@@ -173,6 +173,51 @@ def test_the_nodes_list_of_writers_is_bounded_and_knows_who_exited(
         w.close()
 
 
+class _HeldSlots:
+    """A host's hold and unhold, as the quarantine calls them."""
+
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+
+    def hold(self, s: int) -> None:
+        self.held.add(s)
+
+    def unhold(self, s: int) -> None:
+        self.held.remove(s)
+
+
+def test_past_its_cap_the_quarantine_frees_only_slots_no_honest_copy_can_reach(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Over the cap, older holds go early only where no honest engine's
+    copy can still land: its writers all exited, its connection closed for
+    bad input, or a newer hold of the same engine (it started again and
+    died again). Another engine's hold with writers unknown (the grace
+    only) or alive stays, past the cap: its late copy must not land in a
+    slot handed to another engine."""
+    import subprocess
+
+    from kvtier.node import quarantine as Q
+
+    p = subprocess.Popen(["true"])
+    gone = os.pidfd_open(p.pid)
+    p.wait()
+    host, q = _HeldSlots(), Q.Quarantine()
+    q.hold(host, [1, 2, 3], cap=100, writers=[gone], engine="a")
+    q.hold(host, [4, 5, 6], cap=100, engine="b")  # no writer known
+    q.hold(host, [7], cap=100, engine="fuzz", misbehaved=True)
+    q.hold(host, [8], cap=100, engine="c")  # to be followed by c's next life
+    q.hold(host, [9, 10], cap=100, writers=[os.pidfd_open(os.getpid())], engine="d")  # alive
+    assert q.slots == 10 and not caplog.records
+    q.hold(host, [11], cap=4, engine="c")
+    assert host.held == {4, 5, 6, 9, 10, 11} and q.slots == 6  # past the cap, safely
+    q.hold(host, [12], cap=4, engine="e")
+    assert host.held == {4, 5, 6, 9, 10, 11, 12} and q.slots == 7
+    past = [r.getMessage() for r in caplog.records if "past the cap" in r.getMessage()]
+    why = "dead engines' writes may still land: stores can fail until their grace ends"
+    assert past == [f"kvtier node: 6 slots held, past the cap of 4 ({why})"]  # once a crossing
+
+
 def test_slots_wait_for_a_live_writer_at_most_max_hold() -> None:
     """A dead engine's slots outlive the grace while a writer of it lives,
     but not MAX_HOLD_S longer (an engine that reattached keeps its workers)."""
@@ -180,17 +225,7 @@ def test_slots_wait_for_a_live_writer_at_most_max_hold() -> None:
 
     from kvtier.node import quarantine as Q
 
-    class Host:
-        def __init__(self) -> None:
-            self.held: set[int] = set()
-
-        def hold(self, s: int) -> None:
-            self.held.add(s)
-
-        def unhold(self, s: int) -> None:
-            self.held.remove(s)
-
-    host, q = Host(), Q.Quarantine()
+    host, q = _HeldSlots(), Q.Quarantine()
     t = time.monotonic()
     q.hold(host, [3, 4], cap=100, writers=[os.pidfd_open(os.getpid())])  # alive: this process
     assert q.expire(t + Q.GRACE_S + 1) == 0 and host.held == {3, 4}

@@ -337,7 +337,8 @@ class NodeServer:
         conn.sock.close()
         if conn.session is not None:
             # Its workers alive now may still write: their exits end the hold.
-            released = conn.session.release_all(self.writers.alive(conn.session.engine, conn.pid))
+            writers = self.writers.alive(conn.session.engine, conn.pid)
+            released = conn.session.release_all(writers, why == "protocol error")
             n = sum(released.values())
             self.counters["leases_released"] += n
             e = conn.session.engine

@@ -454,10 +454,14 @@ class Session:
             self.scan_pins = []
             self.scan_set.clear()
 
-    def release_all(self, writers: list[int] | tuple[()] = ()) -> dict[str, int]:
+    def release_all(
+        self, writers: list[int] | tuple[()] = (), misbehaved: bool = False
+    ) -> dict[str, int]:
         """Give back what this session holds (its engine exited or was killed).
         Writes it never completed are dropped, never made readable; slots it may
-        still write are held until ``writers`` (its workers' pidfds) exit too."""
+        still write are held until ``writers`` (its workers' pidfds) exit too;
+        ``misbehaved``: the node closed it for bad input (its hold may go
+        first past the quarantine's cap)."""
         released = {
             "scan_pins": len(self.scan_pins),
             "load_pins": sum(self.load_pins.values()),
@@ -474,7 +478,8 @@ class Session:
         spare = [s for held in self.spare.values() for s in held]
         writing = [e.slot for k in torn if (e := m.host.get(k)) is not None]
         cap = self.cls.pool.num_slots // 8
-        self.cls.quarantine.hold(m.host, [*writing, *self.reserved, *spare], cap, writers)
+        slots = [*writing, *self.reserved, *spare]
+        self.cls.quarantine.hold(m.host, slots, cap, writers, self.engine, misbehaved)
         self._release_scan()
         if self.load_pins:
             m.complete_load([k for k, n in self.load_pins.items() for _ in range(n)])
