@@ -191,11 +191,13 @@ def test_past_its_cap_the_quarantine_frees_only_slots_no_honest_copy_can_reach(
 ) -> None:
     """Over the cap, older holds go early only where no honest engine's
     copy can still land: its writers all exited, its connection closed for
-    bad input, or a newer hold of the same engine (it started again and
-    died again). Another engine's hold with writers unknown (the grace
-    only) or alive stays, past the cap: its late copy must not land in a
+    bad input, or the same engine attached again after it and died too.
+    Another engine's hold with writers unknown (the grace only) or alive
+    stays, past the cap, and so does one whose namesake attached before
+    it died (two engines sharing a name): a late copy must not land in a
     slot handed to another engine."""
     import subprocess
+    import time
 
     from kvtier.node import quarantine as Q
 
@@ -206,16 +208,19 @@ def test_past_its_cap_the_quarantine_frees_only_slots_no_honest_copy_can_reach(
     q.hold(host, [1, 2, 3], cap=100, writers=[gone], engine="a")
     q.hold(host, [4, 5, 6], cap=100, engine="b")  # no writer known
     q.hold(host, [7], cap=100, engine="fuzz", misbehaved=True)
-    q.hold(host, [8], cap=100, engine="c")  # to be followed by c's next life
+    t = time.monotonic()
+    q.hold(host, [8], cap=100, engine="c", started=t)  # to be followed by c's next life
     q.hold(host, [9, 10], cap=100, writers=[os.pidfd_open(os.getpid())], engine="d")  # alive
-    assert q.slots == 10 and not caplog.records
-    q.hold(host, [11], cap=4, engine="c")
-    assert host.held == {4, 5, 6, 9, 10, 11} and q.slots == 6  # past the cap, safely
+    q.hold(host, [13], cap=100, engine="f", started=t)  # its namesake attached before it died
+    assert q.slots == 11 and not caplog.records
+    q.hold(host, [11], cap=4, engine="c", started=time.monotonic())
+    q.hold(host, [14], cap=4, engine="f", started=t)
+    assert host.held == {4, 5, 6, 9, 10, 11, 13, 14} and q.slots == 8  # past the cap, safely
     q.hold(host, [12], cap=4, engine="e")
-    assert host.held == {4, 5, 6, 9, 10, 11, 12} and q.slots == 7
+    assert host.held == {4, 5, 6, 9, 10, 11, 12, 13, 14} and q.slots == 9
     past = [r.getMessage() for r in caplog.records if "past the cap" in r.getMessage()]
     why = "dead engines' writes may still land: stores can fail until their grace ends"
-    assert past == [f"kvtier node: 6 slots held, past the cap of 4 ({why})"]  # once a crossing
+    assert past == [f"kvtier node: 7 slots held, past the cap of 4 ({why})"]  # once a crossing
 
 
 def test_slots_wait_for_a_live_writer_at_most_max_hold() -> None:

@@ -16,8 +16,8 @@ for keys the node already had. They stay held (``held`` in the class's
 occupancy) for :data:`GRACE_S`, then are freed. Everything else the engine
 held is released at once, and none of these slots is readable meanwhile:
 their keys are dropped. Past an eighth of a class's slots held, only
-holds that no process can still write are freed early (:meth:`Quarantine.
-hold`). Who calls: the node's sessions when a
+holds that no engine's copy can still reach are freed early
+(:meth:`Quarantine.hold`). Who calls: the node's sessions when a
 connection closes (:meth:`Quarantine.hold`), and its serving loop once a second
 (:meth:`Quarantine.expire`). Non-blocking.
 
@@ -118,6 +118,8 @@ class _Hold(NamedTuple):
     writers: list[int]  # pidfds of the processes to outlive
     engine: str  # the dead connection's engine name
     misbehaved: bool  # the node closed it for bad input
+    started: float  # when that connection attached
+    held_at: float
 
 
 class Quarantine:
@@ -137,20 +139,23 @@ class Quarantine:
         writers: Sequence[int] = (),
         engine: str = "",
         misbehaved: bool = False,
+        started: float = 0.0,
     ) -> None:
         """Hold ``slots`` of ``host`` (before they are released or dropped:
         a release then leaves them allocated until :meth:`expire`), for the
         grace and until every process of ``writers`` (pidfds, owned from
         here on) has exited. ``engine``: the dead connection's engine name;
-        ``misbehaved``: the node closed it for bad input.
+        ``misbehaved``: the node closed it for bad input; ``started``: when
+        it attached (time.monotonic()).
 
         Past ``cap`` slots held, older holds are freed early, oldest first,
         only where no honest engine's copy can still land: the connection
         sent bad input (no engine of ours does; a client that maps the
         pool could write any slot anyway), or its engine's writers are
-        known and have all exited, or a newer hold of the same engine name
-        exists (it died, started again, attached and died again: seconds,
-        not its copies' milliseconds). The rest stay held past the cap,
+        known and have all exited, or the same engine name attached again
+        after this hold and died too (a restart takes seconds, its copies
+        milliseconds; two engines that share a name and die together are
+        not that). The rest stay held past the cap,
         logged. Freeing the oldest whatever they were let one engine's late
         copy land in a slot handed to another when two engines died a step
         apart on a small node: a HIT with the wrong bytes (found by
@@ -162,13 +167,14 @@ class Quarantine:
             return
         for s in held:
             host.hold(s)
-        due = time.monotonic() + GRACE_S
-        self._due.append(_Hold(due, host, held, list(writers), engine, misbehaved))
+        now = time.monotonic()
+        hold = _Hold(now + GRACE_S, host, held, list(writers), engine, misbehaved, started, now)
+        self._due.append(hold)
         self.slots += len(held)
         i = 0
         while self.slots > cap and i < len(self._due) - 1:
             h = self._due[i]
-            later = any(n.engine == h.engine for n in self._due[i + 1 :])
+            later = any(n.engine == h.engine and n.started > h.held_at for n in self._due[i + 1 :])
             if h.misbehaved or later or (h.writers and all(_exited(fd) for fd in h.writers)):
                 self._free(i)
             else:
@@ -179,7 +185,7 @@ class Quarantine:
         self._over = self.slots > cap
 
     def _free(self, i: int) -> int:
-        _, host, held, writers, _, _ = self._due.pop(i)
+        _, host, held, writers, *_ = self._due.pop(i)
         for s in held:
             host.unhold(s)
         for fd in writers:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,7 @@ class Session:
         self.prefix = bytes.fromhex(namespace)[:8]
         self.engine = engine
         self.pid = pid
+        self.started = time.monotonic()  # attached (the quarantine's restarts)
         self.uid = uid
         self.scan_pins: list[bytes] = []  # node keys pinned by this step's lookups
         self.scan_set: set[bytes] = set()
@@ -479,7 +481,8 @@ class Session:
         writing = [e.slot for k in torn if (e := m.host.get(k)) is not None]
         cap = self.cls.pool.num_slots // 8
         slots = [*writing, *self.reserved, *spare]
-        self.cls.quarantine.hold(m.host, slots, cap, writers, self.engine, misbehaved)
+        q = self.cls.quarantine
+        q.hold(m.host, slots, cap, writers, self.engine, misbehaved, self.started)
         self._release_scan()
         if self.load_pins:
             m.complete_load([k for k, n in self.load_pins.items() for _ in range(n)])
