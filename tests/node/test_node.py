@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ from kvtier.node import state as node_state
 from kvtier.node.client import NodeManager
 from kvtier.node.connection import NodeError, NodeUnavailable, node_status
 from kvtier.node.server import NodeConfig, NodeServer
-from kvtier.options.tiers import HostOptions
+from kvtier.options.tiers import DiskOptions, HostOptions, RemoteOptions
 from kvtier.pool import HostPool
 from kvtier.tiers.base import LookupResult
 
@@ -313,6 +314,95 @@ def test_block_sizes_share_one_region_divided_by_use(tmp_path: Path) -> None:
             assert np.array_equal(pb.view(s), np.concatenate([content(i, 7), content(i, 8)]))
         b.complete_load(b_keys)
         b.on_schedule_end()
+    finally:
+        n.stop()
+        _remove_pools(n.name)
+
+
+def _store_waiting(m: NodeManager, pool: HostPool, ids: list[int]) -> None:
+    """Stores ``ids`` (a slot of a disk node has a disk record's trailer
+    after the block), asking again while every host slot is still
+    cascading (prepare_store None: vLLM skips such a store)."""
+    keys = [key(i) for i in ids]
+    deadline = time.monotonic() + 30
+    while (out := m.prepare_store(keys)) is None:
+        assert time.monotonic() < deadline, "no host slot for 30 s"
+        m.on_schedule_end()
+        time.sleep(0.01)
+    assert out.keys_to_store == keys
+    for i, s in zip(ids, out.store_spec.slots.tolist()):
+        pool.view(s)[:BLOCK] = content(i)
+    m.complete_store(keys)
+    m.on_schedule_end()
+
+
+def _load_each(m: NodeManager, pool: HostPool, ids: list[int]) -> list[int]:
+    """The ids whose block ``m`` loads with its own bytes, one at a time:
+    a block on a lower tier is HIT_PENDING while the node promotes it, then
+    a HIT; RETRY while a remote tier's index is still being read."""
+    good = []
+    for i in ids:
+        k = key(i)
+        deadline = time.monotonic() + 30
+        while (r := m.lookup(k)) in _LATER and time.monotonic() < deadline:
+            m.on_schedule_end()
+            time.sleep(0.001)
+        if r is LookupResult.HIT:
+            slot = int(m.prepare_load([k]).slots[0])
+            if np.array_equal(pool.view(slot)[:BLOCK], content(i)):
+                good.append(i)
+            m.complete_load([k])
+        m.on_schedule_end()
+    return good
+
+
+_LATER = (LookupResult.HIT_PENDING, LookupResult.RETRY)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["rpc", "shared"])
+@pytest.mark.parametrize("lower", ["disk", "remote"])
+def test_the_nodes_lower_tier_promotes_its_blocks_and_outlives_the_node(
+    tmp_path: Path, shared: bool, lower: str, request: pytest.FixtureRequest
+) -> None:
+    """The node's own disk or Redis tier: 64 blocks through a host tier of
+    16 slots cascade to it, and another engine loads each of them, byte for
+    byte, the evicted ones promoted back; a node started again over the same
+    tier (its host tier empty) serves them all again from there."""
+    kw: dict[str, Any] = {"shared_index": shared}
+    if lower == "disk":  # 32 x 4 KiB of host: 16 slots of a block and a disk record's trailer
+        kw.update(blocks=32, chunk_bytes=32768, disk=DiskOptions(str(tmp_path / "disk"), 64 << 20))
+    else:
+        redis = request.getfixturevalue("redis_standalone")
+        redis.cli("FLUSHALL")
+        kw.update(blocks=16, chunk_bytes=16384, remote=RemoteOptions(redis.url))
+    ids = list(range(64))
+    n = Node(tmp_path, **kw)
+    try:
+        a = n.engine(engine="a")
+        pool = a.attach_pool()
+        for g in range(0, 64, 8):
+            _store_waiting(a, pool, ids[g : g + 8])
+        deadline = time.monotonic() + 30
+        while n.status()["classes"][str(BLOCK)]["tiers"][lower]["stores"] < 64:
+            assert time.monotonic() < deadline, "the blocks never all reached the lower tier"
+            time.sleep(0.01)
+        b = n.engine(engine="b")
+        assert _load_each(b, pool, ids) == ids
+        cls = n.status()["classes"][str(BLOCK)]
+        assert cls["occupancy"]["capacity"] == 16 and cls["stats"]["promotions"] >= 64 - 16
+        a.shutdown()
+        b.shutdown()
+    finally:
+        n.stop()
+        _remove_pools(n.name)
+    n = Node(tmp_path, **kw)  # the same tier: its blocks found again
+    try:
+        c = n.engine(engine="c")
+        pool = c.attach_pool()
+        if lower == "disk":
+            assert n.status()["classes"][str(BLOCK)]["tiers"]["disk"]["recovered"] == 64
+        assert _load_each(c, pool, ids) == ids
+        c.shutdown()
     finally:
         n.stop()
         _remove_pools(n.name)
