@@ -33,6 +33,7 @@ from kvtier.node.connection import NodeError, NodeUnavailable, node_status
 from kvtier.node.server import NodeConfig, NodeServer
 from kvtier.options.tiers import DiskOptions, HostOptions, RemoteOptions
 from kvtier.pool import HostPool
+from kvtier.scheduler.specs import HostSpec
 from kvtier.tiers.base import LookupResult
 
 BLOCK = 4096
@@ -408,6 +409,38 @@ def test_the_nodes_lower_tier_promotes_its_blocks_and_outlives_the_node(
         _remove_pools(n.name)
 
 
+def _loaded_slot(m: NodeManager, k: bytes) -> int:
+    """The slot ``m`` loads ``k`` from (a lookup, a load, its step's end and
+    the load's end: its block evictable again)."""
+    assert m.lookup(k) is LookupResult.HIT
+    slot = int(m.prepare_load([k]).slots[0])
+    m.on_schedule_end()
+    m.complete_load([k])
+    return slot
+
+
+def test_a_failed_load_drops_only_its_own_namespaces_blocks(node: Node) -> None:
+    """A worker's failed load (vLLM reports it after the load's end) drops
+    the blocks in the slots it names, so that the next lookup misses rather
+    than loading the same bytes again; but only blocks of the engine's own
+    namespace. A slot named late (its block evicted since and the slot given
+    to another model's block) or wrongly leaves another model's block as it
+    was: one engine's fault never costs another model its blocks."""
+    a = node.engine(NS_A, engine="a")
+    b = node.engine(NS_B, engine="b")
+    pool = a.attach_pool()
+    store(a, pool, [1])
+    store(b, pool, [2], salt=3)
+    theirs, ours = _loaded_slot(a, key(1)), _loaded_slot(b, key(2))
+    b.load_failed(HostSpec(np.asarray([theirs, ours], np.int64)))
+    b.status()  # a round trip: the node has taken b's LOAD_FAILED in by now
+    assert b.lookup(key(2)) is LookupResult.MISS  # its own: dropped
+    assert _loaded_slot(a, key(1)) == theirs  # another model's: kept, its bytes too
+    assert np.array_equal(pool.view(theirs), content(1))
+    a.shutdown()
+    b.shutdown()
+
+
 def test_lookup_hits_stay_pinned_until_the_step_ends(node: Node) -> None:
     """Another engine's offers cannot evict a block between this engine's
     lookup and its load: a full node refuses rather than evict it."""
@@ -430,6 +463,7 @@ _CHILD = """
 import os, sys, time
 from kvtier.node.client import NodeManager
 from kvtier.pool import HostPool
+from kvtier.scheduler.specs import HostSpec
 import numpy as np
 m = NodeManager(sys.argv[1], sys.argv[2], int(sys.argv[3]), engine="doomed")
 pool = m.attach_pool()

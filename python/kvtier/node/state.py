@@ -251,12 +251,19 @@ class Session:
         self.cls.manager.complete_load(nks, self._ctx(req))
 
     def load_failed(self, slots: list[int]) -> None:
+        """A worker's failed loads from ``slots``: their blocks are dropped,
+        those of this engine's namespace only. vLLM reports a failure after
+        the load's end, so the slot may hold another model's block by then
+        (evicted and reused), and a slot named wrongly is a fault of this
+        engine's: neither costs another model a block."""
         from kvtier.scheduler.specs import HostSpec
 
         cap = self.cls.pool.num_slots
         if any(not -1 <= s < cap for s in slots):
             raise ProtocolError("load_failed names slots outside the pool")
-        self.cls.manager.load_failed(HostSpec(np.asarray(slots, np.int64)))
+        owner, prefix = self.cls.manager.host.owner, self.prefix
+        ours = [s for s in slots if s < 0 or (k := owner(s)) is None or k[:8] == prefix]
+        self.cls.manager.load_failed(HostSpec(np.asarray(ours, np.int64)))
 
     def touch(self, keys: list[bytes]) -> None:
         self.cls.manager.touch(self._node_keys(keys))
