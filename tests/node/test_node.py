@@ -729,6 +729,65 @@ def test_fuzz_10000_frames_leave_the_node_and_other_engines_unaffected(node: Nod
     a.complete_load([key(1)])
 
 
+def _calls(rng: random.Random, n: int) -> bytes:
+    """``n`` well-formed calls of an engine that stores nothing (so it evicts
+    nothing), each with random keys, slots, requests and counts: what a
+    buggy engine of another model could send."""
+    out = b""
+    for _ in range(n):
+        ks = [key(rng.randrange(16)) for _ in range(rng.randrange(5))]
+        slots = [rng.randrange(-1, 64) for _ in range(rng.randrange(5))]
+        req = rng.choice([None, "r1", "r2"])
+        op, args = rng.choice(
+            [
+                (P.Op.LOOKUP, [ks, req]),
+                (P.Op.CONTAINS, [ks]),
+                (P.Op.LOAD_PRESENT, [ks, req]),
+                (P.Op.PREPARE_LOAD, [ks, req]),
+                (P.Op.LOAD_PINNED, [ks, req]),
+                (P.Op.COMPLETE_LOAD, [ks, req]),
+                (P.Op.LOAD_FAILED, [slots]),
+                (P.Op.TOUCH, [ks]),
+                (P.Op.COMPLETE_STORE, [ks, req, rng.random() < 0.5]),
+                (P.Op.STORES, [ks, slots[: len(ks)], [req], [-len(ks) or 1]]),
+                (P.Op.REQUEST_FINISHED, [req]),
+                (P.Op.STEP_END, [[req], slots]),
+                (P.Op.RESET, []),
+            ]
+        )
+        out += P.pack([int(op), *args])
+    return out
+
+
+def test_another_models_wrong_calls_never_cost_an_engine_a_block(node: Node) -> None:
+    """Connections of another model send well-formed calls with random
+    keys, slots and counts (the node refuses most and closes those
+    connections): the steady engine's blocks, of the same key bytes, stay
+    resident and load with their bytes throughout, and the node itself
+    never fails (no internal error)."""
+    a = node.engine(engine="steady")
+    pool = a.attach_pool()
+    ids = list(range(8))
+    store(a, pool, ids)
+    rng = random.Random(33)
+    for c in range(150):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(node.path)
+        s.sendall(P.pack([int(P.Op.HELLO), P.VERSION, NS_B, BLOCK, f"f{c}"]) + _calls(rng, 20))
+        s.shutdown(socket.SHUT_WR)
+        while s.recv(1 << 16):
+            pass
+        s.close()
+        if c % 15 == 0:
+            assert _load_each(a, pool, ids) == ids, f"after connection {c}"
+    assert _load_each(a, pool, ids) == ids
+    st = node.status()
+    assert st["counters"]["internal_errors"] == 0 and st["counters"]["protocol_errors"] > 50
+    assert [e["engine"] for e in st["engines"]] == ["steady"]
+    a.shutdown()
+
+
 def _node_proc(
     path: str, name: str, host_bytes: int = 64 * BLOCK, *flags: str
 ) -> subprocess.Popen[bytes]:
