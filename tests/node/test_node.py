@@ -58,7 +58,7 @@ class Node:
     """A node in a thread of this process, stopped and its pools removed at exit."""
 
     def __init__(self, tmp: Path, blocks: int = 64, **kw: object) -> None:
-        self.name = f"t{os.getpid()}-{random.randrange(1 << 30)}"
+        self.name = str(kw.pop("name", "")) or f"t{os.getpid()}-{random.randrange(1 << 30)}"
         self.path = str(tmp / "node.sock")
         self.config = NodeConfig(
             host=HostOptions(bytes=blocks * BLOCK * int(kw.get("max_classes", 1))),  # type: ignore[call-overload]
@@ -151,13 +151,19 @@ def test_with_and_without_polling_for_replies_the_bytes_are_the_same(
         _remove_pools(n.name)
 
 
-def test_node_refuses_a_negative_spin(tmp_path: Path) -> None:
+def test_node_refuses_a_negative_spin_or_grace(tmp_path: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "kvtier.cli", "node", "--socket", str(tmp_path / "s.sock"),
          "--host-bytes", "1MiB", "--spin-us", "-1"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode != 0 and "--spin-us must be >= 0, got -1" in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "node", "--socket", str(tmp_path / "s.sock"),
+         "--host-bytes", "1MiB", "--adopt-grace-s", "-0.5"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode != 0 and "--adopt-grace-s must be >= 0, got -0.5" in r.stderr
 
 
 def test_a_scan_is_one_round_trip(node: Node) -> None:
@@ -439,6 +445,53 @@ def test_a_failed_load_drops_only_its_own_namespaces_blocks(node: Node) -> None:
     assert np.array_equal(pool.view(theirs), content(1))
     a.shutdown()
     b.shutdown()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["rpc", "shared"])
+def test_a_node_that_adopts_a_region_stores_nothing_in_it_for_its_grace(
+    tmp_path: Path, shared: bool
+) -> None:
+    """A node started over the region a dead node left (the engines' workers
+    still map it) hands none of it out for its adopt grace: a copy that an
+    engine prepared against the dead node may still land in any slot, or
+    read one. Stores are refused meanwhile (None: vLLM skips them), and
+    served after; the new node's index starts empty."""
+    (tmp_path / "1").mkdir()
+    (tmp_path / "2").mkdir()
+    first = Node(tmp_path / "1", shared_index=shared)
+    try:
+        a = first.engine(engine="a")
+        store(a, a.attach_pool(), [1])
+        a.shutdown()
+    finally:
+        first.stop()  # its region stays, as a dead node's does
+    second = Node(tmp_path / "2", name=first.name, shared_index=shared, adopt_grace_s=1.0)
+    try:
+        t0 = time.monotonic()
+        b = second.engine(engine="b")
+        pool = b.attach_pool()
+        assert b.lookup(key(1)) is LookupResult.MISS
+        assert b.prepare_store([key(2)]) is None
+        assert time.monotonic() < t0 + 1.0, "too slow to see the grace"
+        b.on_schedule_end()
+        time.sleep(max(0.0, t0 + 1.1 - time.monotonic()))
+        b.on_schedule_end()
+        deadline = time.monotonic() + 10
+        while (out := b.prepare_store([key(3)])) is None:  # the next step end's top-up
+            assert time.monotonic() < deadline, "stores still refused 10 s after the grace"
+            b.on_schedule_end()
+            time.sleep(0.01)
+        for s in out.store_spec.slots.tolist():
+            pool.view(s)[:] = content(3)
+        b.complete_store([key(3)])
+        b.on_schedule_end()
+        c = second.engine(engine="c")
+        assert _loaded_slot(c, key(3)) >= 0
+        b.shutdown()
+        c.shutdown()
+    finally:
+        second.stop()
+        _remove_pools(first.name)
 
 
 def test_lookup_hits_stay_pinned_until_the_step_ends(node: Node) -> None:
@@ -804,6 +857,8 @@ def _node_proc(
             name,
             "--host-bytes",
             str(host_bytes),
+            "--adopt-grace-s",  # restarted at once here, no copy in flight
+            "0",
             *flags,
         ],
         stderr=subprocess.DEVNULL,

@@ -32,6 +32,7 @@ loses at most one block's bytes to a block size that does not divide it.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -85,6 +86,12 @@ class Region:
         self.tiers: list[ChunkOwner] = []
         self._moved = 0.0  # bytes of regret counted since the last halving
         self.reassigned = 0  # chunks taken from one block size for another
+        # Left by an earlier node (open_region): engines' copies prepared
+        # against that node may still land in its chunks or read them.
+        self.adopted = False
+        # No chunk is handed out before this (time.monotonic()): an adopted
+        # region's, for the grace a dead engine's slots get (the server's).
+        self.closed_until = 0.0
 
     @property
     def bytes(self) -> int:
@@ -112,7 +119,10 @@ class Region:
     def grow(self, tier: ChunkOwner, short: int) -> None:
         """Give ``tier`` chunks until it has ``short`` more free slots, free
         chunks first, then chunks of tiers with far less regret (see the
-        module); stops when none can be had."""
+        module); stops when none can be had, and gives none while the
+        region is closed (adopted from a node that died, for its grace)."""
+        if self.closed_until and time.monotonic() < self.closed_until:
+            return
         while short > 0:
             c = self._free.pop() if self._free else self._reclaim_for(tier)
             if c is None:
@@ -392,4 +402,7 @@ def open_region(name: str, region_bytes: int, chunk_bytes: int, classes: int = 2
                 f"region {name} left by an earlier node is {got[0]} x {got[1]} B, this node "
                 f"wants {chunks} x {chunk_bytes} B: remove /dev/shm/{name} once no engine uses it"
             ) from None
+        region = Region(pool, regret=classes > 1)
+        region.adopted = True
+        return region
     return Region(pool, regret=classes > 1)

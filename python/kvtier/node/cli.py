@@ -69,6 +69,13 @@ def add_node_parser(sub: Any) -> None:
         "0: sleep at once): a woken CPU is most of a round trip's time",
     )
     n.add_argument(
+        "--adopt-grace-s",
+        type=float,
+        default=5.0,
+        help="a node that adopts the region an earlier node left stores nothing in it "
+        "for this long (default 5): copies begun before may still land",
+    )
+    n.add_argument(
         "--shared-index",
         action="store_true",
         help="engines look up, load and store host blocks in shared memory, without a "
@@ -93,6 +100,8 @@ def _cmd_node(args: argparse.Namespace) -> int:
         raise InvalidArgument("kvtier node needs --host-bytes (e.g. 64GiB)")
     if args.spin_us < 0:
         raise InvalidArgument(f"--spin-us must be >= 0, got {args.spin_us}")
+    if not args.adopt_grace_s >= 0:  # (NaN too)
+        raise InvalidArgument(f"--adopt-grace-s must be >= 0, got {args.adopt_grace_s}")
     host, disk, remote = tier_options_from_args(args)
     host = dataclasses.replace(host, bytes=parse_size(args.host_bytes))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -110,6 +119,7 @@ def _cmd_node(args: argparse.Namespace) -> int:
             name=args.name,
             metrics_port=args.metrics_port,
             spin_us=args.spin_us,
+            adopt_grace_s=args.adopt_grace_s,
             shared_index=args.shared_index,
         )
     )

@@ -35,7 +35,7 @@ from kvtier.node import protocol as P
 from kvtier.node.chunks import CHUNK_BYTES, Region, chunk_bytes_for, open_region
 from kvtier.node.classes import SlotClass, build_class
 from kvtier.node.protocol import Op, ProtocolError
-from kvtier.node.quarantine import Writers
+from kvtier.node.quarantine import GRACE_S, Writers
 from kvtier.node.state import Session
 from kvtier.options.tiers import DiskOptions, HostOptions, RemoteOptions
 
@@ -79,6 +79,9 @@ class NodeConfig:
     # VM (a bare echo here: 77-92 us asleep on both sides, 7-9 us with both
     # polling up to 200 us). 0: sleep at once.
     spin_us: int = 200
+    # A node that adopts an earlier node's region hands none of it out for this
+    # long: a copy prepared against the dead node may still land or read.
+    adopt_grace_s: float = GRACE_S
     # Engines look up, pin and store host blocks without a round trip (in
     # progress, off: docs/concepts/node-shared-index.md).
     shared_index: bool = False
@@ -435,6 +438,14 @@ class NodeServer:
             name = f"kvnode-{_safe(self.config.name)}-region"
             self.region = open_region(name, total // chunk * chunk, chunk, self.config.max_classes)
             self._share_pool(self.region.pool.name)
+            if self.region.adopted and self.config.adopt_grace_s > 0:
+                self.region.closed_until = time.monotonic() + self.config.adopt_grace_s
+                log.warning(
+                    "kvtier node: adopted region %s from an earlier node: stores wait %.1f s "
+                    "(copies begun before may still land)",
+                    name,
+                    self.config.adopt_grace_s,
+                )
             log.info(
                 "kvtier node: region %s, %d chunks of %d B",
                 name,
