@@ -122,7 +122,7 @@ class NodeServer:
             "refused_calls": 0,
             "internal_errors": 0,
         }
-        self.started = time.time()
+        self.started, self._since = time.time(), time.monotonic()
         self.writers = Writers()  # engines' workers, named at POOL (node/quarantine.py)
         self._pack = P.packer()  # the replies' (this thread's only)
         self._stop = threading.Event()
@@ -438,14 +438,13 @@ class NodeServer:
             name = f"kvnode-{_safe(self.config.name)}-region"
             self.region = open_region(name, total // chunk * chunk, chunk, self.config.max_classes)
             self._share_pool(self.region.pool.name)
-            if self.region.adopted and self.config.adopt_grace_s > 0:
-                self.region.closed_until = time.monotonic() + self.config.adopt_grace_s
-                log.warning(
-                    "kvtier node: adopted region %s from an earlier node: stores wait %.1f s "
-                    "(copies begun before may still land)",
-                    name,
-                    self.config.adopt_grace_s,
-                )
+            # The grace counts from this node's start: copies begun before it.
+            until = self._since + self.config.adopt_grace_s
+            if self.region.adopted and until > time.monotonic():
+                self.region.closed_until = until
+                left = until - time.monotonic()
+                msg = "kvtier node: adopted region %s of an earlier node: no stores for %.1f s"
+                log.warning(msg + " (copies begun before it may still land)", name, left)
             log.info(
                 "kvtier node: region %s, %d chunks of %d B",
                 name,
