@@ -42,10 +42,14 @@ def _keys(n: int, client: int) -> list[bytes]:
 
 def start_node(path: str, name: str, flags: list[str]) -> subprocess.Popen[bytes]:
     """``kvtier node`` with ``flags`` in a child process, once it answers on
-    ``path``. Who calls: the node's and the SGLang backend's benchmarks,
+    ``path``: a fresh node, its region made anew (one an earlier node of
+    ``name`` left would be adopted, and held from stores for its grace).
+    Who calls: the node's and the SGLang backend's benchmarks,
     tests/gpu/test_cuda_node.py."""
     from kvtier.node.connection import NodeUnavailable, node_status
 
+    for f in Path("/dev/shm").glob(f"kvnode-{name}-*"):
+        f.unlink()
     cmd = [sys.executable, "-m", "kvtier.cli", "node", "--socket", path, "--name", name]
     p = subprocess.Popen(cmd + flags, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
