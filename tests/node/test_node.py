@@ -151,19 +151,14 @@ def test_with_and_without_polling_for_replies_the_bytes_are_the_same(
         _remove_pools(n.name)
 
 
-def test_node_refuses_a_negative_spin_or_grace(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("flag", "value"), [("--spin-us", "-1"), ("--adopt-grace-s", "-0.5")])
+def test_node_refuses_a_negative_spin_or_grace(tmp_path: Path, flag: str, value: str) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "kvtier.cli", "node", "--socket", str(tmp_path / "s.sock"),
-         "--host-bytes", "1MiB", "--spin-us", "-1"],
+         "--host-bytes", "1MiB", flag, value],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert r.returncode != 0 and "--spin-us must be >= 0, got -1" in r.stderr
-    r = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "node", "--socket", str(tmp_path / "s.sock"),
-         "--host-bytes", "1MiB", "--adopt-grace-s", "-0.5"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert r.returncode != 0 and "--adopt-grace-s must be >= 0, got -0.5" in r.stderr
+    assert r.returncode != 0 and f"{flag} must be >= 0, got {value}" in r.stderr
 
 
 def test_a_scan_is_one_round_trip(node: Node) -> None:
