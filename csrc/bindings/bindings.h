@@ -42,7 +42,12 @@ void bind_node_stores(py::module_& m);
 void bind_chains(py::module_& m);
 void bind_stores_frame(py::module_& m);
 void bind_scan_answers(py::module_& m);
+void bind_node_front(py::module_& m);
 void bind_remote(py::module_& m, EngineClass& engine);
+
+// Sets the Python error for `e` (its kvtier.errors class): the translator
+// bind_codes registers, for code that returns to Python without pybind11.
+void set_python_error(const Error& e);
 
 // The core index of a kvtier._native.SharedIndex (InvalidArgument for
 // anything else); the object must be kept alive by the caller.

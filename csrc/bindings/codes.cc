@@ -25,7 +25,9 @@ constexpr std::size_t kNumStatus = sizeof kStatusNames / sizeof kStatusNames[0];
 static_assert(static_cast<std::size_t>(StatusCode::kTls) + 1 == kNumStatus &&
               sizeof kErrorClasses == sizeof kStatusNames);
 
-void translate(const Error& e) {
+}  // namespace
+
+void set_python_error(const Error& e) {
   const auto i = static_cast<std::size_t>(e.code());
   const char* name = i < kNumStatus ? kErrorClasses[i] : "KvtierError";
   py::object cls = py::module_::import("kvtier.errors").attr(name);
@@ -36,14 +38,12 @@ void translate(const Error& e) {
   PyErr_SetObject(cls.ptr(), exc.ptr());
 }
 
-}  // namespace
-
 void bind_codes(py::module_& m) {
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const Error& e) {
-      translate(e);
+      set_python_error(e);
     }
   });
 

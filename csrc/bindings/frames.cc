@@ -13,25 +13,6 @@
 
 namespace kvtier::bindings {
 
-namespace {
-
-// Whether `v` is a list of at most `max_items` bytes values of 1 to
-// `max_bytes` bytes each.
-bool keys_ok(PyObject* v, std::size_t max_items, std::size_t max_bytes) {
-  if (!PyList_CheckExact(v)) return false;
-  const Py_ssize_t n = PyList_GET_SIZE(v);
-  if (static_cast<std::size_t>(n) > max_items) return false;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* k = PyList_GET_ITEM(v, i);
-    if (!PyBytes_CheckExact(k)) return false;
-    const auto len = static_cast<std::size_t>(PyBytes_GET_SIZE(k));
-    if (len == 0 || len > max_bytes) return false;
-  }
-  return true;
-}
-
-}  // namespace
-
 void bind_frames(py::module_& m) {
   m.def(
       "frame_keys_ok",

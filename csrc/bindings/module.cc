@@ -153,6 +153,7 @@ PYBIND11_MODULE(_native, m) {
   b::bind_chains(m);
   b::bind_stores_frame(m);
   b::bind_scan_answers(m);
+  b::bind_node_front(m);
   b::bind_remote(m, engine);
 
   m.def(

@@ -12,6 +12,22 @@
 
 namespace kvtier::bindings {
 
+// Whether `v` is a list (exactly) of at most `max_items` bytes values
+// (exactly) of 1 to `max_bytes` bytes each: a request's keys as the node
+// takes them (frames.cc's frame_keys_ok; the engine's native front).
+inline bool keys_ok(PyObject* v, std::size_t max_items, std::size_t max_bytes) {
+  if (!PyList_CheckExact(v)) return false;
+  const Py_ssize_t n = PyList_GET_SIZE(v);
+  if (static_cast<std::size_t>(n) > max_items) return false;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* k = PyList_GET_ITEM(v, i);
+    if (!PyBytes_CheckExact(k)) return false;
+    const auto len = static_cast<std::size_t>(PyBytes_GET_SIZE(k));
+    if (len == 0 || len > max_bytes) return false;
+  }
+  return true;
+}
+
 // Refuses (InvalidArgument) a list of keys with one that is not bytes;
 // `what` names the caller.
 inline void check_bytes(const py::list& keys, const char* what) {

@@ -10,6 +10,7 @@
 #include "../core/node/engine_view.h"
 #include "../core/pool.h"
 #include "bindings.h"
+#include "engine_view_binding.h"
 
 namespace kvtier::bindings {
 
@@ -35,30 +36,6 @@ KeyDigest one_digest(const py::bytes& b) {
   std::memcpy(&d.hi, v.data() + 8, 8);
   return d;
 }
-
-// An engine's view and the mapping it reads (kvtier.node.shared_view's).
-struct PyEngineView {
-  std::shared_ptr<HostPool> mem;
-  node::EngineView view;
-  std::vector<std::string_view> keys;  // the call's keys, borrowed from its list
-  std::vector<node::EngineView::Answer> answers;
-  std::vector<bool> flags;
-  std::vector<std::int64_t> slots;
-  std::vector<std::size_t> taken;
-
-  // `list`'s keys (bytes), borrowed for the call: the list keeps them alive.
-  const std::vector<std::string_view>& borrow(const py::list& list) {
-    const py::ssize_t n = PyList_GET_SIZE(list.ptr());
-    keys.resize(static_cast<std::size_t>(n));
-    for (py::ssize_t i = 0; i < n; ++i) {
-      PyObject* k = PyList_GET_ITEM(list.ptr(), i);
-      if (!PyBytes_Check(k)) throw_invalid("engine view: keys must be bytes");
-      keys[static_cast<std::size_t>(i)] =
-          std::string_view(PyBytes_AS_STRING(k), static_cast<std::size_t>(PyBytes_GET_SIZE(k)));
-    }
-    return keys;
-  }
-};
 
 // The items of `list` where `flags` is `want`, in order.
 py::list where(const py::list& list, const std::vector<bool>& flags, bool want) {
@@ -88,6 +65,27 @@ node::SharedIndex* shared_index_of(const py::object& obj) {
     throw_invalid("a kvtier._native.SharedIndex is needed, got " +
                   py::str(py::type::of(obj)).cast<std::string>());
   return &obj.cast<PySharedIndex&>().index;
+}
+
+std::pair<std::size_t, int> scan_into(PyEngineView& v, PyObject* keys, PyObject* answers,
+                                      PyObject* slots, PyObject* results) {
+  v.view.scan(v.borrow(keys), &v.answers);
+  // Stored here, not by a Python loop over (code, slot) pairs: that loop
+  // was a tenth of the engine's time a key under cProfile (kvtier bench
+  // manager --node --shared-index, 16 keys a call).
+  const auto kinds = static_cast<std::size_t>(PyTuple_GET_SIZE(results));
+  for (std::size_t i = 0; i < v.answers.size(); ++i) {
+    const auto& a = v.answers[i];
+    if (a.code >= kinds) throw_invalid("engine view: an answer code has no result");
+    PyObject* key = PyList_GET_ITEM(keys, static_cast<py::ssize_t>(i));
+    py::object slot = py::reinterpret_steal<py::object>(PyLong_FromLongLong(a.slot));
+    py::object pair = py::reinterpret_steal<py::object>(
+        PyTuple_Pack(2, PyTuple_GET_ITEM(results, a.code), slot.ptr()));
+    if (!slot || !pair || PyDict_SetItem(answers, key, pair.ptr()) < 0 ||
+        (a.slot >= 0 && PyDict_SetItem(slots, key, slot.ptr()) < 0))
+      throw py::error_already_set();
+  }
+  return {v.answers.size(), v.answers.empty() ? -1 : v.answers.back().code};
 }
 
 namespace {
@@ -136,24 +134,9 @@ void bind_engine_view(py::module_& m) {
           "scan_into",
           [](V& v, const py::list& keys, const py::dict& answers, const py::dict& slots,
              const py::tuple& results) {
-            v.view.scan(v.borrow(keys), &v.answers);
-            // Stored here, not by a Python loop over (code, slot) pairs: that
-            // loop was a tenth of the engine's time a key under cProfile
-            // (kvtier bench manager --node --shared-index, 16 keys a call).
-            const auto kinds = static_cast<std::size_t>(PyTuple_GET_SIZE(results.ptr()));
-            for (std::size_t i = 0; i < v.answers.size(); ++i) {
-              const auto& a = v.answers[i];
-              if (a.code >= kinds) throw_invalid("engine view: an answer code has no result");
-              PyObject* key = PyList_GET_ITEM(keys.ptr(), static_cast<py::ssize_t>(i));
-              py::object slot = py::reinterpret_steal<py::object>(PyLong_FromLongLong(a.slot));
-              py::object pair = py::reinterpret_steal<py::object>(
-                  PyTuple_Pack(2, PyTuple_GET_ITEM(results.ptr(), a.code), slot.ptr()));
-              if (!slot || !pair || PyDict_SetItem(answers.ptr(), key, pair.ptr()) < 0 ||
-                  (a.slot >= 0 && PyDict_SetItem(slots.ptr(), key, slot.ptr()) < 0))
-                throw py::error_already_set();
-            }
-            const int last = v.answers.empty() ? -1 : v.answers.back().code;
-            return py::make_tuple(v.answers.size(), last);
+            const auto [n, last] =
+                scan_into(v, keys.ptr(), answers.ptr(), slots.ptr(), results.ptr());
+            return py::make_tuple(n, last);
           },
           py::arg("keys"), py::arg("answers"), py::arg("slots"), py::arg("results"),
           "As scan, each answer stored instead: answers[key] = (results[code], slot), and "

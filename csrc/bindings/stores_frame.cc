@@ -12,6 +12,8 @@
 // of bytes, ints and request ids are written here; the encoding is the one
 // msgpack's Packer (use_bin_type=True) writes, byte for byte, which the
 // tests check against it. Decoding stays msgpack's.
+#include "stores_frame.h"
+
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -105,118 +107,103 @@ long long int_of(PyObject* v, const char* what) {
   return x;
 }
 
-class StoresFrame {
- public:
-  explicit StoresFrame(std::size_t max_frame) : max_frame_(max_frame) {}
-
-  // Request `req` begins storing `keys` into `slots` (one slot a key).
-  void begin(const py::list& keys, const py::list& slots, const py::handle& req) {
-    const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
-    if (PyList_GET_SIZE(slots.ptr()) != n)
-      throw_invalid("stores frame: a store's begin needs a slot a key");
-    if (n == 0) return;
-    // Everything checked before anything is written: a refused call leaves
-    // the frame as it was.
-    std::string req_bytes;
-    if (req.is_none()) {
-      req_bytes.push_back(static_cast<char>(0xc0));
-    } else if (PyLong_CheckExact(req.ptr())) {
-      put_int(req_bytes, int_of(req.ptr(), "request ids"));
-    } else if (PyUnicode_Check(req.ptr())) {
-      Py_ssize_t len = 0;
-      const char* s = PyUnicode_AsUTF8AndSize(req.ptr(), &len);
-      if (s == nullptr) throw py::error_already_set();
-      put_str(req_bytes, s, static_cast<std::size_t>(len));
-    } else {
-      throw_invalid("stores frame: a request id is None, an int or a str");
-    }
-    check_keys(keys);
-    std::string slot_bytes;
-    for (Py_ssize_t i = 0; i < n; ++i)
-      put_int(slot_bytes, int_of(PyList_GET_ITEM(slots.ptr(), i), "slots"));
-    append_keys(keys);
-    slots_ += slot_bytes;
-    num_slots_ += static_cast<std::size_t>(n);
-    reqs_ += req_bytes;
-    counts_.push_back(n);
-  }
-
-  // The stores of `keys` ended (successfully); ends after ends are one run.
-  void end(const py::list& keys) {
-    const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
-    if (n == 0) return;
-    check_keys(keys);
-    append_keys(keys);
-    if (!counts_.empty() && counts_.back() < 0) {
-      counts_.back() -= n;
-    } else {
-      reqs_.push_back(static_cast<char>(0xc0));
-      counts_.push_back(-n);
-    }
-  }
-
-  std::size_t size() const { return num_keys_; }
-
-  // The frame (4-byte little-endian length, then its msgpack body), and
-  // empty again; None when nothing was written.
-  py::object take() {
-    if (num_keys_ == 0) return py::none();
-    std::string body;
-    body.reserve(keys_.size() + slots_.size() + reqs_.size() + 9 * counts_.size() + 32);
-    body.push_back(static_cast<char>(0x95));
-    put_int(body, kStoresOp);
-    put_array_header(body, num_keys_);
-    body += keys_;
-    put_array_header(body, num_slots_);
-    body += slots_;
-    put_array_header(body, counts_.size());
-    body += reqs_;
-    put_array_header(body, counts_.size());
-    for (long long c : counts_) put_int(body, c);
-    clear();
-    if (body.size() > max_frame_)
-      throw_invalid("frame of " + std::to_string(body.size()) + " bytes exceeds the limit of " +
-                    std::to_string(max_frame_));
-    std::string frame(4, '\0');
-    const auto len = static_cast<std::uint32_t>(body.size());
-    for (int i = 0; i < 4; ++i)
-      frame[static_cast<std::size_t>(i)] = static_cast<char>(len >> (8 * i));
-    frame += body;
-    return py::bytes(frame);
-  }
-
-  void clear() {
-    keys_.clear();
-    slots_.clear();
-    reqs_.clear();
-    counts_.clear();
-    num_keys_ = num_slots_ = 0;
-  }
-
- private:
-  static void check_keys(const py::list& keys) {
-    const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
-    for (Py_ssize_t i = 0; i < n; ++i)
-      if (!PyBytes_Check(PyList_GET_ITEM(keys.ptr(), i)))
-        throw_invalid("stores frame: keys must be bytes");
-  }
-
-  void append_keys(const py::list& keys) {
-    const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* k = PyList_GET_ITEM(keys.ptr(), i);
-      put_bin(keys_, PyBytes_AS_STRING(k), static_cast<std::size_t>(PyBytes_GET_SIZE(k)));
-    }
-    num_keys_ += static_cast<std::size_t>(n);
-  }
-
-  std::string keys_, slots_, reqs_;  // each array's items, encoded
-  std::vector<long long> counts_;
-  std::size_t num_keys_ = 0, num_slots_ = 0;
-  std::size_t max_frame_;
-};
-
 }  // namespace
+
+StoresFrame::StoresFrame(std::size_t max_frame) : max_frame_(max_frame) {}
+
+void StoresFrame::begin(const py::list& keys, const py::list& slots, const py::handle& req) {
+  const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
+  if (PyList_GET_SIZE(slots.ptr()) != n)
+    throw_invalid("stores frame: a store's begin needs a slot a key");
+  if (n == 0) return;
+  // Everything checked before anything is written: a refused call leaves
+  // the frame as it was.
+  std::string req_bytes;
+  if (req.is_none()) {
+    req_bytes.push_back(static_cast<char>(0xc0));
+  } else if (PyLong_CheckExact(req.ptr())) {
+    put_int(req_bytes, int_of(req.ptr(), "request ids"));
+  } else if (PyUnicode_Check(req.ptr())) {
+    Py_ssize_t len = 0;
+    const char* s = PyUnicode_AsUTF8AndSize(req.ptr(), &len);
+    if (s == nullptr) throw py::error_already_set();
+    put_str(req_bytes, s, static_cast<std::size_t>(len));
+  } else {
+    throw_invalid("stores frame: a request id is None, an int or a str");
+  }
+  check_keys(keys);
+  std::string slot_bytes;
+  for (Py_ssize_t i = 0; i < n; ++i)
+    put_int(slot_bytes, int_of(PyList_GET_ITEM(slots.ptr(), i), "slots"));
+  append_keys(keys);
+  slots_ += slot_bytes;
+  num_slots_ += static_cast<std::size_t>(n);
+  reqs_ += req_bytes;
+  counts_.push_back(n);
+}
+
+void StoresFrame::end(const py::list& keys) {
+  const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
+  if (n == 0) return;
+  check_keys(keys);
+  append_keys(keys);
+  if (!counts_.empty() && counts_.back() < 0) {
+    counts_.back() -= n;
+  } else {
+    reqs_.push_back(static_cast<char>(0xc0));
+    counts_.push_back(-n);
+  }
+}
+
+py::object StoresFrame::take() {
+  if (num_keys_ == 0) return py::none();
+  std::string body;
+  body.reserve(keys_.size() + slots_.size() + reqs_.size() + 9 * counts_.size() + 32);
+  body.push_back(static_cast<char>(0x95));
+  put_int(body, kStoresOp);
+  put_array_header(body, num_keys_);
+  body += keys_;
+  put_array_header(body, num_slots_);
+  body += slots_;
+  put_array_header(body, counts_.size());
+  body += reqs_;
+  put_array_header(body, counts_.size());
+  for (long long c : counts_) put_int(body, c);
+  clear();
+  if (body.size() > max_frame_)
+    throw_invalid("frame of " + std::to_string(body.size()) + " bytes exceeds the limit of " +
+                  std::to_string(max_frame_));
+  std::string frame(4, '\0');
+  const auto len = static_cast<std::uint32_t>(body.size());
+  for (int i = 0; i < 4; ++i)
+    frame[static_cast<std::size_t>(i)] = static_cast<char>(len >> (8 * i));
+  frame += body;
+  return py::bytes(frame);
+}
+
+void StoresFrame::clear() {
+  keys_.clear();
+  slots_.clear();
+  reqs_.clear();
+  counts_.clear();
+  num_keys_ = num_slots_ = 0;
+}
+
+void StoresFrame::check_keys(const py::list& keys) {
+  const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (!PyBytes_Check(PyList_GET_ITEM(keys.ptr(), i)))
+      throw_invalid("stores frame: keys must be bytes");
+}
+
+void StoresFrame::append_keys(const py::list& keys) {
+  const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* k = PyList_GET_ITEM(keys.ptr(), i);
+    put_bin(keys_, PyBytes_AS_STRING(k), static_cast<std::size_t>(PyBytes_GET_SIZE(k)));
+  }
+  num_keys_ += static_cast<std::size_t>(n);
+}
 
 void bind_stores_frame(py::module_& m) {
   py::class_<StoresFrame>(m, "StoresFrame",

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 from kvtier.errors import InvalidArgument
-from kvtier.node import client as node_client
+from kvtier.node import client_link as node_link
 from kvtier.node import protocol as P
 from kvtier.node import quarantine
 from kvtier.node import state as node_state
@@ -875,7 +875,7 @@ def test_engines_keep_serving_without_the_node_and_reattach(
     """A node SIGKILLed: the engine's lookups miss and its offers are
     dropped (counted), never read through a dead node's index; a node
     started again is reattached at a step end and serves both engines."""
-    monkeypatch.setattr(node_client, "REATTACH_PERIOD_S", 0.05)
+    monkeypatch.setattr(node_link, "REATTACH_PERIOD_S", 0.05)
     path, name = str(tmp_path / "n.sock"), f"t{os.getpid()}-r"
     p = _node_proc(path, name, 64 * BLOCK, *flags)
     try:

@@ -27,7 +27,7 @@ torch = pytest.importorskip("torch")
 
 from kvtier.bench.sglang_standin import fill, host_pool, page_bytes, token_indices  # noqa: E402
 from kvtier.errors import InvalidArgument  # noqa: E402
-from kvtier.node import client as node_client  # noqa: E402
+from kvtier.node import client_link as node_link  # noqa: E402
 from kvtier.node.client import NodeManager  # noqa: E402
 from kvtier.node.connection import NodeUnavailable  # noqa: E402
 from kvtier.tiers.base import LookupResult  # noqa: E402
@@ -197,7 +197,7 @@ def test_the_node_owns_the_tiers_and_must_be_there(tmp_path: Path, sglang_open: 
 def test_a_killed_node_fails_pages_not_sglang_and_is_reattached(
     tmp_path: Path, sglang_open: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(node_client, "REATTACH_PERIOD_S", 0.05)
+    monkeypatch.setattr(node_link, "REATTACH_PERIOD_S", 0.05)
     path, name = str(tmp_path / "n.sock"), f"t{int(time.time() * 1e6)}-sg"
     p = _node_proc(path, name, PAGES * MHA_PAGE)
     try:

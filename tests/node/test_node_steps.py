@@ -304,9 +304,9 @@ def test_a_node_back_with_another_pool_is_not_read_through_its_index(
     """A node started again with another pool (another name) answers, but
     this engine's workers map the old pool: the engine serves without the
     node (lookups miss) and never reads the new node's index."""
-    from kvtier.node import client as node_client
+    from kvtier.node import client_link as node_link
 
-    monkeypatch.setattr(node_client, "REATTACH_PERIOD_S", 0.0)
+    monkeypatch.setattr(node_link, "REATTACH_PERIOD_S", 0.0)
     n = Node(tmp_path, shared_index=True)
     m = None
     try:

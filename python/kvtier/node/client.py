@@ -27,19 +27,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtier._native import frame_keys_ok, scan_answers
-from kvtier.errors import ClosedError, InvalidArgument, KvtierError
+from kvtier._native import frame_keys_ok, node_front, scan_answers
+from kvtier.errors import ClosedError, InvalidArgument
 from kvtier.node import protocol as P
-from kvtier.node.client_stats import HostView, NodeClientStats
-from kvtier.node.connection import SPIN_S, NodeClient, NodeError, NodeUnavailable
+from kvtier.node.client_link import NodeLink
+from kvtier.node.connection import SPIN_S, STORES_KEYS, NodeUnavailable
 from kvtier.node.protocol import Op
-from kvtier.node.shared_view import SharedView
 from kvtier.scheduler.specs import HostSpec, PrepareStoreResult
 from kvtier.scheduler.stats import ManagerStats
 from kvtier.tiers.base import LookupResult, TierEvent
 
 if TYPE_CHECKING:
-    from kvtier.pool import HostPool
+    pass
 
 log = logging.getLogger("kvtier.node")
 
@@ -49,10 +48,6 @@ _BYTES = {bytes}
 # Keys of a request's scan sent with its first lookup: the node answers up to
 # the first MISS, so a long prompt is one round trip, not one per key.
 SCAN_KEYS = 4096
-REATTACH_PERIOD_S = 1.0
-# Posted calls that wait for the next message out: a sendall each cost 12 us, a
-# third of the in-process manager's cycle (bench manager --node, 16 keys a call).
-_INFORM = frozenset({Op.LOAD_PINNED, Op.TOUCH, Op.REQUEST_FINISHED})
 # Finished requests go with the step end (the node forgets their chain ends),
 # this many at once if steps are rare (SGLang): a frame each was 7% of the
 # node's time a key (bench manager --node --shared-index, 16 keys a call).
@@ -66,9 +61,16 @@ FINISHED_BATCH = 64
 # and 4: node CPU a key 2.6 -> 2.2-2.4 us; four clients gained in alternating
 # sweeps, not beyond the bench's spread (docs/benchmarks/node.md, 5 December).
 OWED_STEPS, STEPS_PER_END, LOW_RESERVE, END_AFTER_S = 2, 8, 32, 0.005
+# NodeManager's methods that node_front's fall back to, in its order, and
+# those the instance takes from it.
+_FALLBACKS = (
+    *("prepare_store", "complete_store", "prepare_load", "complete_load"),
+    *("on_request_finished", "_complete_at_node", "_scan", "on_schedule_end"),
+)
+_NATIVE = (*_FALLBACKS[:5], "on_schedule_end", "on_new_request")
 
 
-class NodeManager:
+class NodeManager(NodeLink):
     """The offloading manager of an engine attached to a node: the interface
     of :class:`~kvtier.scheduler.manager.TieredOffloadingManager`, each call
     one request to the node. ``namespace`` (32 hex digits) and
@@ -88,139 +90,43 @@ class NodeManager:
         spin_s: float = SPIN_S,
         events: bool = True,
     ) -> None:
-        self.path = path
-        self.events = events
-        self.namespace = namespace
-        self.payload_bytes = payload_bytes
-        self.engine = engine
         self.key_order = key_order
-        self._client = NodeClient(path, timeout_s, spin_s)
         self._lock = threading.Lock()
         self.stats = ManagerStats()
-        self.client_stats = NodeClientStats()
         self.lower: list[Any] = []
         # The node's answers for keys a scan has not asked yet (each used
         # once, dropped at a change or the step's end); this step's HITs' slots.
         self._answers: dict[bytes, tuple[LookupResult, int]] = {}
         self._hit_slots: dict[bytes, int] = {}
-        self._events: list[TierEvent] = []
-        self._finished: list[Any] = []  # request ids, told with the step end
-        self._loaded: list[int] = []  # slots loaded through the shared index, likewise
-        self._pending = False
-        self._asked = False  # this step asked the node to look (it may start work)
         # Steps ended here, not yet at the node (STEPS_PER_END); slots stores took
         # from the reservation since the last step end sent.
         self._unsent_steps = self._taken = 0
         self._sent_at = 0.0
-        self._alive = False  # polled since the last step end sent (_index)
-        # The native view of a shared index polled since the last step end sent
-        # (_index), else None: the usual scan, store and load take it alone.
-        self._fast: Any = None
         self._closed = False
-        self._next_attach = 0.0
-        self._refused = ""  # the node's last refusal at a reattach (logged once)
-        # The node's shared index, when it offers one (no round trips).
-        self._view: SharedView | None = None
-        self.pool: dict[str, Any] = self._attach()  # raises when no node answers at start
+        # Raises when no node answers at start.
+        super().__init__(path, namespace, payload_bytes, engine, timeout_s, spin_s, events)
+        # The usual calls with the shared index in one native call each, this
+        # class's methods else (csrc/bindings/node_front.cc: why).
+        cls = NodeManager
+        usual = node_front(
+            self,
+            tuple(getattr(cls, c) for c in _FALLBACKS),
+            PrepareStoreResult,
+            HostSpec,
+            _ANSWER,
+            globals(),
+            self._client,
+            self._client.stores_frame,
+            STORES_KEYS,
+            FINISHED_BATCH,
+            P.MAX_KEYS,
+            P.MAX_KEY_BYTES,
+        )
+        for name in _NATIVE:
+            setattr(self, name, getattr(usual, name))
         names = tuple(r.name.lower() for r in _ANSWER)  # csrc/bindings/scan_answers.cc: why
-        front = scan_answers(self._answers, self.stats.lookups, _ANSWER, names, self._scan)
+        front = scan_answers(self._answers, self.stats.lookups, _ANSWER, names, usual.scan)
         self.lookup = front.lookup  # type: ignore[method-assign]
-        self.host = HostView(int(self.pool["num_slots"]))
-
-    def attach_pool(self) -> HostPool:
-        """This process's mapping of the node's pool, as slots of this
-        engine's block size (the node's block sizes share one region).
-        Blocks while it maps."""
-        from kvtier.pool import HostPool
-
-        return HostPool.attach(str(self.pool["pool"]), slot_bytes=int(self.pool["slot_bytes"]))
-
-    # -- connection ----------------------------------------------------------
-    def _attach(self) -> dict[str, Any]:
-        hello = (P.VERSION, self.namespace, self.payload_bytes, self.engine, self.events)
-        info = dict(self._client.call(Op.HELLO, *hello))
-        self._open_index(info.pop("index", None))
-        return info
-
-    def _open_index(self, ix: Any) -> None:
-        self._drop_index()
-        self._alive = False  # its first use polls (_index)
-        self._view = SharedView.open(ix, bytes.fromhex(self.namespace)[:8])
-
-    def _drop_index(self) -> None:
-        """Forget the shared index (the node is gone: a node started again reuses its slots)."""
-        self._fast = None
-        if self._view is not None:
-            self._view.close()
-            self._view = None
-
-    def _down(self, e: Exception) -> None:
-        self._drop_index()
-        self._finished.clear()  # a node started again never saw them
-        self._loaded.clear()
-        if self._client.connected:
-            self._client.close()
-        self.client_stats.node_failures += 1
-        log.warning("kvtier: node at %s unavailable (%s): serving without it", self.path, e)
-        self._next_attach = time.monotonic() + REATTACH_PERIOD_S
-
-    @property
-    def attached(self) -> bool:
-        return self._client.connected and not self.client_stats.pool_changed
-
-    def _reattach(self) -> None:
-        if self.client_stats.pool_changed or time.monotonic() < self._next_attach:
-            return
-        self._next_attach = time.monotonic() + REATTACH_PERIOD_S
-        try:
-            info = self._attach()
-        except NodeError as e:  # it answers but refuses us (another protocol version)
-            self._client.close()
-            if str(e) != self._refused:  # once, not at every try
-                self._refused = str(e)
-                log.error("kvtier: the node at %s refused this engine: %s", self.path, e)
-            return
-        except KvtierError:
-            self._client.close()
-            return
-        if (info["pool"], info["pool_id"]) != (self.pool["pool"], self.pool["pool_id"]):
-            # The workers map the old pool: copying into the new one needs
-            # them to map it again, which only an engine restart does.
-            self.client_stats.pool_changed = True
-            self._client.close()
-            self._drop_index()  # the new pool's: the workers map the old one
-            msg = "kvtier: the node at %s came back with another pool (%s, not %s): %s"
-            why = "this engine serves without it until restarted"
-            log.error(msg, self.path, info["pool"], self.pool["pool"], why)
-            return
-        self.client_stats.reattaches += 1
-        log.warning("kvtier: reattached to the node at %s", self.path)
-
-    def _index(self) -> SharedView | None:
-        """The shared index, when there is one and the node is alive: its
-        connection is polled at the first use after a step end sent (a dead
-        node's index is never read past the step that noticed). Not once a call:
-        only a node started again reuses the old one's slots, far later than
-        STEPS_PER_END steps; a poll a step was 3% of the engine's time a key."""
-        view = self._view
-        if view is None or self._alive:
-            return view
-        if self._client.peer_gone():
-            self._down(NodeUnavailable(0, f"kvtier node at {self.path}: the connection closed"))
-            return None
-        self._alive = True
-        self._fast = view.native
-        return view
-
-    def _call(self, op: Op, *args: Any) -> Any:
-        self.client_stats.round_trips += 1
-        if op is Op.LOOKUP or op is Op.LOAD_PRESENT:
-            self._asked = True
-        out = self._client.call(op, *args)
-        if self._client.owed:  # the replies of posted step ends came before ours
-            for r in self._client.replies():
-                self._step_reply(r)
-        return out
 
     # -- the manager interface -----------------------------------------------
     @property
@@ -358,11 +264,15 @@ class NodeManager:
         return HostSpec(np.asarray(slots, np.int64))
 
     def complete_load(self, keys: Collection[bytes], req_context: Any = None) -> None:
-        keys = list(keys)
+        rest = list(keys)
         if self._view is not None:
-            keys = self._view.complete(keys)
-            if not keys:
+            rest = self._view.complete(rest)
+            if not rest:
                 return
+        self._complete_at_node(rest, req_context)
+
+    def _complete_at_node(self, keys: list[bytes], req_context: Any) -> None:
+        """Loads the node pinned (not through the shared index) ended."""
         self._send(Op.COMPLETE_LOAD, keys, getattr(req_context, "req_id", None))
 
     def load_failed(self, spec: HostSpec) -> None:
@@ -442,25 +352,6 @@ class NodeManager:
                 return self._send(Op.STORES, keys, None)
         self._send(Op.COMPLETE_STORE, keys, getattr(req_context, "req_id", None), bool(success))
 
-    def _send(self, op: Op, *args: Any) -> None:
-        """A call whose effect dies with the node anyway (its leases): when
-        the node is gone there is nothing to give back. No reply is awaited.
-        Calls that only inform the node go with the next message sent (or
-        FLUSH_AFTER_S later: the connection's flusher); so do the rest with
-        a shared index, which shows a finished store to every engine at
-        once. Without one the rest are sent now. STORES: a store's begin
-        or end (:meth:`NodeClient.post_stores`)."""
-        if not self.attached:
-            return
-        try:
-            if op is Op.STORES:
-                return self._client.post_stores(*args)
-            self._client.post(op, *args)
-            if op not in _INFORM and self._view is None:
-                self._client.flush()
-        except NodeUnavailable as e:
-            self._down(e)
-
     def on_new_request(self, req_context: Any = None) -> None:
         return None
 
@@ -521,24 +412,6 @@ class NodeManager:
         for r in replies:
             self._step_reply(r)
 
-    def _step_reply(self, reply: Any) -> None:
-        events, self._pending, self.host.used, *more = reply
-        for tier, removed, keys, ids, meta in events:
-            self._events.append(TierEvent(keys, tier, removed, ids=ids, metadata_only=meta))
-        if more and self._view is not None:  # slots added to the reservation, keys it evicted
-            self._view.reserve(more[0])
-            self._view.evicted.extend(more[1])
-
-    def _settle(self, wait: bool) -> None:
-        """Takes the replies of posted step ends that have come (all of
-        them, blocking, with ``wait``)."""
-        if self._client.owed:
-            try:
-                for r in self._client.replies(wait):
-                    self._step_reply(r)
-            except NodeUnavailable as e:
-                self._down(e)
-
     def take_events(self) -> list[TierEvent]:
         """The events up to the last step end, oldest first. Blocks for a
         posted step end's reply when it has not come (vLLM takes events
@@ -568,16 +441,8 @@ class NodeManager:
     def occupancy(self) -> dict[str, int]:
         """This engine's view: nothing of the node's is held here (its leases
         are the node's to count: ``kvtier node status``)."""
-        return {
-            "blocks": len(self.host),
-            "pinned": 0,
-            "writing": 0,
-            "cascading": 0,
-            "held": 0,
-            "stale": 0,
-            "streaming": 0,
-            "tier_jobs": 0,
-        }
+        idle = ("pinned", "writing", "cascading", "held", "stale", "streaming", "tier_jobs")
+        return {"blocks": len(self.host), **dict.fromkeys(idle, 0)}
 
     def status(self) -> dict[str, Any]:
         """The node's status (one round trip)."""

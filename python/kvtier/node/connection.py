@@ -46,7 +46,7 @@ SPIN_S = 200e-6
 FLUSH_AFTER_S = 0.01
 # Keys of one STORES frame at most (a frame of about 160 KiB): a long
 # prompt's stores go in a few frames, not one the node parses at length.
-_STORES_KEYS = 4096
+STORES_KEYS = 4096
 
 
 class NodeUnavailable(IoError):
@@ -146,7 +146,7 @@ class NodeClient:
                 b.begin(keys, slots, req)
             else:
                 b.end(keys)
-            if len(b) >= _STORES_KEYS:
+            if len(b) >= STORES_KEYS:
                 self._close_stores()
 
     def _start_queue(self) -> None:
@@ -170,6 +170,12 @@ class NodeClient:
         by the next :meth:`call` (which keeps it for :meth:`replies`)."""
         self.post(op, *args)
         self._owed += 1
+
+    @property
+    def stores_frame(self) -> StoresFrame:
+        """The STORES frame posted stores are written to (an engine's native
+        manager front writes it directly: kvtier._native.node_front)."""
+        return self._stores
 
     @property
     def queued(self) -> bool:
