@@ -341,7 +341,8 @@ class NodeServer:
         if conn.session is not None:
             # Its workers alive now may still write: their exits end the hold.
             writers = self.writers.alive(conn.session.engine, conn.pid)
-            released = conn.session.release_all(writers, why == "protocol error")
+            misbehaved, stopping = why == "protocol error", why == "node stopping"
+            released = conn.session.release_all(writers, misbehaved, hold=not stopping)
             n = sum(released.values())
             self.counters["leases_released"] += n
             e = conn.session.engine

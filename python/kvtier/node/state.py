@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -464,13 +465,15 @@ class Session:
             self.scan_set.clear()
 
     def release_all(
-        self, writers: list[int] | tuple[()] = (), misbehaved: bool = False
+        self, writers: list[int] | tuple[()] = (), misbehaved: bool = False, hold: bool = True
     ) -> dict[str, int]:
         """Give back what this session holds (its engine exited or was killed).
         Writes it never completed are dropped, never made readable; slots it may
         still write are held until ``writers`` (its workers' pidfds) exit too;
         ``misbehaved``: the node closed it for bad input (its hold may go
-        first past the quarantine's cap)."""
+        first past the quarantine's cap). ``hold`` False: the node is stopping
+        and holds nothing (a node started over its region waits out its adopt
+        grace instead), so it does not warn of holds past the cap."""
         released = {
             "scan_pins": len(self.scan_pins),
             "load_pins": sum(self.load_pins.values()),
@@ -488,8 +491,12 @@ class Session:
         writing = [e.slot for k in torn if (e := m.host.get(k)) is not None]
         cap = self.cls.pool.num_slots // 8
         slots = [*writing, *self.reserved, *spare]
-        q = self.cls.quarantine
-        q.hold(m.host, slots, cap, writers, self.engine, misbehaved, self.started)
+        if hold:
+            q = self.cls.quarantine
+            q.hold(m.host, slots, cap, writers, self.engine, misbehaved, self.started)
+        else:
+            for fd in writers:
+                os.close(fd)
         self._release_scan()
         if self.load_pins:
             m.complete_load([k for k, n in self.load_pins.items() for _ in range(n)])
