@@ -230,10 +230,21 @@ PyEngineView* fast_view(FrontObject& f) {
   return view_of(f, std::move(fast));
 }
 
-// fast_view when `keys` is a call's keys as the node takes them (a list of
-// plain bytes within the protocol's limits), else null.
-PyEngineView* fast_view(FrontObject& f, PyObject* keys) {
-  const bool ok = keys_ok(keys, static_cast<std::size_t>(f.max_keys),
+// fast_view when `keys` is a call's keys as the node takes them, else null:
+// a list, tuple or set (NodeManager's methods take any collection, as
+// list(keys); an iterator is left to them, once consumed it could not be)
+// of plain bytes within the protocol's limits, listed into `*out`.
+PyEngineView* fast_view(FrontObject& f, PyObject* keys, py::list* out) {
+  if (PyList_CheckExact(keys)) {
+    *out = py::reinterpret_borrow<py::list>(keys);
+  } else if (PyTuple_CheckExact(keys) || PyAnySet_CheckExact(keys)) {
+    PyObject* listed = PySequence_List(keys);
+    if (listed == nullptr) throw py::error_already_set();
+    *out = py::reinterpret_steal<py::list>(listed);
+  } else {
+    return nullptr;
+  }
+  const bool ok = keys_ok(out->ptr(), static_cast<std::size_t>(f.max_keys),
                           static_cast<std::size_t>(f.max_key_bytes));
   return ok ? fast_view(f) : nullptr;
 }
@@ -288,9 +299,9 @@ PyObject* front_prepare_store(PyObject* self, PyObject* const* args, Py_ssize_t 
     return nullptr;
   return guarded([&]() -> PyObject* {
     FrontObject& f = of(self);
-    PyEngineView* v = fast_view(f, a[0]);
+    py::list keys;
+    PyEngineView* v = fast_view(f, a[0], &keys);
     if (v == nullptr) return fallback(f, kPrepareStore, args, nargs, kwnames);
-    const py::list keys = py::reinterpret_borrow<py::list>(a[0]);
     py::object req = req_id(a[1]);
     const bool req_ok = req.is_none() || PyLong_CheckExact(req.ptr()) || PyUnicode_Check(req.ptr());
     if (!req_ok || !frame_takes(f, PyList_GET_SIZE(keys.ptr())) ||
@@ -339,9 +350,9 @@ PyObject* front_complete_store(PyObject* self, PyObject* const* args, Py_ssize_t
     return nullptr;
   return guarded([&]() -> PyObject* {
     FrontObject& f = of(self);
-    PyEngineView* v = fast_view(f, a[0]);
+    py::list keys;
+    PyEngineView* v = fast_view(f, a[0], &keys);
     if (v == nullptr || a[2] != Py_True) return fallback(f, kCompleteStore, args, nargs, kwnames);
-    const py::list keys = py::reinterpret_borrow<py::list>(a[0]);
     const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
     if (n == 0) Py_RETURN_NONE;
     if (!frame_takes(f, n)) return fallback(f, kCompleteStore, args, nargs, kwnames);
@@ -363,11 +374,11 @@ PyObject* front_prepare_load(PyObject* self, PyObject* const* args, Py_ssize_t n
     return nullptr;
   return guarded([&]() -> PyObject* {
     FrontObject& f = of(self);
-    PyEngineView* v = fast_view(f, a[0]);
+    py::list keys;
+    PyEngineView* v = fast_view(f, a[0], &keys);
     if (v == nullptr) return fallback(f, kPrepareLoad, args, nargs, kwnames);
     py::object loaded = attr(f.mgr, g_names.loaded);
     if (!loaded) throw py::error_already_set();
-    const py::list keys = py::reinterpret_borrow<py::list>(a[0]);
     if (!PyList_CheckExact(loaded.ptr()) ||
         !v->view.take_all_loads(v->borrow(keys), &v->flags, &v->slots))
       return fallback(f, kPrepareLoad, args, nargs, kwnames);
@@ -400,9 +411,9 @@ PyObject* front_complete_load(PyObject* self, PyObject* const* args, Py_ssize_t 
     return nullptr;
   return guarded([&]() -> PyObject* {
     FrontObject& f = of(self);
-    PyEngineView* v = fast_view(f, a[0]);
+    py::list keys;
+    PyEngineView* v = fast_view(f, a[0], &keys);
     if (v == nullptr) return fallback(f, kCompleteLoad, args, nargs, kwnames);
-    const py::list keys = py::reinterpret_borrow<py::list>(a[0]);
     v->view.complete(v->borrow(keys), &v->flags);
     py::list rest;
     for (std::size_t i = 0; i < v->flags.size(); ++i)

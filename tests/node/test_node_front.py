@@ -1,8 +1,9 @@
 """An engine's native manager front (csrc/bindings/node_front.cc) against
 the Python methods it stands in for: the same calls give the same answers
 and counts, whatever the front takes itself and whatever it hands back to
-Python (keys that are not a list of bytes, failed stores, keyword
-arguments, contexts with and without request ids).
+Python (keys in a list, a tuple or a set as vLLM passes some, or not plain
+bytes, failed stores, keyword arguments, contexts with and without request
+ids).
 
 The nodes run in threads of this test; the engines are NodeManagers here."""
 
@@ -57,13 +58,16 @@ def _run(m: NodeManager, seed: int) -> list[Any]:
                     break
                 found.append(k)
             if found == keys:
-                spec = m.prepare_load(keys, req_context=ctx) if n % 2 else m.prepare_load(keys, ctx)
+                asked: Any = tuple(keys) if n % 5 == 0 else keys
+                spec = (
+                    m.prepare_load(asked, req_context=ctx) if n % 2 else m.prepare_load(asked, ctx)
+                )
                 # A block loads from a slot it was stored into. (A key offered
                 # again before the node has taken its first store's frame is
                 # stored twice: the index shows a store once the node did.)
                 assert all(s in stored_in[k] for k, s in zip(keys, spec.slots.tolist()))
                 out.append(("load", len(spec)))
-                m.complete_load(keys, ctx)
+                m.complete_load(set(keys) if n % 3 == 0 else keys, ctx)  # vLLM's: a set
             else:
                 offer: Any = tuple(keys) if rng.random() < 0.15 else keys
                 got = m.prepare_store(offer, ctx) if n % 3 else m.prepare_store(keys=offer)
@@ -75,7 +79,7 @@ def _run(m: NodeManager, seed: int) -> list[Any]:
                     if ok:
                         stored_in.setdefault(k, set()).add(s)
                 if n % 4:
-                    m.complete_store(stored, ctx, ok)
+                    m.complete_store(set(stored) if n % 3 else stored, ctx, ok)
                 else:
                     m.complete_store(stored, req_context=ctx, success=ok)
             if rng.random() < 0.5:
