@@ -220,12 +220,20 @@ PyEngineView* view_of(FrontObject& f, py::object obj) {
   return f.view;
 }
 
+// Lets go of the remembered view: the manager dropped its index (the node
+// is gone), whose mapping the view keeps while anything holds it.
+void forget_view(FrontObject& f) {
+  f.view = nullptr;
+  Py_CLEAR(f.view_obj);
+}
+
 // The engine view of mgr._fast when the fast path may use it: the manager
 // polled the node alive since its last step end sent (_fast is set) and
 // its connection is open with the pool the workers map; else null.
 PyEngineView* fast_view(FrontObject& f) {
   py::object fast = attr(f.mgr, g_names.fast);
   if (!fast) throw py::error_already_set();
+  if (fast.is_none()) forget_view(f);
   if (fast.is_none() || !attached(f)) return nullptr;
   return view_of(f, std::move(fast));
 }
@@ -550,7 +558,10 @@ PyObject* front_on_schedule_end(PyObject* self, PyObject* const* args, Py_ssize_
       return fallback(f, kOnScheduleEnd, args, nargs, kwnames);
     py::object sv = attr(f.mgr, g_names.view);
     if (!sv) throw py::error_already_set();
-    if (sv.is_none()) return fallback(f, kOnScheduleEnd, args, nargs, kwnames);
+    if (sv.is_none()) {
+      forget_view(f);
+      return fallback(f, kOnScheduleEnd, args, nargs, kwnames);
+    }
     py::object native = attr(sv.ptr(), g_names.native);
     if (!native) throw py::error_already_set();
     PyEngineView* v = view_of(f, std::move(native));

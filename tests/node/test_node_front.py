@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -178,4 +179,26 @@ def test_the_native_front_takes_the_python_methods_arguments(tmp_path: Path) -> 
         m.shutdown()
     finally:
         n.stop()
+        _remove_pools(n.name)
+
+
+def test_the_front_lets_go_of_a_dead_nodes_index(tmp_path: Path) -> None:
+    """The front remembers the engine view it last used; once the manager
+    has dropped a dead node's index, the front's next call lets go of it
+    too (the view keeps the index's mapping while anything holds it)."""
+    n = Node(tmp_path, blocks=64, shared_index=True)
+    m = n.engine()
+    try:
+        assert m.lookup(key(1)) is LookupResult.MISS
+        out = m.prepare_store([key(1)])  # the front's: it remembers the view
+        assert out is not None and m._view is not None
+        view = m._view.native
+        n.stop()
+        m.on_schedule_end()  # the step end finds the node gone
+        assert m._view is None and not m.attached
+        held = sys.getrefcount(view)
+        assert m.prepare_store([key(2)]) is None  # dropped (the node is gone)
+        assert sys.getrefcount(view) == held - 1
+    finally:
+        m.shutdown()
         _remove_pools(n.name)
