@@ -1,6 +1,8 @@
 """The engine's side of the node: the offloading manager that forwards to it
-(:class:`NodeManager`), over one connection (:class:`~kvtier.node.connection.
-NodeClient`) and its shared index (:class:`~kvtier.node.shared_view.SharedView`).
+(:class:`NodeManager`), over its link to the node (:class:`~kvtier.node.
+client_link.NodeLink`: one connection and the node's shared index). With
+the shared index its usual calls are one native call each
+(``kvtier._native.node_front``), its methods here the fallback.
 
 Process: the engine's scheduler. Who calls: the vLLM shim's
 :class:`~kvtier.integrations.vllm.scheduler.KVTierManager` (in place of an
@@ -19,11 +21,10 @@ as before once the node answers with the same pool.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -36,11 +37,6 @@ from kvtier.node.protocol import Op
 from kvtier.scheduler.specs import HostSpec, PrepareStoreResult
 from kvtier.scheduler.stats import ManagerStats
 from kvtier.tiers.base import LookupResult, TierEvent
-
-if TYPE_CHECKING:
-    pass
-
-log = logging.getLogger("kvtier.node")
 
 _ANSWER = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY)
 _NAME = {id(r): r.name.lower() for r in LookupResult}  # stats' keys, without enum lookups
