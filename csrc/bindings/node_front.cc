@@ -1,9 +1,9 @@
 // An engine's usual manager calls against a node with a shared index
 // (kvtier/node/client.py's NodeManager): a store into reserved slots, its
-// end, a load of what this step's scans found, its end, and a request's
-// start and finish, each one native call that touches the engine's view of
-// the index (engine_view_binding.h) and its posted STORES frame
-// (stores_frame.h) directly. Anything else (no shared index, a node gone,
+// end, a load of what this step's scans found, its end, a lookup's scan, a
+// request's start and finish, and a quiet step's end, each one native call
+// that touches the engine's view of the index (engine_view_binding.h) and
+// its posted STORES frame (stores_frame.h) directly. Anything else (no shared index, a node gone,
 // a reservation short, a frame to start or full, keys not plain bytes) is
 // the manager's Python method, called with the same arguments: the fast
 // path never changes state before it knows it can finish.
@@ -242,13 +242,13 @@ PyEngineView* fast_view(FrontObject& f) {
 // a list, tuple or set (NodeManager's methods take any collection, as
 // list(keys); an iterator is left to them, once consumed it could not be)
 // of plain bytes within the protocol's limits, listed into `*out`.
-PyEngineView* fast_view(FrontObject& f, PyObject* keys, py::list* out) {
+PyEngineView* fast_view(FrontObject& f, PyObject* keys, py::object* out) {
   if (PyList_CheckExact(keys)) {
-    *out = py::reinterpret_borrow<py::list>(keys);
+    *out = py::reinterpret_borrow<py::object>(keys);
   } else if (PyTuple_CheckExact(keys) || PyAnySet_CheckExact(keys)) {
     PyObject* listed = PySequence_List(keys);
     if (listed == nullptr) throw py::error_already_set();
-    *out = py::reinterpret_steal<py::list>(listed);
+    *out = py::reinterpret_steal<py::object>(listed);
   } else {
     return nullptr;
   }
@@ -307,9 +307,10 @@ PyObject* front_prepare_store(PyObject* self, PyObject* const* args, Py_ssize_t 
     return nullptr;
   return guarded([&]() -> PyObject* {
     FrontObject& f = of(self);
-    py::list keys;
-    PyEngineView* v = fast_view(f, a[0], &keys);
+    py::object listed;  // (no list made for a list)
+    PyEngineView* v = fast_view(f, a[0], &listed);
     if (v == nullptr) return fallback(f, kPrepareStore, args, nargs, kwnames);
+    const auto keys = py::reinterpret_borrow<py::list>(listed);
     py::object req = req_id(a[1]);
     const bool req_ok = req.is_none() || PyLong_CheckExact(req.ptr()) || PyUnicode_Check(req.ptr());
     if (!req_ok || !frame_takes(f, PyList_GET_SIZE(keys.ptr())) ||
@@ -358,9 +359,10 @@ PyObject* front_complete_store(PyObject* self, PyObject* const* args, Py_ssize_t
     return nullptr;
   return guarded([&]() -> PyObject* {
     FrontObject& f = of(self);
-    py::list keys;
-    PyEngineView* v = fast_view(f, a[0], &keys);
+    py::object listed;  // (no list made for a list)
+    PyEngineView* v = fast_view(f, a[0], &listed);
     if (v == nullptr || a[2] != Py_True) return fallback(f, kCompleteStore, args, nargs, kwnames);
+    const auto keys = py::reinterpret_borrow<py::list>(listed);
     const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
     if (n == 0) Py_RETURN_NONE;
     if (!frame_takes(f, n)) return fallback(f, kCompleteStore, args, nargs, kwnames);
@@ -382,9 +384,10 @@ PyObject* front_prepare_load(PyObject* self, PyObject* const* args, Py_ssize_t n
     return nullptr;
   return guarded([&]() -> PyObject* {
     FrontObject& f = of(self);
-    py::list keys;
-    PyEngineView* v = fast_view(f, a[0], &keys);
+    py::object listed;  // (no list made for a list)
+    PyEngineView* v = fast_view(f, a[0], &listed);
     if (v == nullptr) return fallback(f, kPrepareLoad, args, nargs, kwnames);
+    const auto keys = py::reinterpret_borrow<py::list>(listed);
     py::object loaded = attr(f.mgr, g_names.loaded);
     if (!loaded) throw py::error_already_set();
     if (!PyList_CheckExact(loaded.ptr()) ||
@@ -419,9 +422,10 @@ PyObject* front_complete_load(PyObject* self, PyObject* const* args, Py_ssize_t 
     return nullptr;
   return guarded([&]() -> PyObject* {
     FrontObject& f = of(self);
-    py::list keys;
-    PyEngineView* v = fast_view(f, a[0], &keys);
+    py::object listed;  // (no list made for a list)
+    PyEngineView* v = fast_view(f, a[0], &listed);
     if (v == nullptr) return fallback(f, kCompleteLoad, args, nargs, kwnames);
+    const auto keys = py::reinterpret_borrow<py::list>(listed);
     v->view.complete(v->borrow(keys), &v->flags);
     py::list rest;
     for (std::size_t i = 0; i < v->flags.size(); ++i)
