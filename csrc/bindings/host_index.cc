@@ -34,9 +34,61 @@ std::uint8_t source_id(int source) {
   return static_cast<std::uint8_t>(source);
 }
 
+bool all_bytes(PyObject* list, Py_ssize_t n) {
+  for (Py_ssize_t i = 0; i < n; ++i)
+    if (!PyBytes_Check(PyList_GET_ITEM(list, i))) return false;
+  return true;
+}
+
+// A mirrored index's `slots`: its resident keys to their slots, read
+// through the index (no dict is kept), in slot order.
+struct ResidentKeys {
+  py::object owner;  // the HostIndex, kept alive
+  const KeyedHostIndex* k;
+
+  // Each resident slot's key (`keys`), slot (`slots`) or both as a tuple,
+  // in slot order.
+  py::list listed(bool keys, bool slots) const {
+    py::list out;
+    for (std::uint32_t s = 0; s < k->core_.capacity(); ++s) {
+      const auto i = static_cast<std::int32_t>(s);
+      if (!k->core_.resident(i)) continue;
+      py::object item = keys && slots ? py::object(py::make_tuple(k->keys_[s], i))
+                        : keys        ? k->keys_[s]
+                                      : py::object(py::int_(i));
+      if (PyList_Append(out.ptr(), item.ptr()) != 0) throw py::error_already_set();
+    }
+    return out;
+  }
+};
+
 }  // namespace
 
 void bind_host_index(py::module_& m) {
+  py::class_<ResidentKeys>(m, "ResidentKeys",
+                           "A mirrored HostIndex's resident keys to their slots, in slot order: "
+                           "a read-only mapping over the index (it changes with the index).")
+      .def("__len__", [](const ResidentKeys& r) { return r.k->core_.size(); })
+      .def("__contains__", [](const ResidentKeys& r,
+                              const py::object& key) { return r.k->slot_of(key.ptr()) >= 0; })
+      .def("__getitem__",
+           [](const ResidentKeys& r, const py::object& key) {
+             const std::int32_t s = r.k->slot_of(key.ptr());
+             if (s < 0) throw py::key_error(py::repr(key).cast<std::string>());
+             return s;
+           })
+      .def(
+          "get",
+          [](const ResidentKeys& r, const py::object& key, const py::object& dflt) -> py::object {
+            const std::int32_t s = r.k->slot_of(key.ptr());
+            return s < 0 ? dflt : py::int_(s);
+          },
+          py::arg("key"), py::arg("default") = py::none())
+      .def("__iter__", [](const ResidentKeys& r) { return py::iter(r.listed(true, false)); })
+      .def("keys", [](const ResidentKeys& r) { return r.listed(true, false); })
+      .def("items", [](const ResidentKeys& r) { return r.listed(true, true); })
+      .def("values", [](const ResidentKeys& r) { return r.listed(false, true); });
+  py::module_::import("collections.abc").attr("Mapping").attr("register")(m.attr("ResidentKeys"));
   using K = KeyedHostIndex;
   py::class_<K>(m, "HostIndex",
                 "The host tier's blocks by key: slots, states, prefix chains and LRU "
@@ -48,14 +100,21 @@ void bind_host_index(py::module_& m) {
       .def(
           "set_mirror",
           [](K& k, const py::object& shared) {
+            // Keys are found by digest there from now on: no block may be
+            // here yet, or it would be found in neither.
+            if (k.core_.size() != 0)
+              throw Error(StatusCode::kInvalidArgument,
+                          "host index: set_mirror needs an index that holds no block");
             k.core_.set_mirror(shared.is_none() ? nullptr : shared_index_of(shared));
             k.mirror_ = shared;
           },
           py::arg("shared"),
-          "The node's SharedIndex this index mirrors into (None: none): blocks made ready "
-          "here become ready there, blocks leaving here are retired there, and blocks an "
-          "engine pins there are neither evicted nor removed. The caller publishes each "
-          "block there when it adds it (it has the digests).")
+          "The node's SharedIndex this index mirrors into (None: none), on an index that "
+          "holds no block (else InvalidArgument): each block added is published there under "
+          "its key's digest (its keys must be bytes), blocks made ready here become ready "
+          "there, blocks leaving here are retired there, and blocks an engine pins there are "
+          "neither evicted nor removed. A mirrored index finds keys there by digest, not in "
+          "a dict: `slots` is then a read-only mapping in slot order.")
       .def(
           "engine_pinned",
           [](const K& k, std::int32_t slot) {
@@ -63,9 +122,14 @@ void bind_host_index(py::module_& m) {
           },
           py::arg("slot"), "Whether an engine pins the slot's block in the mirror.")
       .def_property_readonly(
-          "slots", [](const K& k) { return k.slots_; },
-          "The dict of resident keys to their slots, in the order they were written. "
-          "Read it; never change it.")
+          "slots",
+          [](const py::object& self) -> py::object {
+            const K& k = self.cast<const K&>();
+            if (!k.by_digest()) return k.slots_;
+            return py::cast(ResidentKeys{self, &k});
+          },
+          "Resident keys to their slots: a dict in the order they were written (read it; "
+          "never change it), or in a mirrored index a read-only mapping in slot order.")
       .def("__len__", [](const K& k) { return k.core_.size(); })
       .def("__contains__",
            [](const K& k, const py::object& key) { return k.slot_of(key.ptr()) >= 0; })
@@ -96,6 +160,23 @@ void bind_host_index(py::module_& m) {
           "complete_writes",
           [](K& k, const py::iterable& keys, bool ready) {
             py::list out;
+            // The node's: each STORES frame's ended writes, found together.
+            if (k.by_digest() && PyList_CheckExact(keys.ptr()) &&
+                all_bytes(keys.ptr(), PyList_GET_SIZE(keys.ptr()))) {
+              const auto n = static_cast<std::size_t>(PyList_GET_SIZE(keys.ptr()));
+              std::vector<std::int32_t> slots(n);
+              std::vector<node::Digest> ds(n);
+              k.slots_in_mirror(PySequence_Fast_ITEMS(keys.ptr()), n, slots.data(), ds.data());
+              for (std::size_t i = 0; i < n; ++i) {
+                const std::int32_t s = slots[i];
+                if (s < 0 || k.core_.ref(s) != -1 || k.core_.source(s) != 0) continue;
+                if (ready) k.core_.mark_ready(s);
+                if (PyList_Append(out.ptr(),
+                                  PyList_GET_ITEM(keys.ptr(), static_cast<py::ssize_t>(i))) != 0)
+                  throw py::error_already_set();
+              }
+              return out;
+            }
             for (py::handle key : keys) {
               const std::int32_t s = k.slot_of(key.ptr());
               if (s < 0 || k.core_.ref(s) != -1 || k.core_.source(s) != 0) continue;
@@ -267,7 +348,8 @@ void bind_host_index(py::module_& m) {
             // The victims' keys before they leave the dict (and their slots).
             py::list victims = k.keys_of(k.out_victims_);
             for (py::handle key : victims)
-              if (PyDict_DelItem(k.slots_.ptr(), key.ptr()) != 0) throw py::error_already_set();
+              if (!k.by_digest() && PyDict_DelItem(k.slots_.ptr(), key.ptr()) != 0)
+                throw py::error_already_set();
             for (std::int32_t v : k.out_victims_) k.forget(v);
             return py::make_tuple(py::cast(k.out_slots_), victims);
           },

@@ -1,11 +1,21 @@
 // The host tier's native index (core/policy/host_index.h) over Python keys:
 // kvtier._native.HostIndex's object (bound in host_index.cc), shared with the
-// node's store path (node_stores.cc), which works on it directly. A dict
-// maps each resident key to its slot (Python's own hash of the key, cached
-// in a bytes object, and insertion order for whoever lists the keys); a
-// vector maps slots back to keys.
+// node's store path (node_stores.cc), which works on it directly. A vector
+// maps slots back to keys. A key's slot is found in a dict (Python's own
+// hash of the key, cached in a bytes object, and insertion order for
+// whoever lists the keys), or, in an index that mirrors into the node's
+// shared index, in that shared index by the key's digest, which every
+// block added there carries already.
+//
+// Why no dict in the node: with four engines on one node the dict's
+// lookups were 20% of the node's CPU (perf, `_Py_dict_lookup`, 7 December
+// 2026), each a few cache misses in a table of megabytes that the node's
+// one thread waits on; the shared index is found a batch at a time with
+// its misses overlapped (prefetch_finds), and publishing there was needed
+// anyway.
 #pragma once
 
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,15 +33,57 @@ class KeyedHostIndex {
         keys_(static_cast<std::size_t>(capacity)),
         parent_keys_(static_cast<std::size_t>(capacity)) {}
 
-  // The slot of a resident key, -1 when it is not; throws what the dict
-  // raised for a key it cannot hash.
+  // Whether keys are found by digest in the mirror (no dict): set by
+  // set_mirror, on an empty index only.
+  bool by_digest() const { return core_.mirror() != nullptr; }
+
+  static node::Digest digest_of_key(PyObject* key) {
+    return node::digest_of(PyBytes_AS_STRING(key), static_cast<std::size_t>(PyBytes_GET_SIZE(key)),
+                           nullptr, 0);
+  }
+
+  // The slot of a resident key, -1 when it is not (a mirrored index: -1
+  // for a key that is not bytes); throws what the dict raised for a key it
+  // cannot hash.
   std::int32_t slot_of(PyObject* key) const {
+    if (by_digest()) return PyBytes_Check(key) ? slot_in_mirror(key, digest_of_key(key)) : -1;
     PyObject* v = PyDict_GetItemWithError(slots_.ptr(), key);
     if (v == nullptr) {
       if (PyErr_Occurred()) throw py::error_already_set();
       return -1;
     }
     return static_cast<std::int32_t>(PyLong_AsLong(v));
+  }
+
+  // slot_of of a mirrored index's bytes key whose digest is `d`: the
+  // slot the mirror names, when this index holds `key` there (another
+  // class's block, or a digest collision, is not this key's).
+  std::int32_t slot_in_mirror(PyObject* key, const node::Digest& d) const {
+    const auto f = core_.mirror()->find(d);
+    if (!f || f->slot >= core_.capacity()) return -1;
+    const auto s = static_cast<std::int32_t>(f->slot);
+    if (!core_.resident(s)) return -1;
+    PyObject* k = keys_[static_cast<std::size_t>(s)].ptr();
+    if (k == key) return s;
+    const Py_ssize_t n = PyBytes_GET_SIZE(key);
+    return k != nullptr && PyBytes_GET_SIZE(k) == n &&
+                   std::memcmp(PyBytes_AS_STRING(k), PyBytes_AS_STRING(key),
+                               static_cast<std::size_t>(n)) == 0
+               ? s
+               : -1;
+  }
+
+  // slot_of of each of `n` bytes keys of a mirrored index into out[i],
+  // their digests into ds[i]: digested four at a time and found with the
+  // mirror's cache misses overlapped.
+  void slots_in_mirror(PyObject* const* keys, std::size_t n, std::int32_t* out,
+                       node::Digest* ds) const {
+    views_.resize(n);
+    for (std::size_t i = 0; i < n; ++i)
+      views_[i] = {PyBytes_AS_STRING(keys[i]), static_cast<std::size_t>(PyBytes_GET_SIZE(keys[i]))};
+    node::digest_many(nullptr, 0, views_.data(), n, ds);
+    core_.mirror()->prefetch_finds(ds, n);
+    for (std::size_t i = 0; i < n; ++i) out[i] = slot_in_mirror(keys[i], ds[i]);
   }
 
   std::int32_t resident_slot(PyObject* key) const {
@@ -57,10 +109,13 @@ class KeyedHostIndex {
   // add() of a key its caller knows is not resident, a bytes object when
   // mirrored, `slot_obj` the int `slot` (the node's store path: its frame
   // holds both; one dict lookup and one int a key fewer).
+  // `parent_slot`: the parent's slot when the caller knows it (-2: found
+  // here; the node's offers are chained key after key, and in a mirrored
+  // index a lookup digests the key).
   void add_new(PyObject* key, std::int32_t slot, PyObject* slot_obj, PyObject* parent,
-               std::uint8_t source, const node::Digest* digest) {
+               std::uint8_t source, const node::Digest* digest, std::int32_t parent_slot = -2) {
     check_free(slot);
-    insert(key, slot, slot_obj, parent, source, digest);
+    insert(key, slot, slot_obj, parent, source, digest, parent_slot);
   }
 
   // What a lookup of `key` finds here: 0 not resident, 1 ready (HIT), 2
@@ -89,7 +144,7 @@ class KeyedHostIndex {
     core_.remove(s);
     py::object keep = std::move(keys_[static_cast<std::size_t>(s)]);
     forget(s);
-    if (PyDict_DelItem(slots_.ptr(), key) != 0) throw py::error_already_set();
+    if (!by_digest() && PyDict_DelItem(slots_.ptr(), key) != 0) throw py::error_already_set();
     return s;
   }
 
@@ -133,6 +188,7 @@ class KeyedHostIndex {
   std::vector<py::object> keys_;
   std::vector<py::object> parent_keys_;                // slot -> its parent's key, when linked
   std::vector<std::int32_t> out_slots_, out_victims_;  // reused by allocate
+  mutable std::vector<std::string_view> views_;        // reused by slots_in_mirror
 
  private:
   void check_free(std::int32_t slot) const {
@@ -146,9 +202,12 @@ class KeyedHostIndex {
   }
 
   void insert(PyObject* key, std::int32_t slot, PyObject* slot_obj, PyObject* parent,
-              std::uint8_t source, const node::Digest* digest) {
-    const std::int32_t p = parent == Py_None ? policy::HostIndex::kNil : slot_of(parent);
-    if (PyDict_SetItem(slots_.ptr(), key, slot_obj) != 0) throw py::error_already_set();
+              std::uint8_t source, const node::Digest* digest, std::int32_t parent_slot = -2) {
+    const std::int32_t p = parent == Py_None   ? policy::HostIndex::kNil
+                           : parent_slot != -2 ? parent_slot
+                                               : slot_of(parent);
+    if (!by_digest() && PyDict_SetItem(slots_.ptr(), key, slot_obj) != 0)
+      throw py::error_already_set();
     keys_[static_cast<std::size_t>(slot)] = py::reinterpret_borrow<py::object>(key);
     core_.add_writing(slot, p, source);
     if (core_.mirror() != nullptr)  // engines find it by its key's digest

@@ -155,15 +155,23 @@ py::object adopt_stores(KeyedHostIndex& index, const py::bytes& prefix, const py
       at += n;
     }
   }
+  // A mirrored index finds the keys by their digests, all at once; they
+  // are published under them below.
+  const bool mirrored = index.by_digest();
+  std::vector<node::Digest> all_ds(mirrored ? b_keys.size() : 0);
+  std::vector<std::int32_t> found(b_keys.size(), -1);
+  if (mirrored) index.slots_in_mirror(b_keys.data(), b_keys.size(), found.data(), all_ds.data());
   // HostIndex.offered: each key once, a resident one used now (touched).
   std::vector<Py_ssize_t> fresh;  // positions in b_keys of the keys to store
   fresh.reserve(b_keys.size());
+  std::vector<bool> first(b_keys.size(), false);  // a key's first offer in the frame
   {
     FrameKeys seen(b_keys.size());
     for (std::size_t i = 0; i < b_keys.size(); ++i) {
       PyObject* k = b_keys[i];
       if (!seen.insert(k)) continue;
-      const std::int32_t s = index.slot_of(k);
+      first[i] = true;
+      const std::int32_t s = mirrored ? found[i] : index.slot_of(k);
       if (s >= 0)
         index.core_.touch(s);
       else
@@ -198,34 +206,35 @@ py::object adopt_stores(KeyedHostIndex& index, const py::bytes& prefix, const py
   }
   py::list stored;
   std::vector<bool> used(b_keys.size(), fresh.size() == b_keys.size());
-  // The new keys' digests for the shared index, together (four at a time).
-  std::vector<node::Digest> ds(fresh.size());
-  if (index.core_.mirror() != nullptr) {
-    std::vector<std::string_view> views;
-    views.reserve(fresh.size());
-    for (Py_ssize_t i : fresh) {
-      PyObject* k = b_keys[static_cast<std::size_t>(i)];
-      views.emplace_back(PyBytes_AS_STRING(k), static_cast<std::size_t>(PyBytes_GET_SIZE(k)));
-    }
-    node::digest_many(nullptr, 0, views.data(), views.size(), ds.data());
+  if (mirrored) {  // what publishing the new keys touches, asked for together
     std::vector<std::uint32_t> to(fresh.size());
-    for (std::size_t i = 0; i < fresh.size(); ++i)
-      to[i] = static_cast<std::uint32_t>(ss[static_cast<std::size_t>(fresh[i])]);
+    std::vector<node::Digest> ds(fresh.size());
+    for (std::size_t i = 0; i < fresh.size(); ++i) {
+      const auto at = static_cast<std::size_t>(fresh[i]);
+      to[i] = static_cast<std::uint32_t>(ss[at]);
+      ds[i] = all_ds[at];
+    }
     index.core_.mirror()->prefetch_slots(to.data(), ds.data(), to.size());
   }
-  std::size_t nth = 0;
   for (Py_ssize_t i : fresh) {
-    PyObject* k = b_keys[static_cast<std::size_t>(i)];
+    const auto at = static_cast<std::size_t>(i);
+    PyObject* k = b_keys[at];
     // Not resident (offered above) and distinct; the frame's int is the slot's.
     PyObject* so = PyList_GET_ITEM(slots.ptr(), i);
     py::object own;
     if (!PyLong_CheckExact(so)) {
-      own = py::int_(ss[static_cast<std::size_t>(i)]);
+      own = py::int_(ss[at]);
       so = own.ptr();
     }
-    index.add_new(k, ss[static_cast<std::size_t>(i)], so, PyList_GET_ITEM(parents.ptr(), i), 0,
-                  index.core_.mirror() != nullptr ? &ds[nth++] : nullptr);
-    used[static_cast<std::size_t>(i)] = true;
+    // An offer's keys are chained one after another: the parent is most
+    // often the key before, whose slot is known (resident, or added just
+    // now) without a lookup.
+    PyObject* parent = PyList_GET_ITEM(parents.ptr(), i);
+    std::int32_t parent_slot = -2;
+    if (mirrored && at > 0 && parent == b_keys[at - 1] && first[at - 1])
+      parent_slot = found[at - 1] >= 0 ? found[at - 1] : ss[at - 1];
+    index.add_new(k, ss[at], so, parent, 0, mirrored ? &all_ds[at] : nullptr, parent_slot);
+    used[at] = true;
     add_to(writes.ptr(), k);
     if (PyList_Append(stored.ptr(), k) != 0) throw py::error_already_set();
   }

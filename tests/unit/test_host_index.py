@@ -10,12 +10,14 @@ can go."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvtier._native import HostIndex
+from kvtier._native import HostIndex, SharedIndex
 from kvtier.errors import InvalidArgument
+from kvtier.pool import HostPool
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.host_entry import Fill
 from kvtier.tiers.host_native import make_host_tier
@@ -25,10 +27,61 @@ def _lru(t: HostTier) -> list[bytes]:
     return [k for k in t.policy.victims() if k in t.entries]
 
 
+class _Twin:
+    """A native index and one mirrored into a node's shared index (which
+    finds its keys by digest there, with no dict): each call goes to both,
+    and both must answer alike."""
+
+    def __init__(self, capacity: int, pool: HostPool) -> None:
+        self.plain = HostIndex(capacity)
+        self.mirrored = HostIndex(capacity)
+        self.shared = SharedIndex.create(pool.native, capacity)
+        self.mirrored.set_mirror(self.shared)
+
+    def __getattr__(self, name: str) -> Any:
+        a, b = getattr(self.plain, name), getattr(self.mirrored, name)
+
+        def both(*args: Any) -> Any:
+            got = a(*args)
+            assert b(*args) == got, name
+            return got
+
+        return both
+
+    def __len__(self) -> int:
+        assert len(self.mirrored) == len(self.plain)
+        return len(self.plain)
+
+    @property
+    def slots(self) -> dict[bytes, int]:
+        view = self.mirrored.slots
+        assert dict(view.items()) == self.plain.slots
+        assert sorted(view) == sorted(self.plain.slots) and len(view) == len(self.plain.slots)
+        assert all(
+            view[k] == s and view.get(k) == s and k in view for k, s in self.plain.slots.items()
+        )
+        return self.plain.slots  # type: ignore[return-value]
+
+    @property
+    def free_slots(self) -> int:
+        assert self.mirrored.free_slots == self.plain.free_slots
+        return self.plain.free_slots
+
+    @property
+    def held_slots(self) -> int:
+        assert self.mirrored.held_slots == self.plain.held_slots
+        return self.plain.held_slots
+
+
 def _run(seed: int, capacity: int, steps: int) -> None:
+    with HostPool(1, SharedIndex.bytes_for(capacity)) as pool:
+        _run_on(seed, capacity, steps, pool)
+
+
+def _run_on(seed: int, capacity: int, steps: int, pool: HostPool) -> None:
     rng = random.Random(seed)
     py = HostTier(None, capacity, policy="lru")
-    nat = HostIndex(capacity)
+    nat: Any = _Twin(capacity, pool)
     nxt = 0
     written: list[bytes] = []  # resident keys not yet ready (ref -1)
 
@@ -68,7 +121,11 @@ def _run(seed: int, capacity: int, steps: int) -> None:
         elif op < 0.45 and written:  # a write completes
             k = written.pop(rng.randrange(len(written)))
             py.mark_ready(k)
-            nat.mark_ready_many([k])
+            if rng.random() < 0.5:
+                nat.mark_ready_many([k])
+            else:  # as the node ends its writes (a list: found together)
+                assert nat.complete_writes([b"never", k, k], True) == [k]
+            assert nat.complete_writes([k], True) == []  # ready already
         elif op < 0.6 and py.entries:  # a load pins ready blocks
             ready = [k for k, e in py.entries.items() if e.ref >= 0]
             ks = rng.sample(ready, min(len(ready), rng.randint(1, 3)))

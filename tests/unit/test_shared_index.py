@@ -210,6 +210,30 @@ def test_a_mirrored_host_index_publishes_each_added_key_under_its_digest() -> No
         assert ix.slot("a str") == -1 and len(ix) == 4  # refused whole
 
 
+def test_a_mirrored_host_index_finds_its_keys_by_digest_and_only_its_own() -> None:
+    """A mirrored index keeps no dict: a key is found by its digest in the
+    shared index, and only when this index holds that key in the slot named
+    there (a record it did not add names no key of its)."""
+    with _index_pool() as pool:
+        node = _native.SharedIndex.create(pool.native, SLOTS)
+        ix = _native.HostIndex(SLOTS)
+        ix.add_writing(NS + b"early", 1)
+        with pytest.raises(InvalidArgument, match="holds no block"):
+            ix.set_mirror(node)  # its block would be found in neither
+        ix = _native.HostIndex(SLOTS)
+        ix.set_mirror(node)
+        ix.add_writing_many([NS + b"a", NS + b"b"], [4, 9], [None, NS + b"a"])
+        assert ix.parent(NS + b"b") == NS + b"a"
+        node.publish(6, digest(NS + b"stray"), ready=True)  # not this index's
+        assert ix.slot(NS + b"stray") == -1 and NS + b"stray" not in ix.slots
+        assert dict(ix.slots.items()) == {NS + b"a": 4, NS + b"b": 9} and len(ix.slots) == 2
+        assert ix.detach(NS + b"a") == 4 and ix.slot(NS + b"a") == -1 and node.state(4) == 0
+        ix.release(4)
+        assert ix.complete_writes([NS + b"b", NS + b"a"], True) == [NS + b"b"]
+        with pytest.raises(KeyError):
+            ix.slots[NS + b"a"]
+
+
 CHURN_KEYS = 256
 CHURN_SLOT_BYTES = 256
 

@@ -149,7 +149,7 @@ class _Entries(Mapping[bytes, NativeEntry]):
 
     def __init__(self, ix: HostIndex, sources: _Sources) -> None:
         self._ix, self._sources = ix, sources
-        self._slots: dict[bytes, int] = ix.slots
+        self._slots: Mapping[bytes, int] = ix.slots
 
     def __getitem__(self, key: bytes) -> NativeEntry:
         return NativeEntry(self._ix, self._sources, key, self._slots[key])
@@ -220,8 +220,12 @@ class NativeHostTier(HostTier):
         round trip (csrc/core/node/shared_index.h): each block added here is
         published there by its key's digest, ready there when ready here,
         retired there when it leaves; a block an engine pins there is not
-        evicted. Called by the node once, before any block is added."""
+        evicted; keys are found there by digest from then on (no dict:
+        ``resident`` becomes a mapping in slot order). Called by the node
+        once, before any block is added (InvalidArgument after)."""
         self._ix.set_mirror(shared)
+        entries: Any = self.entries  # _Entries
+        self.resident = entries._slots = self._ix.slots
 
     def offered(self, keys: list[bytes]) -> tuple[list[bytes], set[bytes], int]:
         """As :meth:`HostTier.offered`, in one native pass when admission
