@@ -108,10 +108,10 @@ class KeyedHostIndex {
 
   // add() of a key its caller knows is not resident, a bytes object when
   // mirrored, `slot_obj` the int `slot` (the node's store path: its frame
-  // holds both; one dict lookup and one int a key fewer).
-  // `parent_slot`: the parent's slot when the caller knows it (-2: found
-  // here; the node's offers are chained key after key, and in a mirrored
-  // index a lookup digests the key).
+  // holds both; one lookup and one int a key fewer). `parent_slot`: the
+  // parent's slot when the caller knows it, -2 to find it here (the
+  // node's offers are chained key after key, and a mirrored index's
+  // lookup digests the key).
   void add_new(PyObject* key, std::int32_t slot, PyObject* slot_obj, PyObject* parent,
                std::uint8_t source, const node::Digest* digest, std::int32_t parent_slot = -2) {
     check_free(slot);

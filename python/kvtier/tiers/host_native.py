@@ -145,7 +145,8 @@ class NativeEntry:
 
 class _Entries(Mapping[bytes, NativeEntry]):
     """The tier's ``entries``: resident keys (in the order they were
-    written) to views of their blocks."""
+    written; in slot order once mirrored into a node's shared index) to
+    views of their blocks."""
 
     def __init__(self, ix: HostIndex, sources: _Sources) -> None:
         self._ix, self._sources = ix, sources
