@@ -20,7 +20,8 @@ FLAGS = {
     name: set(flags.split())
     for name, flags in {
         "copy": "--block-bytes --repeats --device --tokens --layouts --quick",
-        "manager": "--keys --policy --node --clients --shared-index --events --repeats",
+        "manager": "--keys --policy --node --clients --shared-index --no-round-trips --events "
+        "--repeats",
         "disk": "--block-bytes --repeats --dir --queue-depth --total --backend",
         "disk-index": "--records --policy",
         "remote": f"--block-bytes --repeats --total --url --tls --connections --peer {TLS}",
@@ -117,6 +118,18 @@ def test_a_flag_of_another_component_is_a_usage_error(
     err = capsys.readouterr().err
     assert err.startswith(f"usage: kvtier bench {argv[0]} [-h]")
     assert err.endswith(f"kvtier bench {argv[0]}: error: unrecognized arguments: {said}\n")
+
+
+@pytest.mark.parametrize("argv", [["--no-round-trips"], ["--node", "--no-round-trips"]])
+def test_no_round_trips_without_the_shared_index_is_refused_before_any_run(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "manager", "--keys", "64", "--out", "", *argv]) == 2
+    out = capsys.readouterr()
+    assert out.err == (
+        "kvtier: error: --no-round-trips needs --node --shared-index: no node would run\n"
+    )
+    assert out.out == ""  # not even the in-process manager ran
 
 
 def test_a_component_that_does_not_exist_is_a_usage_error(

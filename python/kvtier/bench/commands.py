@@ -113,13 +113,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     elif args.component == "manager":
         from kvtier.bench.manager import run_manager
 
+        if args.no_round_trips and not (args.node and args.shared_index):
+            raise InvalidArgument("--no-round-trips needs --node --shared-index: no node would run")
         results = [run_manager(num_keys=args.keys, policy=args.policy, repeats=args.repeats)]
         if args.node:
             from kvtier.bench.node import run_node_manager
 
             ev = args.events
-            node = run_node_manager(args.keys, args.policy, args.repeats, args.clients, events=ev)
-            results.append(node)
+            if not args.no_round_trips:
+                results.append(
+                    run_node_manager(args.keys, args.policy, args.repeats, args.clients, events=ev)
+                )
             if args.shared_index:
                 results.append(
                     run_node_manager(

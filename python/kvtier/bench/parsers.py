@@ -155,6 +155,12 @@ def _manager(p: Parser) -> None:
         help="with --node: the node's shared index as well (kvtier node --shared-index)",
     )
     p.add_argument(
+        "--no-round-trips",
+        action="store_true",
+        help="with --shared-index: skip the node without it (at the default size its run at "
+        "one key a call, a round trip a call, takes about half an hour)",
+    )
+    p.add_argument(
         "--events",
         action="store_true",
         help="with --node: the engines take KV events, and the in-process manager makes them "
