@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -246,6 +248,77 @@ def test_loads_through_the_index_are_told_with_the_step_end(tmp_path: Path) -> N
         a.shutdown()
         b.shutdown()
     finally:
+        n.stop()
+        _remove_pools(n.name)
+
+
+def test_a_reservation_grows_for_an_engine_that_takes_more_than_a_quarter_of_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node tops an engine's reservation up to RESERVE, and to four
+    times what the engine took since the last top-up when that is more, at
+    most RESERVE_MAX (and 1/32 of the class): an engine whose steps end
+    many at a time has the slots of those steps in hand; one that takes
+    little keeps RESERVE. It never shrinks (the engine holds its slots)."""
+    from kvtier.node import state
+
+    monkeypatch.setattr(state, "RESERVE", 4)
+    monkeypatch.setattr(state, "RESERVE_MAX", 24)
+    n = Node(tmp_path, blocks=1024, shared_index=True)  # 1/32: 32, not the cap here
+    c = NodeClient(n.path, timeout_s=5.0)
+    try:
+        c.call(P.Op.HELLO, P.VERSION, NS_A, BLOCK, "e", False)
+        _, slots, _, held = c.call(P.Op.PREPARE_STORE, [key(0)], "r")
+        assert len(held) == 4  # RESERVE
+        ids = iter(range(1, 1000))
+
+        def take(m: int) -> int:
+            """Stores into m reserved slots; the reservation's size after the step end."""
+            nonlocal held
+            begun = [key(next(ids)) for _ in range(m)]
+            c.post(P.Op.STORES, begun + begun, held[:m], ["r", "r"], [m, -m])
+            reply = c.call(P.Op.STEP_END, [], [])
+            held = held[m:] + reply[3]
+            return len(held)
+
+        assert take(1) == 4  # 4 x 1 is not more than 4
+        assert take(3) == 12  # 4 x 3
+        assert take(12) == 24  # 4 x 12 = 48, at most RESERVE_MAX
+        assert take(1) == 24  # kept
+        assert len(set(held)) == 24 and slots[0] not in held
+    finally:
+        c.close()
+        n.stop()
+        _remove_pools(n.name)
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_evicted_keys_are_told_only_to_engines_that_take_kv_events(
+    tmp_path: Path, events: bool
+) -> None:
+    """An offer's and a step end's evicted keys (this namespace's, for the
+    engine's next PrepareStoreResult) go to an engine that takes KV events;
+    one that takes none (vLLM's default; vLLM reads them from no offer) is
+    sent none, for blocks evicted just the same."""
+    n = Node(tmp_path, blocks=64, shared_index=True)  # a reservation of 2
+    c = NodeClient(n.path, timeout_s=5.0)
+    try:
+        c.call(P.Op.HELLO, P.VERSION, NS_A, BLOCK, "e", events)
+        told: list[bytes] = []
+        for i in range(0, 120, 4):  # about twice the class
+            keys = [key(j) for j in range(i, i + 4)]
+            stored, _, evicted, _ = c.call(P.Op.PREPARE_STORE, keys, f"r{i}")
+            c.post(P.Op.COMPLETE_STORE, stored, f"r{i}", True)
+            told += evicted + c.call(P.Op.STEP_END, [f"r{i}"], [])[4]
+        blocks = n.status()["classes"][str(BLOCK)]["occupancy"]["blocks"]
+        assert blocks < 64  # blocks were evicted either way
+        if events:
+            assert len(told) == len(set(told)) >= 120 - 64
+            assert set(told) <= {key(j) for j in range(120)}
+        else:
+            assert told == []
+    finally:
+        c.close()
         n.stop()
         _remove_pools(n.name)
 
@@ -510,8 +583,19 @@ def test_the_benchs_clients_start_together_once_attached(tmp_path: Path) -> None
     from kvtier.bench import node as bench
 
     n = Node(tmp_path, blocks=8192, shared_index=True, max_classes=2)
+    gather, attached = bench._gather, []
+
+    def gather_then_count(q: Any, procs: list[Any], k: int, timeout_s: float = 600.0) -> Any:
+        got = gather(q, procs, k, timeout_s)
+        attached.append(len(n.status()["engines"]))
+        return got
+
     try:
-        rate, missed, used, node_used = bench._aggregate(n.path, 2 * 512, 16, 2, events=False)
+        with mock.patch.object(bench, "_gather", gather_then_count):
+            rate, missed, used, node_used = bench._aggregate(n.path, 2 * 512, 16, 2, events=False)
+        # Every client still attached once the last one's figures are in:
+        # none detached (or exited) while the others' cycles were timed.
+        assert attached == [2, 2]
         assert missed == 0 and rate > 0 and used > 0
         assert node_used == 0.0  # no node process named: the node is this test's thread
         status = n.status()

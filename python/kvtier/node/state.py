@@ -44,10 +44,13 @@ _CODE = {LookupResult.MISS: 0, LookupResult.HIT: 1, LookupResult.HIT_PENDING: 2}
 _HELD_CODE = {1: 1, 2: 2, 3: 0, 4: 1}
 # Free slots an engine with the shared index keeps for its stores, which it
 # takes without a round trip (STORE_BEGIN); topped up in the replies of
-# PREPARE_STORE and STEP_END. The offers of the steps between two step ends
-# and of the ends owed (client.py's STEPS_PER_END, OWED_STEPS): 16 keys a step,
-# 8 steps an end, 2 owed is 384.
-RESERVE = 512
+# PREPARE_STORE and STEP_END. RESERVE at first, grown up to RESERVE_MAX for
+# an engine that takes more than a quarter of its reservation between two
+# top-ups: the offers of the steps between two step ends and of the ends
+# owed (client.py's STEPS_PER_END, OWED_STEPS) must be in hand, 16 keys a
+# step, 16 steps an end and 2 owed are 768. An engine whose steps end one
+# at a time (a model's steps take milliseconds: END_AFTER_S) keeps RESERVE.
+RESERVE, RESERVE_MAX = 512, 1024
 
 
 @dataclass
@@ -91,6 +94,8 @@ class Session:
         self.wants_events = events
         self.engine_index = cls.engine_index() if cls.shared is not None else None
         self.reserved: set[int] = set()  # slots reserved for this engine's stores
+        self.reserve = RESERVE  # how many, grown by top_up
+        self._topped = 0  # len(reserved) after the last top-up
         self.spare: dict[bytes, list[int]] = {}  # node key -> slots its writes free
         # A STORES frame in one native pass (adopt_stores) where the class's
         # tier is the native index taking every offer; else in Python.
@@ -276,7 +281,7 @@ class Session:
         if out is None:
             return None
         self.writes.update(out.keys_to_store)
-        evicted = self._ours(out.evicted_keys)
+        evicted = self._ours(out.evicted_keys) if self.wants_events else []
         stored = [k[8:] for k in out.keys_to_store]
         if self.engine_index is None:
             return stored, out.store_spec.slots.tolist(), evicted
@@ -288,20 +293,26 @@ class Session:
         return unprefixed(self.prefix, node_keys)
 
     def top_up(self) -> tuple[list[int], list[bytes]]:
-        """Reserve slots for this engine's stores up to RESERVE (evicting
-        as a store would): the slots added and this namespace's evicted keys
-        (for the engine to report with its next offer)."""
+        """Reserve slots for this engine's stores up to its reservation
+        (evicting as a store would; grown as RESERVE says): the slots added
+        and this namespace's evicted keys (for the engine to report with its
+        next offer, if it takes KV events: vLLM reads them from no offer)."""
         m = self.cls.manager
+        took = self._topped - len(self.reserved)  # stores take slots out, nothing else
+        if 4 * took > self.reserve:
+            self.reserve = min(RESERVE_MAX, max(self.reserve, 4 * took))
         # At most 1/32 of the class's slots: a small tier's blocks are not
         # all evicted to hold room for stores that may not come.
-        n = min(RESERVE, self.cls.pool.num_slots // 32) - len(self.reserved)
+        n = min(self.reserve, self.cls.pool.num_slots // 32) - len(self.reserved)
         got = m.host.allocate(n, partial=True) if n > 0 else None
         if got is None:
+            self._topped = len(self.reserved)
             return [], []
         slots, evicted = got
         m._core.removed(evicted)
         self.reserved.update(slots)
-        return slots, self._ours(evicted)
+        self._topped = len(self.reserved)
+        return slots, self._ours(evicted) if self.wants_events else []
 
     def stores(
         self, keys: list[bytes], slots: list[int], reqs: list[Any], counts: list[int]
