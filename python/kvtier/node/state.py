@@ -94,7 +94,7 @@ class Session:
         self.wants_events = events
         self.engine_index = cls.engine_index() if cls.shared is not None else None
         self.reserved: set[int] = set()  # slots reserved for this engine's stores
-        self.reserve = RESERVE  # how many, grown by top_up
+        self.reserve_to = RESERVE  # the reservation's size, grown by top_up
         self._topped = 0  # len(reserved) after the last top-up
         self.spare: dict[bytes, list[int]] = {}  # node key -> slots its writes free
         # A STORES frame in one native pass (adopt_stores) where the class's
@@ -299,11 +299,11 @@ class Session:
         next offer, if it takes KV events: vLLM reads them from no offer)."""
         m = self.cls.manager
         took = self._topped - len(self.reserved)  # stores take slots out, nothing else
-        if 4 * took > self.reserve:
-            self.reserve = min(RESERVE_MAX, max(self.reserve, 4 * took))
+        if 4 * took > self.reserve_to:
+            self.reserve_to = min(RESERVE_MAX, max(self.reserve_to, 4 * took))
         # At most 1/32 of the class's slots: a small tier's blocks are not
         # all evicted to hold room for stores that may not come.
-        n = min(self.reserve, self.cls.pool.num_slots // 32) - len(self.reserved)
+        n = min(self.reserve_to, self.cls.pool.num_slots // 32) - len(self.reserved)
         got = m.host.allocate(n, partial=True) if n > 0 else None
         if got is None:
             self._topped = len(self.reserved)
